@@ -1,0 +1,114 @@
+"""thaw's result-file convention (see benchmarks/README.md), shared by every benchmark and the
+GPU suite: one JSON object with date, git_sha, machine, and tests and/or rows/ratios/goals."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine(directory: str | None = None) -> dict[str, Any]:
+    """GPU name, driver, CUDA, torch, CPU (and the filesystem of `directory`)."""
+    m: dict[str, Any] = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import thaw
+        from thaw import _native
+
+        m["thaw"] = thaw.__version__
+        if thaw.cuda_available():
+            info = _native.device_info(0)
+            m["gpu"] = info["name"]
+            m["sm"] = info["sm"]
+            m["driver"] = _native.driver_version()
+        else:
+            m["gpu"] = None
+            m["gpu_reason"] = thaw.cuda_unavailable_reason()
+        if directory:
+            p = _native.probe_direct_io(directory)
+            m["filesystem"] = {"path": directory, "type": p["fs_type"], "o_direct": p["supported"]}
+    except Exception as e:  # a result file is still worth writing
+        m["thaw_error"] = f"{type(e).__name__}: {e}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if smi.returncode == 0:
+            m["nvidia_driver"] = smi.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import importlib.metadata as md
+
+        m["torch"] = md.version("torch")
+    except Exception:
+        m["torch"] = None
+    return m
+
+
+def result(name: str, *, rows: list[dict] | None = None, ratios: dict[str, float] | None = None,
+           goals: dict[str, float] | None = None, tests: dict | None = None,
+           directory: str | None = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": name,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "machine": machine(directory),
+    }
+    if tests is not None:
+        out["tests"] = tests
+    if rows is not None:
+        out["rows"] = rows
+        out["ratios"] = ratios or {}
+        out["goals"] = goals or {}
+    out.update(extra)
+    return out
+
+
+def write(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+    """Write `res` as <out_dir>/<name>-<YYYY-MM-DD>.json and return the path."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{res['name']}-{res['date'][:10]}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
+    if not rows:
+        print("(no rows)")
+        return
+    cols = columns or list(rows[0])
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    print("  ".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in cols))

@@ -1,0 +1,10 @@
+// One bind_<area>() per area, called from module.cpp. Bindings convert arguments and release
+// the GIL; logic lives in thaw_core.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace thaw::bindings {
+void bind_common(nanobind::module_& m);
+void bind_driver(nanobind::module_& m);
+}  // namespace thaw::bindings

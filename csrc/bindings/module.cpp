@@ -1,0 +1,7 @@
+#include "bind.hpp"
+
+NB_MODULE(_native, m) {
+  m.doc() = "thaw's private native module; use the `thaw` package instead.";
+  thaw::bindings::bind_common(m);
+  thaw::bindings::bind_driver(m);
+}

@@ -1,0 +1,47 @@
+"""The ``thaw`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    report = doctor.collect(args.dir)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(doctor.render(report))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thaw", description=__import__("thaw").__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"thaw {__import__('thaw').__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="report what this machine offers thaw")
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
+    d.set_defaults(func=_cmd_doctor)
+    m = sub.add_parser("demo", help="run thaw's main job here; says what was skipped and why")
+    m.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

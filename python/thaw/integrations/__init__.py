@@ -1,0 +1,1 @@
+"""Optional integrations (torch, SGLang). Each imports its framework lazily."""

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU proof loop: on a machine with a CUDA GPU (no internet, no package index needed),
+# build thaw in place, run every GPU test (ctest -L gpu, pytest -m gpu) and every GPU benchmark,
+# and write one JSON summary into OUTDIR (argument; else $OUT; else build/gpu-suite).
+#
+#   bash scripts/gpu-suite.sh [OUTDIR]
+#
+# Needs: python3 with torch (optional), nanobind, scikit-build-core, pytest; cmake, ninja, g++.
+# GoogleTest: the system one, else sources in .device/googletest (carried to the GPU machine).
+# Must finish inside 10 minutes; each step is timed and its exit code recorded.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=$(realpath -m "${1:-${OUT:-build/gpu-suite}}")
+PY=${PYTHON:-python3}
+WORK=build/gpu-suite-work
+rm -rf "$WORK"; mkdir -p "$OUTDIR" "$WORK/bench"
+LOG="$OUTDIR/gpu-suite.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+declare -A STEPS
+
+step() {  # step NAME CMD...: run, log, record the exit code
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$LOG"
+  "$@" >>"$LOG" 2>&1
+  local rc=$?
+  STEPS[$name]=$rc
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  return $rc
+}
+
+# GPU benchmarks: each prints a table and writes <name>-<date>.json into the directory it is
+# given with --out. Append new ones here.
+GPU_BENCHMARKS=(
+)
+
+step nvidia-smi nvidia-smi
+step build-python "$PY" -m pip install --no-build-isolation --no-deps --no-index -q .
+GTEST_ARG=()
+[ -d .device/googletest ] && GTEST_ARG=(-DTHAW_GTEST_SOURCE_DIR="$PWD/.device/googletest")
+step configure-cpp cmake -S . -B build/gpu-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DTHAW_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PY")" "${GTEST_ARG[@]}"
+step build-cpp cmake --build build/gpu-cpp -j "$(nproc)"
+# Run from outside the source tree so `import thaw` finds the installed build.
+step doctor bash -c "cd /tmp && '$PY' -m thaw doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m thaw doctor --dir '$PWD/$WORK'"
+step ctest-gpu bash -c "cd build/gpu-cpp && ctest -L gpu --output-on-failure --timeout 300 --output-junit '$PWD/$WORK/ctest-gpu.xml'"
+step pytest-gpu "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
+  --junitxml="$WORK/pytest-gpu.xml" tests/python
+for b in "${GPU_BENCHMARKS[@]}"; do
+  step "bench:$(basename "$b" .py)" "$PY" "$b" --out "$WORK/bench"
+done
+
+{
+  echo "{"
+  first=1
+  for k in "${!STEPS[@]}"; do
+    [ $first = 1 ] || echo ","
+    first=0
+    printf '  "%s": %s' "$k" "${STEPS[$k]}"
+  done
+  echo "}"
+} >"$WORK/steps.json"
+
+"$PY" scripts/summarize_suite.py --out "$OUTDIR" --doctor "$WORK/doctor.json" \
+  --steps "$WORK/steps.json" --bench-dir "$WORK/bench" \
+  --junit "ctest=$WORK/ctest-gpu.xml" "pytest=$WORK/pytest-gpu.xml" | tee -a "$LOG"

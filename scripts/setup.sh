@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Prepare a fresh Linux machine for building and testing thaw (no GPU needed):
+# system packages (apt, when run as root or with sudo), then a virtual environment in .venv.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+APT_PKGS=(cmake ninja-build g++ libgtest-dev libbenchmark-dev fio)
+
+need_apt=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
+done
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
+    echo "setup: missing system packages ${need_apt[*]} and no root/sudo to install them" >&2
+    exit 1
+  fi
+  echo "setup: apt-get install ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+cuda_h=""
+for d in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
+  [ -n "$d" ] && [ -f "$d/include/cudaTypedefs.h" ] && cuda_h="$d/include" && break
+done
+if [ -z "$cuda_h" ] && command -v nvcc >/dev/null; then
+  d=$(dirname "$(dirname "$(command -v nvcc)")")
+  [ -f "$d/include/cudaTypedefs.h" ] && cuda_h="$d/include"
+fi
+if [ -z "$cuda_h" ]; then
+  echo "setup: the CUDA driver API headers (cuda.h, cudaTypedefs.h) are needed to build thaw;" >&2
+  echo "       install a CUDA toolkit >= 12.4 (no GPU needed) or set CUDA_HOME" >&2
+  exit 1
+fi
+echo "setup: CUDA headers in $cuda_h"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+echo "setup: done"

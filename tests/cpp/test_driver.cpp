@@ -1,0 +1,91 @@
+// The driver seam on machines without a GPU: a missing library, and a fake libcuda that can
+// pretend to be old, incomplete, or without devices.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "driver/loader.hpp"
+#include "thaw/driver.hpp"
+
+using thaw::driver::load_table;
+
+namespace {
+struct Env {
+  Env(const char* k, const char* v) : key(k) { ::setenv(k, v, 1); }
+  ~Env() { ::unsetenv(key); }
+  const char* key;
+};
+}  // namespace
+
+TEST(DriverSeam, MissingLibraryIsAReasonNotACrash) {
+  const auto r = load_table("/nonexistent/libcuda.so.1");
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.reason.find("dlopen(\"/nonexistent/libcuda.so.1\") failed"), std::string::npos)
+      << r.reason;
+}
+
+TEST(DriverSeam, LibraryWithoutGetProcAddress) {
+  const auto r = load_table("libm.so.6");
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.reason.find("cuGetProcAddress_v2"), std::string::npos) << r.reason;
+}
+
+TEST(DriverSeam, FakeDriverLoadsEveryEntry) {
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  ASSERT_TRUE(r.ok) << r.reason;
+  EXPECT_EQ(r.table.driver_version, 13000);
+  EXPECT_NE(r.table.cuMemMap, nullptr);
+  EXPECT_NE(r.table.cuMemcpyBatchAsync, nullptr);
+  EXPECT_NE(r.table.cuMemcpyBatchAsync_v12080, nullptr);
+  int n = -1;
+  EXPECT_EQ(r.table.cuDeviceGetCount(&n), CUDA_SUCCESS);
+  EXPECT_EQ(n, 0);
+}
+
+TEST(DriverSeam, EntriesNewerThanTheDriverAreAbsent) {
+  Env v("FAKE_CUDA_VERSION", "12040");
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  ASSERT_TRUE(r.ok) << r.reason;
+  EXPECT_EQ(r.table.driver_version, 12040);
+  EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);        // 13.0 ABI
+  EXPECT_EQ(r.table.cuMemcpyBatchAsync_v12080, nullptr);  // 12.8 ABI
+  EXPECT_NE(r.table.cuMemCreate, nullptr);
+}
+
+TEST(DriverSeam, Driver128HasOnlyTheOldBatchAbi) {
+  Env v("FAKE_CUDA_VERSION", "12080");
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  ASSERT_TRUE(r.ok) << r.reason;
+  EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);
+  EXPECT_NE(r.table.cuMemcpyBatchAsync_v12080, nullptr);
+}
+
+TEST(DriverSeam, MissingRequiredEntryIsNamed) {
+  Env m("FAKE_CUDA_MISSING", "cuMemMap,cuMemSetAccess");
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.reason.find("cuMemMap (ABI 10020)"), std::string::npos) << r.reason;
+  EXPECT_NE(r.reason.find("cuMemSetAccess"), std::string::npos) << r.reason;
+}
+
+TEST(DriverSeam, MissingOptionalEntryIsFine) {
+  Env m("FAKE_CUDA_MISSING", "cuMemcpyBatchAsync");
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  ASSERT_TRUE(r.ok) << r.reason;
+  EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);
+}
+
+TEST(DriverSeam, InitFailureNamesTheResult) {
+  Env i("FAKE_CUDA_INIT", "100");  // CUDA_ERROR_NO_DEVICE
+  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.reason.find("cuInit(0) failed: CUDA_ERROR_NO_DEVICE (100)"), std::string::npos)
+      << r.reason;
+}
+
+TEST(DriverSeam, ResultNamesWithoutADriverFallBackToNumbers) {
+  // In this process the global table may or may not be loaded; either way a name comes back.
+  const std::string n = thaw::driver::result_name(1);
+  EXPECT_TRUE(n == "CUDA_ERROR_INVALID_VALUE" || n == "CUresult 1") << n;
+}

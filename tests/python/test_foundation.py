@@ -1,0 +1,206 @@
+"""The package, its errors, logging, configuration and the driver seam on any machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import thaw
+from thaw import _native, config
+
+FAKE = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
+
+
+def run_py(code: str, **env) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                          timeout=120)
+
+
+def test_version_and_build_info():
+    info = thaw.build_info()
+    assert thaw.__version__ == info["version"]
+    assert info["cuda_headers"] >= 12040
+    assert info["build_type"]
+
+
+def test_cuda_available_gives_a_reason_when_false():
+    if thaw.cuda_available():
+        assert thaw.cuda_unavailable_reason() == ""
+    else:
+        assert thaw.cuda_unavailable_reason() != ""
+
+
+def test_missing_driver_path_is_reported():
+    r = run_py("import thaw; print(thaw.cuda_available()); print(thaw.cuda_unavailable_reason())",
+               THAW_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0] == "False"
+    assert 'dlopen("/nonexistent/libcuda.so.1") failed' in out[1]
+
+
+def test_driver_calls_without_driver_raise_unavailable():
+    r = run_py("import thaw\n"
+               "from thaw import _native\n"
+               "try:\n    _native.device_count()\n"
+               "except thaw.CudaUnavailableError as e:\n    print('unavailable', e)\n",
+               THAW_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("unavailable CUDA driver unavailable: dlopen")
+
+
+@pytest.mark.skipif(not FAKE, reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_fake_driver_loads_and_doctor_reports_no_devices():
+    r = run_py("import json, thaw; from thaw import doctor\n"
+               "print(json.dumps(doctor.collect('.')['driver']))", THAW_LIBCUDA_PATH=FAKE)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["available"] is True
+    assert d["driver_version"] == 13000
+    assert d["devices"] == []
+
+
+@pytest.mark.skipif(not FAKE, reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_fake_driver_init_failure_is_a_reason():
+    r = run_py("import thaw; print(thaw.cuda_unavailable_reason())", THAW_LIBCUDA_PATH=FAKE,
+               FAKE_CUDA_INIT="100")
+    assert r.returncode == 0, r.stderr
+    assert "cuInit(0) failed: CUDA_ERROR_NO_DEVICE (100)" in r.stdout
+
+
+def test_error_mapping():
+    with pytest.raises(thaw.CudaError) as e:
+        _native._raise_for_test("cuda")
+    assert isinstance(e.value, RuntimeError)
+    assert e.value.code == 1 and e.value.result_name == "CUDA_ERROR_INVALID_VALUE"
+    assert e.value.call == "cuTest(x)"
+    with pytest.raises(MemoryError) as e:
+        _native._raise_for_test("cuda_oom")
+    assert isinstance(e.value, thaw.CudaOutOfMemoryError)
+    assert isinstance(e.value, thaw.CudaError)
+    with pytest.raises(thaw.CudaUnavailableError):
+        _native._raise_for_test("unavailable")
+    with pytest.raises(MemoryError, match="region full"):
+        _native._raise_for_test("space")
+    with pytest.raises(FileNotFoundError) as e:
+        _native._raise_for_test("os")
+    assert e.value.errno == 2
+    with pytest.raises(ValueError, match="bad value"):
+        _native._raise_for_test("value")
+
+
+def test_crc32c_known_value():
+    assert _native.crc32c(b"123456789") == 0xE3069283
+    assert _native.crc32c(b"56789", _native.crc32c(b"1234")) == 0xE3069283
+
+
+def test_probe_direct_io(tmp_path):
+    p = _native.probe_direct_io(str(tmp_path))
+    assert p["fs_type"]
+    assert p["supported"] or p["reason"]
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        _native.probe_direct_io(str(tmp_path / "missing"))
+
+
+def test_logging_is_quiet_by_default_and_native_messages_arrive(caplog):
+    r = run_py("import thaw; from thaw import _native; _native._log(30, 'native says hi')")
+    assert r.returncode == 0
+    assert r.stderr == "" and r.stdout == ""
+    r = run_py("import thaw; from thaw import _native; _native._log(30, 'native says hi')",
+               THAW_LOG_LEVEL="INFO")
+    assert "thaw.native WARNING: native says hi" in r.stderr
+    with caplog.at_level(logging.WARNING, logger="thaw"):
+        _native._log(30, "into caplog")
+    assert any(rec.name == "thaw.native" and rec.message == "into caplog"
+               for rec in caplog.records)
+
+
+def test_config_validation():
+    s = config.from_environ({})
+    assert s.direct_io == "auto" and s.max_slab_gb == 480.0 and s.warmup_restore is True
+    s = config.from_environ({"THAW_DIRECT_IO": "OFF", "THAW_MAX_SLAB_GB": "0.5",
+                             "THAW_WARMUP_RESTORE": "0", "THAW_LOG_LEVEL": "debug"})
+    assert (s.direct_io, s.max_slab_gb, s.warmup_restore, s.log_level) == ("off", 0.5, False, 10)
+    for env, name in [({"THAW_DIRECT_IO": "maybe"}, "THAW_DIRECT_IO"),
+                      ({"THAW_MAX_SLAB_GB": "-1"}, "THAW_MAX_SLAB_GB"),
+                      ({"THAW_MAX_SLAB_GB": "lots"}, "THAW_MAX_SLAB_GB"),
+                      ({"THAW_MAX_SLAB_GB": "nan"}, "THAW_MAX_SLAB_GB"),
+                      ({"THAW_WARMUP_RESTORE": "2"}, "THAW_WARMUP_RESTORE"),
+                      ({"THAW_LOG_LEVEL": "loud"}, "THAW_LOG_LEVEL")]:
+        with pytest.raises(ValueError, match=name):
+            config.from_environ(env)
+    with config.override(direct_io="off") as s:
+        assert config.settings().direct_io == "off"
+    assert config.settings().direct_io != "off" or os.environ.get("THAW_DIRECT_IO") == "off"
+
+
+def test_bad_log_level_env_fails_import_with_the_name():
+    r = run_py("import thaw", THAW_LOG_LEVEL="loud")
+    assert r.returncode != 0
+    assert "THAW_LOG_LEVEL" in r.stderr
+
+
+def test_doctor_json_is_valid_and_complete(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "thaw", "doctor", "--json", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert set(rep) == {"thaw", "driver", "directory", "hugepages", "packages"}
+    assert rep["thaw"]["version"] == thaw.__version__
+    assert rep["directory"]["path"] == str(tmp_path)
+    assert isinstance(rep["directory"]["o_direct"], bool)
+    assert "hugetlbfs_mounts" in rep["hugepages"]
+    if not rep["driver"]["available"]:
+        assert rep["driver"]["reason"]
+
+
+def test_doctor_text_and_broken_sections_do_not_crash(tmp_path):
+    from thaw import doctor
+
+    rep = doctor.collect(str(tmp_path / "missing"))
+    assert "error" in rep["directory"] and "FileNotFoundError" in rep["directory"]["error"]
+    text = doctor.render(rep)
+    assert "directory  : FileNotFoundError" in text
+    assert text.startswith("thaw       : ")
+
+
+@pytest.mark.gpu
+def test_gpu_doctor_reports_device_and_granularity():
+    from thaw import doctor
+
+    d = doctor.collect(".")["driver"]
+    assert d["available"], d
+    dev = d["devices"][0]
+    assert dev["name"] and dev["total_bytes"] > 1 << 30
+    assert dev["vmm_supported"] and dev["granularity_min"] >= 4096
+
+
+@pytest.mark.gpu
+def test_gpu_device_buffer_roundtrip():
+    data = os.urandom(8 << 20)
+    b = _native.DeviceBuffer(len(data), 0)
+    assert b.ptr != 0
+    b.write(data)
+    assert b.read(len(data)) == data
+    b.fill(7)
+    assert b.read(16, offset=len(data) - 16) == bytes([7]) * 16
+    with pytest.raises(ValueError):
+        b.read(17, offset=len(data) - 16)
+    del b
+
+
+def test_demo_runs_and_says_what_was_skipped():
+    r = subprocess.run([sys.executable, "-m", "thaw", "demo"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[ok]      doctor: reported" in r.stdout
+    if not thaw.cuda_available():
+        assert "[skipped] freeze -> thaw" in r.stdout and "no GPU here" in r.stdout
