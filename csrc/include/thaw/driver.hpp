@@ -38,8 +38,12 @@ inline const Table& cu() { return table(); }
 std::string result_name(int result);
 std::string result_string(int result);
 
-// Makes the device's primary context current on this thread for the guard's lifetime
-// (retained for as long as the guard lives; the previous current context is restored).
+// The device's primary context, retained once for the life of the process (never released:
+// releasing the last reference would destroy every allocation made in it).
+CUcontext primary_context(int device);
+
+// Makes the device's primary context current on this thread for the guard's lifetime; the
+// previous current context is restored afterwards.
 class ContextGuard {
  public:
   explicit ContextGuard(int device);
@@ -49,7 +53,6 @@ class ContextGuard {
   CUcontext context() const noexcept { return ctx_; }
 
  private:
-  CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   CUcontext prev_ = nullptr;
 };
