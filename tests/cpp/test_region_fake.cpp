@@ -231,12 +231,16 @@ TEST(RegionFake, CAbiRoutesToTheActiveRegion) {  // R11
   EXPECT_EQ(thaw::region::last_abi_error(), "");
   thaw::region::set_active(nullptr, 0);
   thaw_region_free(p, 3 * kMiB, 0, nullptr);  // found by address, not by the active region
-  EXPECT_EQ(thaw::region::last_abi_error(), "");
   EXPECT_EQ(r.stats().layout.live_allocations, 0u);
   thaw_region_free(p, 3 * kMiB, 0, nullptr);  // unknown now: logged, no crash
   EXPECT_NE(thaw::region::last_abi_error().find("belongs to no live region"), std::string::npos);
   thaw::region::set_active(&r, 0);
   EXPECT_EQ(thaw_region_malloc(2 * kGiB, 0, nullptr), nullptr);  // full: no fallback
+  EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
+  void* q = thaw_region_malloc(G, 0, nullptr);
+  EXPECT_EQ(thaw::region::last_abi_error(), "");  // a successful malloc clears it
+  EXPECT_NE(thaw_region_malloc(2 * kGiB, 0, nullptr), q);
+  thaw_region_free(q, G, 0, nullptr);  // a successful free keeps the reason of the failure
   EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
   r.close();  // leaves the registry: the device has no active region any more
   EXPECT_EQ(thaw::region::active(0), nullptr);

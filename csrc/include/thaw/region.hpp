@@ -217,7 +217,8 @@ namespace region {
 // that device; thaw_region_free finds the live region owning the pointer.
 void set_active(Region* r, int device);  // nullptr clears
 Region* active(int device);
-// The last error the C ABI hit on this thread ("" when none since the last call that succeeded).
+// The last error the C ABI hit on this thread: set by a failing malloc or free, cleared by a
+// successful malloc (a successful free leaves it).
 std::string last_abi_error();
 // Registry of live regions (Region's constructor / close() call these).
 void register_region(Region* r);

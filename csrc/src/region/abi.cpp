@@ -123,6 +123,9 @@ extern "C" __attribute__((visibility("default"))) void thaw_region_free(void* pt
   } catch (...) {
     error = "thaw_region_free: unknown error";
   }
+  // A successful free leaves the last error alone: torch frees cached blocks between a failed
+  // allocation and the OutOfMemoryError it raises, and the region's reason must survive that.
+  if (error.empty()) return;
   thaw::region::t_last_error = error;
-  if (!error.empty()) thaw::log::warning(error);
+  thaw::log::warning(error);
 }
