@@ -175,16 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         # ...and a fresh region segment at most 3x a cudaMalloc'd one.
         "torch_fresh_segment_region_over_default": 3.0,
     }
+    direction = {k: (">=" if "over_bump" in k or "over_1GiB" in k else "<=") for k in goals}
+    met = {k: (v >= goals[k] if direction[k] == ">=" else v <= goals[k])
+           for k, v in ratios.items() if k in goals}
     res = resultlib.result("region", rows=rows, ratios=ratios, goals=goals,
                            quick=args.quick, torch_skipped=torch_skipped,
                            seconds=round(time.perf_counter() - t0, 2),
-                           goal_direction={k: (">=" if "over_bump" in k or "over_1GiB" in k else "<=")
-                                           for k in goals})
+                           goal_direction=direction, goals_met=met)
     resultlib.print_table(rows, ["bench", "case", "size_mib", "chunk_mib", "us_per_op",
                                  "ms_per_gib", "us_per_chunk", "ops"])
     print()
     for k, v in ratios.items():
-        print(f"{k:45s} {v:10.2f}   goal {res['goal_direction'].get(k, '')} {goals.get(k, '')}")
+        print(f"{k:45s} {v:10.2f}   goal {direction.get(k, '')} {goals.get(k, '')}"
+              f"   {'met' if met.get(k) else 'MISSED'}")
     if torch_skipped:
         print(f"torch rows skipped: {torch_skipped}")
     print(f"wrote {resultlib.write(res, args.out)} in {res['seconds']} s")

@@ -29,8 +29,7 @@ std::string gib(uint64_t n) {
 }
 
 // R2: one reserve at exactly `base`; anything else is freed and reported.
-std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, int device,
-                                           std::string* why) {
+std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::string* why) {
   std::unique_ptr<Reservation> r;
   try {
     r = std::make_unique<Reservation>(base, size);
@@ -41,7 +40,6 @@ std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, int dev
   if (r->ptr() == base) return r;
   *why = "the driver returned " + format_range(r->ptr(), r->ptr() + size) + " instead";
   r.reset();  // free the stray reservation before reporting
-  (void)device;
   return nullptr;
 }
 
@@ -65,7 +63,7 @@ Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device
                 "region base " + hex(*base) + " with size " + std::to_string(size_) +
                     " is not a usable range");
     std::string why;
-    reservation_ = reserve_exact(*base, size_, device, &why);
+    reservation_ = reserve_exact(*base, size_, &why);
     if (!reservation_)
       throw AddressUnavailable("could not reserve the region " +
                                format_range(*base, *base + size_) + " (" + gib(size_) +
@@ -77,7 +75,7 @@ Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device
     std::string tried;
     for (uint64_t c : cands) {
       std::string why;
-      reservation_ = reserve_exact(c, size_, device, &why);
+      reservation_ = reserve_exact(c, size_, &why);
       if (reservation_) break;
       tried += "\n  " + format_range(c, c + size_) + ": " + why;
     }

@@ -140,8 +140,8 @@ def graph_capture(region: Region, graph, **kwargs) -> Iterator[Any]:
     capture's allocations (and the graph's outputs) live in the region."""
     torch = _torch()
     with activated(region), _memory_error_from_region(torch), \
-            torch.cuda.graph(graph, pool=pool_id(region), **kwargs) as g:
-        yield g
+            torch.cuda.graph(graph, pool=pool_id(region), **kwargs):
+        yield graph
 
 
 __all__ = ["FREE_SYMBOL", "MALLOC_SYMBOL", "activated", "active_base", "graph_capture",
