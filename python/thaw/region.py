@@ -205,7 +205,12 @@ class Region:
     # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap and release all memory and the reservation (idempotent). Anything still
-        pointing into the region (tensors included) becomes invalid."""
+        pointing into the region (tensors included) becomes invalid.
+
+        The torch ``MemPool`` of :mod:`thaw.integrations.torch` for this region (if any) is
+        dropped first, so torch hands its cached segments back before the unmapping."""
+        pool = self.__dict__.pop("_thaw_torch_pool", None)
+        del pool  # torch's MemPool destructor empties the pool's cache through thaw_region_free
         r = getattr(self, "_r", None)
         if r is not None:
             r.close()
