@@ -128,3 +128,45 @@ def test_benchmark_runs_on_the_fake_driver(tmp_path):
     assert {"alloc_free_2MiB_on_demand_over_bump", "map_per_gib_2MiB_over_1GiB"} <= set(res["ratios"])
     assert set(res["ratios"]) <= set(res["goals"])
     assert res["rows"] and res["git_sha"]
+
+
+@needs_fake
+def test_torch_integration_wiring_with_a_stub_torch():
+    """thaw.integrations.torch against tests/python/stubs/torch (the names it uses, no more): the
+    pluggable allocator is thaw's C pair, allocations inside the context come from the region,
+    a full region is MemoryError with the region's reason, capture uses the region's pool."""
+    code = f"""
+import sys, types
+sys.path.insert(0, {str(HERE / 'stubs')!r})
+import torch, thaw
+from thaw.integrations import torch as tt
+assert torch.__version__.endswith('stub'), torch.__file__
+with thaw.Region(64 << 20) as r:
+    assert tt.pluggable_allocator().args == (thaw._native.__file__, 'thaw_region_malloc', 'thaw_region_free')
+    pool = tt.mem_pool(r)
+    assert tt.mem_pool(r) is pool and tt.pool_id(r) == pool.id
+    with tt.region_allocations(r):
+        assert tt.active_base(0) == r.base
+        p = torch.empty(8 << 20)
+    assert torch.log[-1] == ('use_mem_pool', pool, 0) and tt.active_base(0) is None
+    assert p == r.base
+    try:
+        with tt.region_allocations(r):
+            torch.empty(128 << 20)
+        raise AssertionError('no error')
+    except MemoryError as e:
+        assert 'region full' in str(e) and str(128 << 20) in str(e), str(e)
+    g = types.SimpleNamespace()
+    with tt.graph_capture(r, g) as got:
+        assert got is g and torch.log[-1][:3] == ('graph', g, pool.id)
+        q = torch.empty(2 << 20)
+    assert q == r.base + (8 << 20)
+    torch.free(pool, p, 8 << 20)  # after the context: found by address
+    assert r.stats()['live_allocations'] == 1
+    with r.paused(), tt.region_allocations(r):
+        s = torch.empty(2 << 20)
+    assert not r.contains(s) and r.owns(s)
+print('ok')
+"""
+    r = run_on_fake(code)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
