@@ -10,10 +10,20 @@ namespace {
 
 // ---- the driver -----------------------------------------------------------------------------
 
+// Registered host memory. Holds its own reference on the device's primary context, so it may
+// outlive the backend that made it (a pinned Snapshot does).
 class DriverPinned final : public Pinned {
  public:
-  DriverPinned(CUcontext ctx, void* p, size_t n) : ctx_(ctx), p_(p) {
-    THAW_CU(driver::cu().cuMemHostRegister(p, n, 0));
+  DriverPinned(int device, void* p, size_t n) : p_(p) {
+    const auto& d = driver::cu();
+    THAW_CU(d.cuDeviceGet(&dev_, device));
+    THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx_, dev_));
+    driver::ContextGuard guard(device);
+    const CUresult r = d.cuMemHostRegister(p, n, 0);
+    if (r != CUDA_SUCCESS) {
+      (void)d.cuDevicePrimaryCtxRelease(dev_);
+      THAW_CU(r);
+    }
   }
   ~DriverPinned() override {
     try {
@@ -23,19 +33,21 @@ class DriverPinned final : public Pinned {
       (void)d.cuCtxSetCurrent(ctx_);
       (void)d.cuMemHostUnregister(p_);
       (void)d.cuCtxSetCurrent(prev);
+      (void)d.cuDevicePrimaryCtxRelease(dev_);
     } catch (...) {
       // destructors never throw
     }
   }
 
  private:
-  CUcontext ctx_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
   void* p_;
 };
 
 class DriverBackend final : public CopyBackend {
  public:
-  explicit DriverBackend(int device) : guard_(device) {
+  explicit DriverBackend(int device) : device_(device), guard_(device) {
     const auto& d = driver::cu();
     THAW_CU(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
     for (auto& e : events_) {
@@ -70,7 +82,7 @@ class DriverBackend final : public CopyBackend {
     THAW_CU(driver::cu().cuEventSynchronize(events_[lane]));
   }
   std::unique_ptr<Pinned> pin(void* p, size_t n) override {
-    return std::make_unique<DriverPinned>(guard_.context(), p, n);
+    return std::make_unique<DriverPinned>(device_, p, n);
   }
 
  private:
@@ -84,6 +96,7 @@ class DriverBackend final : public CopyBackend {
     } catch (...) {
     }
   }
+  int device_;
   driver::ContextGuard guard_;
   CUstream stream_ = nullptr;
   CUevent events_[2] = {nullptr, nullptr};
