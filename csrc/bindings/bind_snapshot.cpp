@@ -246,10 +246,30 @@ void bind_snapshot(nb::module_& m) {
       .def_prop_ro("base", [](PyScratchSpan& s) { return s.get().base(); })
       .def_prop_ro("size", [](PyScratchSpan& s) { return s.get().size(); })
       .def_prop_ro("granularity", [](PyScratchSpan& s) { return s.get().granularity(); })
+      .def("write", [](PyScratchSpan& s, uint64_t offset, nb::bytes data) {
+        const char* p = data.c_str();
+        const size_t n = data.size();
+        nb::gil_scoped_release nogil;
+        s.get().write(offset, p, n);
+      }, nb::arg("offset"), nb::arg("data"))
+      .def("read", [](PyScratchSpan& s, uint64_t offset, size_t n) {
+        std::string out(n, '\0');
+        {
+          nb::gil_scoped_release nogil;
+          s.get().read(offset, out.data(), n);
+        }
+        return nb::bytes(out.data(), out.size());
+      }, nb::arg("offset"), nb::arg("nbytes"))
       .def("close", [](PyScratchSpan& s) {
         nb::gil_scoped_release nogil;
         s.span.reset();
       });
+
+  m.def("measure_pinned_h2d", [](int device, uint64_t dst, uint64_t bytes, int reps) {
+    nb::gil_scoped_release nogil;
+    return measure_pinned_h2d(device, dst, bytes, reps);
+  }, nb::arg("device"), nb::arg("dst"), nb::arg("nbytes"), nb::arg("reps") = 3,
+     "Seconds of the fastest single pinned cuMemcpyHtoD of nbytes to dst (a benchmark baseline).");
 }
 
 }  // namespace thaw::bindings

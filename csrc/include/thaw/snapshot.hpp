@@ -238,6 +238,9 @@ class ScratchSpan {
   uint64_t size() const noexcept { return size_; }
   uint64_t granularity() const noexcept { return granularity_; }
   int device() const noexcept { return device_; }
+  // Plain synchronous copies at an offset (throw CudaError over a hole).
+  void write(uint64_t offset, const void* src, size_t n);
+  void read(uint64_t offset, void* dst, size_t n) const;
 
  private:
   struct Mapping { uint64_t offset, bytes; unsigned long long handle; };
@@ -246,5 +249,10 @@ class ScratchSpan {
   uint64_t base_ = 0, size_ = 0, granularity_ = 0;
   std::vector<Mapping> maps_;
 };
+
+// The hardware baseline for restore benchmarks: seconds of the fastest of `reps` single
+// cuMemcpyHtoD calls of `bytes` from one registered (pinned) host buffer to device address
+// `dst` (registration not timed).
+double measure_pinned_h2d(int device, uint64_t dst, uint64_t bytes, int reps = 3);
 
 }  // namespace thaw::snapshot

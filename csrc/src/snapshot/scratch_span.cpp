@@ -1,4 +1,6 @@
 // ScratchSpan: a VMM reservation with chosen granules mapped (tests and benchmarks only).
+#include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "thaw/driver.hpp"
@@ -69,6 +71,40 @@ void ScratchSpan::release() noexcept {
   }
   maps_.clear();
   base_ = 0;
+}
+
+}  // namespace thaw::snapshot
+
+namespace thaw::snapshot {
+
+void ScratchSpan::write(uint64_t offset, const void* src, size_t n) {
+  THAW_EXPECT(offset <= size_ && n <= size_ - offset, "write of " + std::to_string(n) +
+              " bytes at " + std::to_string(offset) + " leaves the ScratchSpan");
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
+}
+
+void ScratchSpan::read(uint64_t offset, void* dst, size_t n) const {
+  THAW_EXPECT(offset <= size_ && n <= size_ - offset, "read of " + std::to_string(n) +
+              " bytes at " + std::to_string(offset) + " leaves the ScratchSpan");
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
+}
+
+double measure_pinned_h2d(int device, uint64_t dst, uint64_t bytes, int reps) {
+  THAW_EXPECT(bytes > 0 && reps > 0, "measure_pinned_h2d needs bytes > 0 and reps > 0");
+  AlignedBuffer host(bytes, 4096);
+  for (uint64_t i = 0; i < bytes; i += 4096) host.data()[i] = static_cast<uint8_t>(i >> 12);
+  auto be = make_driver_backend(device);
+  auto pin = be->pin(host.data(), host.size());
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    be->to_device(dst, host.data(), bytes);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  pin.reset();
+  return best;
 }
 
 }  // namespace thaw::snapshot
