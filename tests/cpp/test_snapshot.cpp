@@ -151,6 +151,27 @@ TEST(SpanFile, RoundTripWithHolesAndSmallChunks) {  // [5][6]
   EXPECT_EQ(dst.data()[5 * kG], 0);
 }
 
+TEST(SpanFile, StagingBufferIsNotRefilledBeforeItsCopyCompleted) {  // [9]
+  TempDir t;
+  HostBackend src(16 * kG, {{5 * kG, 6 * kG}});
+  fill_pattern(src, 8);
+  FileOptions opt;
+  opt.chunk_bytes = kG;  // many chunks through two buffers
+  opt.granularity = kG;
+  opt.direct_io = DirectIo::kOff;
+  const std::string path = t.file("p.span");
+  dump_to_file(src, src.base(), 0, 16 * kG, path, opt);
+  for (int round = 0; round < 5; ++round) {
+    HostBackend dst(16 * kG, {});
+    dst.set_deferred_async(true);  // copies read their source only at wait()
+    std::memset(dst.data(), 0, dst.size());
+    restore_from_file(dst, path, dst.base(), 16 * kG, opt);
+    ASSERT_EQ(dst.bytes_to_device(), 15 * kG);
+    ASSERT_EQ(std::memcmp(dst.data(), src.data(), 5 * kG), 0) << "round " << round;
+    ASSERT_EQ(std::memcmp(dst.data() + 6 * kG, src.data() + 6 * kG, 10 * kG), 0) << "round " << round;
+  }
+}
+
 TEST(SpanFile, RestoreClampsToCeiling) {  // [4]
   TempDir t;
   HostBackend src(8 * kG, {});

@@ -98,6 +98,9 @@ class HostBackend final : public CopyBackend {
   // written to the "device".
   uint64_t to_host_calls() const noexcept { return to_host_calls_; }
   uint64_t bytes_to_device() const noexcept { return bytes_to_device_; }
+  // Deferred mode: to_device_async only queues the copy and wait(lane) performs it, reading the
+  // source then — so a pipeline that reuses a staging buffer before wait() restores wrong bytes.
+  void set_deferred_async(bool on) noexcept { deferred_ = on; }
 
   bool try_to_host(void* dst, uint64_t src, size_t n) override;
   void to_device(uint64_t dst, const void* src, size_t n) override;
@@ -112,6 +115,9 @@ class HostBackend final : public CopyBackend {
   Intervals holes_;
   uint64_t to_host_calls_ = 0;
   uint64_t bytes_to_device_ = 0;
+  bool deferred_ = false;
+  struct Pending { uint64_t dst; const void* src; size_t n; };
+  std::vector<Pending> lanes_[2];
 };
 
 // ---- in-memory snapshots -------------------------------------------------------------------------

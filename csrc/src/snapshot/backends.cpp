@@ -150,11 +150,19 @@ void HostBackend::to_device(uint64_t dst, const void* src, size_t n) {
 
 void HostBackend::to_device_async(uint64_t dst, const void* src, size_t n, int lane) {
   THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
-  to_device(dst, src, n);  // host memory: completes at once
+  if (!deferred_) {
+    to_device(dst, src, n);  // host memory: completes at once
+    return;
+  }
+  if (n > 0 && !mapped(dst, n)) to_device(dst, src, n);  // throws like the driver would
+  lanes_[lane].push_back({dst, src, n});
 }
 
 void HostBackend::wait(int lane) {
   THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
+  std::vector<Pending> todo;
+  todo.swap(lanes_[lane]);
+  for (const Pending& p : todo) to_device(p.dst, p.src, p.n);
 }
 
 std::unique_ptr<Pinned> HostBackend::pin(void*, size_t) { return std::make_unique<NoPin>(); }

@@ -380,6 +380,13 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
     for (uint64_t k = 0; k < chunks; ++k) {
       const int s = h.acquire_full();
       if (s < 0) break;
+      // The previous chunk's copy had the whole read of this chunk to finish: hand its buffer
+      // back to the reader now, so the next read overlaps this chunk's CRC and copy.
+      if (pending >= 0) {
+        be.wait(pending);
+        h.release(pending);
+        pending = -1;
+      }
       const uint8_t* p = stage.buf[s].data();
       const uint32_t got = crc32c(p, len[s]);
       if (got != info.chunk_crcs[k]) {  // invariant 8: a bad chunk is never written
@@ -409,10 +416,6 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
         if (within == i.size()) ++iv, within = 0;
       }
       be.to_device_async(0, nullptr, 0, s);  // marks the lane even when nothing was copied
-      if (pending >= 0) {
-        be.wait(pending);
-        h.release(pending);
-      }
       pending = s;
       if (opt.progress) opt.progress(std::min(info.data_bytes, (k + 1) * cb), info.data_bytes);
     }
