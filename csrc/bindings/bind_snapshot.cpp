@@ -102,7 +102,7 @@ struct PyScratchSpan {
 
 void bind_snapshot(nb::module_& m) {
   g_span_file_error = PyErr_NewExceptionWithDoc(
-      "thaw.SpanFileError",
+      "thaw.snapshot.SpanFileError",
       "A span file is corrupt, truncated, or not a span file; the message names the part.",
       PyExc_RuntimeError, nullptr);
   m.attr("SpanFileError") = nb::handle(g_span_file_error);

@@ -426,6 +426,14 @@ class Archive:
                 out.add(int(m.group(1)))
         return sorted(out)
 
+    def check_checkpoint(self, name: str, offset: int) -> None:
+        """Compare this process's region cursor at checkpoint ``name`` with the frozen one: THAW
+        must walk the same cursor trajectory as FREEZE. A drift (or an unknown checkpoint) is an
+        :class:`ArchiveMismatch` with both numbers."""
+        found = self.region.checkpoints.get(name)
+        if found != offset:
+            raise ArchiveMismatch(self.path, f"region.checkpoints.{name}", offset, found)
+
     def has_file(self, rel: str) -> bool:
         return rel in self.files
 
@@ -642,7 +650,7 @@ def render_inspect(info: Mapping[str, Any]) -> str:
     reg = info["region"]
     lines += ["", f"region    base {reg['base']:#x}, size {_size(reg['size'])}, "
                   f"granularity {_size(reg['granularity'])}"]
-    for k, v in reg["checkpoints"].items():
+    for k, v in sorted(reg["checkpoints"].items(), key=lambda kv: (kv[1], kv[0])):
         lines.append(f"  checkpoint {k:<20} {v:#x} ({_size(v)})")
     lines += ["", f"{'rank':<5} {'span':<10} {'range':<31} {'intervals':>9} {'bytes':>12}"]
     for r, d in info["ranks"].items():

@@ -79,6 +79,18 @@ def test_round_trip(arch):
     assert not list(archive.iter_stale_temporaries(p.parent))
 
 
+def test_checkpoint_drift_names_both_offsets(arch):
+    p, _ = arch
+    a = archive.open_archive(p)
+    a.check_checkpoint("weights", 0x40000000)
+    with pytest.raises(ArchiveMismatch) as e:
+        a.check_checkpoint("warmup", 0x48200000)
+    assert e.value.field == "region.checkpoints.warmup"
+    assert (e.value.expected, e.value.found) == (0x48200000, 0x48000000)
+    with pytest.raises(ArchiveMismatch):
+        a.check_checkpoint("after_capture", 1)
+
+
 def test_weights_span_is_just_another_span(tmp_path):
     p = tmp_path / "w.thaw"
     build(p, ranks=(0,), weights=True)
