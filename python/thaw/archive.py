@@ -214,6 +214,11 @@ class ArchiveWriter:
     Files may be written with the helpers below or directly at :meth:`file_path` (e.g. by graph
     serializers); at commit every regular file under the temporary directory is checksummed into
     the manifest.
+
+    A crash before the final rename leaves only the temporary directory (see
+    :func:`iter_stale_temporaries`). With ``overwrite=True`` the old archive is first renamed
+    aside (``.<name>.old-<token>``), so a crash between the two renames leaves no archive at
+    ``path`` — never a mixed one.
     """
 
     def __init__(self, path: str | os.PathLike, fingerprint: Fingerprint, region: Region, *,

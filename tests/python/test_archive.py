@@ -329,11 +329,16 @@ def test_failed_rename_leaves_no_archive(tmp_path, monkeypatch):
 
 
 _CHILD = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
+    from thaw import archive
     from thaw.archive import ArchiveWriter, Fingerprint, Region
-    path = sys.argv[1]
+    path, mode = sys.argv[1], sys.argv[2]
     w = ArchiveWriter(path, Fingerprint(gpu="x"), Region(0, 1 << 30, 2 << 20))
-    for i in range(100000):
+    if mode == "commit":  # die at the last step: everything written and fsynced, not renamed
+        def die(*a):
+            os.kill(os.getpid(), signal.SIGKILL)
+        archive.os.rename = die
+    for i in range(40 if mode == "commit" else 100000):
         w.write_bytes(f"rank0/graphs/g{i}.graph", os.urandom(4096))
         if i == 20:
             print("writing", flush=True)
@@ -341,19 +346,20 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("delay_files", [0, 1])
-def test_killed_writer_leaves_no_visible_archive(tmp_path, delay_files):
+@pytest.mark.parametrize("mode", ["files", "files-later", "commit"])
+def test_killed_writer_leaves_no_visible_archive(tmp_path, mode):
     path = tmp_path / "k.thaw"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), mode],
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "writing"
-        if delay_files:
+        if mode == "files-later":
             import time
 
             time.sleep(0.2)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+        if mode != "commit":
+            child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
     finally:
         if child.poll() is None:
             child.kill()
@@ -362,9 +368,11 @@ def test_killed_writer_leaves_no_visible_archive(tmp_path, delay_files):
     assert len(stale) == 1 and ".k.thaw.tmp-" in stale[0]
     with pytest.raises(FileNotFoundError):
         archive.open_archive(path)
-    # the stale temporary is never mistaken for an archive
-    with pytest.raises(archive.ArchiveError):
-        archive.open_archive(stale[0])
+    if mode == "commit":  # died just before the rename: the temporary is complete
+        assert archive.verify(stale[0]) == []
+    else:  # died mid-write: no manifest, the temporary is not an archive
+        with pytest.raises(archive.ArchiveCorrupt, match="manifest.json: missing"):
+            archive.open_archive(stale[0])
 
 
 def test_overwrite(tmp_path):

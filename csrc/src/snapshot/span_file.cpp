@@ -166,6 +166,7 @@ SpanFileInfo read_info(int fd, const std::string& path) {
     corrupt(path, "version " + std::to_string(h.version) + ", this thaw reads version " +
                       std::to_string(kVersion));
   if (h.header_bytes != kBlock || h.data_offset != kBlock || h.chunk_bytes == 0 ||
+      h.end < h.start || h.data_bytes > h.end - h.start || h.data_bytes > (uint64_t(1) << 50) ||
       h.chunk_bytes % kBlock != 0 || h.table_offset % kBlock != 0 ||
       h.table_offset != round_up(h.data_offset + h.data_bytes, kBlock) ||
       h.interval_count > (uint64_t(1) << 40) / 16 ||
