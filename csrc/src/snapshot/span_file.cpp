@@ -166,7 +166,7 @@ SpanFileInfo read_info(int fd, const std::string& path) {
     corrupt(path, "version " + std::to_string(h.version) + ", this thaw reads version " +
                       std::to_string(kVersion));
   if (h.header_bytes != kBlock || h.data_offset != kBlock || h.chunk_bytes == 0 ||
-      h.end < h.start || h.data_bytes > h.end - h.start || h.data_bytes > (uint64_t(1) << 50) ||
+      h.chunk_bytes > (uint64_t(1) << 34) || h.end < h.start || h.data_bytes > h.end - h.start || h.data_bytes > (uint64_t(1) << 50) ||
       h.chunk_bytes % kBlock != 0 || h.table_offset % kBlock != 0 ||
       h.table_offset != round_up(h.data_offset + h.data_bytes, kBlock) ||
       h.interval_count > (uint64_t(1) << 40) / 16 ||
@@ -239,7 +239,8 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   FileStats st;
   Fd fd(open_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io, &st.direct_io));
   const uint64_t cb = opt.chunk_bytes;
-  Staging stage(be, cb);
+  // A span smaller than a chunk needs (and pins) only its own size.
+  Staging stage(be, std::max(kBlock, round_up(std::min(cb, end - start), kBlock)));
   uint64_t fill[2] = {0, 0};
   std::vector<uint32_t> crcs;
 
@@ -353,7 +354,7 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
   THAW_EXPECT(base + info.end >= base, "restore base overflows the address space");
   const uint64_t cb = info.chunk_bytes;
   const uint64_t chunks = info.chunk_crcs.size();
-  Staging stage(be, cb);
+  Staging stage(be, std::max(kBlock, round_up(std::min(cb, info.data_bytes), kBlock)));
   uint64_t len[2] = {0, 0};
 
   // Producer: the reader thread fills free slots with consecutive chunks.
@@ -440,7 +441,8 @@ void verify_span_file(const std::string& path, const FileOptions& opt) {
   bool direct = false;
   Fd fd(open_file(path, O_RDONLY, opt.direct_io, &direct));
   const SpanFileInfo info = read_info(fd.get(), path);
-  AlignedBuffer buf(info.chunk_bytes, kBlock);
+  AlignedBuffer buf(std::max(kBlock, round_up(std::min(info.chunk_bytes, info.data_bytes), kBlock)),
+                    kBlock);
   for (uint64_t k = 0; k < info.chunk_crcs.size(); ++k) {
     const uint64_t n = std::min(info.chunk_bytes, info.data_bytes - k * info.chunk_bytes);
     pread_all(fd.get(), buf.data(), round_up(n, kBlock), kBlock + k * info.chunk_bytes, path,
