@@ -127,8 +127,9 @@ void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& pa
 }
 
 void check_options(const FileOptions& opt) {
-  THAW_EXPECT(opt.chunk_bytes >= kBlock && opt.chunk_bytes % kBlock == 0,
-              "chunk_bytes must be a positive multiple of 4096, got " +
+  THAW_EXPECT(opt.chunk_bytes >= kBlock && opt.chunk_bytes % kBlock == 0 &&
+                  opt.chunk_bytes <= (uint64_t(1) << 34),
+              "chunk_bytes must be a positive multiple of 4096 up to 16 GiB, got " +
                   std::to_string(opt.chunk_bytes));
   THAW_EXPECT(opt.granularity > 0 && (opt.granularity & (opt.granularity - 1)) == 0,
               "granularity must be a power of two, got " + std::to_string(opt.granularity));
