@@ -84,6 +84,25 @@ class UnsafePath(ArchiveCorrupt):
 
 # ---- fingerprint and region ------------------------------------------------------------------
 
+def _nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver version ("580.159.04"), or None where it cannot be read."""
+    try:
+        with open("/sys/module/nvidia/version") as f:
+            v = f.read().strip()
+            if v:
+                return v
+    except OSError:
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", f.read())
+            if m:
+                return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
     """What must match between freeze and thaw. ``None`` means unknown (and, as an expectation
@@ -109,12 +128,7 @@ class Fingerprint:
             gpu, sm = info["name"], info["sm"]
             v = _native.driver_version()
             cuda = f"{v // 1000}.{v % 1000 // 10}"
-            driver = str(v)
-        try:
-            with open("/sys/module/nvidia/version") as f:
-                driver = f.read().strip() or driver
-        except OSError:
-            pass
+        driver = _nvidia_driver_version()
         try:
             torch = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
@@ -206,7 +220,54 @@ def _json_bytes(obj: Any) -> bytes:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-class ArchiveWriter:
+class _FileWriter:
+    """File helpers shared by :class:`ArchiveWriter` and :class:`RankWriter`."""
+
+    temp_path: str
+    _rank: int | None = None
+
+    def _check_open(self) -> None:  # overridden by ArchiveWriter
+        pass
+
+    # -- files --
+    def file_path(self, rel: str) -> str:
+        """Absolute path of ``rel`` inside the temporary directory (parents created)."""
+        self._check_open()
+        check_relpath(rel)
+        if self._rank is not None and not rel.startswith(f"rank{self._rank}/"):
+            raise ValueError(f"rank {self._rank} may only write under rank{self._rank}/, "
+                             f"not {rel!r}")
+        full = os.path.join(self.temp_path, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        full = self.file_path(rel)
+        with open(full, "wb") as f:
+            f.write(data)
+        return full
+
+    def write_json(self, rel: str, obj: Any) -> str:
+        return self.write_bytes(rel, _json_bytes(obj))
+
+    def write_state(self, rank: int, state: Mapping[str, Any]) -> str:
+        """``rank<N>/state.json``: engine-specific state (JSON only)."""
+        return self.write_json(f"rank{int(rank)}/state.json", dict(state))
+
+    def dump_span(self, rank: int, name: str, base: int, start: int, end: int,
+                  **kw: Any) -> dict:
+        """Dump a region span into ``rank<N>/region/<name>.span`` (see
+        :func:`thaw.snapshot.dump_to_file` for ``kw``: target, chunk_bytes, granularity,
+        direct_io, progress). ``name`` ``"warmup"`` is the warmup gap; ``"weights"`` the
+        optional weights span. Dump the warmup gap BEFORE the engine empties its caching
+        allocator."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+            raise ValueError(f"span name {name!r}: use letters, digits, '_', '-', '.'")
+        full = self.file_path(_snapshot.span_relpath(rank, name))
+        return _snapshot.dump_to_file(full, base, start, end, **kw)
+
+
+class ArchiveWriter(_FileWriter):
     """Builds an archive in a temporary sibling directory; :meth:`commit` makes it appear at
     ``path`` atomically. As a context manager it commits on success and removes the temporary
     directory on an exception.
@@ -243,39 +304,6 @@ class ArchiveWriter:
             parent, f".{os.path.basename(self.path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         os.mkdir(self.temp_path, 0o755)
         self._done = False
-
-    # -- files --
-    def file_path(self, rel: str) -> str:
-        """Absolute path of ``rel`` inside the temporary directory (parents created)."""
-        self._check_open()
-        full = os.path.join(self.temp_path, check_relpath(rel))
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        return full
-
-    def write_bytes(self, rel: str, data: bytes) -> str:
-        full = self.file_path(rel)
-        with open(full, "wb") as f:
-            f.write(data)
-        return full
-
-    def write_json(self, rel: str, obj: Any) -> str:
-        return self.write_bytes(rel, _json_bytes(obj))
-
-    def write_state(self, rank: int, state: Mapping[str, Any]) -> str:
-        """``rank<N>/state.json``: engine-specific state (JSON only)."""
-        return self.write_json(f"rank{int(rank)}/state.json", dict(state))
-
-    def dump_span(self, rank: int, name: str, base: int, start: int, end: int,
-                  **kw: Any) -> dict:
-        """Dump a region span into ``rank<N>/region/<name>.span`` (see
-        :func:`thaw.snapshot.dump_to_file` for ``kw``: target, chunk_bytes, granularity,
-        direct_io, progress). ``name`` ``"warmup"`` is the warmup gap; ``"weights"`` the
-        optional weights span. Dump the warmup gap BEFORE the engine empties its caching
-        allocator."""
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
-            raise ValueError(f"span name {name!r}: use letters, digits, '_', '-', '.'")
-        full = self.file_path(_snapshot.span_relpath(rank, name))
-        return _snapshot.dump_to_file(full, base, start, end, **kw)
 
     # -- commit --
     def _check_open(self) -> None:
@@ -350,6 +378,37 @@ class ArchiveWriter:
             self.abort()
         elif not self._done:
             self.commit()
+
+
+class RankWriter(_FileWriter):
+    """Writes one rank's files into another process's :class:`ArchiveWriter`.
+
+    Multi-process engines (one process per rank): the coordinating process creates the
+    ArchiveWriter and hands ``writer.temp_path`` to every rank; each rank writes its
+    ``rank<N>/`` files through a RankWriter; after all ranks are done (the caller's barrier) the
+    coordinator commits. Nothing is visible at the archive path before that commit.
+    """
+
+    def __init__(self, temp_path: str | os.PathLike, rank: int):
+        self.temp_path = os.path.abspath(os.fspath(temp_path))
+        if not (os.path.basename(self.temp_path).startswith(".")
+                and ".tmp-" in os.path.basename(self.temp_path)):
+            raise ValueError(f"{self.temp_path} is not an ArchiveWriter temporary directory")
+        if not os.path.isdir(self.temp_path) or os.path.islink(self.temp_path):
+            raise FileNotFoundError(f"archive temporary directory {self.temp_path} is missing "
+                                    "(committed or aborted already?)")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        self._rank = rank
+
+    def write_state(self, state: Mapping[str, Any]) -> str:  # type: ignore[override]
+        """This rank's ``state.json``."""
+        return super().write_state(self._rank, state)
+
+    def dump_span(self, name: str, base: int, start: int, end: int,  # type: ignore[override]
+                  **kw: Any) -> dict:
+        """This rank's span file (see :meth:`ArchiveWriter.dump_span`)."""
+        return super().dump_span(self._rank, name, base, start, end, **kw)
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -686,7 +745,7 @@ def iter_stale_temporaries(parent: str | os.PathLike) -> Iterator[str]:
 
 
 __all__ = [
-    "Archive", "ArchiveCorrupt", "ArchiveError", "ArchiveMismatch", "ArchiveWriter",
+    "Archive", "ArchiveCorrupt", "ArchiveError", "ArchiveMismatch", "ArchiveWriter", "RankWriter",
     "FINGERPRINT_FIELDS", "FORMAT", "Fingerprint", "MANIFEST", "Region", "UnsafePath", "VERSION",
     "check_relpath", "file_checksum", "inspect", "iter_stale_temporaries", "open_archive",
     "open_or_cold", "render_inspect", "verify", "write_shared",

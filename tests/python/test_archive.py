@@ -424,3 +424,60 @@ def test_cli_entry_point_exit_codes(arch):
     bad = subprocess.run([sys.executable, "-m", "thaw", "verify", str(p)], capture_output=True,
                          text=True)
     assert bad.returncode == 1 and "truncated" in bad.stdout
+
+
+# ---- several rank processes, one archive -----------------------------------------------------
+
+_RANK_CHILD = textwrap.dedent("""
+    import sys
+    from thaw.archive import RankWriter
+    from thaw.snapshot import HostBackend
+    temp, rank = sys.argv[1], int(sys.argv[2])
+    w = RankWriter(temp, rank)
+    be = HostBackend(4 << 16, [(1 << 16, 2 << 16)])
+    be.write(0, bytes([rank]) * (4 << 16))
+    w.dump_span("warmup", be.base, 0, 4 << 16, target=be, chunk_bytes=1 << 16,
+                granularity=1 << 16, direct_io="off")
+    w.write_state({"rank": rank})
+    try:
+        w.write_bytes("rank0/state.json", b"{}")
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+def test_rank_processes_write_into_one_archive(tmp_path):
+    p = tmp_path / "multi.thaw"
+    w = ArchiveWriter(p, FP, REGION)
+    w.write_state(0, {"rank": 0})
+    for rank in (1, 2):
+        out = subprocess.run([sys.executable, "-c", _RANK_CHILD, w.temp_path, str(rank)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "refused: rank %d may only write under rank%d/" % (rank, rank) in out.stdout
+    assert not p.exists(), "visible before the coordinator commits"
+    w.commit()
+    a = archive.open_archive(p, checksums=True)
+    assert a.ranks == [0, 1, 2]
+    assert [a.state(r)["rank"] for r in (0, 1, 2)] == [0, 1, 2]
+    assert snapshot.plan_restore(a, 2).action == "restore"
+    assert snapshot.plan_restore(a, 0).action == "rerun-warmup"
+    dst = HostBackend(4 << 16)
+    r = a.restore_span(2, "warmup", dst.base, 4 << 16, target=dst, direct_io="off")
+    assert r["intervals"] == [(0, 1 << 16), (2 << 16, 4 << 16)]
+    assert dst.read(2 << 16, 2 << 16) == b"\x02" * (2 << 16)
+    with pytest.raises(FileNotFoundError):
+        archive.RankWriter(w.temp_path, 3)  # committed: the temporary is gone
+    with pytest.raises(ValueError):
+        archive.RankWriter(tmp_path, 0)  # not a writer's temporary
+
+
+def test_current_fingerprint_names_engine_and_model():
+    fp = Fingerprint.current(engine="sglang", engine_version="0.5.17", model="qwen3@1")
+    assert (fp.engine, fp.engine_version, fp.model) == ("sglang", "0.5.17", "qwen3@1")
+    for v in fp.to_dict().values():
+        assert v is None or isinstance(v, str)
+    import thaw
+
+    if not thaw.cuda_available():
+        assert fp.gpu is None and fp.sm is None
