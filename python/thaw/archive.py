@@ -16,8 +16,9 @@ Layout::
 
 Writing (:class:`ArchiveWriter`) happens in a temporary sibling directory; every file and
 directory is fsynced, then the directory is renamed into place, so a reader sees either no
-archive or a complete one. Files shared by several writers go through :func:`write_shared`
-(temporary file + ``os.replace``).
+archive or a complete one. With one process per rank, the ranks write into the coordinator's
+temporary directory through :class:`RankWriter`. Files shared by several writers go through
+:func:`write_shared` (temporary file + ``os.replace``).
 
 Opening (:func:`open_archive`) checks the format, the version, the manifest's own checksum, its
 structure, the caller's expected fingerprint (each mismatch is an :class:`ArchiveMismatch`
