@@ -71,6 +71,7 @@ class CopyBackend {
   // Host src -> device [dst, dst+n), synchronous; throws on any failure (unmapped included).
   virtual void to_device(uint64_t dst, const void* src, size_t n) = 0;
   // Asynchronous host -> device on `lane` (0 or 1); src must stay untouched until wait(lane).
+  // n == 0 copies nothing but still marks the lane, so wait(lane) orders after earlier copies.
   virtual void to_device_async(uint64_t dst, const void* src, size_t n, int lane) = 0;
   // Block until every copy issued on `lane` has completed; throws a copy's failure.
   virtual void wait(int lane) = 0;
