@@ -34,6 +34,7 @@ step() {  # step NAME CMD...: run, log, record the exit code
 # given with --out. Append new ones here.
 GPU_BENCHMARKS=(
   benchmarks/python/bench_region.py
+  benchmarks/python/bench_snapshot.py
 )
 
 step nvidia-smi nvidia-smi
