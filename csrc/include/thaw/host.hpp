@@ -59,7 +59,7 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
 
 // ---- one registration ---------------------------------------------------------------------------
 
-// cuMemHostRegister(ptr, bytes, PORTABLE) with one owner; unregisters on destruction. Refuses
+// cuMemHostRegister(ptr, bytes, PORTABLE | DEVICEMAP) with one owner; unregisters on destruction. Refuses
 // (std::invalid_argument, before any driver call) a range larger than `ceiling`.
 class HostRegistration {
  public:

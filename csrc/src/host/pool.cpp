@@ -129,7 +129,9 @@ HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t c
                   " (THAW_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
                   "into slabs (HostPool does) or raise THAW_MAX_SLAB_GB if this driver allows it");
   driver::ContextGuard ctx(device);
-  THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE));
+  // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
+  THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes,
+                                         CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
   ptr_ = ptr;
   bytes_ = bytes;
 }
