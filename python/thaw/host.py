@@ -433,6 +433,59 @@ class PageLayout:
         native.validate()
         return cls(native)
 
+    @classmethod
+    def from_tensor(cls, tensor: Any, *, token_dim: int, page_tokens: int,
+                    layer_dim: int | None = None,
+                    component_dim: int | None = None) -> PageLayout:
+        """The layout of a KV buffer given as a CPU torch tensor or a numpy array.
+
+        ``token_dim`` indexes tokens (``page_tokens`` per page); ``layer_dim`` and
+        ``component_dim`` (K/V), when given, must come before it; the dims after ``token_dim``
+        must be dense, so one page of one layer is one contiguous slice. Examples (SGLang host
+        pools): ``layer_first`` ``[2, layers, tokens, heads, dim]`` → ``component_dim=0,
+        layer_dim=1, token_dim=2``; ``page_first`` ``[2, tokens, layers, heads, dim]`` →
+        ``component_dim=0, token_dim=1`` (each page is one slice holding all layers).
+        """
+        if hasattr(tensor, "data_ptr"):  # torch: strides in elements
+            if tensor.device.type != "cpu":
+                raise ValueError(f"tensor is on {tensor.device}; a host tensor is needed")
+            item = tensor.element_size()
+            base, shape = tensor.data_ptr(), tuple(tensor.shape)
+            strides = tuple(s * item for s in tensor.stride())
+            nbytes = tensor.numel() * item
+        else:  # numpy: strides in bytes
+            item = tensor.itemsize
+            base, shape, strides = tensor.ctypes.data, tuple(tensor.shape), tuple(tensor.strides)
+            nbytes = tensor.nbytes
+        nd = len(shape)
+        for name, d in (("token_dim", token_dim), ("layer_dim", layer_dim),
+                        ("component_dim", component_dim)):
+            if d is not None and not 0 <= d < nd:
+                raise ValueError(f"{name}={d} is not a dimension of a {nd}-d tensor")
+            if d is not None and d != token_dim and d > token_dim:
+                raise ValueError(f"{name}={d} must come before token_dim={token_dim}")
+        if page_tokens < 1 or shape[token_dim] % page_tokens:
+            raise ValueError(f"page_tokens={page_tokens} must divide the {shape[token_dim]} "
+                             f"tokens of dim {token_dim}")
+        dense = item
+        for d in range(nd - 1, token_dim, -1):
+            if strides[d] != dense:
+                raise ValueError(f"dim {d} (stride {strides[d]} bytes) is not dense: the dims "
+                                 f"after token_dim must be contiguous")
+            dense *= shape[d]
+        if strides[token_dim] != dense:
+            raise ValueError(f"token_dim {token_dim} has stride {strides[token_dim]} bytes, "
+                             f"{dense} needed for contiguous page slices")
+        ncomp = 1 if component_dim is None else shape[component_dim]
+        comps = [base + c * (0 if component_dim is None else strides[component_dim])
+                 for c in range(ncomp)]
+        return cls.strided(comps, component_bytes=base + nbytes - comps[-1],
+                           layers=1 if layer_dim is None else shape[layer_dim],
+                           pages=shape[token_dim] // page_tokens,
+                           slice_bytes=page_tokens * dense,
+                           layer_stride=0 if layer_dim is None else strides[layer_dim],
+                           page_stride=page_tokens * strides[token_dim])
+
     @property
     def blob_bytes(self) -> int:
         """Bytes of one gathered page: components * layers * slice_bytes."""

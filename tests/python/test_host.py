@@ -254,6 +254,42 @@ def test_strided_layout_like_sglang_single_tensor_kv():
     assert a == b == bytearray(reference_gather(lay, 3))
 
 
+def test_from_tensor_sglang_layer_first_and_page_first():
+    """SGLang host buffers: layer_first [2, L, T, H, D] and page_first [2, T, L, H, D]."""
+    L, T, H, D, pt = 3, 12, 2, 8, 4
+    rng = np.random.default_rng(4)
+    lf = rng.standard_normal((2, L, T, H, D)).astype(np.float16)
+    lay = host.PageLayout.from_tensor(lf, component_dim=0, layer_dim=1, token_dim=2,
+                                      page_tokens=pt)
+    assert (lay.layers, lay.pages, len(lay.components)) == (L, T // pt, 2)
+    blob = np.empty(lay.blob_bytes, dtype=np.uint8)
+    host.gather(lay, 1, blob)
+    want = np.concatenate([lf[c, l, pt:2 * pt].reshape(-1).view(np.uint8)
+                           for c in range(2) for l in range(L)])
+    assert np.array_equal(blob, want)
+    pf = rng.standard_normal((2, T, L, H, D)).astype(np.float16)
+    lay2 = host.PageLayout.from_tensor(pf, component_dim=0, token_dim=1, page_tokens=pt)
+    assert (lay2.layers, lay2.pages) == (1, T // pt)
+    host.gather(lay2, 2, blob)
+    want2 = np.concatenate([pf[c, 2 * pt:3 * pt].reshape(-1).view(np.uint8) for c in range(2)])
+    assert np.array_equal(blob[:lay2.blob_bytes], want2)
+    # Round trip through scatter into a zeroed copy.
+    dst = np.zeros_like(pf)
+    lay3 = host.PageLayout.from_tensor(dst, component_dim=0, token_dim=1, page_tokens=pt)
+    for p in range(T // pt):
+        b = np.empty(lay2.blob_bytes, dtype=np.uint8)
+        host.gather(lay2, p, b)
+        host.scatter(b, lay3, p)
+    assert np.array_equal(dst.view(np.uint16), pf.view(np.uint16))
+    with pytest.raises(ValueError, match="must come before token_dim"):
+        host.PageLayout.from_tensor(pf, layer_dim=2, token_dim=1, page_tokens=pt)
+    with pytest.raises(ValueError, match="must divide"):
+        host.PageLayout.from_tensor(pf, token_dim=1, page_tokens=5)
+    with pytest.raises(ValueError, match="not dense"):
+        host.PageLayout.from_tensor(lf[..., ::2], component_dim=0, layer_dim=1, token_dim=2,
+                                    page_tokens=pt)
+
+
 def test_gather_pages_into_slot_stride_and_back():
     layers, pages = 4, 9
     mem = np.random.default_rng(2).integers(0, 256, layers * pages * 512, dtype=np.uint8)
