@@ -22,6 +22,7 @@ a CPU torch tensor, or anything with the buffer protocol; they must be C-contigu
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -185,7 +186,8 @@ class HostPool:
         if registration_threads < 1:
             raise ValueError(f"registration_threads must be >= 1, got {registration_threads}")
         ceiling = default_max_slab_bytes() if max_slab_bytes is None else max_slab_bytes
-        self._pool = _native.HostPool(total_bytes, page_bytes, ceiling, hugetlbfs_mount or "",
+        self._pool = _native.HostPool(total_bytes, page_bytes, ceiling,
+                                      os.fspath(hugetlbfs_mount) if hugetlbfs_mount else "",
                                       reg, bool(parallel), registration_threads, device,
                                       _fake_statfs)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -130,6 +132,19 @@ def test_register_on_without_gpu_raises_unavailable():
         pytest.skip("a GPU is present (covered by the gpu tests)")
     with pytest.raises(thaw.CudaUnavailableError):
         host.HostPool(4096, 4096, register=True)
+
+
+@pytest.mark.skipif(not os.environ.get("THAW_TEST_FAKE_LIBCUDA"),
+                    reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_auto_registration_with_a_driver_but_no_device_stays_unregistered():
+    code = ("import thaw\nfrom thaw import host\n"
+            "assert thaw.cuda_available(), thaw.cuda_unavailable_reason()\n"
+            "p = host.HostPool(8192, 4096)\nprint(p.registered, p.registration()['registered'])\n")
+    env = dict(os.environ, THAW_LIBCUDA_PATH=os.environ["THAW_TEST_FAKE_LIBCUDA"])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
 
 
 def test_register_argument_is_checked():
