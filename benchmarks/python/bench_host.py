@@ -170,11 +170,13 @@ def bench_gather(pages: int, reps: int, rows: list, ratios: dict) -> None:
         all_pages = list(range(pages))
         one = host.Copier(threads=1)
         many = host.Copier()
+        plain = host.Copier(streaming=False)  # same threads, ordinary stores
         t_memcpy = best_of(lambda: np.copyto(flat_dst, src_flat), reps)
         base_gbs = total / t_memcpy / 1e9
         rows.append(row("gather", f"{name}: single-threaded memcpy of {total >> 20} MiB",
                         base_gbs, "GB/s"))
-        for label, c in (("1 thread", one), (f"{many.threads} threads", many)):
+        for label, c in (("1 thread", one), (f"{many.threads} threads", many),
+                         (f"{plain.threads} threads, no streaming stores", plain)):
             tg = best_of(lambda: c.gather_pages(lay, all_pages, dst.ctypes.data + 64, stride=slot,
                                                 capacity=dst.size - 64), reps)
             ts = best_of(lambda: c.scatter_pages(dst.ctypes.data + 64, lay, all_pages,
@@ -202,7 +204,7 @@ def main() -> int:
     rows: list[dict] = []
     ratios: dict[str, float] = {}
     skipped: dict[str, str] = {}
-    reps = 2 if a.quick else 3
+    reps = 2 if a.quick else 5
     t0 = time.perf_counter()
     if gpu:
         bench_registration((4 if a.quick else 8) * GiB, 8, rows, ratios, skipped)

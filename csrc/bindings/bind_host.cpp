@@ -257,8 +257,9 @@ void bind_host(nb::module_& m) {
       .def_prop_ro("blob_bytes", &host::PageLayout::blob_bytes);
 
   nb::class_<host::Copier>(m, "Copier")
-      .def(nb::init<size_t>(), nb::arg("threads"))
+      .def(nb::init<size_t, bool>(), nb::arg("threads"), nb::arg("streaming"))
       .def_prop_ro("threads", &host::Copier::threads)
+      .def_prop_ro("streaming", &host::Copier::streaming)
       .def(
           "gather",
           [](host::Copier& c, const host::PageLayout& l, size_t page, uintptr_t dst, size_t cap) {

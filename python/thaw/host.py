@@ -508,21 +508,32 @@ class PageLayout:
 
 
 class Copier:
-    """Gather/scatter on a fixed pool of ``threads`` copy threads (default: up to 16)."""
+    """Gather/scatter on a fixed pool of ``threads`` copy threads (default: up to 16).
 
-    def __init__(self, threads: int | None = None, *, _native_copier: Any = None) -> None:
+    ``streaming`` (default True) writes copies of 8 MiB or more with non-temporal stores,
+    which skip reading each destination line first; turn it off when the destination is read
+    by this CPU right after the copy.
+    """
+
+    def __init__(self, threads: int | None = None, *, streaming: bool = True,
+                 _native_copier: Any = None) -> None:
         if _native_copier is not None:
             self._c = _native_copier
         else:
             t = _native.host_default_threads() if threads is None else threads
             if t < 1:
                 raise ValueError(f"threads must be >= 1, got {t}")
-            self._c = _native.Copier(t)
+            self._c = _native.Copier(t, bool(streaming))
 
     @property
     def threads(self) -> int:
         """Threads that copy (the calling thread included)."""
         return self._c.threads
+
+    @property
+    def streaming(self) -> bool:
+        """Whether copies of >= 8 MiB in total use non-temporal stores (x86-64)."""
+        return self._c.streaming
 
     def gather(self, layout: PageLayout, page: int, dst: Any, capacity: int | None = None) -> int:
         """Copy page ``page`` into ``dst`` (contiguous blob); returns the blob size.

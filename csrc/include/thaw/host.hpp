@@ -213,8 +213,10 @@ struct PageLayout {
 // Multi-threaded gather/scatter over a ThreadPool. `layout` must be valid (validate() is called).
 class Copier {
  public:
-  explicit Copier(size_t threads = default_threads());
+  // streaming: copies of >= 8 MiB in total use non-temporal stores (x86-64; memcpy elsewhere).
+  explicit Copier(size_t threads = default_threads(), bool streaming = true);
   size_t threads() const noexcept { return pool_.threads(); }
+  bool streaming() const noexcept { return streaming_; }
   static size_t default_threads();
 
   // Copies page `page` into dst[0, blob_bytes); capacity must be >= blob_bytes.
@@ -236,6 +238,7 @@ class Copier {
 
  private:
   ThreadPool pool_;
+  bool streaming_;
 };
 
 // The process-wide copier used by the Python module-level gather/scatter (created on first use).
