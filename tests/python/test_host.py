@@ -395,6 +395,28 @@ def test_gather_from_a_pool_slab():
 # ---- GPU --------------------------------------------------------------------------------------
 
 
+def _emulated_driver() -> str | None:
+    fake = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
+    if not fake:
+        return None
+    p = os.path.join(os.path.dirname(fake), "libthaw_fake_cuda_host.so")
+    return p if os.path.exists(p) else None
+
+
+@pytest.mark.skipif(_emulated_driver() is None,
+                    reason="THAW_TEST_FAKE_LIBCUDA not set or libthaw_fake_cuda_host.so not built")
+@pytest.mark.parametrize("abi", ["13000", "12080"])
+def test_gpu_tests_pass_on_the_host_emulated_driver(abi):
+    """The gpu tests below, on tests/cpp/fake_libcuda_host.cpp: it refuses batch copies whose
+    host range straddles two registrations, so the byte-exact checks have teeth on CPU."""
+    env = dict(os.environ, THAW_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_VERSION=abi)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                        "no:cacheprovider", __file__], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 passed" in r.stdout, r.stdout
+
+
 def _pattern(pages: int, page_bytes: int, salt: int) -> np.ndarray:
     i = np.arange(pages * page_bytes, dtype=np.uint64)
     return ((i * 7 + salt) ^ (i >> 9)).astype(np.uint8)
