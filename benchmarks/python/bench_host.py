@@ -199,6 +199,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for the result JSON")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI / smoke)")
+    ap.add_argument("--note", default="", help="free text stored in the result (machine load...)")
     a = ap.parse_args()
     gpu = thaw.cuda_available()
     rows: list[dict] = []
@@ -225,7 +226,7 @@ def main() -> int:
         "scatter_llama8b_vs_memcpy_1t": 2.0,
     }
     res = resultlib.result("host" if gpu else "host-cpu", rows=rows, ratios=ratios, goals=goals,
-                           skipped=skipped, quick=a.quick,
+                           skipped=skipped, quick=a.quick, note=a.note,
                            seconds=round(time.perf_counter() - t0, 1),
                            copy_threads=host.Copier().threads)
     resultlib.print_table(rows, ["section", "case", "value", "unit", "vs_limit", "vs_memcpy"])
