@@ -5,7 +5,9 @@
 //     a range above a per-call ceiling;
 //   - cuMemcpyBatchAsync refuses the legacy NULL stream, bad attributes, and any copy whose host
 //     range touches a registration without lying inside it (the straddle failure);
-//   - async copies need a current context and a device range inside one allocation.
+//   - async copies need a current context and a device range inside one allocation;
+//   - the primary context is reset when its last reference is released (as the real driver
+//     does): registrations, allocations and streams made in it are gone.
 // FAKE_CUDA_VERSION (default 13000) selects which cuMemcpyBatchAsync ABI is handed out.
 #include <cuda.h>
 
@@ -19,8 +21,10 @@ namespace {
 
 struct State {
   std::mutex mu;
+  int refs = 0;                            // primary context references
   std::map<uintptr_t, size_t> registered;  // host base -> bytes
-  std::map<uintptr_t, size_t> device;      // "device" allocation base -> bytes
+  std::map<uintptr_t, size_t> device;      // "device" allocation base -> bytes (leaked on reset)
+  std::map<uintptr_t, bool> streams;       // live streams
 };
 State& st() {
   static State* s = new State();
@@ -68,6 +72,8 @@ const char* name_of(CUresult r) {
     case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
     case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
     case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
     case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
@@ -93,10 +99,22 @@ CUresult device_get(CUdevice* d, int ordinal) {
 }
 CUresult primary_retain(CUcontext* c, CUdevice d) {
   if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  std::lock_guard<std::mutex> lk(st().mu);
+  ++st().refs;
   *c = kCtx;
   return CUDA_SUCCESS;
 }
-CUresult primary_release(CUdevice) { return CUDA_SUCCESS; }
+CUresult primary_release(CUdevice d) {
+  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  std::lock_guard<std::mutex> lk(st().mu);
+  if (st().refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (--st().refs == 0) {  // reset: everything made in the context is gone
+    st().registered.clear();
+    st().device.clear();
+    st().streams.clear();
+  }
+  return CUDA_SUCCESS;
+}
 CUresult ctx_get_current(CUcontext* c) {
   *c = t_current;
   return CUDA_SUCCESS;
@@ -105,7 +123,14 @@ CUresult ctx_set_current(CUcontext c) {
   t_current = c;
   return CUDA_SUCCESS;
 }
-CUresult need_ctx() { return t_current == kCtx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT; }
+CUresult need_ctx() {
+  std::lock_guard<std::mutex> lk(st().mu);
+  return t_current == kCtx && st().refs > 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+bool stream_ok(CUstream s) {  // caller holds the lock
+  return s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ||
+         st().streams.count(reinterpret_cast<uintptr_t>(s)) != 0;
+}
 CUresult ctx_synchronize() { return need_ctx(); }
 
 CUresult mem_alloc(CUdeviceptr* p, size_t n) {
@@ -126,9 +151,9 @@ CUresult mem_free(CUdeviceptr p) {
 CUresult copy_checked(void* dst, const void* src, size_t n, uintptr_t dev, bool async, CUstream s) {
   if (need_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
   (void)async;
-  (void)s;
   {
     std::lock_guard<std::mutex> lk(st().mu);
+    if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
     if (!device_range_ok(dev, n)) return CUDA_ERROR_INVALID_VALUE;
   }
   std::memcpy(dst, src, n);
@@ -187,10 +212,20 @@ CUresult stream_create(CUstream* s, unsigned) {
   if (need_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
   std::lock_guard<std::mutex> lk(st().mu);
   *s = reinterpret_cast<CUstream>(&fake_stream_storage[next_stream++ % 64]);
+  st().streams[reinterpret_cast<uintptr_t>(*s)] = true;
   return CUDA_SUCCESS;
 }
-CUresult stream_destroy(CUstream) { return need_ctx(); }
-CUresult stream_synchronize(CUstream) { return need_ctx(); }
+CUresult stream_destroy(CUstream s) {
+  if (need_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+  std::lock_guard<std::mutex> lk(st().mu);
+  return st().streams.erase(reinterpret_cast<uintptr_t>(s)) ? CUDA_SUCCESS
+                                                              : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult stream_synchronize(CUstream s) {
+  if (need_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+  std::lock_guard<std::mutex> lk(st().mu);
+  return stream_ok(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
 
 CUresult batch(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
                CUmemcpyAttributes* attrs, size_t* idxs, size_t num_attrs, size_t* fail,
@@ -206,6 +241,7 @@ CUresult batch(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count
       return CUDA_ERROR_INVALID_VALUE;
   }
   std::lock_guard<std::mutex> lk(st().mu);
+  if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
   for (size_t i = 0; i < count; ++i) {
     const bool dst_dev = device_range_ok(dsts[i], sizes[i]);
     const bool src_dev = device_range_ok(srcs[i], sizes[i]);
