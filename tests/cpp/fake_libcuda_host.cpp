@@ -8,10 +8,12 @@
 //   - async copies need a current context and a device range inside one allocation;
 //   - the primary context is reset when its last reference is released (as the real driver
 //     does): registrations, allocations and streams made in it are gone.
-// FAKE_CUDA_VERSION (default 13000) selects which cuMemcpyBatchAsync ABI is handed out.
+// FAKE_CUDA_VERSION (default 13000) selects which cuMemcpyBatchAsync ABI is handed out;
+// FAKE_CUDA_TRACE=1 prints primary-context reference counts to stderr.
 #include <cuda.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -101,6 +103,7 @@ CUresult primary_retain(CUcontext* c, CUdevice d) {
   if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
   std::lock_guard<std::mutex> lk(st().mu);
   ++st().refs;
+  if (std::getenv("FAKE_CUDA_TRACE")) std::fprintf(stderr, "fake: retain -> %d\n", st().refs);
   *c = kCtx;
   return CUDA_SUCCESS;
 }
@@ -108,7 +111,9 @@ CUresult primary_release(CUdevice d) {
   if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
   std::lock_guard<std::mutex> lk(st().mu);
   if (st().refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
-  if (--st().refs == 0) {  // reset: everything made in the context is gone
+  --st().refs;
+  if (std::getenv("FAKE_CUDA_TRACE")) std::fprintf(stderr, "fake: release -> %d\n", st().refs);
+  if (st().refs == 0) {  // reset: everything made in the context is gone
     st().registered.clear();
     st().device.clear();
     st().streams.clear();
