@@ -176,7 +176,8 @@ class HostPool:
     """
 
     def __init__(self, total_bytes: int, page_bytes: int, *, max_slab_bytes: int | None = None,
-                 hugetlbfs_mount: str | None = None, register: bool | str = "auto",
+                 hugetlbfs_mount: str | os.PathLike | None = None,
+                 register: bool | str = "auto",
                  parallel: bool = True, registration_threads: int = 16, device: int = 0,
                  _fake_statfs: tuple[int, int, int] | None = None) -> None:
         reg = {True: "on", False: "off"}.get(register, register) if isinstance(register, bool) \
