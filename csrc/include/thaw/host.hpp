@@ -51,8 +51,14 @@ struct FsCapacity {
 };
 using StatfsFn = std::function<FsCapacity(const std::string& path)>;
 
-// statfs(2) of `path`; throws std::system_error.
+// statfs(2) of `path`; throws std::system_error. A hugetlbfs mount without a size= limit
+// reports no blocks; then free_blocks comes from the kernel's pool of that page size
+// (hugetlb_free_pages).
 FsCapacity statfs_capacity(const std::string& path);
+// free_hugepages - resv_hugepages of the huge page size `page_bytes` under `sysfs_root`
+// (/sys/kernel/mm/hugepages/hugepages-<kB>kB/); 0 when unreadable.
+uint64_t hugetlb_free_pages(uint64_t page_bytes,
+                            const std::string& sysfs_root = "/sys/kernel/mm/hugepages");
 // Throws std::invalid_argument when `cap` is not hugetlbfs, thaw::OutOfSpace when `needed` bytes
 // exceed the free huge pages. Messages say needed vs free, the page size, and what to change.
 void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap);

@@ -91,7 +91,26 @@ FsCapacity statfs_capacity(const std::string& path) {
   c.fs_magic = static_cast<uint64_t>(st.f_type);
   c.block_size = static_cast<uint64_t>(st.f_bsize);
   c.free_blocks = static_cast<uint64_t>(st.f_bavail);
+  if (c.fs_magic == kHugetlbfsMagic && st.f_blocks == 0 && c.block_size > 0)
+    c.free_blocks = hugetlb_free_pages(c.block_size);  // no size= limit: the kernel's pool
   return c;
+}
+
+uint64_t hugetlb_free_pages(uint64_t page_bytes, const std::string& sysfs_root) {
+  const std::string dir = sysfs_root + "/hugepages-" + std::to_string(page_bytes / 1024) + "kB/";
+  auto read = [&](const char* name) -> long long {
+    FILE* f = std::fopen((dir + name).c_str(), "re");
+    if (f == nullptr) return -1;
+    long long v = -1;
+    if (std::fscanf(f, "%lld", &v) != 1) v = -1;
+    std::fclose(f);
+    return v;
+  };
+  const long long free = read("free_hugepages");
+  const long long resv = read("resv_hugepages");
+  if (free < 0) return 0;
+  const long long avail = free - (resv > 0 ? resv : 0);
+  return avail > 0 ? static_cast<uint64_t>(avail) : 0;
 }
 
 void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap) {
