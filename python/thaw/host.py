@@ -42,9 +42,11 @@ __all__ = [
     "check_hugetlbfs_capacity",
     "default_max_slab_bytes",
     "gather",
+    "gather_each",
     "gather_pages",
     "plan_slabs",
     "scatter",
+    "scatter_each",
     "scatter_pages",
 ]
 
@@ -570,6 +572,34 @@ class Copier:
         del keep
 
 
+    def gather_each(self, layout: PageLayout, pages: Sequence[int], dsts: Sequence[Any],
+                    each_bytes: int | None = None) -> None:
+        """Gather ``pages[i]`` into its own buffer ``dsts[i]`` (e.g. separate slot buffers,
+        each an int address past its header with ``each_bytes`` given, or a writable buffer),
+        all in one parallel copy."""
+        addrs, keep = self._each(dsts, each_bytes, True, "gather_each destination")
+        self._c.gather_each(layout._l, list(pages), [a for a, _ in addrs],
+                            min(n for _, n in addrs) if addrs else 0)
+        del keep
+
+    def scatter_each(self, srcs: Sequence[Any], layout: PageLayout, pages: Sequence[int],
+                     each_bytes: int | None = None) -> None:
+        """Scatter the blob in ``srcs[i]`` into ``pages[i]`` (pages must be distinct)."""
+        addrs, keep = self._each(srcs, each_bytes, False, "scatter_each source")
+        self._c.scatter_each([a for a, _ in addrs], min(n for _, n in addrs) if addrs else 0,
+                             layout._l, list(pages))
+        del keep
+
+    @staticmethod
+    def _each(bufs, each_bytes, writable, what):
+        addrs, keep = [], []
+        for i, b in enumerate(bufs):
+            a, n, k = _address(b, each_bytes, writable, f"{what} {i}")
+            addrs.append((a, n))
+            keep.append(k)
+        return addrs, keep
+
+
 _default: Copier | None = None
 
 
@@ -600,3 +630,15 @@ def scatter_pages(src: Any, layout: PageLayout, pages: Sequence[int], stride: in
                   nbytes: int | None = None) -> None:
     """:meth:`Copier.scatter_pages` on the shared copier."""
     _copier().scatter_pages(src, layout, pages, stride, nbytes)
+
+
+def gather_each(layout: PageLayout, pages: Sequence[int], dsts: Sequence[Any],
+                each_bytes: int | None = None) -> None:
+    """:meth:`Copier.gather_each` on the shared copier."""
+    _copier().gather_each(layout, pages, dsts, each_bytes)
+
+
+def scatter_each(srcs: Sequence[Any], layout: PageLayout, pages: Sequence[int],
+                 each_bytes: int | None = None) -> None:
+    """:meth:`Copier.scatter_each` on the shared copier."""
+    _copier().scatter_each(srcs, layout, pages, each_bytes)

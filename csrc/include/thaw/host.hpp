@@ -255,6 +255,12 @@ class Copier {
                     size_t dst_stride, size_t capacity);
   void scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
                      const PageLayout& layout, const std::vector<size_t>& pages);
+  // Page pages[i] <-> its own buffer dsts[i] / srcs[i] of `each_bytes` (e.g. separate slot
+  // buffers, each already offset past its header), all in one parallel copy.
+  void gather_each(const PageLayout& layout, const std::vector<size_t>& pages,
+                   const std::vector<uintptr_t>& dsts, size_t each_bytes);
+  void scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                    const PageLayout& layout, const std::vector<size_t>& pages);
   // Runs copies (dst, src, n) over the threads, balanced by bytes. Ranges must not overlap.
   struct Copy {
     uint8_t* dst;

@@ -321,4 +321,44 @@ void Copier::scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
   copy(copies);
 }
 
+namespace {
+
+void check_each(const PageLayout& l, const std::vector<size_t>& pages,
+                const std::vector<uintptr_t>& bufs, size_t each, const char* what) {
+  THAW_EXPECT(bufs.size() == pages.size(), std::string(what) + ": " + n(bufs.size()) +
+                                               " buffers for " + n(pages.size()) + " pages");
+  for (size_t p : pages) check_page(l, p);
+  for (uintptr_t b : bufs) check_buffer(reinterpret_cast<const void*>(b), each, l.blob_bytes(), what);
+}
+
+}  // namespace
+
+void Copier::gather_each(const PageLayout& layout, const std::vector<size_t>& pages,
+                         const std::vector<uintptr_t>& dsts, size_t each_bytes) {
+  layout.validate();
+  check_each(layout, pages, dsts, each_bytes, "gather_each destination");
+  std::vector<Copy> copies;
+  copies.reserve(pages.size() * layout.components.size() * layout.layers);
+  for (size_t i = 0; i < pages.size(); ++i)
+    add_page(layout, pages[i], reinterpret_cast<uint8_t*>(dsts[i]), true, copies);
+  copy(copies);
+}
+
+void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                          const PageLayout& layout, const std::vector<size_t>& pages) {
+  layout.validate();
+  check_each(layout, pages, srcs, each_bytes, "scatter_each source");
+  std::vector<size_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  THAW_EXPECT(dup == sorted.end(),
+              "scatter_each: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
+                  " appears twice (two sources for one page)");
+  std::vector<Copy> copies;
+  copies.reserve(pages.size() * layout.components.size() * layout.layers);
+  for (size_t i = 0; i < pages.size(); ++i)
+    add_page(layout, pages[i], reinterpret_cast<uint8_t*>(srcs[i]), false, copies);
+  copy(copies);
+}
+
 }  // namespace thaw::host
