@@ -35,6 +35,7 @@ step() {  # step NAME CMD...: run, log, record the exit code
 GPU_BENCHMARKS=(
   benchmarks/python/bench_region.py
   benchmarks/python/bench_snapshot.py
+  benchmarks/python/bench_host.py
 )
 
 step nvidia-smi nvidia-smi

@@ -6,4 +6,5 @@ NB_MODULE(_native, m) {
   thaw::bindings::bind_driver(m);
   thaw::bindings::bind_region(m);
   thaw::bindings::bind_snapshot(m);
+  thaw::bindings::bind_host(m);
 }
