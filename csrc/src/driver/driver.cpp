@@ -165,6 +165,13 @@ ContextGuard::~ContextGuard() {
   if (prev_ != ctx_) (void)loaded().table.cuCtxSetCurrent(prev_);
 }
 
+uint64_t reserve_alignment(uint64_t addr) noexcept {
+  if (addr == 0) return 0;
+  const uint64_t low = addr & (~addr + 1);  // lowest set bit
+  constexpr uint64_t kGiB = uint64_t(1) << 30;
+  return low < kGiB ? low : kGiB;
+}
+
 int device_count() {
   int n = 0;
   THAW_CU(table().cuDeviceGetCount(&n));

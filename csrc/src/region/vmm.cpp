@@ -15,7 +15,7 @@ CUmemAllocationProp device_prop(int device) {
 
 Reservation::Reservation(uint64_t addr, uint64_t size) : size_(size) {
   CUdeviceptr p = 0;
-  THAW_CU(driver::cu().cuMemAddressReserve(&p, size, 0, addr, 0));
+  THAW_CU(driver::cu().cuMemAddressReserve(&p, size, driver::reserve_alignment(addr), addr, 0));
   ptr_ = p;
 }
 

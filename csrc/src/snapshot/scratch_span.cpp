@@ -25,7 +25,8 @@ ScratchSpan::ScratchSpan(int device, uint64_t size, uint64_t base_hint,
   THAW_EXPECT(mapped.size() == size / g, "ScratchSpan needs one mapped flag per granule (" +
               std::to_string(size / g) + "), got " + std::to_string(mapped.size()));
   CUdeviceptr p = 0;
-  THAW_CU(d.cuMemAddressReserve(&p, size, g, static_cast<CUdeviceptr>(base_hint), 0));
+  THAW_CU(d.cuMemAddressReserve(&p, size, base_hint ? driver::reserve_alignment(base_hint) : g,
+                                static_cast<CUdeviceptr>(base_hint), 0));
   base_ = p;
   size_ = size;
   try {
