@@ -117,6 +117,7 @@ struct HostPoolOptions {
   Registration registration = Registration::Auto;  // Auto: register when a GPU is present
   bool parallel_registration = true;               // one thread per slab (capped), else serial
   size_t registration_threads = 16;                // cap on parallel registration threads
+  bool prefault = true;  // before registering, fault every page in with parallel threads
   int device = 0;                                  // whose primary context registers
   StatfsFn statfs;                                 // injectable; empty -> statfs_capacity
 };
@@ -134,6 +135,7 @@ struct RegistrationTiming {
   bool parallel = false;
   size_t threads = 0;
   double seconds = 0;                // wall time of registering every slab
+  double prefault_seconds = 0;       // wall time of the parallel prefault before it (0: none)
   std::vector<double> slab_seconds;  // each slab's cuMemHostRegister
 };
 
@@ -170,6 +172,7 @@ class HostPool {
     size_t bytes = 0;
   };
   void unmap_all() noexcept;
+  void prefault_parallel(size_t threads);
 
   size_t total_bytes_;
   size_t page_bytes_;

@@ -319,6 +319,14 @@ HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions option
       maps_.push_back({p, s.map_bytes});
     }
 
+    if (do_register && options_.prefault) {
+      // cuMemHostRegister faults in and pins pages under the process's memory-map lock, so
+      // registering slabs in parallel barely helps (measured 1.05x on the H200 host). Page
+      // faults themselves run in parallel (per-VMA locks), so fault everything in first.
+      const auto tp = std::chrono::steady_clock::now();
+      prefault_parallel(std::max<size_t>(1, options_.registration_threads));
+      timing_.prefault_seconds = seconds_since(tp);
+    }
     if (do_register) {
       const size_t count = plan_.size();
       std::vector<HostRegistration> regs(count);
@@ -377,6 +385,40 @@ HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions option
 HostPool::~HostPool() {
   regs_.clear();  // unregister before unmapping
   unmap_all();
+}
+
+void HostPool::prefault_parallel(size_t threads) {
+  constexpr size_t kPiece = size_t(64) << 20;
+  struct Piece {
+    uint8_t* p;
+    size_t n;
+  };
+  std::vector<Piece> pieces;
+  for (const auto& m : maps_)
+    for (size_t off = 0; off < m.bytes; off += kPiece)
+      pieces.push_back({m.ptr + off, std::min(kPiece, m.bytes - off)});
+  const size_t step = map_align_;
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+#ifdef MADV_POPULATE_WRITE
+      if (::madvise(pieces[i].p, pieces[i].n, MADV_POPULATE_WRITE) == 0) continue;
+#endif
+      // Older kernels: a write per page faults it in (the pages are fresh, so zero is their
+      // content already).
+      volatile uint8_t* v = pieces[i].p;
+      for (size_t off = 0; off < pieces[i].n; off += step) v[off] = 0;
+    }
+  };
+  std::vector<std::thread> pool;
+  const size_t n = std::min(threads, pieces.size());
+  try {
+    for (size_t t = 1; t < n; ++t) pool.emplace_back(work);
+  } catch (...) {
+    // Fewer threads than asked: the ones running and this one drain the queue.
+  }
+  work();
+  for (auto& th : pool) th.join();
 }
 
 void HostPool::unmap_all() noexcept {
