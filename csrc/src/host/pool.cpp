@@ -136,40 +136,6 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
       "hugetlbfs mount to use ordinary pages");
 }
 
-// ---- primary context reference -----------------------------------------------------------------
-
-PrimaryContextRef::PrimaryContextRef(int device) {
-  const auto& d = driver::cu();
-  THAW_CU(d.cuDeviceGet(&dev_, device));
-  CUcontext ctx = nullptr;
-  THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx, dev_));
-  held_ = true;
-}
-
-PrimaryContextRef::~PrimaryContextRef() { release(); }
-
-void PrimaryContextRef::release() noexcept {
-  if (!held_) return;
-  held_ = false;
-  try {
-    (void)driver::cu().cuDevicePrimaryCtxRelease(dev_);
-  } catch (...) {
-    // Destructors never throw.
-  }
-}
-
-PrimaryContextRef::PrimaryContextRef(PrimaryContextRef&& o) noexcept
-    : held_(std::exchange(o.held_, false)), dev_(o.dev_) {}
-
-PrimaryContextRef& PrimaryContextRef::operator=(PrimaryContextRef&& o) noexcept {
-  if (this != &o) {
-    release();
-    held_ = std::exchange(o.held_, false);
-    dev_ = o.dev_;
-  }
-  return *this;
-}
-
 // ---- one registration ---------------------------------------------------------------------------
 
 HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling)
@@ -181,12 +147,10 @@ HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t c
                   "is " + human(ceiling) +
                   " (THAW_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
                   "into slabs (HostPool does) or raise THAW_MAX_SLAB_GB if this driver allows it");
-  PrimaryContextRef keep(device);
   driver::ContextGuard ctx(device);
   // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
   THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes,
                                          CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
-  context_ = std::move(keep);
   ptr_ = ptr;
   bytes_ = bytes;
 }
@@ -205,19 +169,16 @@ void HostRegistration::release() noexcept {
   }
   ptr_ = nullptr;
   bytes_ = 0;
-  context_ = PrimaryContextRef();  // after the unregister
 }
 
 HostRegistration::HostRegistration(HostRegistration&& o) noexcept
-    : context_(std::move(o.context_)),
-      ptr_(std::exchange(o.ptr_, nullptr)),
+    : ptr_(std::exchange(o.ptr_, nullptr)),
       bytes_(std::exchange(o.bytes_, 0)),
       device_(o.device_) {}
 
 HostRegistration& HostRegistration::operator=(HostRegistration&& o) noexcept {
   if (this != &o) {
     release();
-    context_ = std::move(o.context_);
     ptr_ = std::exchange(o.ptr_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
     device_ = o.device_;
