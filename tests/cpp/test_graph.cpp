@@ -11,6 +11,7 @@
 #include <algorithm>
 #include "thaw/crc32c.hpp"
 
+#include "thaw/driver.hpp"
 #include "thaw/graph.hpp"
 
 using namespace thaw::graph;
@@ -518,4 +519,72 @@ TEST(ModuleRegistry, ConcurrentAddsAreSafe) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(reg.size(), 50u);
   EXPECT_EQ(reg.modules_with_kernel("k7").size(), 1u);
+}
+
+// ------------------------------------------------------- GraphSet and the recorder, no driver
+#include "thaw/graph_cuda.hpp"
+
+TEST(GraphSetCpu, AddNamesAMissingModule) {
+  GraphSet set(0);
+  Graph g = sample_graph();
+  try {
+    set.add(g);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("thaw_axpy"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(to_hex(module_hash('a'))), std::string::npos) << e.what();
+  }
+}
+
+TEST(GraphSetCpu, ModuleHashIsChecked) {
+  GraphSet set(0);
+  const std::string bytes = ".version 8.0\n.entry k(\n";
+  const Hash right = sha256(bytes.data(), bytes.size());
+  EXPECT_EQ(set.add_module(bytes.data(), bytes.size(), &right), right);
+  const Hash wrong = module_hash('w');
+  EXPECT_THROW(set.add_module(bytes.data(), bytes.size(), &wrong), std::invalid_argument);
+}
+
+TEST(GraphSetCpu, TemplatesAndLifecycleWithoutADriver) {
+  GraphSet set(0);
+  for (char c : {'a', 'b'}) {
+    const std::string s(10, c);  // module_hash(c) is sha256 of these bytes
+    set.add_module(s.data(), s.size());
+  }
+  EXPECT_EQ(set.add(sample_graph(kBase, 1)), 0u);
+  EXPECT_EQ(set.add(sample_graph(kBase, 7)), 1u);
+  Graph other = sample_graph();
+  other.nodes[0].kernel.block.x = 64;
+  EXPECT_EQ(set.add(other), 2u);
+  EXPECT_EQ(set.template_of(0), set.template_of(1));
+  EXPECT_NE(set.template_of(0), set.template_of(2));
+  EXPECT_THROW(set.wait(0), std::invalid_argument) << "wait before start";
+  EXPECT_THROW(set.start(0), std::invalid_argument);
+  set.start(2);
+  EXPECT_THROW(set.start(1), std::invalid_argument);
+  EXPECT_THROW(set.add(sample_graph()), std::invalid_argument) << "add after start";
+  EXPECT_THROW(set.wait(3), std::invalid_argument);
+  if (thaw::driver::available()) GTEST_SKIP() << "a driver is present: the build would succeed";
+  // Without a driver each build fails, and waiting (or launching) reports why.
+  EXPECT_THROW(set.wait(1), thaw::DriverUnavailable);
+  EXPECT_THROW(set.launch(2, 0), thaw::DriverUnavailable);
+  EXPECT_THROW(set.wait_all(), thaw::DriverUnavailable);
+  const RebuildStats st = set.stats();
+  EXPECT_EQ(st.graphs, 3u);
+  EXPECT_EQ(st.templates, 2u);
+  EXPECT_EQ(st.built_templates, 0u);
+}
+
+TEST(ModuleRecorderCpu, UnloadableCuptiIsAClearError) {
+  ::setenv("THAW_CUPTI_PATH", "/nonexistent/libcupti.so.13", 1);
+  try {
+    ModuleRecorder::instance().start();
+    FAIL() << "no error";
+  } catch (const thaw::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/libcupti.so.13"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("THAW_CUPTI_PATH"), std::string::npos) << e.what();
+  }
+  ::unsetenv("THAW_CUPTI_PATH");
+  EXPECT_FALSE(ModuleRecorder::instance().active());
 }
