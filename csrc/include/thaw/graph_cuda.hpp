@@ -130,3 +130,48 @@ class GraphSet {
 };
 
 }  // namespace thaw::graph
+
+namespace thaw::graph {
+
+// A device memory arena at a caller-chosen virtual address (one VMM reservation, mapped in
+// full, bump-allocated, never reused). Graph tests and benchmarks use it to give a captured
+// graph the same addresses in a fresh process until the region allocator (csrc/src/region)
+// takes over; installed as the arena behind thaw_graph_arena_malloc/free it can back a
+// torch.cuda.MemPool through CUDAPluggableAllocator.
+class FixedArena {
+ public:
+  // base 0: wherever the driver likes. A driver that returns another address than `base` is an
+  // error naming both. size is rounded up to the allocation granularity.
+  FixedArena(uint64_t base, size_t size, int device);
+  ~FixedArena();
+  FixedArena(const FixedArena&) = delete;
+  FixedArena& operator=(const FixedArena&) = delete;
+  uint64_t base() const noexcept { return base_; }
+  size_t size() const noexcept { return size_; }
+  size_t used() const;
+  // Next `n` bytes aligned to `align` (a power of two); thaw::OutOfSpace when full.
+  uint64_t allocate(size_t n, size_t align = 512);
+
+ private:
+  void release() noexcept;
+  uint64_t base_ = 0;
+  size_t size_ = 0;
+  int device_ = 0;
+  CUmemGenericAllocationHandle handle_ = 0;
+  bool reserved_ = false, created_ = false, mapped_ = false;
+  mutable std::mutex mu_;
+  size_t cursor_ = 0;
+};
+
+// The arena thaw_graph_arena_malloc allocates from (nullptr: none; malloc then fails).
+void install_arena(std::shared_ptr<FixedArena> arena);
+std::shared_ptr<FixedArena> installed_arena();
+
+}  // namespace thaw::graph
+
+// C ABI for torch.cuda.memory.CUDAPluggableAllocator(<thaw/_native .so>, "thaw_graph_arena_malloc",
+// "thaw_graph_arena_free"). Free is a no-op: the arena never reuses an address.
+extern "C" {
+void* thaw_graph_arena_malloc(long size, int device, void* stream);
+void thaw_graph_arena_free(void* ptr, long size, int device, void* stream);
+}
