@@ -191,6 +191,7 @@ nb::dict stats_dict(const RebuildStats& s) {
 }  // namespace
 
 void bind_graph(nb::module_& m) {
+  nb::exception<FreezeError>(m, "GraphFreezeError", PyExc_RuntimeError);
   m.def("graph_format_version", [] { return kGraphFormatVersion; });
   m.def("graph_sha256", [](nb::bytes b) {
     const char* p = b.c_str();

@@ -48,6 +48,16 @@ GraphSet::~GraphSet() {
     next_job_ = templates_.size();  // no new builds
   }
   for (std::thread& t : threads_) t.join();
+  // Launched graphs may still run kernels from modules unloaded below: wait for them.
+  bool built = false;
+  for (const auto& t : templates_) built = built || t->exec != nullptr;
+  if (built && driver::available()) {
+    try {
+      driver::ContextGuard ctx(device_);
+      driver::cu().cuCtxSynchronize();
+    } catch (...) {
+    }
+  }
   templates_.clear();  // executables and graphs before the modules their kernels live in
   loaded_.clear();
 }
