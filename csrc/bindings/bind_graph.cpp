@@ -273,7 +273,7 @@ void bind_graph(nb::module_& m) {
   }, nb::arg("handle"), nb::arg("region_base") = 0, nb::arg("region_size") = 0, nb::arg("device") = 0);
 
   nb::class_<GraphSet>(m, "GraphSet", "Rebuilt graphs: one executable per topology template.")
-      .def(nb::init<int>(), nb::arg("device") = 0)
+      .def(nb::init<int, bool>(), nb::arg("device") = 0, nb::arg("share_templates") = true)
       .def("add_module", [](GraphSet& s, nb::bytes b, std::optional<std::string> expected) {
         const char* p = b.c_str();
         const size_t n = b.size();
@@ -315,7 +315,21 @@ void bind_graph(nb::module_& m) {
       .def_prop_ro("base", &FixedArena::base)
       .def_prop_ro("size", &FixedArena::size)
       .def_prop_ro("used", &FixedArena::used)
-      .def("allocate", &FixedArena::allocate, nb::arg("nbytes"), nb::arg("align") = 512);
+      .def("allocate", &FixedArena::allocate, nb::arg("nbytes"), nb::arg("align") = 512)
+      .def("write", [](FixedArena& a, size_t offset, nb::bytes data) {
+        const char* p = data.c_str();
+        const size_t n = data.size();
+        nb::gil_scoped_release nogil;
+        a.write(offset, p, n);
+      }, nb::arg("offset"), nb::arg("data"))
+      .def("read", [](const FixedArena& a, size_t offset, size_t nbytes) {
+        std::string out(nbytes, '\0');
+        {
+          nb::gil_scoped_release nogil;
+          a.read(offset, out.data(), nbytes);
+        }
+        return nb::bytes(out.data(), out.size());
+      }, nb::arg("offset"), nb::arg("nbytes"));
   m.def("graph_install_arena", [](std::shared_ptr<FixedArena> a) { install_arena(std::move(a)); },
         nb::arg("arena").none());
 }

@@ -397,11 +397,13 @@ def _stream_handle(stream: Any) -> int:
 
 
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
-         threads: int = 2, names: list[str] | None = None) -> LoadedGraphs:
+         threads: int = 2, names: list[str] | None = None,
+         share_templates: bool = True) -> LoadedGraphs:
     """Load the graphs saved under ``directory`` and start rebuilding them in the background.
 
     ``region_base``: where the region lives in this process (None: where it was at FREEZE);
     relocated words are rewritten to ``region_base + offset``. ``names``: only these graphs.
+    ``share_templates=False`` instantiates every graph separately (a benchmark baseline).
     Every module file is checked against its SHA-256 name and every graph file against its
     checksums before any driver call; a mismatch is a ValueError naming the file.
     """
@@ -416,7 +418,7 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         if missing:
             raise KeyError(f"graphs not in {root}: {sorted(missing)}")
         entries = [g for g in entries if g["name"] in wanted]
-    gset = _native.GraphSet(device)
+    gset = _native.GraphSet(device, share_templates)
     needed = sorted({h for g in entries for h in g["modules"]})
     for h in needed:
         m = index["modules"].get(h)

@@ -85,7 +85,8 @@ struct RebuildStats {
 // first applies its parameters with cuGraphExec*SetParams (no device synchronisation).
 class GraphSet {
  public:
-  explicit GraphSet(int device = 0);
+  // share_templates=false builds one executable per graph (the baseline templates beat).
+  explicit GraphSet(int device = 0, bool share_templates = true);
   ~GraphSet();  // joins the build threads, then releases executables, graphs, events, modules
   GraphSet(const GraphSet&) = delete;
   GraphSet& operator=(const GraphSet&) = delete;
@@ -114,6 +115,7 @@ class GraphSet {
   void apply(Template& t, size_t id);
 
   const int device_;
+  const bool share_templates_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<Hash, std::shared_ptr<const Module>> modules_;
@@ -151,6 +153,9 @@ class FixedArena {
   size_t used() const;
   // Next `n` bytes aligned to `align` (a power of two); thaw::OutOfSpace when full.
   uint64_t allocate(size_t n, size_t align = 512);
+  // Synchronous copies at an offset into the arena (checked against its size).
+  void write(size_t offset, const void* src, size_t n);
+  void read(size_t offset, void* dst, size_t n) const;
 
  private:
   void release() noexcept;

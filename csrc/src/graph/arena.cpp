@@ -72,6 +72,24 @@ uint64_t FixedArena::allocate(size_t n, size_t align) {
   return base_ + start;
 }
 
+void FixedArena::write(size_t offset, const void* src, size_t n) {
+  THAW_EXPECT(offset <= size_ && n <= size_ - offset,
+              "FixedArena write [" + std::to_string(offset) + ", +" + std::to_string(n) +
+                  ") outside its " + std::to_string(size_) + " bytes");
+  if (n == 0) return;
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
+}
+
+void FixedArena::read(size_t offset, void* dst, size_t n) const {
+  THAW_EXPECT(offset <= size_ && n <= size_ - offset,
+              "FixedArena read [" + std::to_string(offset) + ", +" + std::to_string(n) +
+                  ") outside its " + std::to_string(size_) + " bytes");
+  if (n == 0) return;
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
+}
+
 namespace {
 std::mutex g_arena_mu;
 std::shared_ptr<FixedArena>& arena_slot() {

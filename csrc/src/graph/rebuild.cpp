@@ -40,7 +40,8 @@ struct GraphSet::Template {
   }
 };
 
-GraphSet::GraphSet(int device) : device_(device) {}
+GraphSet::GraphSet(int device, bool share_templates)
+    : device_(device), share_templates_(share_templates) {}
 
 GraphSet::~GraphSet() {
   {
@@ -90,7 +91,11 @@ size_t GraphSet::add(Graph g) {
                       n.kernel.name + "' needs module " + to_hex(n.kernel.module) +
                       ", which was not added");
   }
-  const Hash topo = topology_hash(g);
+  Hash topo = topology_hash(g);
+  if (!share_templates_) {  // a distinct key per graph
+    const std::string salt = to_hex(topo) + "#" + std::to_string(id);
+    topo = sha256(salt.data(), salt.size());
+  }
   auto [it, fresh] = template_index_.emplace(topo, templates_.size());
   if (fresh) templates_.push_back(std::make_unique<Template>());
   templates_[it->second]->members.push_back(id);
