@@ -303,6 +303,10 @@ void bind_graph(nb::module_& m) {
         nb::gil_scoped_release nogil;
         s.launch(id, stream);
       }, nb::arg("id"), nb::arg("stream") = 0)
+      .def("synchronize", [](GraphSet& s) {
+        nb::gil_scoped_release nogil;
+        s.synchronize();
+      })
       .def("template_of", &GraphSet::template_of)
       .def("__len__", &GraphSet::size)
       .def("stats", [](const GraphSet& s) { return stats_dict(s.stats()); });

@@ -368,7 +368,15 @@ class LoadedGraphs:
         gid = self._id(name)
         self._set.launch(gid, _stream_handle(stream))
 
+    def synchronize(self) -> None:
+        """Wait until all work on the device has finished (``cuCtxSynchronize``)."""
+        if self._set is None:
+            raise ValueError("these graphs were closed")
+        self._set.synchronize()
+
     def stats(self) -> dict:
+        """Counts: graphs, templates, built_templates, ready_graphs, modules_loaded,
+        parameter_switches, nodes_updated, build_seconds (summed over build threads)."""
         return dict(self._set.stats())
 
     def close(self) -> None:

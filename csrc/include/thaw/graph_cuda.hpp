@@ -102,6 +102,8 @@ class GraphSet {
   void wait_all();
   // Enqueues graph `id` on `stream` (CUstream as an integer; 0 = the legacy default stream).
   void launch(size_t id, uint64_t stream);
+  // cuCtxSynchronize on the set's device (tests and benchmarks; replay itself never syncs).
+  void synchronize();
   size_t size() const;
   size_t template_of(size_t id) const;
   RebuildStats stats() const;

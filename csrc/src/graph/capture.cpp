@@ -163,7 +163,21 @@ class Resolver {
 };
 
 uint64_t copy_address(CUmemorytype t, CUdeviceptr dev, const char* which, const std::string& where) {
-  if (t == CU_MEMORYTYPE_DEVICE || t == CU_MEMORYTYPE_UNIFIED) return dev;
+  if (t == CU_MEMORYTYPE_UNIFIED) {
+    // A unified address may be pinned host memory (the runtime captures cudaMemcpyDefault and
+    // host copies this way): ask the driver what it is.
+    unsigned int actual = 0;
+    const CUresult r = driver::cu().cuPointerGetAttribute(&actual, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, dev);
+    if (r != CUDA_SUCCESS || actual != CU_MEMORYTYPE_DEVICE)
+      throw FreezeError(where + ": memcpy " + which + " " + std::to_string(dev) + " is " +
+                        (r != CUDA_SUCCESS ? std::string("not memory the driver knows (pageable "
+                                                         "host memory?)")
+                                           : "host memory") +
+                        "; only copies between device addresses can be frozen (host addresses "
+                        "do not survive the process)");
+    return dev;
+  }
+  if (t == CU_MEMORYTYPE_DEVICE) return dev;
   const char* what = t == CU_MEMORYTYPE_HOST    ? "host memory"
                      : t == CU_MEMORYTYPE_ARRAY ? "a CUDA array"
                                                 : "an unknown memory type";

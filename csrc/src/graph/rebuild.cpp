@@ -395,6 +395,11 @@ void GraphSet::launch(size_t id, uint64_t stream) {
   THAW_CU(CU_NEED(cuGraphLaunch)(T.exec, reinterpret_cast<CUstream>(stream)));
 }
 
+void GraphSet::synchronize() {
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuCtxSynchronize());
+}
+
 size_t GraphSet::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return graphs_.size();
