@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -82,6 +83,11 @@ def record_modules(extra_paths: list[str] | None = None) -> None:
     ``extra_paths`` and CUPTI from pip wheels. Idempotent. CUPTI allows one subscriber per
     process, so this cannot run together with torch's profiler or Nsight.
     """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized() and not recorder_info()["active"]:
+        warnings.warn("thaw.graphs.record_modules(): CUDA is already initialised in this "
+                      "process; kernel binaries loaded so far were not recorded, and graphs "
+                      "using them will fail to freeze", RuntimeWarning, stacklevel=2)
     paths = [str(p) for p in (extra_paths or [])] + _cupti_candidates()
     _native.graph_record_modules(paths)
 

@@ -51,6 +51,7 @@ class ModuleRecorder {
 
  private:
   ModuleRecorder() = default;
+  void start_locked(const std::vector<std::string>& extra_paths);
   mutable std::mutex mu_;
   ModuleRegistry registry_;
   void* lib_ = nullptr;

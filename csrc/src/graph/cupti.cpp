@@ -95,8 +95,16 @@ void ModuleRecorder::on_module_loaded(const void* data, size_t n) noexcept {
 }
 
 void ModuleRecorder::start(const std::vector<std::string>& extra_paths) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (active_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_) return;
+    start_locked(extra_paths);
+  }
+  // Logged outside the lock: the Python log sink takes the GIL.
+  if (log::enabled(log::kInfo)) log::info("recording kernel binaries through " + library_path());
+}
+
+void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
   if (lib_ == nullptr) {
     std::string tried;
     for (const std::string& p : candidates(extra_paths)) {
@@ -139,7 +147,6 @@ void ModuleRecorder::start(const std::vector<std::string>& extra_paths) {
   }
   subscriber_ = sub;
   active_ = true;
-  if (log::enabled(log::kInfo)) log::info("recording kernel binaries through " + lib_path_);
 }
 
 void ModuleRecorder::stop() {
