@@ -452,6 +452,10 @@ TEST(KernelNames, TruncatedOrCorruptElfNeverCrashes) {
   size_t errors = 0;
   for (size_t n = 0; n < cubin.size(); n += 7) {
     try {
+      kernel_code_hash(cubin.data(), n, "thaw_axpy");
+    } catch (const std::invalid_argument&) {
+    }
+    try {
       const auto names = kernel_names(cubin.data(), n);
       for (const auto& s : names) EXPECT_TRUE(kFixtureKernels.count(s)) << s;
     } catch (const std::invalid_argument&) {
@@ -465,6 +469,10 @@ TEST(KernelNames, TruncatedOrCorruptElfNeverCrashes) {
     b[rng() % b.size()] ^= uint8_t(1 + rng() % 255);
     try {
       kernel_names(b.data(), b.size());
+    } catch (const std::invalid_argument&) {
+    }
+    try {
+      kernel_code_hash(b.data(), b.size(), "thaw_axpy");
     } catch (const std::invalid_argument&) {
     }
   }
@@ -587,4 +595,21 @@ TEST(ModuleRecorderCpu, UnloadableCuptiIsAClearError) {
   }
   ::unsetenv("THAW_CUPTI_PATH");
   EXPECT_FALSE(ModuleRecorder::instance().active());
+}
+
+TEST(KernelNames, CodeHashIdentifiesTheSameMachineCodeAcrossBinaries) {
+  REQUIRE_FIXTURES();
+  const auto a = read_file(fixture("graph_kernels.cubin"));
+  const auto b = read_file(fixture("graph_kernels2.cubin"));
+  ASSERT_FALSE(b.empty());
+  ASSERT_NE(sha256(a.data(), a.size()), sha256(b.data(), b.size()));
+  const std::string scale = "_Z10thaw_scaleIfEvPT_S0_i";
+  const Hash ha = kernel_code_hash(a.data(), a.size(), scale);
+  EXPECT_NE(ha, Hash{});
+  EXPECT_EQ(ha, kernel_code_hash(b.data(), b.size(), scale));
+  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "thaw_axpy"), ha);
+  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "thaw_axpy"), Hash{});
+  EXPECT_EQ(kernel_code_hash(b.data(), b.size(), "thaw_axpy"), Hash{}) << "not in b";
+  const auto ptx = read_file(fixture("graph_kernels.ptx"));
+  EXPECT_EQ(kernel_code_hash(ptx.data(), ptx.size(), scale), Hash{}) << "PTX has no machine code";
 }

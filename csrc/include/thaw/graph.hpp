@@ -186,6 +186,13 @@ BinaryKind detect_binary_kind(const void* data, size_t n) noexcept;
 // text (`.entry name`). A malformed ELF is a ValueError; an unknown kind returns {}.
 std::vector<std::string> kernel_names(const void* data, size_t n);
 
+// A fingerprint of one kernel's machine code in an ELF cubin: SHA-256 over the name, the bytes
+// and flags (register count) of `.text.<name>`, the size of its parameter constant bank, and its
+// relocations with target symbols by name (indices differ between binaries). Two binaries with
+// equal fingerprints run the same code for that kernel. All zero when `data` is not an ELF
+// cubin or has no `.text.<name>`.
+Hash kernel_code_hash(const void* data, size_t n, const std::string& name);
+
 struct Module {
   Hash hash{};
   BinaryKind kind = BinaryKind::unknown;

@@ -106,6 +106,22 @@ class Resolver {
       if (!keep.empty()) c = keep;
       if (c.size() == 1) return c[0];
     }
+    // Identical machine code for this kernel in every remaining binary (a template instantiated
+    // in several translation units): any of them runs the same code; take the first.
+    {
+      auto code_of = [&](const Hash& h) {
+        const auto m = modules_.get(h);
+        try {
+          return kernel_code_hash(m->bytes.data(), m->bytes.size(), name);
+        } catch (const std::invalid_argument&) {
+          return Hash{};  // a malformed ELF has no fingerprint
+        }
+      };
+      const Hash code = code_of(c[0]);
+      bool same = code != Hash{};
+      for (size_t i = 1; same && i < c.size(); ++i) same = code_of(c[i]) == code;
+      if (same) return c[0];
+    }
     // Then load each candidate and compare the function's attributes with this one's.
     const std::vector<int> want = identity(f);
     std::vector<Hash> keep;

@@ -136,6 +136,84 @@ void fatbin_entries(const uint8_t* p, size_t n, std::vector<std::string>& out) {
 
 }  // namespace
 
+Hash kernel_code_hash(const void* data, size_t n, const std::string& name) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  if (!is_elf(p, n) || n < sizeof(Elf64_Ehdr) || p[EI_CLASS] != ELFCLASS64) return Hash{};
+  const auto eh = read_at<Elf64_Ehdr>(p, n, 0, "ELF header");
+  if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) || eh.e_shstrndx >= eh.e_shnum)
+    return Hash{};
+  auto section = [&](uint32_t i) {
+    THAW_EXPECT(i < eh.e_shnum, "malformed ELF: section index " + std::to_string(i));
+    return read_at<Elf64_Shdr>(p, n, eh.e_shoff + uint64_t(i) * sizeof(Elf64_Shdr), "section header");
+  };
+  auto strings = [&](const Elf64_Shdr& sh) {
+    THAW_EXPECT(sh.sh_offset <= n && sh.sh_size <= n - sh.sh_offset,
+                "malformed ELF: string table beyond the image");
+    return std::string_view(reinterpret_cast<const char*>(p + sh.sh_offset), sh.sh_size);
+  };
+  auto str_at = [](std::string_view t, uint32_t off) {
+    if (off >= t.size()) return std::string_view();
+    const size_t end = t.find('\0', off);
+    return t.substr(off, (end == std::string_view::npos ? t.size() : end) - off);
+  };
+  const std::string_view shnames = strings(section(eh.e_shstrndx));
+  auto find = [&](const std::string& want) -> int {
+    for (uint32_t i = 0; i < eh.e_shnum; ++i)
+      if (str_at(shnames, section(i).sh_name) == want) return int(i);
+    return -1;
+  };
+  // The code, with the section flags (they carry the register count), the parameter bank size
+  // and the relocations with symbols by name (symbol indices differ between binaries).
+  const int text = find(".text." + name);
+  if (text < 0) return Hash{};
+  const auto ts = section(text);
+  THAW_EXPECT(ts.sh_offset <= n && ts.sh_size <= n - ts.sh_offset,
+              "malformed ELF: .text." + name + " beyond the image");
+  Sha256 h;
+  h.update(name.data(), name.size());
+  h.update(&ts.sh_flags, sizeof ts.sh_flags);
+  h.update(&ts.sh_size, sizeof ts.sh_size);
+  h.update(p + ts.sh_offset, ts.sh_size);
+  if (const int c0 = find(".nv.constant0." + name); c0 >= 0) {
+    const uint64_t size = section(c0).sh_size;
+    h.update(&size, sizeof size);
+  }
+  for (const char* prefix : {".rela.text.", ".rel.text."}) {
+    const int r = find(prefix + name);
+    if (r < 0) continue;
+    const auto rs = section(r);
+    const bool rela = prefix[4] == 'a';
+    const size_t entry = rela ? sizeof(Elf64_Rela) : sizeof(Elf64_Rel);
+    THAW_EXPECT(rs.sh_offset <= n && rs.sh_size <= n - rs.sh_offset,
+                "malformed ELF: relocations of " + name + " beyond the image");
+    const auto symtab = section(rs.sh_link);
+    const std::string_view symnames = strings(section(symtab.sh_link));
+    for (uint64_t off = 0; off + entry <= rs.sh_size; off += entry) {
+      Elf64_Rela rel{};
+      if (rela) {
+        rel = read_at<Elf64_Rela>(p, n, rs.sh_offset + off, "relocation");
+      } else {
+        const auto r0 = read_at<Elf64_Rel>(p, n, rs.sh_offset + off, "relocation");
+        rel.r_offset = r0.r_offset;
+        rel.r_info = r0.r_info;
+      }
+      const uint64_t type = ELF64_R_TYPE(rel.r_info);
+      const int64_t addend = rel.r_addend;
+      const auto sym = read_at<Elf64_Sym>(
+          p, n, symtab.sh_offset + uint64_t(ELF64_R_SYM(rel.r_info)) * sizeof(Elf64_Sym), "symbol");
+      const std::string_view target = ELF64_ST_TYPE(sym.st_info) == STT_SECTION
+                                          ? str_at(shnames, section(sym.st_shndx).sh_name)
+                                          : str_at(symnames, sym.st_name);
+      h.update(&rel.r_offset, sizeof rel.r_offset);
+      h.update(&type, sizeof type);
+      h.update(&addend, sizeof addend);
+      h.update(target.data(), target.size());
+      h.update("", 1);
+    }
+  }
+  return h.finish();
+}
+
 BinaryKind detect_binary_kind(const void* data, size_t n) noexcept {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   if (is_elf(p, n)) return BinaryKind::elf;
