@@ -263,7 +263,11 @@ class GraphStore:
             t["graphs"].append(name)
             for h in info["modules"]:
                 if h not in modules:
-                    m = _native.graph_recorded_module(h)
+                    try:
+                        m = _native.graph_recorded_module(h)
+                    except ValueError:
+                        raise ValueError(f"graph {name!r} uses module {h}, which this process "
+                                         "did not record (see record_modules)") from None
                     mrel = f"{MODULES_DIR}/{h}.bin"
                     _write_atomic(root / mrel, m["bytes"])
                     modules[h] = {"file": mrel, "bytes": len(m["bytes"]), "kind": m["kind"],

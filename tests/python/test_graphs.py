@@ -286,3 +286,12 @@ def test_graphset_missing_module_names_the_kernel():
     data = _native.graph_build({"nodes": [pointer_kernel([1])]})
     with pytest.raises(ValueError, match="kernel 'k' needs module abab"):
         gs.add(data)
+
+
+def test_save_names_a_graph_whose_module_was_not_recorded(tmp_path):
+    store = tg.GraphStore()
+    k = pointer_kernel([1])
+    k["module"] = "cd" * 32
+    store.add("orphan", _native.graph_build({"nodes": [k]}))
+    with pytest.raises(ValueError, match="graph 'orphan' uses module cdcd.*did not record"):
+        store.save(tmp_path)
