@@ -253,12 +253,14 @@ CUresult func_get_param_info(CUfunction f, size_t i, size_t* off, size_t* size) 
   return CUDA_SUCCESS;
 }
 CUresult func_get_attribute(int* v, CUfunction_attribute a, CUfunction f) {
+  std::lock_guard<std::mutex> l(mu);  // the real driver is thread-safe; so is the fake
   auto& attrs = reinterpret_cast<Func*>(f)->attrs;
   auto it = attrs.find(a);
   *v = it != attrs.end() ? it->second : (a == CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT ? -1 : 0);
   return CUDA_SUCCESS;
 }
 CUresult func_set_attribute(CUfunction f, CUfunction_attribute a, int v) {
+  std::lock_guard<std::mutex> l(mu);
   reinterpret_cast<Func*>(f)->attrs[a] = v;
   return CUDA_SUCCESS;
 }

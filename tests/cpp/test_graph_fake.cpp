@@ -325,3 +325,30 @@ TEST(GraphFake, BuildErrorsReachEveryWaiterWithTheNodeNamed) {
   }
   expect_nothing_alive();
 }
+
+TEST(GraphFake, ManyTemplatesOnFourBuildThreadsWaitedInAnyOrder) {
+  ASSERT_TRUE(thaw::driver::available());
+  std::vector<Graph> gs;
+  for (uint32_t t = 0; t < 24; ++t)
+    for (uint32_t n : {64u, 640u, 6400u}) {
+      Graph g = pipeline(kBase, n, t);
+      g.nodes[3].kernel.block.x = 32 * (1 + t);  // 24 topologies of 3 members each
+      gs.push_back(g);
+    }
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    for (const Graph& g : gs) set.add(g);
+    set.start(4);
+    for (size_t i = gs.size(); i-- > 0;) set.wait(i);
+    EXPECT_EQ(set.stats().templates, 24u);
+    EXPECT_EQ(set.stats().built_templates, 24u);
+    EXPECT_EQ(set.stats().ready_graphs, gs.size());
+    EXPECT_EQ(live("execs"), 24);
+    const size_t first = launches();
+    for (size_t i = 0; i < gs.size(); ++i) set.launch((i * 7) % gs.size(), 0);
+    for (size_t i = 0; i < gs.size(); ++i)
+      ASSERT_EQ(launch_state(first + i), expected_state(gs[(i * 7) % gs.size()])) << "launch " << i;
+  }
+  expect_nothing_alive();
+}
