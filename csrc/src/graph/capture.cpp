@@ -128,7 +128,7 @@ class Resolver {
     for (const Hash& h : c) {
       auto m = modules_.get(h);
       CUmodule mod = nullptr;
-      if (CU_NEED(cuModuleLoadData)(&mod, m->bytes.data()) != CUDA_SUCCESS) continue;
+      if (detail::load_module(&mod, *m) != CUDA_SUCCESS) continue;
       CUfunction g = nullptr;
       bool same = false;
       if (CU_NEED(cuModuleGetFunction)(&g, mod, name.c_str()) == CUDA_SUCCESS) {

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "thaw/driver.hpp"
 #include "thaw/error.hpp"
+#include "thaw/graph.hpp"
 
 namespace thaw::graph::detail {
 
@@ -16,6 +18,16 @@ F need(F f, const char* name) {
                             std::to_string(driver::table().driver_version) + ") lacks " + name +
                             ", which CUDA graph persistence needs");
   return f;
+}
+
+// cuModuleLoadData of a recorded binary. PTX (and anything not self-sized) is read by the driver
+// as a NUL-terminated string, so it gets a terminated copy; cubins and fatbins go as they are.
+inline CUresult load_module(CUmodule* out, const Module& m) {
+  auto load = need(driver::cu().cuModuleLoadData, "cuModuleLoadData");
+  if (m.kind == BinaryKind::elf || m.kind == BinaryKind::fatbin) return load(out, m.bytes.data());
+  std::vector<uint8_t> text(m.bytes);
+  text.push_back(0);
+  return load(out, text.data());
 }
 
 }  // namespace thaw::graph::detail

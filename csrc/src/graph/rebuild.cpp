@@ -156,7 +156,7 @@ CUfunction GraphSet::function(const Hash& module, const std::string& name) {
       m = modules_.at(module);  // add() checked presence
     }
     auto l = std::make_unique<Loaded>();
-    const CUresult r = CU_NEED(cuModuleLoadData)(&l->module, m->bytes.data());
+    const CUresult r = detail::load_module(&l->module, *m);
     if (r != CUDA_SUCCESS)
       ::thaw::detail::throw_cuda(r, ("cuModuleLoadData(module " + to_hex(module) + ", " +
                              binary_kind_name(m->kind) + ", " + std::to_string(m->bytes.size()) +
