@@ -105,5 +105,8 @@ def test_missing_binary_fails_at_freeze(tmp_path):
 
 def test_unsupported_copy_fails_at_freeze(tmp_path):
     r = run_worker("freeze", "unsupported", str(tmp_path), hex(BASE_A))
+    if r.get("capture_error"):
+        pytest.skip(f"torch refused to capture a pinned-host copy: {r['capture_error']} "
+                    "(the C++ GPU test covers an unsupported child-graph node)")
     assert r["freeze_error"] is not None, "a pinned-host copy in the graph did not fail"
     assert "host memory" in r["freeze_error"], r["freeze_error"]
