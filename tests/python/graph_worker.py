@@ -2,7 +2,7 @@
 graphs in separate, fresh processes.
 
     python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/rank0 + image
-    python graph_worker.py thaw   main DIR BASE     # no torch: rebuild at BASE, replay, compare
+    python graph_worker.py thaw   main DIR BASE [NAME]  # no torch: rebuild at BASE, replay, compare
     python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
     python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
 
@@ -148,15 +148,18 @@ def freeze(case: str, out: Path, base: int) -> dict:
     return result
 
 
-def thaw(case: str, out: Path, base: int) -> dict:
+def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     import thaw.graphs as tg
 
     meta = json.loads((out / "freeze.json").read_text())
+    if only is not None:  # one graph alone (a fault in one graph cannot hide the others)
+        meta["outputs"] = {only: meta["outputs"][only]}
     t0 = time.perf_counter()
     arena = tg.FixedArena(base, meta["size"])
     arena.write(0, (out / "arena.bin").read_bytes())
     t1 = time.perf_counter()
-    graphs = tg.load(out / "rank0", region_base=arena.base)
+    graphs = tg.load(out / "rank0", region_base=arena.base,
+                     names=None if only is None else [only])
     graphs.wait_all()
     t2 = time.perf_counter()
     equal, first_diff = {}, {}
@@ -186,7 +189,8 @@ def main() -> int:
     mode, case, out, base = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4], 0)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        r = freeze(case, out, base) if mode == "freeze" else thaw(case, out, base)
+        only = sys.argv[5] if len(sys.argv) > 5 else None
+        r = freeze(case, out, base) if mode == "freeze" else thaw(case, out, base, only)
         r["ok"] = True
     except Exception as e:
         r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
