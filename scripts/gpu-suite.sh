@@ -36,6 +36,7 @@ GPU_BENCHMARKS=(
   benchmarks/python/bench_region.py
   benchmarks/python/bench_snapshot.py
   benchmarks/python/bench_host.py
+  benchmarks/python/bench_graphs.py
 )
 
 step nvidia-smi nvidia-smi
