@@ -4,4 +4,5 @@ NB_MODULE(_native, m) {
   m.doc() = "thaw's private native module; use the `thaw` package instead.";
   thaw::bindings::bind_common(m);
   thaw::bindings::bind_driver(m);
+  thaw::bindings::bind_disk(m);
 }
