@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "thaw/aligned.hpp"
@@ -133,6 +134,10 @@ class SlabFile {
   // Header-only scan of every slot (one 4 KiB read each); returns the slots whose header
   // verifies for this slab. Payload CRCs are checked later, on read.
   std::vector<ScannedSlot> scan() const;
+
+  // Overwrites the slot's first 4 KiB with zeros so its header never verifies again.
+  // Throws std::system_error on an I/O error.
+  void invalidate(uint64_t slot);
 
   // fdatasync(2): everything written so far is durable.
   void sync();
@@ -312,6 +317,8 @@ class Store {
     uint64_t slots_total = 0;
     uint64_t slots_used = 0;  // allocated: indexed + in flight
     std::vector<std::vector<uint64_t>> free;  // per drive free slots
+    // Per drive: free slots whose old header may still verify on disk; close() zeroes them.
+    std::vector<std::unordered_set<uint64_t>> stale;
     std::unordered_map<Key, Entry, KeyHash> index;
     std::unordered_map<Key, Pending, KeyHash> pending;
     std::vector<HeapItem> heap;  // min-heap on tick (lazy deletion)

@@ -247,6 +247,12 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   pwrite_full(fd_, buf, n, slot_offset(slot), path_);
 }
 
+void SlabFile::invalidate(uint64_t slot) {
+  THAW_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
+  AlignedBuffer zero(kBlock);
+  pwrite_full(fd_, zero.data(), kBlock, slot_offset(slot), path_);
+}
+
 bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept {
   return h.magic == kSlotMagic && h.version == kFormatVersion &&
          h.header_crc == crc32c(&h, offsetof(SlotHeader, header_crc)) && h.kind == geo_.kind &&

@@ -74,6 +74,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
                                 std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
     THAW_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
     k.free.resize(nd);
+    k.stale.resize(nd);
     for (size_t d = 0; d < nd; ++d) {
       const std::string path =
           cfg_.dirs[d] + "/" + cfg_.name + ".kind" + std::to_string(i) + ".slab";
@@ -101,6 +102,7 @@ Store::~Store() { close(); }
 void Store::close() noexcept {
   {
     std::lock_guard lk(mu_);
+    if (closed_) return;
     closed_ = true;
   }
   for (auto& d : drives_) {
@@ -120,6 +122,20 @@ void Store::close() noexcept {
   for (auto& d : drives_)
     for (auto& t : d->threads)
       if (t.joinable()) t.join();
+  // Zero the headers of freed slots so `load` rebuilds exactly the live set (invariant 5).
+  std::lock_guard lk(mu_);
+  for (auto& k : kinds_) {
+    for (size_t d = 0; d < k.slabs.size(); ++d) {
+      if (k.stale[d].empty()) continue;
+      try {
+        for (uint64_t slot : k.stale[d]) k.slabs[d]->invalidate(slot);
+        k.slabs[d]->sync();
+        k.stale[d].clear();
+      } catch (const std::exception& e) {
+        log::error(std::string("thaw.disk: invalidating freed slots on close: ") + e.what());
+      }
+    }
+  }
 }
 
 // Rebuild the index, slot pool and GC order from the slab headers (invariant 7).
@@ -144,7 +160,10 @@ void Store::load_index() {
     for (const Found& f : found) {
       seq_ = std::max(seq_, f.s.seq + 1);
       auto it = k.index.find(f.s.key);
-      if (it != k.index.end()) used[it->second.drive][it->second.slot] = false;
+      if (it != k.index.end()) {  // an older copy of the same key: its slot is free again
+        used[it->second.drive][it->second.slot] = false;
+        k.stale[it->second.drive].insert(it->second.slot);
+      }
       const uint64_t t = ++tick_;
       k.index[f.s.key] = Entry{f.drive, f.s.slot, f.s.payload_len, t, t};
       used[f.drive][f.s.slot] = true;
@@ -183,6 +202,7 @@ const SlabFile& Store::slab(unsigned kind, unsigned drive) const {
 
 void Store::free_slot_locked(KindState& k, uint32_t drive, uint64_t slot) {
   k.free[drive].push_back(slot);
+  k.stale[drive].insert(slot);
   --k.slots_used;
 }
 
@@ -276,6 +296,7 @@ Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
       }
       const uint64_t slot = k.free[d].back();
       k.free[d].pop_back();
+      k.stale[d].erase(slot);  // the write replaces its header
       ++k.slots_used;
       k.pending[it.key] = Pending{};
       jobs.push_back(WriteJob{kind, it.key, static_cast<uint32_t>(d), slot, std::move(it.buffer),
