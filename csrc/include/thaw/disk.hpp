@@ -256,6 +256,7 @@ struct GetItem {
   uint8_t* dst = nullptr;       // where the payload goes
   size_t dst_bytes = 0;         // capacity of dst
   bool dst_is_slot = false;     // dst is a slot buffer (aligned, payload lands at dst + 64)
+  bool miss_if_small = false;   // a too-small dst is a miss instead of std::invalid_argument
 };
 
 class Store {

@@ -473,7 +473,7 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
     for (size_t i = 0; i < items.size(); ++i) {
       const GetItem& it = items[i];
       auto e = closed_ ? k.index.end() : k.index.find(it.key);
-      if (e == k.index.end()) continue;
+      if (e == k.index.end() || it.miss_if_small) continue;
       const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
                                          : e->second.len;
       THAW_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
@@ -485,6 +485,11 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
     }
     for (size_t i = 0; i < items.size(); ++i) {
       auto e = closed_ ? k.index.end() : k.index.find(items[i].key);
+      const GetItem& it = items[i];
+      if (e != k.index.end() && it.miss_if_small &&
+          it.dst_bytes < (it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
+                                         : e->second.len))
+        e = k.index.end();  // the entry changed size since the caller looked: a miss
       if (e == k.index.end()) {
         ++counters_.misses;
         done[i] = true;
