@@ -251,6 +251,23 @@ void bind_disk(nb::module_& m) {
              nb::gil_scoped_release nogil;
              return s.submit_get(kind, std::move(items))->wait();
            })
+      .def("get_buffers_async",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs) {
+             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             std::vector<disk::GetItem> items;
+             PyTicket t;
+             for (size_t i = 0; i < keys.size(); ++i) {
+               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+                           "buffer " + std::to_string(i) + " is None or of another kind");
+               t.keep.push_back(bufs[i]->buf);
+               items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
+                                             bufs[i]->buf->size(), true});
+             }
+             nb::gil_scoped_release nogil;
+             t.t = s.submit_get(kind, std::move(items));
+             return t;
+           })
       .def("get_buffers",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
               const std::vector<SlotBuffer*>& bufs) {
