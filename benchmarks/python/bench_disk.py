@@ -5,7 +5,7 @@ For each page size and queue depth, in the same run and on the same directory:
 * ``thaw``: ``DiskStore`` with ``depth`` write and read threads, zero-copy slot buffers
   (``put_buffers_async`` / ``get_buffers_async``, two batches of 2*depth pages in flight).
   Every put is acknowledged only after its slot write and an fdatasync (group commit of up to
-  ``max_batch`` writes per thread); every read verifies header and payload CRC32C.
+  ``max_batch`` = 32 writes per thread); every read verifies header and payload CRC32C.
 * ``fio``: ``--direct=1 --ioengine=libaio --iodepth=<depth> --bs=<page>`` sequential write
   then read of a file of the same total size, no fsync (the raw-device ceiling for this depth).
 * ``naive``: one buffered file per page (open/write/fsync/close, as a durable file-per-page
@@ -45,7 +45,7 @@ def bench_thaw(d: str, page: int, depth: int, total: int) -> tuple[float, float,
     n = max(4 * depth, total // page)
     budget = 4096 + int(n * 1.2 + 8 * depth) * tier.slot_bytes_for(page)
     with tier.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
-                        queue_capacity=max(64, 4 * depth), max_batch=8) as s:
+                        queue_capacity=max(64, 4 * depth)) as s:
         per = 2 * depth
         sets = [[s.buffer() for _ in range(per)] for _ in range(2)]
         for bset in sets:
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-mib", default="1,4")
     ap.add_argument("--depths", default="1,4,16")
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
+    ap.add_argument("--repeat", type=int, default=2, help="best of N for every contender")
     ap.add_argument("--quick", action="store_true", help="1 and 4 MiB at depth 4, 128 MiB")
     a = ap.parse_args(argv)
     if shutil.which("fio") is None:
@@ -176,9 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for page in sizes:
             for depth in depths:
-                tw, tr, info = bench_thaw(work, page, depth, total)
-                fw, fr = bench_fio(work, page, depth, total)
-                nw, nr = bench_naive(work, page, depth, total)
+                # best of `repeat` for every contender alike (shared, noisy machines)
+                tw = tr = fw = fr = nw = nr = 0.0
+                for _ in range(a.repeat):
+                    w, r, info = bench_thaw(work, page, depth, total)
+                    tw, tr = max(tw, w), max(tr, r)
+                    w, r = bench_fio(work, page, depth, total)
+                    fw, fr = max(fw, w), max(fr, r)
+                    w, r = bench_naive(work, page, depth, total)
+                    nw, nr = max(nw, w), max(nr, r)
                 tag = f"{page // MiB}MiB_qd{depth}"
                 for direction, t, f, nv in (("write", tw, fw, nw), ("read", tr, fr, nr)):
                     rows.append({"page_mib": page // MiB, "depth": depth, "op": direction,
@@ -207,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         res = resultlib.result(
             "disk", rows=rows, ratios=ratios, goals=goals, directory=a.dir,
             method={"thaw": "DiskStore, depth write/read threads, zero-copy slot buffers, "
-                            "fdatasync per batch of <= 8 writes per thread, CRC32C verify",
+                            "fdatasync per batch of <= 32 writes per thread (max_batch default), CRC32C verify",
                     "fio": "libaio, direct=1, iodepth=depth, sequential write then read, "
                            "no fsync",
                     "naive": "one file per page, buffered write+fsync, depth threads; reads "
                              "after posix_fadvise(DONTNEED)"},
-            total_bytes_per_measurement=total, elapsed_s=elapsed)
+            total_bytes_per_measurement=total, repeat=a.repeat, elapsed_s=elapsed)
         print(f"wrote {resultlib.write(res, a.out)}")
     return 0
 

@@ -3,7 +3,7 @@
 API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="thaw", cold_start="clear", direct_io=None,
-write_threads=2, read_threads=2, queue_capacity=64, max_batch=8, gc_high=0.90, gc_low=0.85)``
+write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85)``
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -206,7 +206,7 @@ class DiskStore:
                  kinds: int | Mapping[str, Any], *, name: str = "thaw",
                  cold_start: str = "clear", direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
-                 max_batch: int = 8, gc_high: float = 0.90, gc_low: float = 0.85) -> None:
+                 max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85) -> None:
         self._s = None
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]

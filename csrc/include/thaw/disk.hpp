@@ -183,7 +183,7 @@ struct StoreConfig {
   unsigned write_threads = 2;      // per drive
   unsigned read_threads = 2;       // per drive
   unsigned queue_capacity = 64;    // jobs per drive queue; submitters wait when full
-  unsigned max_batch = 8;          // writes per fdatasync (group commit) on one write thread
+  unsigned max_batch = 32;         // writes per fdatasync (group commit) on one write thread
   double gc_high = 0.90;           // GC starts when a kind is this full ...
   double gc_low = 0.85;            // ... and reclaims coldest entries down to this
 };
