@@ -2,6 +2,7 @@
 // Invariant numbers refer to csrc/src/disk/DESIGN.md.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -321,6 +322,34 @@ TEST(Store, CopyingPutAndFullPoolFailsCleanly) {
   EXPECT_EQ(r[0], static_cast<int64_t>(PutResult::kStored));
   EXPECT_GE(s.stats().gc_reclaims, 2u);
   EXPECT_THROW(s.submit_put_copy(0, {key_of(1)}, {src.data()}, {4001}), std::invalid_argument);
+}
+
+TEST(Store, WriteErrorsAreCountedAndFreeTheirSlots) {
+  TempDir d;
+  const size_t page = 4000;  // one 4 KiB slot each
+  StoreConfig c = store_cfg({d.path}, page, 16);
+  c.write_threads = 1;
+  Store s(c);
+  // Writes at or past 4096 + 4 slots fail with EFBIG (RLIMIT_FSIZE), like a failing device.
+  struct rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto prev = ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim = old;
+  lim.rlim_cur = 4096 + 4 * 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  const auto r = put_range(s, 0, 8, page);  // slots are handed out in order: 0..7
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, prev);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r[i], static_cast<int64_t>(PutResult::kStored)) << i;
+  for (int i = 4; i < 8; ++i) EXPECT_EQ(r[i], static_cast<int64_t>(PutResult::kError)) << i;
+  auto st = s.stats();
+  EXPECT_EQ(st.write_errors, 4u);
+  EXPECT_EQ(st.kinds[0].slots_used, 4u);
+  EXPECT_EQ(st.kinds[0].entries, 4u);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(read_check(s, i, page), i < 4 ? 1 : 0) << i;
+  // The failed slots went back to the pool: the same keys store fine now.
+  for (auto v : put_range(s, 4, 8, page)) EXPECT_EQ(v, static_cast<int64_t>(PutResult::kStored));
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(read_check(s, i, page), 1) << i;
 }
 
 TEST(Store, FullPoolOfInFlightWritesReportsFull) {

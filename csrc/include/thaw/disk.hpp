@@ -363,6 +363,8 @@ class Store {
   // Moves `job` into the queue (waiting while it is full); false when the store is closing.
   template <class Job>
   bool push(Queue<Job>& q, Job& job);
+  void enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
+                    const std::vector<size_t>* where);
   void write_loop(unsigned drive);
   void read_loop(unsigned drive);
   void finish_write(WriteJob& job, PutResult r);
