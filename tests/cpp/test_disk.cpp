@@ -352,6 +352,33 @@ TEST(Store, WriteErrorsAreCountedAndFreeTheirSlots) {
   for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(read_check(s, i, page), 1) << i;
 }
 
+TEST(Store, SmallCallerBuffersAreNeverReusedForLargerCopies) {
+  TempDir d;
+  const size_t page = 3 * 4096;
+  Store s(store_cfg({d.path}, page, 16));
+  {  // a caller buffer that only fits a small payload, released to the store
+    auto small = std::make_shared<thaw::AlignedBuffer>(4096);
+    fill(1, small->data() + 64, 100);
+    std::vector<PutItem> items{PutItem{key_of(1), std::move(small), 100}};
+    EXPECT_EQ(s.submit_put(0, std::move(items))->wait()[0], static_cast<int64_t>(PutResult::kStored));
+  }
+  // Full-size copying puts afterwards must get full-size buffers.
+  std::vector<uint8_t> big(page);
+  for (uint64_t i = 10; i < 20; ++i) {
+    fill(i, big.data(), page);
+    EXPECT_EQ(s.submit_put_copy(0, {key_of(i)}, {big.data()}, {page})->wait()[0],
+              static_cast<int64_t>(PutResult::kStored));
+  }
+  std::vector<uint8_t> back(page);
+  for (uint64_t i = 10; i < 20; ++i) {
+    std::vector<uint8_t> want(page);
+    fill(i, want.data(), page);
+    ASSERT_EQ(s.submit_get(0, {GetItem{key_of(i), back.data(), page, false}})->wait()[0],
+              static_cast<int64_t>(page));
+    EXPECT_EQ(back, want);
+  }
+}
+
 TEST(Store, FullPoolOfInFlightWritesReportsFull) {
   TempDir d;
   StoreConfig c = store_cfg({d.path}, 4000, 2);

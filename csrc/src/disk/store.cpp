@@ -403,7 +403,9 @@ void Store::finish_write(WriteJob& job, PutResult r) {
     free_slot_locked(k, job.drive, job.slot);
     if (r == PutResult::kError) ++counters_.write_errors;
   }
-  if (job.buffer && job.buffer.use_count() == 1 && k.spare.size() < kSpareBuffersPerKind)
+  // Keep buffers nobody else holds (and that fit any page of the kind) for copying puts.
+  if (job.buffer && job.buffer.use_count() == 1 && job.buffer->size() >= k.slot_bytes &&
+      k.spare.size() < kSpareBuffersPerKind)
     k.spare.push_back(std::move(job.buffer));
   job.buffer.reset();
   job.ticket->finish(job.index, static_cast<int64_t>(r));
