@@ -2,8 +2,9 @@
 
 For each page size and queue depth, in the same run and on the same directory:
 
-* ``thaw``: ``DiskStore`` with ``depth`` write and read threads, zero-copy slot buffers
-  (``put_buffers_async`` / ``get_buffers_async``, two batches of 2*depth pages in flight).
+* ``thaw``: ``DiskStore`` with ``depth`` write and read threads (so at most ``depth`` I/Os in
+  flight), zero-copy slot buffers (``put_buffers_async`` / ``get_buffers_async``, two
+  submissions of max(32, 2*depth) pages in flight so group commit can fill its batches).
   Every put is acknowledged only after its slot write and an fdatasync (group commit of up to
   ``max_batch`` = 32 writes per thread); every read verifies header and payload CRC32C.
 * ``fio`` (the baseline with the goal): ``--direct=1 --ioengine=psync --numjobs=<depth>
@@ -21,7 +22,7 @@ software ceiling. Ratios: thaw/fio (goal >= 0.90) and thaw/naive (goal >= 3.0) p
 plus the geometric means. Usage::
 
     python benchmarks/python/bench_disk.py --out benchmarks/results [--dir /mnt/nvme]
-        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 256]
+        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 512] [--repeat 3]   (~2-3 min)
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def bench_thaw(d: str, page: int, depth: int, total: int) -> tuple[float, float,
     budget = 4096 + int(n * 1.2 + 8 * depth) * tier.slot_bytes_for(page)
     with tier.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
                         queue_capacity=max(64, 4 * depth)) as s:
-        per = 2 * depth
+        # pages per submission; two submissions in flight. The device queue depth is set by
+        # the store's `depth` I/O threads; deeper submissions only let group commit fill up.
+        per = max(MAX_BATCH, 2 * depth)
         sets = [[s.buffer() for _ in range(per)] for _ in range(2)]
         for bset in sets:
             for i, b in enumerate(bset):
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="filesystem to measure (not tmpfs)")
     ap.add_argument("--sizes-mib", default="1,4")
     ap.add_argument("--depths", default="1,4,16")
-    ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    ap.add_argument("--repeat", type=int, default=2, help="best of N for every contender")
+    ap.add_argument("--total-mib", type=int, default=512, help="MiB moved per measurement")
+    ap.add_argument("--repeat", type=int, default=3, help="best of N for every contender")
     ap.add_argument("--quick", action="store_true", help="1 and 4 MiB at depth 4, 128 MiB")
     a = ap.parse_args(argv)
     if shutil.which("fio") is None:
