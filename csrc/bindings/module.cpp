@@ -8,4 +8,5 @@ NB_MODULE(_native, m) {
   thaw::bindings::bind_snapshot(m);
   thaw::bindings::bind_host(m);
   thaw::bindings::bind_graph(m);
+  thaw::bindings::bind_disk(m);
 }

@@ -1,0 +1,316 @@
+// The disk tier: argument conversion and GIL release only (logic in csrc/src/disk).
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "bind.hpp"
+#include "thaw/disk.hpp"
+#include "thaw/error.hpp"
+
+namespace nb = nanobind;
+
+namespace thaw::bindings {
+namespace {
+
+using disk::Key;
+using RoArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+using RwArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// A slot buffer of one kind, shared with write jobs in flight.
+struct SlotBuffer {
+  disk::SlotBufferPtr buf;
+  unsigned kind;
+  size_t capacity;  // payload bytes (the kind's page_bytes)
+};
+
+// A ticket plus the slot buffers it must keep alive.
+struct PyTicket {
+  disk::Ticket t;
+  std::vector<disk::SlotBufferPtr> keep;
+};
+
+Key to_key(const nb::bytes& b) {
+  THAW_EXPECT(b.size() == disk::kKeyBytes,
+              "disk keys are " + std::to_string(disk::kKeyBytes) + " bytes, got " +
+                  std::to_string(b.size()));
+  Key k;
+  std::memcpy(k.data(), b.c_str(), disk::kKeyBytes);
+  return k;
+}
+
+std::vector<Key> to_keys(const std::vector<nb::bytes>& keys) {
+  std::vector<Key> out;
+  out.reserve(keys.size());
+  for (const auto& b : keys) out.push_back(to_key(b));
+  return out;
+}
+
+std::vector<int64_t> wait(const disk::Ticket& t) {
+  nb::gil_scoped_release nogil;
+  return t->wait();
+}
+
+disk::Ticket submit_copy(disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+                         const std::vector<RoArray>& datas) {
+  THAW_EXPECT(keys.size() == datas.size(), "got " + std::to_string(keys.size()) + " keys and " +
+                                               std::to_string(datas.size()) + " payloads");
+  std::vector<Key> ks = to_keys(keys);
+  std::vector<const void*> srcs;
+  std::vector<size_t> lens;
+  for (const auto& a : datas) {
+    srcs.push_back(a.data());
+    lens.push_back(a.nbytes());
+  }
+  nb::gil_scoped_release nogil;
+  return s.submit_put_copy(kind, ks, srcs, lens);
+}
+
+std::vector<disk::PutItem> put_items(unsigned kind, const std::vector<nb::bytes>& keys,
+                                     const std::vector<SlotBuffer*>& bufs,
+                                     const std::vector<size_t>& lens) {
+  THAW_EXPECT(keys.size() == bufs.size() && keys.size() == lens.size(),
+              "keys, buffers and lengths differ in count");
+  std::vector<disk::PutItem> items;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    THAW_EXPECT(bufs[i] != nullptr, "buffer " + std::to_string(i) + " is None");
+    THAW_EXPECT(bufs[i]->kind == kind, "buffer " + std::to_string(i) + " belongs to kind " +
+                                           std::to_string(bufs[i]->kind) + ", not " +
+                                           std::to_string(kind));
+    items.push_back(disk::PutItem{to_key(keys[i]), bufs[i]->buf, lens[i]});
+  }
+  return items;
+}
+
+nb::dict stats_dict(const disk::StoreStats& s) {
+  nb::dict d;
+  nb::list kinds;
+  for (const auto& k : s.kinds) {
+    nb::dict kd;
+    kd["page_bytes"] = k.page_bytes;
+    kd["slot_bytes"] = k.slot_bytes;
+    kd["slots_total"] = k.slots_total;
+    kd["slots_used"] = k.slots_used;
+    kd["entries"] = k.entries;
+    kd["occupancy"] = k.slots_total ? double(k.slots_used) / double(k.slots_total) : 0.0;
+    kinds.append(kd);
+  }
+  d["kinds"] = kinds;
+#define THAW_STAT(f) d[#f] = s.f
+  THAW_STAT(spills); THAW_STAT(spill_bytes); THAW_STAT(reloads); THAW_STAT(reload_bytes);
+  THAW_STAT(misses); THAW_STAT(verify_failures); THAW_STAT(dedup_hits); THAW_STAT(gc_runs);
+  THAW_STAT(gc_reclaims); THAW_STAT(deletes); THAW_STAT(write_errors); THAW_STAT(put_failures);
+  THAW_STAT(loaded_entries); THAW_STAT(in_flight_writes); THAW_STAT(in_flight_reads);
+  THAW_STAT(write_queue_depth); THAW_STAT(read_queue_depth); THAW_STAT(direct_io);
+#undef THAW_STAT
+  return d;
+}
+
+}  // namespace
+
+void bind_disk(nb::module_& m) {
+  m.attr("DISK_KEY_BYTES") = disk::kKeyBytes;
+  m.attr("DISK_SLOT_HEADER_BYTES") = disk::kSlotHeaderBytes;
+  m.attr("DISK_FILE_HEADER_BYTES") = disk::kFileHeaderBytes;
+  m.def("disk_slot_bytes_for", &disk::slot_bytes_for, nb::arg("payload_bytes"));
+
+  nb::class_<SlotBuffer>(m, "DiskSlotBuffer",
+                         "A 4 KiB-aligned slot image of one payload kind; gather the payload "
+                         "into view() (the 64-byte slot header before it belongs to the store).")
+      .def_prop_ro("kind", [](const SlotBuffer& b) { return b.kind; })
+      .def_prop_ro("capacity", [](const SlotBuffer& b) { return b.capacity; })
+      .def_prop_ro("address", [](const SlotBuffer& b) {
+        return reinterpret_cast<uintptr_t>(b.buf->data() + disk::kSlotHeaderBytes);
+      })
+      .def(
+          "view",
+          [](SlotBuffer& b) {
+            size_t shape[1] = {b.capacity};
+            return nb::ndarray<nb::memview, uint8_t, nb::ndim<1>, nb::c_contig>(
+                b.buf->data() + disk::kSlotHeaderBytes, 1, shape, nb::find(&b));
+          },
+          "A writable memoryview (format B) over the payload area; zero-copy.");
+
+  nb::class_<PyTicket>(m, "DiskTicket", "Acknowledgements of one submitted batch.")
+      .def("wait", [](PyTicket& t) { return wait(t.t); },
+           "Block (GIL released) until every operation finished; per-operation results.")
+      .def("done", [](PyTicket& t) { return t.t->done(); });
+
+  nb::class_<disk::Store>(m, "DiskStore")
+      .def(
+          "__init__",
+          [](disk::Store* self, std::vector<std::string> dirs, uint64_t budget_bytes,
+             std::vector<uint64_t> page_bytes, std::vector<double> shares, std::string name,
+             std::string cold_start, std::string direct_io, unsigned write_threads,
+             unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
+             double gc_low) {
+            THAW_EXPECT(page_bytes.size() == shares.size(),
+                        "page_bytes and shares differ in count");
+            disk::StoreConfig c;
+            c.dirs = std::move(dirs);
+            c.budget_bytes = budget_bytes;
+            for (size_t i = 0; i < page_bytes.size(); ++i)
+              c.kinds.push_back(disk::KindConfig{page_bytes[i], shares[i]});
+            c.name = std::move(name);
+            c.cold_start = disk::parse_cold_start(cold_start);
+            c.direct_io = disk::parse_direct_io(direct_io);
+            c.write_threads = write_threads;
+            c.read_threads = read_threads;
+            c.queue_capacity = queue_capacity;
+            c.max_batch = max_batch;
+            c.gc_high = gc_high;
+            c.gc_low = gc_low;
+            nb::gil_scoped_release nogil;
+            new (self) disk::Store(std::move(c));
+          },
+          nb::arg("dirs"), nb::arg("budget_bytes"), nb::arg("page_bytes"), nb::arg("shares"),
+          nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
+          nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
+          nb::arg("gc_high"), nb::arg("gc_low"))
+      .def("close",
+           [](disk::Store& s) {
+             nb::gil_scoped_release nogil;
+             s.close();
+           })
+      .def("kind_count", &disk::Store::kind_count)
+      .def("page_bytes", &disk::Store::page_bytes)
+      .def("slot_bytes", &disk::Store::slot_bytes)
+      .def("slab_path", [](disk::Store& s, unsigned k, unsigned d) { return s.slab(k, d).path(); })
+      .def("slab_direct", [](disk::Store& s, unsigned k, unsigned d) { return s.slab(k, d).direct(); })
+      .def("slot_offset",
+           [](disk::Store& s, unsigned k, unsigned d, uint64_t slot) {
+             return s.slab(k, d).slot_offset(slot);
+           })
+      .def("buffer",
+           [](disk::Store& s, unsigned kind) {
+             return SlotBuffer{s.make_buffer(kind), kind, static_cast<size_t>(s.page_bytes(kind))};
+           })
+      .def("put",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<RoArray>& datas) { return wait(submit_copy(s, kind, keys, datas)); })
+      .def("put_async",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<RoArray>& datas) {
+             return PyTicket{submit_copy(s, kind, keys, datas), {}};
+           })
+      .def("put_buffers_async",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs, const std::vector<size_t>& lens) {
+             std::vector<disk::PutItem> items = put_items(kind, keys, bufs, lens);
+             PyTicket t;
+             for (auto& it : items) t.keep.push_back(it.buffer);
+             nb::gil_scoped_release nogil;
+             t.t = s.submit_put(kind, std::move(items));
+             return t;
+           })
+      .def("put_buffers",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs, const std::vector<size_t>& lens) {
+             std::vector<disk::PutItem> items = put_items(kind, keys, bufs, lens);
+             nb::gil_scoped_release nogil;
+             return s.submit_put(kind, std::move(items))->wait();
+           })
+      .def("get_many",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys) {
+             std::vector<Key> ks = to_keys(keys);
+             std::vector<nb::object> outs(ks.size());
+             std::vector<disk::GetItem> items;
+             for (size_t i = 0; i < ks.size(); ++i) {
+               const auto len = s.lookup(kind, ks[i]);
+               uint8_t* dst = nullptr;
+               if (len) {
+                 PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(*len));
+                 if (b == nullptr) throw nb::python_error();
+                 outs[i] = nb::steal(b);
+                 dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(b));
+               }
+               items.push_back(disk::GetItem{ks[i], dst, len.value_or(0), false, true});
+             }
+             std::vector<int64_t> r;
+             {
+               nb::gil_scoped_release nogil;
+               r = s.submit_get(kind, std::move(items))->wait();
+             }
+             nb::list out;
+             for (size_t i = 0; i < ks.size(); ++i) {
+               const bool hit = r[i] >= 0 && outs[i].is_valid();
+               out.append(hit ? outs[i] : nb::none());
+             }
+             return out;
+           })
+      .def("get_into",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              std::vector<RwArray> outs) {
+             THAW_EXPECT(keys.size() == outs.size(), "keys and outputs differ in count");
+             std::vector<disk::GetItem> items;
+             for (size_t i = 0; i < keys.size(); ++i)
+               items.push_back(disk::GetItem{to_key(keys[i]), static_cast<uint8_t*>(outs[i].data()),
+                                             outs[i].nbytes(), false});
+             nb::gil_scoped_release nogil;
+             return s.submit_get(kind, std::move(items))->wait();
+           })
+      .def("get_buffers_async",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs) {
+             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             std::vector<disk::GetItem> items;
+             PyTicket t;
+             for (size_t i = 0; i < keys.size(); ++i) {
+               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+                           "buffer " + std::to_string(i) + " is None or of another kind");
+               t.keep.push_back(bufs[i]->buf);
+               items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
+                                             bufs[i]->buf->size(), true});
+             }
+             nb::gil_scoped_release nogil;
+             t.t = s.submit_get(kind, std::move(items));
+             return t;
+           })
+      .def("get_buffers",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs) {
+             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             std::vector<disk::GetItem> items;
+             std::vector<disk::SlotBufferPtr> keep;
+             for (size_t i = 0; i < keys.size(); ++i) {
+               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+                           "buffer " + std::to_string(i) + " is None or of another kind");
+               keep.push_back(bufs[i]->buf);
+               items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
+                                             bufs[i]->buf->size(), true});
+             }
+             nb::gil_scoped_release nogil;
+             return s.submit_get(kind, std::move(items))->wait();
+           })
+      .def("lookup",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys) {
+             std::vector<Key> ks = to_keys(keys);
+             std::vector<int64_t> out;
+             nb::gil_scoped_release nogil;
+             for (const Key& k : ks) {
+               const auto len = s.lookup(kind, k);
+               out.push_back(len ? static_cast<int64_t>(*len) : -1);
+             }
+             return out;
+           })
+      .def("remove",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys) {
+             std::vector<Key> ks = to_keys(keys);
+             std::vector<bool> out;
+             nb::gil_scoped_release nogil;
+             for (const Key& k : ks) out.push_back(s.remove(kind, k));
+             return out;
+           })
+      .def("stats", [](disk::Store& s) {
+        disk::StoreStats st;
+        {
+          nb::gil_scoped_release nogil;
+          st = s.stats();
+        }
+        return stats_dict(st);
+      });
+}
+
+}  // namespace thaw::bindings

@@ -1,0 +1,302 @@
+// SlabFile: one preallocated file of fixed-size slots, written and read with single O_DIRECT
+// transfers (buffered + fdatasync where O_DIRECT is refused). See DESIGN.md.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+#include "thaw/crc32c.hpp"
+#include "thaw/disk.hpp"
+#include "thaw/error.hpp"
+#include "thaw/fs.hpp"
+#include "thaw/log.hpp"
+
+namespace thaw::disk {
+
+size_t KeyHash::operator()(const Key& k) const noexcept {
+  uint64_t w[4];
+  std::memcpy(w, k.data(), sizeof w);
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (uint64_t x : w) {
+    h ^= x + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+  }
+  return static_cast<size_t>(h);
+}
+
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return s;
+}
+
+std::string dirname_of(const std::string& path) {
+  const auto p = path.find_last_of('/');
+  if (p == std::string::npos) return ".";
+  if (p == 0) return "/";
+  return path.substr(0, p);
+}
+
+// Full pread/pwrite: loops over EINTR and short transfers; returns bytes moved (< n only at EOF)
+// or -1 with errno set.
+ssize_t pread_full(int fd, void* buf, size_t n, uint64_t off) noexcept {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, static_cast<uint8_t*>(buf) + done, n - done,
+                              static_cast<off_t>(off + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    if (r == 0) break;
+    done += static_cast<size_t>(r);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+void pwrite_full(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pwrite(fd, static_cast<const uint8_t*>(buf) + done, n - done,
+                               static_cast<off_t>(off + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw std::system_error(errno, std::generic_category(),
+                              "pwrite(\"" + path + "\", " + std::to_string(n) + " bytes at " +
+                                  std::to_string(off) + ")");
+    }
+    if (r == 0)
+      throw std::system_error(EIO, std::generic_category(),
+                              "pwrite(\"" + path + "\") wrote nothing at " + std::to_string(off));
+    done += static_cast<size_t>(r);
+  }
+}
+
+uint32_t new_slab_id() {
+  std::random_device rd;
+  uint32_t v = rd() ^ static_cast<uint32_t>(
+                          std::chrono::steady_clock::now().time_since_epoch().count());
+  return v == 0 ? 1 : v;
+}
+
+}  // namespace
+
+DirectIo parse_direct_io(const std::string& text) {
+  const std::string t = lower(text);
+  if (t == "auto") return DirectIo::kAuto;
+  if (t == "on") return DirectIo::kOn;
+  if (t == "off") return DirectIo::kOff;
+  THAW_EXPECT(false, "direct I/O mode must be auto, on or off, got \"" + text + "\"");
+  return DirectIo::kAuto;
+}
+
+ColdStart parse_cold_start(const std::string& text) {
+  const std::string t = lower(text);
+  if (t == "clear") return ColdStart::kClear;
+  if (t == "load") return ColdStart::kLoad;
+  THAW_EXPECT(false, "cold start mode must be \"clear\" or \"load\", got \"" + text + "\"");
+  return ColdStart::kClear;
+}
+
+uint64_t store_tag(const std::string& name) noexcept {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 0x100000001B3ull;
+  }
+  return h;
+}
+
+SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
+                   DirectIo dio)
+    : path_(path), geo_(geometry) {
+  THAW_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
+                  geo_.slot_bytes <= (uint64_t{1} << 32),
+              "slot_bytes must be a multiple of 4096 in (64, 4 GiB], got " +
+                  std::to_string(geo_.slot_bytes));
+  THAW_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
+              "slot_count must be in [1, 2^32), got " + std::to_string(geo_.slot_count));
+  const std::string dir = dirname_of(path);
+  bool want_direct = dio != DirectIo::kOff;
+  if (want_direct) {
+    const fs::DirectIoProbe p = fs::probe_direct_io(dir);
+    if (!p.supported) {
+      if (dio == DirectIo::kOn)
+        throw std::system_error(EINVAL, std::generic_category(),
+                                "THAW_DIRECT_IO=on but O_DIRECT is refused in \"" + dir + "\" (" +
+                                    p.fs_type + "): " + p.reason);
+      buffered_reason_ = "O_DIRECT refused in " + dir + " (" + p.fs_type + "): " + p.reason;
+      want_direct = false;
+    }
+  } else {
+    buffered_reason_ = "THAW_DIRECT_IO=off";
+  }
+  int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+  fd_ = ::open(path.c_str(), flags | (want_direct ? O_DIRECT : 0), 0644);
+  if (fd_ < 0 && want_direct && errno == EINVAL) {
+    if (dio == DirectIo::kOn)
+      throw std::system_error(EINVAL, std::generic_category(),
+                              "THAW_DIRECT_IO=on but open(\"" + path + "\", O_DIRECT) is refused");
+    buffered_reason_ = "open(O_DIRECT) refused for " + path;
+    want_direct = false;
+    fd_ = ::open(path.c_str(), flags, 0644);
+  }
+  if (fd_ < 0)
+    throw std::system_error(errno, std::generic_category(), "open(\"" + path + "\")");
+  direct_ = want_direct;
+  if (!direct_) log::info("thaw.disk: buffered I/O for " + path + ": " + buffered_reason_);
+
+  try {
+    const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
+    struct stat st{};
+    THAW_SYSCALL(::fstat(fd_, &st));
+    if (static_cast<uint64_t>(st.st_size) > size) THAW_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)));
+    const int fa = ::posix_fallocate(fd_, 0, static_cast<off_t>(size));
+    if (fa != 0)
+      throw std::system_error(fa, std::generic_category(),
+                              "posix_fallocate(\"" + path + "\", " + std::to_string(size) + " bytes)");
+
+    AlignedBuffer hb(kFileHeaderBytes);
+    const ssize_t r = pread_full(fd_, hb.data(), kFileHeaderBytes, 0);
+    if (r < 0) throw std::system_error(errno, std::generic_category(), "pread(\"" + path + "\")");
+    FileHeader fh{};
+    std::memcpy(&fh, hb.data(), sizeof fh);
+    const bool valid = r == static_cast<ssize_t>(kFileHeaderBytes) && fh.magic == kFileMagic &&
+                       fh.version == kFormatVersion &&
+                       fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc));
+    const bool matches = valid && fh.kind == geo_.kind && fh.slot_bytes == geo_.slot_bytes &&
+                         fh.slot_count == geo_.slot_count && fh.store_tag == geo_.store_tag &&
+                         fh.slab_id != 0;
+    if (mode == ColdStart::kLoad && matches) {
+      slab_id_ = fh.slab_id;
+    } else {
+      if (mode == ColdStart::kLoad)
+        log::warning("thaw.disk: " + path + (valid ? " belongs to another store or geometry"
+                                                   : " has no valid slab header") +
+                     "; starting it empty");
+      // The next generation of a valid slab is id + 1, so its old slots never match again.
+      slab_id_ = valid ? fh.slab_id + 1 : new_slab_id();
+      if (slab_id_ == 0) slab_id_ = 1;
+      format();
+    }
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+SlabFile::~SlabFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SlabFile::format() {
+  AlignedBuffer hb(kFileHeaderBytes);
+  FileHeader fh{};
+  fh.magic = kFileMagic;
+  fh.version = kFormatVersion;
+  fh.kind = geo_.kind;
+  fh.slot_bytes = geo_.slot_bytes;
+  fh.slot_count = geo_.slot_count;
+  fh.store_tag = geo_.store_tag;
+  fh.slab_id = slab_id_;
+  fh.created_ns = static_cast<uint64_t>(
+      std::chrono::system_clock::now().time_since_epoch() / std::chrono::nanoseconds(1));
+  fh.header_crc = crc32c(&fh, offsetof(FileHeader, header_crc));
+  std::memcpy(hb.data(), &fh, sizeof fh);
+  pwrite_full(fd_, hb.data(), kFileHeaderBytes, 0, path_);
+  sync();
+  formatted_ = true;
+}
+
+void SlabFile::sync() {
+  if (::fdatasync(fd_) != 0)
+    throw std::system_error(errno, std::generic_category(), "fdatasync(\"" + path_ + "\")");
+}
+
+void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
+                             uint32_t seq) {
+  THAW_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
+                                          std::to_string(geo_.slot_count) + ") in " + path_);
+  THAW_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
+              "payload of " + std::to_string(payload_len) + " bytes does not fit a slot of " +
+                  std::to_string(geo_.slot_bytes) + " bytes (max " +
+                  std::to_string(geo_.slot_bytes - kSlotHeaderBytes) + ")");
+  THAW_EXPECT(is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock),
+              "slot buffer must be 4096-byte aligned");
+  SlotHeader h{};
+  h.magic = kSlotMagic;
+  h.version = kFormatVersion;
+  h.kind = geo_.kind;
+  h.slot = static_cast<uint32_t>(slot);
+  h.payload_len = static_cast<uint32_t>(payload_len);
+  h.slab_id = slab_id_;
+  h.seq = seq;
+  std::memcpy(h.key, key.data(), kKeyBytes);
+  h.payload_crc = crc32c(buf + kSlotHeaderBytes, payload_len);
+  h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
+  std::memcpy(buf, &h, sizeof h);
+  const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
+  std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
+  pwrite_full(fd_, buf, n, slot_offset(slot), path_);
+}
+
+void SlabFile::invalidate(uint64_t slot) {
+  THAW_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
+  AlignedBuffer zero(kBlock);
+  pwrite_full(fd_, zero.data(), kBlock, slot_offset(slot), path_);
+}
+
+bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept {
+  return h.magic == kSlotMagic && h.version == kFormatVersion &&
+         h.header_crc == crc32c(&h, offsetof(SlotHeader, header_crc)) && h.kind == geo_.kind &&
+         h.slot == slot && h.slab_id == slab_id_ &&
+         h.payload_len <= geo_.slot_bytes - kSlotHeaderBytes;
+}
+
+std::optional<size_t> SlabFile::read_into(uint64_t slot, const Key& key, uint8_t* buf,
+                                          size_t buf_bytes, size_t expected_len) const noexcept {
+  if (slot >= geo_.slot_count || buf == nullptr) return std::nullopt;
+  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return std::nullopt;
+  size_t n = geo_.slot_bytes;
+  if (expected_len != SIZE_MAX) {
+    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return std::nullopt;
+    n = round_up(kSlotHeaderBytes + expected_len, kBlock);
+  }
+  if (buf_bytes < n) return std::nullopt;
+  const ssize_t r = pread_full(fd_, buf, n, slot_offset(slot));
+  if (r < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;
+  SlotHeader h;
+  std::memcpy(&h, buf, sizeof h);
+  if (!verify_header(h, slot) || std::memcmp(h.key, key.data(), kKeyBytes) != 0)
+    return std::nullopt;
+  if (expected_len != SIZE_MAX && h.payload_len != expected_len) return std::nullopt;
+  if (kSlotHeaderBytes + h.payload_len > static_cast<size_t>(r)) return std::nullopt;
+  if (crc32c(buf + kSlotHeaderBytes, h.payload_len) != h.payload_crc) return std::nullopt;
+  return h.payload_len;
+}
+
+std::vector<ScannedSlot> SlabFile::scan() const {
+  std::vector<ScannedSlot> out;
+  AlignedBuffer b(kBlock);
+  for (uint64_t s = 0; s < geo_.slot_count; ++s) {
+    const ssize_t r = pread_full(fd_, b.data(), kBlock, slot_offset(s));
+    if (r < 0) throw std::system_error(errno, std::generic_category(), "pread(\"" + path_ + "\")");
+    if (r < static_cast<ssize_t>(kSlotHeaderBytes)) continue;
+    SlotHeader h;
+    std::memcpy(&h, b.data(), sizeof h);
+    if (!verify_header(h, s)) continue;
+    ScannedSlot ss{s, {}, h.payload_len, h.seq};
+    std::memcpy(ss.key.data(), h.key, kKeyBytes);
+    out.push_back(ss);
+  }
+  return out;
+}
+
+}  // namespace thaw::disk

@@ -1,0 +1,612 @@
+// Store: slab files per (kind, drive), a content-key index, a slot pool, GC and background I/O
+// threads. Invariants (numbered as in DESIGN.md) are cited where they are kept.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "thaw/disk.hpp"
+#include "thaw/error.hpp"
+#include "thaw/log.hpp"
+
+namespace thaw::disk {
+
+// ------------------------------------------------------------------------------ Completion
+std::vector<int64_t> Completion::wait() {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return remaining_ == 0; });
+  return results_;
+}
+
+bool Completion::done() const {
+  std::lock_guard lk(mu_);
+  return remaining_ == 0;
+}
+
+void Completion::finish(size_t index, int64_t result) {
+  std::lock_guard lk(mu_);
+  results_[index] = result;
+  if (--remaining_ == 0) cv_.notify_all();
+}
+
+// ------------------------------------------------------------------------------ Store
+namespace {
+constexpr size_t kSpareBuffersPerKind = 16;
+}
+
+Store::Store(StoreConfig config) : cfg_(std::move(config)) {
+  THAW_EXPECT(!cfg_.dirs.empty(), "a disk store needs at least one directory");
+  THAW_EXPECT(!cfg_.kinds.empty(), "a disk store needs at least one payload kind");
+  THAW_EXPECT(cfg_.kinds.size() <= 0xFFFF, "at most 65535 payload kinds");
+  THAW_EXPECT(!cfg_.name.empty() && cfg_.name.find('/') == std::string::npos,
+              "store name must be non-empty and contain no '/', got \"" + cfg_.name + "\"");
+  THAW_EXPECT(cfg_.write_threads >= 1 && cfg_.read_threads >= 1,
+              "write_threads and read_threads must be >= 1");
+  THAW_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
+  THAW_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
+  THAW_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
+              "need 0 < gc_low < gc_high <= 1, got gc_low=" + std::to_string(cfg_.gc_low) +
+                  " gc_high=" + std::to_string(cfg_.gc_high));
+  double share_sum = 0;
+  for (size_t i = 0; i < cfg_.kinds.size(); ++i) {
+    const KindConfig& kc = cfg_.kinds[i];
+    THAW_EXPECT(kc.page_bytes > 0 && kc.page_bytes <= (uint64_t{1} << 32) - kBlock,
+                "kind " + std::to_string(i) + ": page_bytes must be in (0, 4 GiB - 4 KiB], got " +
+                    std::to_string(kc.page_bytes));
+    THAW_EXPECT(std::isfinite(kc.share) && kc.share > 0,
+                "kind " + std::to_string(i) + ": share must be a finite number > 0, got " +
+                    std::to_string(kc.share));
+    share_sum += kc.share;
+  }
+  const size_t nd = cfg_.dirs.size();
+  const uint64_t tag = store_tag(cfg_.name);
+  kinds_.resize(cfg_.kinds.size());
+  for (size_t i = 0; i < kinds_.size(); ++i) {
+    KindState& k = kinds_[i];
+    k.cfg = cfg_.kinds[i];
+    k.slot_bytes = slot_bytes_for(k.cfg.page_bytes);
+    const double kind_budget = static_cast<double>(cfg_.budget_bytes) * k.cfg.share / share_sum;
+    const uint64_t per_drive = static_cast<uint64_t>(kind_budget / static_cast<double>(nd));
+    const uint64_t count = per_drive > kFileHeaderBytes ? (per_drive - kFileHeaderBytes) / k.slot_bytes : 0;
+    THAW_EXPECT(count >= 1, "budget of " + std::to_string(cfg_.budget_bytes) +
+                                " bytes leaves kind " + std::to_string(i) + " " +
+                                std::to_string(per_drive) + " bytes per drive, less than one " +
+                                std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
+    THAW_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
+    k.free.resize(nd);
+    k.stale.resize(nd);
+    for (size_t d = 0; d < nd; ++d) {
+      const std::string path =
+          cfg_.dirs[d] + "/" + cfg_.name + ".kind" + std::to_string(i) + ".slab";
+      k.slabs.push_back(std::make_unique<SlabFile>(
+          path, SlabGeometry{static_cast<uint16_t>(i), k.slot_bytes, count, tag}, cfg_.cold_start,
+          cfg_.direct_io));
+      k.slots_total += count;
+    }
+  }
+  counters_.direct_io = true;
+  for (auto& k : kinds_)
+    for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
+  load_index();
+  for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
+  try {
+    for (size_t d = 0; d < nd; ++d) {
+      for (unsigned t = 0; t < cfg_.write_threads; ++t)
+        drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
+      for (unsigned t = 0; t < cfg_.read_threads; ++t)
+        drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
+    }
+  } catch (...) {  // could not start every thread: stop the ones that did
+    close();
+    throw;
+  }
+}
+
+Store::~Store() { close(); }
+
+void Store::close() noexcept {
+  {
+    std::lock_guard lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  for (auto& d : drives_) {
+    {
+      std::lock_guard lk(d->writes.mu);
+      d->writes.stop = true;
+    }
+    d->writes.not_empty.notify_all();
+    d->writes.not_full.notify_all();
+    {
+      std::lock_guard lk(d->reads.mu);
+      d->reads.stop = true;
+    }
+    d->reads.not_empty.notify_all();
+    d->reads.not_full.notify_all();
+  }
+  for (auto& d : drives_)
+    for (auto& t : d->threads)
+      if (t.joinable()) t.join();
+  // Zero the headers of freed slots so `load` rebuilds exactly the live set (invariant 5).
+  std::lock_guard lk(mu_);
+  for (auto& k : kinds_) {
+    for (size_t d = 0; d < k.slabs.size(); ++d) {
+      if (k.stale[d].empty()) continue;
+      try {
+        for (uint64_t slot : k.stale[d]) k.slabs[d]->invalidate(slot);
+        k.slabs[d]->sync();
+        k.stale[d].clear();
+      } catch (const std::exception& e) {
+        log::error(std::string("thaw.disk: invalidating freed slots on close: ") + e.what());
+      }
+    }
+  }
+}
+
+// Rebuild the index, slot pool and GC order from the slab headers (invariant 7).
+void Store::load_index() {
+  for (size_t ki = 0; ki < kinds_.size(); ++ki) {
+    KindState& k = kinds_[ki];
+    struct Found {
+      uint32_t drive;
+      ScannedSlot s;
+    };
+    std::vector<Found> found;
+    std::vector<std::vector<bool>> used(k.slabs.size());
+    for (size_t d = 0; d < k.slabs.size(); ++d) {
+      used[d].assign(k.slabs[d]->geometry().slot_count, false);
+      if (cfg_.cold_start != ColdStart::kLoad || k.slabs[d]->formatted()) continue;
+      for (const ScannedSlot& s : k.slabs[d]->scan())
+        if (s.payload_len <= k.cfg.page_bytes) found.push_back({static_cast<uint32_t>(d), s});
+    }
+    // Oldest writes first: they become the coldest GC entries; a later duplicate wins.
+    std::sort(found.begin(), found.end(),
+              [](const Found& a, const Found& b) { return a.s.seq < b.s.seq; });
+    for (const Found& f : found) {
+      seq_ = std::max(seq_, f.s.seq + 1);
+      auto it = k.index.find(f.s.key);
+      if (it != k.index.end()) {  // an older copy of the same key: its slot is free again
+        used[it->second.drive][it->second.slot] = false;
+        k.stale[it->second.drive].insert(it->second.slot);
+      }
+      const uint64_t t = ++tick_;
+      k.index[f.s.key] = Entry{f.drive, f.s.slot, f.s.payload_len, t, t};
+      used[f.drive][f.s.slot] = true;
+    }
+    for (auto& [key, e] : k.index) k.heap.push_back(HeapItem{e.heap_tick, key});
+    std::make_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
+    k.slots_used = k.index.size();
+    counters_.loaded_entries += k.index.size();
+    for (size_t d = 0; d < k.slabs.size(); ++d)
+      for (uint64_t s = used[d].size(); s-- > 0;)
+        if (!used[d][s]) k.free[d].push_back(s);
+  }
+}
+
+uint64_t Store::page_bytes(unsigned kind) const { return kind_state(kind).cfg.page_bytes; }
+uint64_t Store::slot_bytes(unsigned kind) const { return kind_state(kind).slot_bytes; }
+
+SlotBufferPtr Store::make_buffer(unsigned kind) const {
+  return std::make_shared<AlignedBuffer>(kind_state(kind).slot_bytes, kBlock);
+}
+
+Store::KindState& Store::kind_state(unsigned kind) {
+  THAW_EXPECT(kind < kinds_.size(), "payload kind " + std::to_string(kind) + " out of range [0, " +
+                                        std::to_string(kinds_.size()) + ")");
+  return kinds_[kind];
+}
+const Store::KindState& Store::kind_state(unsigned kind) const {
+  return const_cast<Store*>(this)->kind_state(kind);
+}
+
+const SlabFile& Store::slab(unsigned kind, unsigned drive) const {
+  const KindState& k = kind_state(kind);
+  THAW_EXPECT(drive < k.slabs.size(), "drive " + std::to_string(drive) + " out of range");
+  return *k.slabs[drive];
+}
+
+void Store::free_slot_locked(KindState& k, uint32_t drive, uint64_t slot) {
+  k.free[drive].push_back(slot);
+  k.stale[drive].insert(slot);
+  --k.slots_used;
+}
+
+// Reclaim coldest entries until `target_used` slots are allocated (invariants 4, 8).
+void Store::gc_locked(KindState& k, uint64_t target_used) {
+  const auto cmp = std::greater<HeapItem>();
+  while (k.slots_used > target_used && !k.heap.empty()) {
+    std::pop_heap(k.heap.begin(), k.heap.end(), cmp);
+    const HeapItem item = k.heap.back();
+    k.heap.pop_back();
+    auto it = k.index.find(item.key);
+    if (it == k.index.end() || it->second.heap_tick != item.tick) continue;  // stale element
+    Entry& e = it->second;
+    if (e.last_access > item.tick) {  // touched since it was pushed: re-file it
+      e.heap_tick = e.last_access;
+      k.heap.push_back(HeapItem{e.heap_tick, item.key});
+      std::push_heap(k.heap.begin(), k.heap.end(), cmp);
+      continue;
+    }
+    const Entry victim = e;
+    k.index.erase(it);  // index entry first, then the slot (invariant 4)
+    free_slot_locked(k, victim.drive, victim.slot);
+    ++counters_.gc_reclaims;
+  }
+}
+
+template <class Job>
+bool Store::push(Queue<Job>& q, Job& job) {
+  std::unique_lock lk(q.mu);
+  q.not_full.wait(lk, [&] { return q.stop || q.jobs.size() < cfg_.queue_capacity; });
+  if (q.stop) return false;
+  q.jobs.push_back(std::move(job));
+  lk.unlock();
+  q.not_empty.notify_one();
+  return true;
+}
+
+Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
+  KindState& k = kind_state(kind);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const PutItem& it = items[i];
+    THAW_EXPECT(it.buffer != nullptr, "put item " + std::to_string(i) + " has no slot buffer");
+    THAW_EXPECT(it.payload_len <= k.cfg.page_bytes,
+                "payload of " + std::to_string(it.payload_len) + " bytes exceeds page_bytes " +
+                    std::to_string(k.cfg.page_bytes) + " of kind " + std::to_string(kind));
+    THAW_EXPECT(it.buffer->size() >= round_up(kSlotHeaderBytes + it.payload_len, kBlock) &&
+                    is_aligned(reinterpret_cast<uintptr_t>(it.buffer->data()), kBlock),
+                "put item " + std::to_string(i) + ": slot buffer of " +
+                    std::to_string(it.buffer->size()) + " bytes is too small or not aligned");
+  }
+  auto t = std::make_shared<Completion>(items.size());
+  enqueue_puts(kind, items, t, nullptr);
+  return t;
+}
+
+// Allocate slots and queue writes; result i of `items` goes to t[where ? where[i] : i].
+void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
+                         const std::vector<size_t>* where) {
+  KindState& k = kinds_[kind];
+  std::vector<WriteJob> jobs;
+  {
+    std::lock_guard lk(mu_);
+    for (size_t n = 0; n < items.size(); ++n) {
+      PutItem& it = items[n];
+      const size_t i = where ? (*where)[n] : n;
+      if (closed_) {
+        t->finish(i, static_cast<int64_t>(PutResult::kCancelled));
+        continue;
+      }
+      if (auto e = k.index.find(it.key); e != k.index.end()) {  // dedup (invariant 6)
+        e->second.last_access = ++tick_;
+        ++counters_.dedup_hits;
+        t->finish(i, static_cast<int64_t>(PutResult::kDuplicate));
+        continue;
+      }
+      if (auto p = k.pending.find(it.key); p != k.pending.end()) {
+        // Same key, same content: join the write in flight (un-cancelling a deleted one).
+        p->second.cancelled = false;
+        ++counters_.dedup_hits;
+        p->second.joiners.emplace_back(t, i);
+        continue;
+      }
+      auto pick = [&]() -> int {
+        int best = -1;
+        for (size_t d = 0; d < k.free.size(); ++d)
+          if (!k.free[d].empty() && (best < 0 || k.free[d].size() > k.free[best].size()))
+            best = static_cast<int>(d);
+        return best;
+      };
+      int d = pick();
+      if (d < 0) {  // full: GC first (invariant 9)
+        ++counters_.gc_runs;
+        gc_locked(k, static_cast<uint64_t>(std::floor(cfg_.gc_low * static_cast<double>(k.slots_total))));
+        d = pick();
+      }
+      if (d < 0) {
+        ++counters_.put_failures;
+        t->finish(i, static_cast<int64_t>(PutResult::kFull));
+        continue;
+      }
+      const uint64_t slot = k.free[d].back();
+      k.free[d].pop_back();
+      k.stale[d].erase(slot);  // the write replaces its header
+      ++k.slots_used;
+      k.pending[it.key] = Pending{};
+      jobs.push_back(WriteJob{kind, it.key, static_cast<uint32_t>(d), slot, std::move(it.buffer),
+                              it.payload_len, seq_++, t, i});
+    }
+    write_queue_depth_ += jobs.size();
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!push(drives_[jobs[j].drive]->writes, jobs[j])) {  // closed meanwhile: undo
+      std::lock_guard lk(mu_);
+      --write_queue_depth_;
+      finish_write(jobs[j], PutResult::kCancelled);
+    }
+  }
+}
+
+Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
+                              const std::vector<const void*>& srcs,
+                              const std::vector<size_t>& lens) {
+  KindState& k = kind_state(kind);
+  THAW_EXPECT(keys.size() == srcs.size() && keys.size() == lens.size(),
+              "keys, sources and lengths differ in count");
+  for (size_t i = 0; i < lens.size(); ++i)
+    THAW_EXPECT(lens[i] <= k.cfg.page_bytes,
+                "payload of " + std::to_string(lens[i]) + " bytes exceeds page_bytes " +
+                    std::to_string(k.cfg.page_bytes) + " of kind " + std::to_string(kind));
+  // Keys already present are acknowledged without copying (dedup is free).
+  std::vector<PutItem> items;
+  std::vector<size_t> where;
+  std::vector<bool> dup(keys.size(), false);
+  {
+    std::lock_guard lk(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto e = k.index.find(keys[i]);
+      if (e != k.index.end()) {
+        e->second.last_access = ++tick_;
+        ++counters_.dedup_hits;
+        dup[i] = true;
+      }
+    }
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (dup[i]) continue;
+    SlotBufferPtr b;
+    {
+      std::lock_guard lk(mu_);
+      if (!k.spare.empty()) {
+        b = std::move(k.spare.back());
+        k.spare.pop_back();
+      }
+    }
+    if (!b) b = make_buffer(kind);
+    if (lens[i] != 0) std::memcpy(b->data() + kSlotHeaderBytes, srcs[i], lens[i]);
+    items.push_back(PutItem{keys[i], std::move(b), lens[i]});
+    where.push_back(i);
+  }
+  auto t = std::make_shared<Completion>(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (dup[i]) t->finish(i, static_cast<int64_t>(PutResult::kDuplicate));
+  enqueue_puts(kind, items, t, &where);
+  return t;
+}
+
+// Called with mu_ held: publish or undo one write, wake its joiners.
+void Store::finish_write(WriteJob& job, PutResult r) {
+  KindState& k = kinds_[job.kind];
+  Pending p;
+  if (auto it = k.pending.find(job.key); it != k.pending.end()) {
+    p = std::move(it->second);
+    k.pending.erase(it);
+  }
+  if (r == PutResult::kStored && (p.cancelled)) r = PutResult::kCancelled;
+  if (r == PutResult::kStored) {
+    // Durable before visible (invariant 3): the caller synced the slab already.
+    const uint64_t t = ++tick_;
+    k.index[job.key] = Entry{job.drive, job.slot, static_cast<uint32_t>(job.len), t, t};
+    k.heap.push_back(HeapItem{t, job.key});
+    std::push_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
+    if (k.heap.size() > 2 * k.index.size() + 1024) {  // drop stale elements
+      k.heap.clear();
+      for (auto& [key, e] : k.index) {
+        e.heap_tick = e.last_access;
+        k.heap.push_back(HeapItem{e.heap_tick, key});
+      }
+      std::make_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
+    }
+    ++counters_.spills;
+    counters_.spill_bytes += job.len;
+  } else {
+    free_slot_locked(k, job.drive, job.slot);
+    if (r == PutResult::kError) ++counters_.write_errors;
+  }
+  // Keep buffers nobody else holds (and that fit any page of the kind) for copying puts.
+  if (job.buffer && job.buffer.use_count() == 1 && job.buffer->size() >= k.slot_bytes &&
+      k.spare.size() < kSpareBuffersPerKind)
+    k.spare.push_back(std::move(job.buffer));
+  job.buffer.reset();
+  job.ticket->finish(job.index, static_cast<int64_t>(r));
+  const PutResult jr = r == PutResult::kStored ? PutResult::kDuplicate : r;
+  for (auto& [tk, idx] : p.joiners) tk->finish(idx, static_cast<int64_t>(jr));
+}
+
+void Store::write_loop(unsigned drive) {
+  Queue<WriteJob>& q = drives_[drive]->writes;
+  std::vector<WriteJob> batch;
+  for (;;) {
+    batch.clear();
+    {
+      std::unique_lock lk(q.mu);
+      q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
+      if (q.jobs.empty()) return;  // stopped and drained
+      while (!q.jobs.empty() && batch.size() < cfg_.max_batch) {
+        batch.push_back(std::move(q.jobs.front()));
+        q.jobs.pop_front();
+      }
+    }
+    q.not_full.notify_all();
+    write_queue_depth_ -= batch.size();
+    in_flight_writes_ += batch.size();
+    std::vector<PutResult> res(batch.size(), PutResult::kStored);
+    std::vector<SlabFile*> touched;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      WriteJob& j = batch[i];
+      SlabFile& s = *kinds_[j.kind].slabs[drive];
+      try {
+        s.write_aligned(j.slot, j.key, j.buffer->data(), j.len, j.seq);
+        if (std::find(touched.begin(), touched.end(), &s) == touched.end()) touched.push_back(&s);
+      } catch (const std::exception& e) {
+        res[i] = PutResult::kError;
+        log::error(std::string("thaw.disk: slot write failed: ") + e.what());
+      }
+    }
+    // Slot write -> fdatasync -> index entry (invariant 3): one sync per slab per batch.
+    for (SlabFile* s : touched) {
+      try {
+        s->sync();
+      } catch (const std::exception& e) {
+        log::error(std::string("thaw.disk: ") + e.what());
+        for (size_t i = 0; i < batch.size(); ++i)
+          if (kinds_[batch[i].kind].slabs[drive].get() == s) res[i] = PutResult::kError;
+      }
+    }
+    {
+      std::lock_guard lk(mu_);
+      std::vector<unsigned> kinds_touched;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        finish_write(batch[i], res[i]);
+        if (std::find(kinds_touched.begin(), kinds_touched.end(), batch[i].kind) == kinds_touched.end())
+          kinds_touched.push_back(batch[i].kind);
+      }
+      // GC between writes, on the write thread (invariant 8).
+      for (unsigned ki : kinds_touched) {
+        KindState& k = kinds_[ki];
+        if (static_cast<double>(k.slots_used) >= cfg_.gc_high * static_cast<double>(k.slots_total)) {
+          ++counters_.gc_runs;
+          gc_locked(k, static_cast<uint64_t>(std::floor(cfg_.gc_low * static_cast<double>(k.slots_total))));
+        }
+      }
+    }
+    in_flight_writes_ -= batch.size();
+  }
+}
+
+Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
+  KindState& k = kind_state(kind);
+  auto t = std::make_shared<Completion>(items.size());
+  std::vector<ReadJob> jobs;
+  std::vector<bool> done(items.size(), false);
+  {
+    std::lock_guard lk(mu_);
+    for (size_t i = 0; i < items.size(); ++i) {
+      const GetItem& it = items[i];
+      auto e = closed_ ? k.index.end() : k.index.find(it.key);
+      if (e == k.index.end() || it.miss_if_small) continue;
+      const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
+                                         : e->second.len;
+      THAW_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
+                  "get item " + std::to_string(i) + ": destination of " +
+                      std::to_string(it.dst_bytes) + " bytes is smaller than the " +
+                      std::to_string(need) + " bytes the entry needs");
+      THAW_EXPECT(!it.dst_is_slot || is_aligned(reinterpret_cast<uintptr_t>(it.dst), kBlock),
+                  "get item " + std::to_string(i) + ": slot buffer is not 4096-byte aligned");
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto e = closed_ ? k.index.end() : k.index.find(items[i].key);
+      const GetItem& it = items[i];
+      if (e != k.index.end() && it.miss_if_small &&
+          it.dst_bytes < (it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
+                                         : e->second.len))
+        e = k.index.end();  // the entry changed size since the caller looked: a miss
+      if (e == k.index.end()) {
+        ++counters_.misses;
+        done[i] = true;
+        continue;
+      }
+      e->second.last_access = ++tick_;  // reads touch (invariant 8)
+      jobs.push_back(ReadJob{kind, items[i].key, e->second.drive, e->second.slot, e->second.len,
+                             items[i], t, i});
+    }
+    read_queue_depth_ += jobs.size();
+  }
+  for (size_t i = 0; i < items.size(); ++i)
+    if (done[i]) t->finish(i, -1);
+  for (ReadJob& j : jobs) {
+    if (!push(drives_[j.drive]->reads, j)) {
+      --read_queue_depth_;
+      t->finish(j.index, -1);
+    }
+  }
+  return t;
+}
+
+void Store::read_loop(unsigned drive) {
+  Queue<ReadJob>& q = drives_[drive]->reads;
+  uint64_t max_slot = 0;
+  for (auto& k : kinds_) max_slot = std::max(max_slot, k.slot_bytes);
+  AlignedBuffer scratch;
+  for (;;) {
+    ReadJob j;
+    {
+      std::unique_lock lk(q.mu);
+      q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
+      if (q.jobs.empty()) return;
+      j = std::move(q.jobs.front());
+      q.jobs.pop_front();
+    }
+    q.not_full.notify_one();
+    --read_queue_depth_;
+    ++in_flight_reads_;
+    const SlabFile& s = *kinds_[j.kind].slabs[drive];
+    std::optional<size_t> r;
+    if (j.item.dst_is_slot) {
+      r = s.read_into(j.slot, j.key, j.item.dst, j.item.dst_bytes, j.len);
+    } else {
+      if (scratch.size() < max_slot) scratch = AlignedBuffer(max_slot, kBlock);
+      r = s.read_into(j.slot, j.key, scratch.data(), scratch.size(), j.len);
+      if (r && *r) std::memcpy(j.item.dst, scratch.data() + kSlotHeaderBytes, *r);
+    }
+    {
+      std::lock_guard lk(mu_);
+      if (r) {
+        ++counters_.reloads;
+        counters_.reload_bytes += *r;
+      } else {
+        // A slot that does not verify is a miss; drop its entry if it still points there.
+        ++counters_.verify_failures;
+        KindState& k = kinds_[j.kind];
+        auto e = k.index.find(j.key);
+        if (e != k.index.end() && e->second.drive == j.drive && e->second.slot == j.slot) {
+          k.index.erase(e);
+          free_slot_locked(k, j.drive, j.slot);
+        }
+      }
+    }
+    --in_flight_reads_;
+    j.ticket->finish(j.index, r ? static_cast<int64_t>(*r) : -1);
+  }
+}
+
+std::optional<size_t> Store::lookup(unsigned kind, const Key& key) const {
+  const KindState& k = kind_state(kind);
+  std::lock_guard lk(mu_);
+  auto e = k.index.find(key);
+  if (e == k.index.end()) return std::nullopt;
+  return e->second.len;
+}
+
+bool Store::remove(unsigned kind, const Key& key) {
+  KindState& k = kind_state(kind);
+  std::lock_guard lk(mu_);
+  if (auto e = k.index.find(key); e != k.index.end()) {
+    const Entry v = e->second;
+    k.index.erase(e);  // index entry first, then the slot (invariant 4)
+    free_slot_locked(k, v.drive, v.slot);
+    ++counters_.deletes;
+    return true;
+  }
+  if (auto p = k.pending.find(key); p != k.pending.end() && !p->second.cancelled) {
+    p->second.cancelled = true;
+    ++counters_.deletes;
+    return true;
+  }
+  return false;
+}
+
+StoreStats Store::stats() const {
+  std::lock_guard lk(mu_);
+  StoreStats s = counters_;
+  for (const KindState& k : kinds_)
+    s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.slots_total, k.slots_used,
+                                static_cast<uint64_t>(k.index.size())});
+  s.in_flight_writes = in_flight_writes_.load();
+  s.in_flight_reads = in_flight_reads_.load();
+  s.write_queue_depth = write_queue_depth_.load();
+  s.read_queue_depth = read_queue_depth_.load();
+  return s;
+}
+
+}  // namespace thaw::disk
