@@ -149,14 +149,14 @@ def thaw(work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for the result JSON")
-    ap.add_argument("--quick", action="store_true", help="fewer graphs (32)")
-    ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 64)")
+    ap.add_argument("--quick", action="store_true", help="fewer graphs (64)")
+    ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 256, the size of the best published comparison)")
     ap.add_argument("--thaw", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
     args = ap.parse_args()
     if args.thaw:
         print(json.dumps(thaw(Path(args.thaw))))
         return 0
-    n = args.graphs or (32 if args.quick else 64)
+    n = args.graphs or (64 if args.quick else 256)
     with tempfile.TemporaryDirectory(prefix="thaw-bench-graphs-") as tmp:
         work = Path(tmp)
         fz = freeze(work, n)

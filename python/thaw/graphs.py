@@ -56,6 +56,7 @@ __all__ = [
     "arena_mem_pool",
     "describe",
     "load",
+    "load_from_archive",
     "record_modules",
     "recorder_info",
 ]
@@ -290,6 +291,14 @@ class GraphStore:
         return index
 
 
+    def save_to_archive(self, writer: Any, rank: int = 0) -> dict:
+        """Save into ``rank<N>/`` of an archive being written (a
+        :class:`thaw.archive.ArchiveWriter` or :class:`thaw.archive.RankWriter`): the same files
+        as :meth:`save`, which the writer checksums into the manifest at commit."""
+        index_path = writer.file_path(f"rank{int(rank)}/{INDEX_FILE}")  # checks rank, makes dirs
+        return self.save(Path(index_path).parent.parent)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -412,6 +421,26 @@ def _stream_handle(stream: Any) -> int:
     if handle is None:
         raise ValueError(f"stream must be an int handle or have .cuda_stream, got {stream!r}")
     return int(handle)
+
+
+def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
+                      **kw: Any) -> LoadedGraphs:
+    """Load rank ``rank``'s graphs from an opened :class:`thaw.archive.Archive`.
+
+    Every graph and module file of that rank is first checked against the manifest (listed,
+    inside the archive, no symlinks, size, and with ``verify`` its CRC32C): damage is a
+    :class:`thaw.archive.ArchiveCorrupt` naming the file, raised before any driver call.
+    ``kw`` goes to :func:`load` (device, region_base, threads, names, share_templates).
+    """
+    prefix = f"rank{int(rank)}/"
+    rels = [r for r in archive.files
+            if r.startswith(prefix + GRAPHS_DIR + "/") or r.startswith(prefix + MODULES_DIR + "/")]
+    if prefix + INDEX_FILE not in rels:
+        raise KeyError(f"archive {archive.path} has no graphs for rank {rank} "
+                       f"({prefix + INDEX_FILE} is not in its manifest)")
+    for rel in rels:
+        archive.check_file(rel, checksum=verify)
+    return load(Path(archive.path) / f"rank{int(rank)}", **kw)
 
 
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,

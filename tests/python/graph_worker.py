@@ -1,7 +1,7 @@
 """Subprocess worker for tests/python/test_graphs_gpu.py and benchmarks: FREEZE and THAW of CUDA
 graphs in separate, fresh processes.
 
-    python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/rank0 + image
+    python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/archive + image
     python graph_worker.py thaw   main DIR BASE [NAME]  # no torch: rebuild at BASE, replay, compare
     python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
     python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
@@ -142,7 +142,13 @@ def freeze(case: str, out: Path, base: int) -> dict:
         result["outputs"][name] = {"offset": off, "nbytes": n}
     (out / "arena.bin").write_bytes(image)
     t0 = time.perf_counter()
-    result["index"] = store.save(out / "rank0")
+    from thaw import archive as ar
+
+    fp = ar.Fingerprint.current(engine="graph_worker", engine_version="1", model=case)
+    with ar.ArchiveWriter(out / "archive", fp, ar.Region(base=arena.base, size=arena.size,
+                                                         granularity=2 << 20),
+                          overwrite=True) as w:
+        result["index"] = store.save_to_archive(w, rank=0)
     result["save_seconds"] = time.perf_counter() - t0
     (out / "freeze.json").write_text(json.dumps(result))
     return result
@@ -158,8 +164,13 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     arena = tg.FixedArena(base, meta["size"])
     arena.write(0, (out / "arena.bin").read_bytes())
     t1 = time.perf_counter()
-    graphs = tg.load(out / "rank0", region_base=arena.base,
-                     names=None if only is None else [only])
+    from thaw import archive as ar
+
+    # The archive must match this machine (GPU, driver, CUDA, torch) and be intact.
+    archive = ar.open_archive(out / "archive", expect=ar.Fingerprint.current(
+        engine="graph_worker", engine_version="1", model=case))
+    graphs = tg.load_from_archive(archive, 0, region_base=arena.base,
+                                  names=None if only is None else [only])
     graphs.wait_all()
     t2 = time.perf_counter()
     equal, first_diff = {}, {}

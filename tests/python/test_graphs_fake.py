@@ -93,3 +93,65 @@ def test_index_and_walk_of_the_rebuilt_graph(run):
     walked = run["walked"]
     assert walked["nodes"][1]["name"] == "scale"
     assert [tuple(e) for e in walked["edges"]] == [(0, 1, 0, 0, 0)]
+
+
+ARCHIVE_SCRIPT = r'''
+import json, struct, sys
+from pathlib import Path
+import thaw.graphs as tg
+from thaw import _native, archive as ar
+
+out = Path(sys.argv[1])
+BASE, SIZE = 0x7E0000000000, 1 << 30
+IMAGE = b".version 8.0\n.entry scale ( // params 0:8 8:4\n"
+mod = _native.graph_add_recorded_module(IMAGE)
+params = struct.pack("<QI", BASE + 0x1000, 7)
+d = {"nodes": [{"kind": "kernel", "module": mod, "name": "scale", "grid": (1, 1, 1),
+                "block": (32, 1, 1), "params": params, "slots": [(0, 8), (8, 4)]}], "edges": []}
+store = tg.GraphStore(region_base=BASE, region_size=SIZE)
+store.add("g", _native.graph_find_relocations(_native.graph_build(d), BASE, SIZE))
+fp = ar.Fingerprint(gpu="fake", sm="9.0", driver=None, cuda="13.0", torch=None, engine="test",
+                    engine_version="0", model="m")
+with ar.ArchiveWriter(out / "a", fp, ar.Region(base=BASE, size=SIZE, granularity=2 << 20)) as w:
+    store.save_to_archive(w, rank=0)
+a = ar.open_archive(out / "a")
+g = tg.load_from_archive(a, 0)
+g.wait_all()
+g.replay("g")
+files = sorted(r for r in a.files if r.startswith("rank0/"))
+mod_rel = [r for r in files if r.startswith("rank0/modules/")][0]
+p = Path(a.path) / mod_rel
+raw = bytearray(p.read_bytes()); raw[-1] ^= 1; p.write_bytes(bytes(raw))
+try:
+    tg.load_from_archive(ar.open_archive(out / "a"), 0)
+    err = None
+except ar.ArchiveCorrupt as e:
+    err = str(e)
+try:
+    tg.load_from_archive(ar.open_archive(out / "a"), 1)
+    missing = None
+except KeyError as e:
+    missing = str(e)
+print(json.dumps({"files": files, "stats": g.stats(), "corrupt": err, "missing": missing,
+                  "verify": ar.verify(out / "a")}))
+'''
+
+
+def test_graphs_round_trip_through_an_archive(tmp_path):
+    """save_to_archive puts the graphs and binaries under rank0/ and into the manifest;
+    load_from_archive verifies them first: a flipped byte in a module is ArchiveCorrupt naming
+    the file, before any driver call; a rank without graphs is a KeyError."""
+    if not FAKE.exists():
+        pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
+    env = dict(os.environ, THAW_LIBCUDA_PATH=str(FAKE))
+    p = subprocess.run([sys.executable, "-c", ARCHIVE_SCRIPT, str(tmp_path)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "rank0/graphs/index.json" in r["files"]
+    assert any(f.startswith("rank0/graphs/") and f.endswith(".tgraph") for f in r["files"])
+    assert any(f.startswith("rank0/modules/") and f.endswith(".bin") for f in r["files"])
+    assert r["stats"]["ready_graphs"] == 1
+    assert r["corrupt"] and "rank0/modules/" in r["corrupt"] and "checksum" in r["corrupt"]
+    assert r["missing"] and "rank 1" in r["missing"]
+    assert any("rank0/modules/" in line for line in r["verify"])
