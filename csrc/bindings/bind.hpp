@@ -8,4 +8,5 @@ namespace thaw::bindings {
 void bind_common(nanobind::module_& m);
 void bind_driver(nanobind::module_& m);
 void bind_disk(nanobind::module_& m);
+void bind_host(nanobind::module_& m);
 }  // namespace thaw::bindings

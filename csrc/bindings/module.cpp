@@ -5,4 +5,5 @@ NB_MODULE(_native, m) {
   thaw::bindings::bind_common(m);
   thaw::bindings::bind_driver(m);
   thaw::bindings::bind_disk(m);
+  thaw::bindings::bind_host(m);
 }

@@ -1,0 +1,240 @@
+"""Benchmark of the host tier (thaw.host), every figure against a baseline from the same run.
+
+  registration  cuMemHostRegister s/GiB of a multi-slab pool: serial vs parallel threads
+                (and hugetlbfs-backed when /dev/hugepages has free huge pages)
+  transfer      H2D / D2H page copies (scattered pages, batch API and loop) vs the pinned-copy
+                limit: one large cuMemcpyHtoD / cuMemcpyDtoH of a registered buffer
+  gather        gather/scatter GB/s (multi-threaded) vs single-threaded memcpy of the same bytes
+
+GPU sections are skipped, with the reason, on machines without a GPU; gather always runs.
+
+  python benchmarks/python/bench_host.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultlib  # noqa: E402
+
+import thaw  # noqa: E402
+from thaw import _native, host  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def best_of(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def row(section: str, case: str, value: float, unit: str, **extra) -> dict:
+    r = {"section": section, "case": case, "value": round(value, 4), "unit": unit}
+    r.update(extra)
+    return r
+
+
+# ---- registration -----------------------------------------------------------------------------
+
+
+def hugetlbfs_mount() -> tuple[str | None, str]:
+    for mount in ("/dev/hugepages", "/mnt/huge", "/hugepages"):
+        try:
+            st = os.statvfs(mount)
+        except OSError:
+            continue
+        with open("/proc/mounts") as f:
+            if not any(line.split()[1] == mount and line.split()[2] == "hugetlbfs" for line in f):
+                continue
+        return mount, f"{st.f_bavail} free huge pages of {st.f_bsize >> 10} KiB"
+    return None, "no hugetlbfs mount (/dev/hugepages, /mnt/huge)"
+
+
+def bench_registration(total: int, slabs: int, rows: list, ratios: dict, skipped: dict) -> None:
+    ceiling = total // slabs
+    secs = {}
+    for mode, parallel in (("serial", False), ("parallel", True)):
+        pool = host.HostPool(total, 2 * MiB, max_slab_bytes=ceiling, register=True,
+                             parallel=parallel)
+        r = pool.registration()
+        t0 = time.perf_counter()
+        pool.close()
+        release = time.perf_counter() - t0
+        secs[mode] = r["seconds"]
+        rows.append(row("registration", f"{mode} {total / GiB:.0f} GiB in {pool_slabs(r)} slabs",
+                        r["seconds"] / (total / GiB), "s/GiB", seconds=round(r["seconds"], 3),
+                        threads=r["threads"], release_seconds=round(release, 3),
+                        slowest_slab_seconds=round(max(r["slab_seconds"]), 3)))
+    ratios["registration_parallel_speedup"] = round(secs["serial"] / secs["parallel"], 3)
+    mount, why = hugetlbfs_mount()
+    if mount is None:
+        skipped["registration_hugetlbfs"] = why
+        return
+    try:
+        pool = host.HostPool(total, 2 * MiB, max_slab_bytes=ceiling, register=True,
+                             hugetlbfs_mount=mount)
+    except (MemoryError, OSError, ValueError) as e:
+        skipped["registration_hugetlbfs"] = f"{mount}: {why}: {e}"
+        return
+    r = pool.registration()
+    pool.close()
+    rows.append(row("registration", f"parallel hugetlbfs {total / GiB:.0f} GiB",
+                    r["seconds"] / (total / GiB), "s/GiB", seconds=round(r["seconds"], 3)))
+    ratios["registration_hugetlbfs_vs_serial"] = round(secs["serial"] / r["seconds"], 3)
+
+
+def pool_slabs(r: dict) -> int:
+    return len(r["slab_seconds"])
+
+
+# ---- transfers --------------------------------------------------------------------------------
+
+
+def bench_transfers(pool_bytes: int, move_bytes: int, reps: int, rows: list, ratios: dict) -> None:
+    # A pool of 256 KiB pages in 4 slabs, so scattered pages come from every registration.
+    # 2 MiB "pages" are runs of 8 consecutive pool pages (a slab holds a multiple of 8).
+    unit = 256 * 1024
+    pool = host.HostPool(pool_bytes, unit, max_slab_bytes=pool_bytes // 4, register=True)
+    assert pool.registered and pool.num_slabs == 4
+    dev = _native.DeviceBuffer(move_bytes, 0)
+    stream = host.Stream(0)
+    # The limit: one large synchronous copy of registered memory (slab 0), both directions.
+    base = pool.slab_address(0)
+    limit = {}
+    for d in ("h2d", "d2h"):
+        _native.host_memcpy_sync(d, 0, dev.ptr, base, move_bytes)  # warm
+        t = best_of(lambda: _native.host_memcpy_sync(d, 0, dev.ptr, base, move_bytes), reps)
+        limit[d] = move_bytes / t / 1e9
+        rows.append(row("transfer", f"{d} limit: one {move_bytes >> 20} MiB copy", limit[d],
+                        "GB/s"))
+    rng = np.random.default_rng(0)
+    paths = ["batch", "loop"] if host.batch_copy_available() else ["loop"]
+    for page_bytes in (unit, 8 * unit):
+        per = page_bytes // unit
+        count = move_bytes // page_bytes
+        groups = rng.choice(pool.num_pages // per, size=count, replace=False)
+        runs = [(int(g) * per, per, dev.ptr + i * page_bytes) for i, g in enumerate(groups)]
+        for d in ("h2d", "d2h"):
+            for path in paths:
+                # The native call with the runs as given (the list conversion is timed too).
+                def once():
+                    st = pool._pool.transfer(d, runs, stream.handle, path)
+                    stream.synchronize()
+                    return st
+                st = once()
+                assert st["path"] == path and st["copies"] == count, st
+                t = best_of(once, reps)
+                gbs = move_bytes / t / 1e9
+                key = f"{d}_{path}_{page_bytes >> 10}KiB"
+                rows.append(row("transfer", f"{d} {path} {count} scattered pages of "
+                                f"{page_bytes >> 10} KiB", gbs, "GB/s",
+                                vs_limit=round(gbs / limit[d], 3),
+                                driver_calls=st["driver_calls"]))
+                ratios[f"transfer_{key}_vs_limit"] = round(gbs / limit[d], 3)
+    pool.close()
+
+
+# ---- gather / scatter -------------------------------------------------------------------------
+
+
+def bench_gather(pages: int, reps: int, rows: list, ratios: dict) -> None:
+    cases = [
+        # key, name, layers, page_tokens, heads, head_dim, item, components
+        ("llama8b", "llama-8b-like layer_first 64 tok", 32, 64, 8, 128, 2, 2),
+        ("llama8b_16tok", "llama-8b-like layer_first 16 tok", 32, 16, 8, 128, 2, 2),
+    ]
+    for key, name, layers, tokens, heads, dim, item, comps in cases:
+        slice_bytes = tokens * heads * dim * item
+        per_comp = layers * pages * slice_bytes
+        mems = [np.ones(per_comp, dtype=np.uint8) for _ in range(comps)]
+        lay = host.PageLayout.layer_first([m.ctypes.data for m in mems], layers=layers,
+                                          pages=pages, page_tokens=tokens, heads=heads,
+                                          head_dim=dim, item_bytes=item)
+        slot = (lay.blob_bytes + 64 + 4095) // 4096 * 4096  # disk slots: header + blob + pad
+        dst = np.ones(pages * slot, dtype=np.uint8)
+        total = pages * lay.blob_bytes
+        src_flat = np.ones(total, dtype=np.uint8)
+        flat_dst = np.empty(total, dtype=np.uint8)
+        flat_dst[:] = 0
+        all_pages = list(range(pages))
+        one = host.Copier(threads=1)
+        many = host.Copier()
+        t_memcpy = best_of(lambda: np.copyto(flat_dst, src_flat), reps)
+        base_gbs = total / t_memcpy / 1e9
+        rows.append(row("gather", f"{name}: single-threaded memcpy of {total >> 20} MiB",
+                        base_gbs, "GB/s"))
+        for label, c in (("1 thread", one), (f"{many.threads} threads", many)):
+            tg = best_of(lambda: c.gather_pages(lay, all_pages, dst.ctypes.data + 64, stride=slot,
+                                                capacity=dst.size - 64), reps)
+            ts = best_of(lambda: c.scatter_pages(dst.ctypes.data + 64, lay, all_pages,
+                                                 stride=slot, nbytes=dst.size - 64), reps)
+            for op, t in (("gather", tg), ("scatter", ts)):
+                gbs = total / t / 1e9
+                rows.append(row("gather", f"{name}: {op} {pages} pages of "
+                                f"{lay.blob_bytes >> 10} KiB ({label})", gbs, "GB/s",
+                                vs_memcpy=round(gbs / base_gbs, 3), slice_kib=slice_bytes >> 10))
+                if c is many:
+                    ratios[f"{op}_{key}_vs_memcpy_1t"] = round(gbs / base_gbs, 3)
+        # Per-page latency of the path a disk write takes: one page into one slot buffer.
+        t1 = best_of(lambda: many.gather(lay, 0, dst.ctypes.data + 64, lay.blob_bytes), reps * 5)
+        rows.append(row("gather", f"{name}: one page ({lay.blob_bytes >> 10} KiB) latency",
+                        t1 * 1e6, "us"))
+        del mems, dst, src_flat, flat_dst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for the result JSON")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (CI / smoke)")
+    a = ap.parse_args()
+    gpu = thaw.cuda_available()
+    rows: list[dict] = []
+    ratios: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    reps = 2 if a.quick else 3
+    t0 = time.perf_counter()
+    if gpu:
+        bench_registration((4 if a.quick else 8) * GiB, 8, rows, ratios, skipped)
+        bench_transfers((2 if a.quick else 4) * GiB, (512 * MiB if a.quick else GiB), reps, rows,
+                        ratios)
+    else:
+        why = f"no CUDA GPU: {thaw.cuda_unavailable_reason()}"
+        skipped["registration"] = why
+        skipped["transfer"] = why
+    bench_gather(16 if a.quick else 64, reps, rows, ratios)
+    goals = {
+        "registration_parallel_speedup": 2.0,
+        "transfer_h2d_batch_2048KiB_vs_limit": 0.9,
+        "transfer_d2h_batch_2048KiB_vs_limit": 0.9,
+        "transfer_h2d_batch_256KiB_vs_limit": 0.9,
+        "transfer_d2h_batch_256KiB_vs_limit": 0.9,
+        "gather_llama8b_vs_memcpy_1t": 2.0,
+        "scatter_llama8b_vs_memcpy_1t": 2.0,
+    }
+    res = resultlib.result("host" if gpu else "host-cpu", rows=rows, ratios=ratios, goals=goals,
+                           skipped=skipped, quick=a.quick,
+                           seconds=round(time.perf_counter() - t0, 1),
+                           copy_threads=host.Copier().threads)
+    resultlib.print_table(rows, ["section", "case", "value", "unit", "vs_limit", "vs_memcpy"])
+    for k, v in sorted(ratios.items()):
+        g = goals.get(k)
+        print(f"{k:45s} {v:8.3f}" + (f"  goal >= {g} {'met' if v >= g else 'NOT met'}" if g else ""))
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
+    print("wrote", resultlib.write(res, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

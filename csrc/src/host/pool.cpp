@@ -1,0 +1,369 @@
+// HostPool: slab planning, one mmap per slab (anonymous or hugetlbfs), parallel registration,
+// and segments(). See DESIGN.md for the invariants.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "thaw/aligned.hpp"
+#include "thaw/driver.hpp"
+#include "thaw/error.hpp"
+#include "thaw/host.hpp"
+#include "thaw/log.hpp"
+
+namespace thaw::host {
+
+namespace {
+
+std::string n(size_t v) { return std::to_string(v); }
+
+std::string human(size_t bytes) {
+  char buf[64];
+  if (bytes >= kGiB)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(kGiB));
+  else if (bytes >= (size_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", double(bytes) / double(1 << 20));
+  else
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  return std::string(buf) + " (" + n(bytes) + " bytes)";
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+// ---- planning -----------------------------------------------------------------------------------
+
+std::vector<SlabPlan> plan_slabs(size_t total_bytes, size_t page_bytes, size_t max_slab_bytes,
+                                 size_t map_align) {
+  THAW_EXPECT(page_bytes > 0, "page_bytes must be positive, got 0");
+  THAW_EXPECT(total_bytes > 0, "total_bytes must be positive, got 0");
+  THAW_EXPECT(total_bytes % page_bytes == 0,
+              "total_bytes " + n(total_bytes) + " is not a multiple of page_bytes " +
+                  n(page_bytes) + " (a pool holds whole pages; use " +
+                  n(total_bytes / page_bytes * page_bytes) + " or " +
+                  n((total_bytes / page_bytes + 1) * page_bytes) + ")");
+  THAW_EXPECT(map_align > 0 && (map_align & (map_align - 1)) == 0,
+              "map_align must be a power of two, got " + n(map_align));
+  THAW_EXPECT(max_slab_bytes > 0, "max_slab_bytes must be positive, got 0");
+  // One page, rounded to the mapping granularity, must fit under the ceiling.
+  THAW_EXPECT(page_bytes <= SIZE_MAX - map_align && round_up(page_bytes, map_align) <= max_slab_bytes,
+              "page_bytes " + human(page_bytes) + " (mapped as " +
+                  human(round_up(page_bytes, map_align)) +
+                  ") does not fit under the single-registration ceiling max_slab_bytes " +
+                  human(max_slab_bytes) + ": raise THAW_MAX_SLAB_GB or use smaller pages");
+  const size_t total_pages = total_bytes / page_bytes;
+  // The largest page count whose mapping fits: floor(floor(ceiling/align)*align / page_bytes).
+  const size_t usable = max_slab_bytes / map_align * map_align;
+  size_t per_slab = std::max<size_t>(1, usable / page_bytes);
+  per_slab = std::min(per_slab, total_pages);
+  std::vector<SlabPlan> out;
+  out.reserve((total_pages + per_slab - 1) / per_slab);
+  for (size_t first = 0; first < total_pages; first += per_slab) {
+    SlabPlan s;
+    s.index = out.size();
+    s.first_page = first;
+    s.pages = std::min(per_slab, total_pages - first);
+    s.bytes = s.pages * page_bytes;
+    s.map_bytes = round_up(s.bytes, map_align);
+    out.push_back(s);
+  }
+  return out;
+}
+
+// ---- hugetlbfs ----------------------------------------------------------------------------------
+
+FsCapacity statfs_capacity(const std::string& path) {
+  struct statfs st{};
+  THAW_SYSCALL(::statfs(path.c_str(), &st));
+  FsCapacity c;
+  c.fs_magic = static_cast<uint64_t>(st.f_type);
+  c.block_size = static_cast<uint64_t>(st.f_bsize);
+  c.free_blocks = static_cast<uint64_t>(st.f_bavail);
+  return c;
+}
+
+void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap) {
+  char magic[32];
+  std::snprintf(magic, sizeof magic, "0x%llx", static_cast<unsigned long long>(cap.fs_magic));
+  THAW_EXPECT(cap.fs_magic == kHugetlbfsMagic,
+              "hugetlbfs_mount \"" + mount + "\" is not a hugetlbfs mount (statfs type " + magic +
+                  "): mount one (mount -t hugetlbfs none /dev/hugepages) or pass no mount to "
+                  "use ordinary pages");
+  THAW_EXPECT(cap.block_size > 0, "hugetlbfs mount \"" + mount + "\" reports a page size of 0");
+  const unsigned __int128 free_bytes =
+      static_cast<unsigned __int128>(cap.free_blocks) * cap.block_size;
+  if (free_bytes >= needed) return;
+  const size_t pages_needed = (needed + cap.block_size - 1) / cap.block_size;
+  const std::string page_kb = n(cap.block_size / 1024);
+  throw OutOfSpace(
+      "hugetlbfs at \"" + mount + "\" has " + human(size_t(free_bytes)) + " free (" +
+      n(cap.free_blocks) + " huge pages of " + human(cap.block_size) + "), the host pool needs " +
+      human(needed) + " (" + n(pages_needed) + " huge pages): add " +
+      n(pages_needed - cap.free_blocks) + " or more huge pages (e.g. echo " + n(pages_needed) +
+      " > /sys/kernel/mm/hugepages/hugepages-" + page_kb +
+      "kB/nr_hugepages, or raise the mount's size= option), make the pool smaller, or pass no "
+      "hugetlbfs mount to use ordinary pages");
+}
+
+// ---- one registration ---------------------------------------------------------------------------
+
+HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling)
+    : device_(device) {
+  THAW_EXPECT(ptr != nullptr && bytes > 0, "cannot register an empty host range");
+  THAW_EXPECT(bytes <= ceiling,
+              "refusing to register " + human(bytes) +
+                  " of host memory in one cuMemHostRegister: the single-registration ceiling "
+                  "is " + human(ceiling) +
+                  " (THAW_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
+                  "into slabs (HostPool does) or raise THAW_MAX_SLAB_GB if this driver allows it");
+  driver::ContextGuard ctx(device);
+  // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
+  THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes,
+                                         CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
+  ptr_ = ptr;
+  bytes_ = bytes;
+}
+
+HostRegistration::~HostRegistration() { release(); }
+
+void HostRegistration::release() noexcept {
+  if (ptr_ == nullptr) return;
+  try {
+    driver::ContextGuard ctx(device_);
+    const CUresult r = driver::cu().cuMemHostUnregister(ptr_);
+    if (r != CUDA_SUCCESS)
+      log::write(log::kWarning, "cuMemHostUnregister failed: " + driver::result_name(r));
+  } catch (...) {
+    // Destructors never throw; the context is gone (process exit), nothing left to undo.
+  }
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+HostRegistration::HostRegistration(HostRegistration&& o) noexcept
+    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), device_(o.device_) {}
+
+HostRegistration& HostRegistration::operator=(HostRegistration&& o) noexcept {
+  if (this != &o) {
+    release();
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    device_ = o.device_;
+  }
+  return *this;
+}
+
+// ---- the pool -----------------------------------------------------------------------------------
+
+namespace {
+
+bool gpu_present(int device) {
+  if (!driver::available()) return false;
+  try {
+    return device >= 0 && device < driver::device_count();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::atomic<uint64_t> g_file_counter{0};
+
+// One slab file on hugetlbfs: created exclusively, unlinked at once (the mapping keeps it).
+uint8_t* map_hugetlbfs(const std::string& mount, size_t bytes) {
+  const std::string path = mount + "/thaw-hostpool-" + std::to_string(::getpid()) + "-" +
+                           std::to_string(g_file_counter.fetch_add(1));
+  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd == -1) detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  ::unlink(path.c_str());
+  void* p = MAP_FAILED;
+  int err = 0;
+  const char* what = "ftruncate";
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+    what = "mmap";
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
+  } else {
+    err = errno;
+  }
+  ::close(fd);
+  if (p == MAP_FAILED)
+    detail::throw_errno(err, (std::string(what) + " of " + n(bytes) + " bytes on \"" + path +
+                              "\" (too few free huge pages?)").c_str(),
+                        __FILE__, __LINE__);
+  return static_cast<uint8_t*>(p);
+}
+
+}  // namespace
+
+HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions options)
+    : total_bytes_(total_bytes), page_bytes_(page_bytes), options_(std::move(options)) {
+  const bool huge = !options_.hugetlbfs_mount.empty();
+  FsCapacity cap;
+  if (huge) {
+    cap = options_.statfs ? options_.statfs(options_.hugetlbfs_mount)
+                          : statfs_capacity(options_.hugetlbfs_mount);
+    // The type first (needing 0 bytes cannot fail on capacity), so the block size below is the
+    // huge page size.
+    check_hugetlbfs_capacity(options_.hugetlbfs_mount, 0, cap);
+    THAW_EXPECT((cap.block_size & (cap.block_size - 1)) == 0,
+                "hugetlbfs mount \"" + options_.hugetlbfs_mount + "\" reports a page size of " +
+                    n(cap.block_size) + " bytes, not a power of two");
+    map_align_ = static_cast<size_t>(cap.block_size);
+  } else {
+    map_align_ = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  }
+  plan_ = plan_slabs(total_bytes, page_bytes, options_.max_slab_bytes, map_align_);
+  if (huge) {
+    size_t needed = 0;
+    for (const SlabPlan& s : plan_) needed += s.map_bytes;
+    check_hugetlbfs_capacity(options_.hugetlbfs_mount, needed, cap);
+  }
+
+  bool do_register = false;
+  switch (options_.registration) {
+    case Registration::Off: do_register = false; break;
+    case Registration::On: do_register = true; break;
+    case Registration::Auto: do_register = gpu_present(options_.device); break;
+  }
+  if (options_.registration == Registration::On && !driver::available())
+    throw DriverUnavailable("HostPool registration requested but the CUDA driver is unavailable: " +
+                            driver::unavailable_reason());
+
+  try {
+    maps_.reserve(plan_.size());
+    for (const SlabPlan& s : plan_) {
+      uint8_t* p = nullptr;
+      if (huge) {
+        p = map_hugetlbfs(options_.hugetlbfs_mount, s.map_bytes);
+      } else {
+        void* m = ::mmap(nullptr, s.map_bytes, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED)
+          detail::throw_errno(errno, ("mmap of slab " + n(s.index) + " (" + n(s.map_bytes) +
+                                      " bytes)").c_str(),
+                              __FILE__, __LINE__);
+        p = static_cast<uint8_t*>(m);
+      }
+      maps_.push_back({p, s.map_bytes});
+    }
+
+    if (do_register) {
+      const size_t count = plan_.size();
+      std::vector<HostRegistration> regs(count);
+      std::vector<std::exception_ptr> errors(count);
+      timing_.slab_seconds.assign(count, 0.0);
+      timing_.parallel = options_.parallel_registration && count > 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto register_one = [&](size_t i) {
+        try {
+          const auto ts = std::chrono::steady_clock::now();
+          regs[i] = HostRegistration(maps_[i].ptr, maps_[i].bytes, options_.device,
+                                     options_.max_slab_bytes);
+          timing_.slab_seconds[i] = seconds_since(ts);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      };
+      if (timing_.parallel) {
+        const size_t nthreads =
+            std::min(count, std::max<size_t>(1, options_.registration_threads));
+        std::atomic<size_t> next{0};
+        std::vector<std::thread> threads;
+        threads.reserve(nthreads);
+        try {
+          for (size_t t = 0; t < nthreads; ++t)
+            threads.emplace_back([&] {
+              for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
+            });
+        } catch (...) {
+          // Could not start every thread: the ones running drain the queue; finish it here.
+          for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
+        }
+        for (auto& th : threads) th.join();
+        timing_.threads = std::max<size_t>(1, threads.size());
+      } else {
+        for (size_t i = 0; i < count; ++i) register_one(i);
+        timing_.threads = 1;
+      }
+      timing_.seconds = seconds_since(t0);
+      for (auto& e : errors)
+        if (e) std::rethrow_exception(e);  // `regs` unregisters the slabs that succeeded
+      regs_ = std::move(regs);
+      timing_.registered = true;
+      log::write(log::kInfo, "host pool: registered " + n(count) + " slab(s), " +
+                                 human(total_bytes_) + " in " +
+                                 std::to_string(timing_.seconds) + " s (" +
+                                 (timing_.parallel ? "parallel" : "serial") + ")");
+    }
+  } catch (...) {
+    regs_.clear();
+    unmap_all();
+    throw;
+  }
+}
+
+HostPool::~HostPool() {
+  regs_.clear();  // unregister before unmapping
+  unmap_all();
+}
+
+void HostPool::unmap_all() noexcept {
+  for (Mapping& m : maps_)
+    if (m.ptr != nullptr) ::munmap(m.ptr, m.bytes);
+  maps_.clear();
+}
+
+uint8_t* HostPool::slab_base(size_t slab) const {
+  THAW_EXPECT(slab < plan_.size(),
+              "slab " + n(slab) + " out of range: the pool has " + n(plan_.size()) + " slab(s)");
+  return maps_[slab].ptr;
+}
+
+size_t HostPool::slab_of(size_t page) const {
+  THAW_EXPECT(page < num_pages(),
+              "page " + n(page) + " out of range: the pool has " + n(num_pages()) + " pages");
+  return page / plan_.front().pages;  // every slab but the last holds the same page count
+}
+
+uint8_t* HostPool::page_address(size_t page) const {
+  const size_t s = slab_of(page);
+  return maps_[s].ptr + (page - plan_[s].first_page) * page_bytes_;
+}
+
+std::vector<Segment> HostPool::segments(size_t first_page, size_t count) const {
+  const size_t total = num_pages();
+  THAW_EXPECT(first_page <= total && count <= total - first_page,
+              "pages [" + n(first_page) + ", " + n(first_page) + "+" + n(count) +
+                  ") out of range: the pool has " + n(total) + " pages");
+  std::vector<Segment> out;
+  size_t page = first_page;
+  const size_t end = first_page + count;
+  while (page < end) {
+    const size_t s = page / plan_.front().pages;
+    const SlabPlan& sp = plan_[s];
+    const size_t stop = std::min(end, sp.first_page + sp.pages);
+    Segment seg;
+    seg.slab = s;
+    seg.first_page = page;
+    seg.pages = stop - page;
+    seg.ptr = maps_[s].ptr + (page - sp.first_page) * page_bytes_;
+    seg.bytes = seg.pages * page_bytes_;
+    out.push_back(seg);
+    page = stop;
+  }
+  return out;
+}
+
+}  // namespace thaw::host
