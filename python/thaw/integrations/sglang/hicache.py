@@ -220,7 +220,8 @@ def _host_geometry(pool: Any) -> _HostGeometry:
     ident = "|".join(str(x) for x in (
         "v1", kind, layout_name, buf.dtype, getattr(pool, "layer_num", "?"),
         getattr(pool, "start_layer", "?"), getattr(pool, "head_num", "?"),
-        getattr(pool, "head_dim", "?"), page_tokens, lay.blob_bytes, len(lay.components),
+        getattr(pool, "head_dim", "?"), getattr(pool, "kv_cache_dim", "?"), page_tokens,
+        lay.blob_bytes, len(lay.components),
         lay.layers, lay.slice_bytes))
     return _HostGeometry(lay, page_tokens, lay.blob_bytes, ident)
 
