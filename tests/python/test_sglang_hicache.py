@@ -493,3 +493,53 @@ def test_concurrent_set_get_exists(tmp_path):
     b.close()
     assert not any(t.is_alive() for t in ts)
     assert not errors
+
+
+def test_v2_multi_pool_calls_answer_nothing_stored(tmp_path):
+    """Hybrid models call the v2 API; thaw stores no v2 pages and must not raise."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
+
+    _, host = _mha_host("page_first")
+    _fill_random(host, 13)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        idx = host.alloc(2 * PAGE)
+        _, keys = _keys(2)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        b.register_mem_host_pool_v2(host, PoolName.MAMBA)
+        t = PoolTransfer(name=PoolName.MAMBA, host_indices=idx, keys=list(keys))
+        r = b.batch_exists_v2(keys, [t])
+        assert isinstance(r, PoolTransferResult) and r.kv_hit_pages == 0
+        assert b.batch_exists_v2(keys, None).kv_hit_pages == 2
+        assert b.batch_set_v2([t]) == {PoolName.MAMBA: [False, False]}
+        assert b.batch_get_v2([t]) == {PoolName.MAMBA: [False, False]}
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout):
+    """Staging for 3 pages per chunk: batches of 10 go through the double-buffered gather/write
+    and read/scatter pipelines in 4 chunks; every page and every per-key result lands right."""
+    _, host = _mha_host(layout, tokens=1024)
+    _fill_random(host, 14)
+    slot = tier.slot_bytes_for(BLOB)
+    b = _backend(host, _extra(tmp_path, staging_bytes=2 * slot * 3))
+    try:
+        assert b._chunk == 3
+        src = host.alloc(10 * PAGE)
+        want = _pages(host, src, 10)
+        _, keys = _keys(10)
+        assert b.batch_set_v1(keys[:4:2], torch.cat([src[0:PAGE], src[2 * PAGE:3 * PAGE]])) \
+            == [True, True]
+        assert b.batch_set_v1(keys, src) == [True] * 10
+        assert b.thaw_stats()["set_dedup"] == 2
+        asked = keys[:5] + ["missing"] + keys[5:]
+        dst = host.alloc(11 * PAGE)
+        assert b.batch_get_v1(asked, dst) == [True] * 5 + [False] + [True] * 5
+        got = _pages(host, dst, 11)
+        for j, i in enumerate(list(range(5)) + [None] + list(range(5, 10))):
+            if i is not None:
+                assert torch.equal(got[j], want[i]), f"slot {j} (page {i}) differs"
+    finally:
+        b.close()

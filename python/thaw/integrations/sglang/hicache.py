@@ -46,6 +46,7 @@ logger and counted in :meth:`ThawStorage.thaw_stats`. Configuration mistakes (a 
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import re
@@ -351,6 +352,7 @@ class ThawStorage(HiCacheStorage):
         self._store: Optional[_tier.DiskStore] = None
         self._store_name: Optional[str] = None
         self._copier = _host.Copier()
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, "thaw-hicache-read")
         self._set_lock = threading.Lock()   # owns the set staging buffers
         self._get_lock = threading.Lock()   # owns the get staging buffers
         self._state = _SharedLock()         # store swap (clear/close) vs. everything else
@@ -392,11 +394,12 @@ class ThawStorage(HiCacheStorage):
                                 direct_io=s.direct_io, read_threads=s.read_threads,
                                 write_threads=s.write_threads)
         # Staging buffers belong to a store; new ones with every (re)open. Writes use two sets
-        # (gather one chunk while the previous one is written), reads one.
+        # (gather one chunk while the previous one is written), and so do reads (scatter one
+        # chunk while the next one is read).
         self._chunk = max(1, min(STORAGE_BATCH_SIZE,
                                  self.settings.staging_bytes // (2 * store.slot_bytes(_KIND))))
         self._set_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
-        self._get_bufs = [store.buffer(_KIND) for _ in range(self._chunk)]
+        self._get_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
         return store
 
     def close(self) -> None:
@@ -407,6 +410,7 @@ class ThawStorage(HiCacheStorage):
                 store, self._store = self._store, None
                 self._set_bufs, self._get_bufs = [], []
                 store.close()
+            self._reader.shutdown(wait=True)
 
     def clear(self) -> bool:
         """Drop every page of this rank (SGLang's ``/clear_hicache_storage``): the slabs are
@@ -507,6 +511,35 @@ class ThawStorage(HiCacheStorage):
         for i, ok in zip(part, tk.wait()):
             results[i] = bool(ok)
 
+    def _read_scatter(self, store, g, keys, pages, results) -> None:
+        """Read chunk i+1 (I/O threads, on the reader thread) while chunk i is scattered."""
+        n, step = len(keys), self._chunk
+        chunks = [list(range(s, min(n, s + step))) for s in range(0, n, step)]
+
+        def read(ci):
+            part = chunks[ci]
+            return store.get_buffers([keys[i] for i in part], self._get_bufs[ci % 2][:len(part)],
+                                     _KIND)
+
+        pending = self._reader.submit(read, 0)
+        try:
+            for ci, part in enumerate(chunks):
+                lens = pending.result()
+                pending = self._reader.submit(read, ci + 1) if ci + 1 < len(chunks) else None
+                for b, i, ln in zip(self._get_bufs[ci % 2], part, lens):
+                    if ln is None:
+                        continue
+                    if ln != g.blob_bytes:
+                        logger.warning("thaw HiCache backend: page %s has %d bytes, %d "
+                                       "expected; dropped", keys[i], ln, g.blob_bytes)
+                        store.delete(keys[i], _KIND)
+                        continue
+                    self._copier.scatter(b.address, g.layout, pages[i], g.blob_bytes)
+                    results[i] = True
+        finally:
+            if pending is not None:  # on an error: the buffers are free again once it is done
+                concurrent.futures.wait([pending])
+
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Read ``keys`` into the host-pool pages at ``host_indices``; one bool per key
@@ -524,20 +557,7 @@ class ThawStorage(HiCacheStorage):
                     return results
                 pages = self._pages(n, host_indices)
                 with self._get_lock:
-                    for start in range(0, n, len(self._get_bufs)):
-                        part = list(range(start, min(n, start + len(self._get_bufs))))
-                        bufs = self._get_bufs[:len(part)]
-                        lens = store.get_buffers([keys[i] for i in part], bufs, _KIND)
-                        for b, i, ln in zip(bufs, part, lens):
-                            if ln is None:
-                                continue
-                            if ln != g.blob_bytes:
-                                logger.warning("thaw HiCache backend: page %s has %d bytes, "
-                                               "%d expected; dropped", keys[i], ln, g.blob_bytes)
-                                store.delete(keys[i], _KIND)
-                                continue
-                            self._copier.scatter(b.address, g.layout, pages[i], g.blob_bytes)
-                            results[i] = True
+                    self._read_scatter(store, g, keys, pages, results)
             hits = sum(results)
             dt = time.perf_counter() - t0
             with self._clock:
@@ -583,6 +603,37 @@ class ThawStorage(HiCacheStorage):
         except Exception as e:
             self._error("batch_exists", e)
             return 0
+
+    # -- v2: multi-pool transfers (hybrid / Mamba / sidecar pools) ---------------------------
+    # Not stored by this backend: the calls answer "nothing stored" instead of raising (the
+    # base class raises NotImplementedError into SGLang's threads), so a hybrid model runs with
+    # its L3 prefix hits at 0 rather than crashing.
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        logger.warning("thaw HiCache backend: extra host pool %r registered; thaw does not "
+                       "store v2 (multi-pool) pages, so requests needing it get no L3 hits",
+                       str(host_pool_name))
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None):
+        """No v2 pages are stored: a prefix of 0 unless no extra pool is asked for."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        if pool_transfers:
+            return PoolTransferResult(0, {})
+        hits = self.batch_exists(keys, extra_info)
+        return PoolTransferResult(hits, {"kv": hits} if hits else {})
+
+    def batch_get_v2(self, transfers: list,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        """Every page of every transfer is a miss (v2 pages are not stored)."""
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: list,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        """Every page of every transfer is refused (v2 pages are not stored)."""
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
 
     # -- v0: tensors (SGLang's generic path and the draft-pool piggyback) --------------------
     # A flat page of SGLang's MHA/MLA host pools has the same bytes as thaw's gathered page

@@ -1,0 +1,233 @@
+"""HiCache L3 backends, same pages, same run: thaw's ThawStorage vs SGLang's HiCacheFile.
+
+Both backends are driven through SGLang's own cache-controller code (the pinned release): the
+page I/O functions a real ``HiCacheController`` picks for them (``_page_set_zero_copy`` /
+``_page_get_zero_copy`` for thaw with ``interface_v1``, ``_generic_page_set`` /
+``_generic_page_get`` for ``file``), in batches of SGLang's ``STORAGE_BATCH_SIZE`` pages, on a
+real ``MHATokenToKVPoolHost`` filled with random bytes. Reported per backend and operation:
+GB/s and pages/s (best of ``--reps``); every get is checked byte for byte.
+
+Fairness (the page cache would otherwise serve the file backend's reads from RAM):
+  * before every timed get, all written files of both backends are flushed (``os.sync``) and
+    dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``, so both read from
+    the drive (thaw reads with O_DIRECT anyway);
+  * SGLang's file backend acknowledges a set without any fsync (its pages may still be in RAM),
+    thaw only after ``fdatasync``: the ``set`` rows time each as it is; the ``file set + sync``
+    row adds the ``os.sync`` that makes the file backend's pages durable too.
+  * each set repetition writes new keys (both backends skip keys they already hold).
+
+  python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultlib  # noqa: E402
+
+MiB = 1 << 20
+
+
+def drop_cache(paths):
+    os.sync()
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(d):
+    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the result JSON")
+    ap.add_argument("--dir", default=None, help="scratch directory on the drive to test "
+                    "(default: a temporary directory under THAW_TEST_DIR or /var/tmp)")
+    ap.add_argument("--layout", default="layer_first",
+                    choices=["layer_first", "page_first", "page_first_direct"])
+    ap.add_argument("--page-tokens", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8, help="KV heads per rank")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--pages", type=int, default=128, help="pages per repetition")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small pages, few of them")
+    args = ap.parse_args()
+    if args.quick:
+        args.page_tokens, args.layers, args.pages, args.reps = 16, 8, 64, 2
+
+    import torch
+
+    import sglang.srt.managers.cache_controller as ccm
+
+    if not torch.cuda.is_available():
+        ccm.device_module = torch.cpu  # the controller's streams/events: no device here
+    os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
+    base = args.dir or os.environ.get("THAW_TEST_DIR") or "/var/tmp"
+    scratch = tempfile.mkdtemp(prefix="bench-hicache-", dir=base)
+    thaw_dir, file_dir = os.path.join(scratch, "thaw"), os.path.join(scratch, "file")
+    os.makedirs(thaw_dir)
+    os.makedirs(file_dir)
+    try:
+        return run(args, scratch, thaw_dir, file_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args, scratch, thaw_dir, file_dir) -> int:
+    import torch
+
+    import sglang.srt.managers.cache_controller as ccm
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.utils import get_hash_str
+    from sglang.srt.runtime_context import get_parallel
+
+    P = args.page_tokens
+    n = args.pages
+    page_bytes = 2 * args.layers * P * args.heads * args.head_dim * 2
+
+    dev_tokens = 2 * n * P
+    dev = MHATokenToKVPool(size=dev_tokens, page_size=P, dtype=torch.bfloat16,
+                           head_num=args.heads, head_dim=args.head_dim, layer_num=args.layers,
+                           device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev, 1.0, 0, P, args.layout, pin_memory=False, device="cpu")
+    alloc = PagedTokenToKVPoolAllocator(dev_tokens, P, torch.bfloat16, "cpu", dev, False)
+    g = torch.Generator().manual_seed(0)
+    flat = host.kv_buffer.view(torch.int16).view(-1)
+    flat.copy_(torch.randint(-32768, 32767, (flat.numel(),), dtype=torch.int16, generator=g))
+    src = host.alloc(n * P)
+    dst = host.alloc(n * P)
+
+    budget = (args.reps + 1) * n * (page_bytes + 8192) + (64 << 20)
+    controllers = {}
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        extra_thaw = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
+                      "class_name": "ThawStorage", "interface_v1": 1, "dirs": [thaw_dir],
+                      "budget_bytes": budget, "cold_start": "clear"}
+        controllers["thaw"] = ccm.HiCacheController(
+            alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
+            io_backend="direct", storage_backend="dynamic", model_name="bench",
+            storage_backend_extra_config=extra_thaw)
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
+        controllers["file"] = ccm.HiCacheController(
+            alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
+            io_backend="direct", storage_backend="file", model_name="bench",
+            storage_backend_extra_config={})
+    B = ccm.STORAGE_BATCH_SIZE
+
+    def keys_for(rep):
+        tokens = [(rep * 1_000_003 + i) % 150_000 for i in range(n * P)]
+        return tokens, get_hash_str(tokens, None, page_size=P)
+
+    def do_set(cc, hashes):
+        ok = True
+        for s in range(0, n, B):
+            ok &= bool(cc.page_set_func(hashes[s:s + B], src[s * P:(s + len(hashes[s:s + B])) * P]))
+        return ok
+
+    def do_get(cc, tokens, hashes):
+        op = ccm.PrefetchOperation("bench", tokens)
+        for s in range(0, n, B):
+            hs = hashes[s:s + B]
+            cc.page_get_func(op, hs, dst[s * P:(s + len(hs)) * P])
+        return op.completed_tokens == n * P
+
+    want = [host.get_data_page(int(src[i * P])).view(torch.int16).clone() for i in range(n)]
+    results = {name: {"set": [], "get": [], "sync": []} for name in controllers}
+    last = None
+    for rep in range(args.reps):
+        tokens, hashes = keys_for(rep)
+        last = (tokens, hashes)
+        for name, cc in controllers.items():
+            drop_cache(files_under(scratch))
+            t0 = time.perf_counter()
+            if not do_set(cc, hashes):
+                raise SystemExit(f"{name}: set failed in rep {rep}")
+            t1 = time.perf_counter()
+            os.sync()
+            t2 = time.perf_counter()
+            results[name]["set"].append(t1 - t0)
+            results[name]["sync"].append(t2 - t0)
+    tokens, hashes = last
+    for rep in range(args.reps):
+        for name, cc in controllers.items():
+            for i in range(n):
+                host.get_data_page(int(dst[i * P])).zero_()
+            drop_cache(files_under(scratch))
+            t0 = time.perf_counter()
+            ok = do_get(cc, tokens, hashes)
+            t1 = time.perf_counter()
+            if not ok:
+                raise SystemExit(f"{name}: get missed pages in rep {rep}")
+            for i in range(n):
+                if not torch.equal(host.get_data_page(int(dst[i * P])).view(torch.int16), want[i]):
+                    raise SystemExit(f"{name}: page {i} read back wrong")
+            results[name]["get"].append(t1 - t0)
+
+    thaw_backend = controllers["thaw"].storage_backend
+    direct = thaw_backend.thaw_stats()["store"]["direct_io"]
+    probe_fs = resultlib.machine(thaw_dir).get("filesystem")
+    rows = []
+    total = n * page_bytes
+
+    def add(backend, op, secs, note=""):
+        best = min(secs)
+        rows.append({"backend": backend, "op": op, "pages": n, "page_bytes": page_bytes,
+                     "GB/s": round(total / best / 1e9, 3), "pages/s": round(n / best, 1),
+                     "best_s": round(best, 4), "median_s": round(statistics.median(secs), 4),
+                     "note": note})
+        return total / best
+
+    r = {}
+    r["thaw_set"] = add("thaw", "set", results["thaw"]["set"], "acknowledged after fdatasync")
+    r["file_set"] = add("file", "set", results["file"]["set"], "SGLang HiCacheFile, no fsync")
+    r["file_set_sync"] = add("file", "set + sync", results["file"]["sync"],
+                             "plus os.sync() to make it durable")
+    r["thaw_get"] = add("thaw", "get", results["thaw"]["get"], "cold: O_DIRECT")
+    r["file_get"] = add("file", "get", results["file"]["get"], "cold: page cache dropped")
+    ratios = {
+        "get_thaw_vs_file": round(r["thaw_get"] / r["file_get"], 3),
+        "set_thaw_vs_file": round(r["thaw_set"] / r["file_set"], 3),
+        "set_thaw_vs_file_durable": round(r["thaw_set"] / r["file_set_sync"], 3),
+    }
+    goals = {"get_thaw_vs_file": 3.0}
+    res = resultlib.result(
+        "hicache", rows=rows, ratios=ratios, goals=goals, directory=thaw_dir,
+        config={"layout": args.layout, "page_tokens": P, "layers": args.layers,
+                "kv_heads": args.heads, "head_dim": args.head_dim, "dtype": "bfloat16",
+                "pages": n, "reps": args.reps, "batch_pages": B, "thaw_direct_io": direct,
+                "filesystem": probe_fs, "sglang": __import__("sglang").__version__},
+        method=("Both backends driven by SGLang's HiCacheController page I/O functions on a real "
+                "MHATokenToKVPoolHost; before each timed get every file of both backends is "
+                "os.sync'ed and dropped from the page cache with posix_fadvise(DONTNEED); set "
+                "reps use fresh keys; gets verified byte for byte; best of reps."))
+    for cc in controllers.values():
+        cc.detach_storage_backend()
+    resultlib.print_table(rows, ["backend", "op", "pages", "page_bytes", "GB/s", "pages/s",
+                                 "best_s", "median_s", "note"])
+    print("ratios:", ratios, "goals:", goals)
+    path = resultlib.write(res, args.out)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
