@@ -475,20 +475,24 @@ class ThawStorage(HiCacheStorage):
                 written = 0
                 with self._set_lock:
                     tickets: list = [None, None]
-                    for ci, start in enumerate(range(0, len(todo), self._chunk)):
-                        part = todo[start:start + self._chunk]
-                        side = ci % 2
-                        if tickets[side] is not None:  # its buffers are still being written
-                            self._collect(tickets[side], results)
-                            tickets[side] = None
-                        bufs = self._set_bufs[side][:len(part)]
-                        for b, i in zip(bufs, part):
-                            self._copier.gather(g.layout, pages[i], b.address, b.capacity)
-                        tickets[side] = (part, store.put_buffers_async(
-                            [keys[i] for i in part], bufs, [g.blob_bytes] * len(part), _KIND))
-                    for tk in tickets:
-                        if tk is not None:
-                            self._collect(tk, results)
+                    try:
+                        for ci, start in enumerate(range(0, len(todo), self._chunk)):
+                            part = todo[start:start + self._chunk]
+                            side = ci % 2
+                            if tickets[side] is not None:  # its buffers are being written
+                                tk, tickets[side] = tickets[side], None
+                                self._collect(tk, results)
+                            bufs = self._set_bufs[side][:len(part)]
+                            for b, i in zip(bufs, part):
+                                self._copier.gather(g.layout, pages[i], b.address, b.capacity)
+                            tickets[side] = (part, store.put_buffers_async(
+                                [keys[i] for i in part], bufs, [g.blob_bytes] * len(part),
+                                _KIND))
+                    finally:
+                        # Never leave a buffer in flight: the next call gathers into it.
+                        for tk in tickets:
+                            if tk is not None:
+                                self._collect(tk, results)
                     written = sum(1 for i in todo if results[i])
             dt = time.perf_counter() - t0
             with self._clock:
