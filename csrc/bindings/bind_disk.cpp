@@ -217,16 +217,16 @@ void bind_disk(nb::module_& m) {
              std::vector<Key> ks = to_keys(keys);
              std::vector<nb::object> outs(ks.size());
              std::vector<disk::GetItem> items;
-             std::vector<size_t> where;
              for (size_t i = 0; i < ks.size(); ++i) {
                const auto len = s.lookup(kind, ks[i]);
-               if (!len) continue;
-               PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(*len));
-               if (b == nullptr) throw nb::python_error();
-               outs[i] = nb::steal(b);
-               items.push_back(disk::GetItem{ks[i], reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(b)),
-                                             *len, false});
-               where.push_back(i);
+               uint8_t* dst = nullptr;
+               if (len) {
+                 PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(*len));
+                 if (b == nullptr) throw nb::python_error();
+                 outs[i] = nb::steal(b);
+                 dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(b));
+               }
+               items.push_back(disk::GetItem{ks[i], dst, len.value_or(0), false, true});
              }
              std::vector<int64_t> r;
              {
@@ -234,9 +234,8 @@ void bind_disk(nb::module_& m) {
                r = s.submit_get(kind, std::move(items))->wait();
              }
              nb::list out;
-             size_t j = 0;
              for (size_t i = 0; i < ks.size(); ++i) {
-               const bool hit = j < where.size() && where[j] == i && r[j++] >= 0;
+               const bool hit = r[i] >= 0 && outs[i].is_valid();
                out.append(hit ? outs[i] : nb::none());
              }
              return out;
@@ -251,6 +250,23 @@ void bind_disk(nb::module_& m) {
                                              outs[i].nbytes(), false});
              nb::gil_scoped_release nogil;
              return s.submit_get(kind, std::move(items))->wait();
+           })
+      .def("get_buffers_async",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+              const std::vector<SlotBuffer*>& bufs) {
+             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             std::vector<disk::GetItem> items;
+             PyTicket t;
+             for (size_t i = 0; i < keys.size(); ++i) {
+               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+                           "buffer " + std::to_string(i) + " is None or of another kind");
+               t.keep.push_back(bufs[i]->buf);
+               items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
+                                             bufs[i]->buf->size(), true});
+             }
+             nb::gil_scoped_release nogil;
+             t.t = s.submit_get(kind, std::move(items));
+             return t;
            })
       .def("get_buffers",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,

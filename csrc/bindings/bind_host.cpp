@@ -257,8 +257,9 @@ void bind_host(nb::module_& m) {
       .def_prop_ro("blob_bytes", &host::PageLayout::blob_bytes);
 
   nb::class_<host::Copier>(m, "Copier")
-      .def(nb::init<size_t>(), nb::arg("threads"))
+      .def(nb::init<size_t, bool>(), nb::arg("threads"), nb::arg("streaming"))
       .def_prop_ro("threads", &host::Copier::threads)
+      .def_prop_ro("streaming", &host::Copier::streaming)
       .def(
           "gather",
           [](host::Copier& c, const host::PageLayout& l, size_t page, uintptr_t dst, size_t cap) {
@@ -290,7 +291,23 @@ void bind_host(nb::module_& m) {
             c.scatter_pages(reinterpret_cast<const void*>(src), stride, n, l, pages);
           },
           nb::arg("src"), nb::arg("src_stride"), nb::arg("src_bytes"), nb::arg("layout"),
-          nb::arg("pages"));
+          nb::arg("pages"))
+      .def(
+          "gather_each",
+          [](host::Copier& c, const host::PageLayout& l, const Pages& pages, const Bases& dsts,
+             size_t each) {
+            nb::gil_scoped_release nogil;
+            c.gather_each(l, pages, dsts, each);
+          },
+          nb::arg("layout"), nb::arg("pages"), nb::arg("dsts"), nb::arg("each_bytes"))
+      .def(
+          "scatter_each",
+          [](host::Copier& c, const Bases& srcs, size_t each, const host::PageLayout& l,
+             const Pages& pages) {
+            nb::gil_scoped_release nogil;
+            c.scatter_each(srcs, each, l, pages);
+          },
+          nb::arg("srcs"), nb::arg("each_bytes"), nb::arg("layout"), nb::arg("pages"));
   m.def("host_default_copier", &host::default_copier, nb::rv_policy::reference);
   m.def("host_default_threads", &host::Copier::default_threads);
 

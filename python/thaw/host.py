@@ -42,9 +42,11 @@ __all__ = [
     "check_hugetlbfs_capacity",
     "default_max_slab_bytes",
     "gather",
+    "gather_each",
     "gather_pages",
     "plan_slabs",
     "scatter",
+    "scatter_each",
     "scatter_pages",
 ]
 
@@ -176,7 +178,8 @@ class HostPool:
     """
 
     def __init__(self, total_bytes: int, page_bytes: int, *, max_slab_bytes: int | None = None,
-                 hugetlbfs_mount: str | None = None, register: bool | str = "auto",
+                 hugetlbfs_mount: str | os.PathLike | None = None,
+                 register: bool | str = "auto",
                  parallel: bool = True, registration_threads: int = 16, device: int = 0,
                  _fake_statfs: tuple[int, int, int] | None = None) -> None:
         reg = {True: "on", False: "off"}.get(register, register) if isinstance(register, bool) \
@@ -508,21 +511,32 @@ class PageLayout:
 
 
 class Copier:
-    """Gather/scatter on a fixed pool of ``threads`` copy threads (default: up to 16)."""
+    """Gather/scatter on a fixed pool of ``threads`` copy threads (default: up to 16).
 
-    def __init__(self, threads: int | None = None, *, _native_copier: Any = None) -> None:
+    ``streaming`` (default True) writes copies of 8 MiB or more with non-temporal stores,
+    which skip reading each destination line first; turn it off when the destination is read
+    by this CPU right after the copy.
+    """
+
+    def __init__(self, threads: int | None = None, *, streaming: bool = True,
+                 _native_copier: Any = None) -> None:
         if _native_copier is not None:
             self._c = _native_copier
         else:
             t = _native.host_default_threads() if threads is None else threads
             if t < 1:
                 raise ValueError(f"threads must be >= 1, got {t}")
-            self._c = _native.Copier(t)
+            self._c = _native.Copier(t, bool(streaming))
 
     @property
     def threads(self) -> int:
         """Threads that copy (the calling thread included)."""
         return self._c.threads
+
+    @property
+    def streaming(self) -> bool:
+        """Whether copies of >= 8 MiB in total use non-temporal stores (x86-64)."""
+        return self._c.streaming
 
     def gather(self, layout: PageLayout, page: int, dst: Any, capacity: int | None = None) -> int:
         """Copy page ``page`` into ``dst`` (contiguous blob); returns the blob size.
@@ -558,6 +572,34 @@ class Copier:
         del keep
 
 
+    def gather_each(self, layout: PageLayout, pages: Sequence[int], dsts: Sequence[Any],
+                    each_bytes: int | None = None) -> None:
+        """Gather ``pages[i]`` into its own buffer ``dsts[i]`` (e.g. separate slot buffers,
+        each an int address past its header with ``each_bytes`` given, or a writable buffer),
+        all in one parallel copy."""
+        addrs, keep = self._each(dsts, each_bytes, True, "gather_each destination")
+        self._c.gather_each(layout._l, list(pages), [a for a, _ in addrs],
+                            min(n for _, n in addrs) if addrs else 0)
+        del keep
+
+    def scatter_each(self, srcs: Sequence[Any], layout: PageLayout, pages: Sequence[int],
+                     each_bytes: int | None = None) -> None:
+        """Scatter the blob in ``srcs[i]`` into ``pages[i]`` (pages must be distinct)."""
+        addrs, keep = self._each(srcs, each_bytes, False, "scatter_each source")
+        self._c.scatter_each([a for a, _ in addrs], min(n for _, n in addrs) if addrs else 0,
+                             layout._l, list(pages))
+        del keep
+
+    @staticmethod
+    def _each(bufs, each_bytes, writable, what):
+        addrs, keep = [], []
+        for i, b in enumerate(bufs):
+            a, n, k = _address(b, each_bytes, writable, f"{what} {i}")
+            addrs.append((a, n))
+            keep.append(k)
+        return addrs, keep
+
+
 _default: Copier | None = None
 
 
@@ -588,3 +630,15 @@ def scatter_pages(src: Any, layout: PageLayout, pages: Sequence[int], stride: in
                   nbytes: int | None = None) -> None:
     """:meth:`Copier.scatter_pages` on the shared copier."""
     _copier().scatter_pages(src, layout, pages, stride, nbytes)
+
+
+def gather_each(layout: PageLayout, pages: Sequence[int], dsts: Sequence[Any],
+                each_bytes: int | None = None) -> None:
+    """:meth:`Copier.gather_each` on the shared copier."""
+    _copier().gather_each(layout, pages, dsts, each_bytes)
+
+
+def scatter_each(srcs: Sequence[Any], layout: PageLayout, pages: Sequence[int],
+                 each_bytes: int | None = None) -> None:
+    """:meth:`Copier.scatter_each` on the shared copier."""
+    _copier().scatter_each(srcs, layout, pages, each_bytes)

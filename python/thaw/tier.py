@@ -3,7 +3,7 @@
 API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="thaw", cold_start="clear", direct_io=None,
-write_threads=2, read_threads=2, queue_capacity=64, max_batch=8, gc_high=0.90, gc_low=0.85)``
+write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85)``
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -19,6 +19,7 @@ write_threads=2, read_threads=2, queue_capacity=64, max_batch=8, gc_high=0.90, g
 ``put_buffers(keys, bufs, sizes, kind)``     write slot buffers as they are (no copy)
 ``put_buffers_async(...)``                   -> :class:`PutTicket`
 ``get_buffers(keys, bufs, kind=None)``       read straight into slot buffers -> list[int|None]
+``get_buffers_async(...)``                   -> :class:`GetTicket`
 ``stats()``                                  occupancy, spills, reloads, GC, errors, queues
 ``prometheus_collector()``                   a prometheus_client collector (if installed)
 ``close()`` / ``with DiskStore(...) as s``   drain the I/O threads and close the files
@@ -132,6 +133,26 @@ class PutTicket:
         return [r in ("stored", "duplicate") for r in self.wait_results()]
 
 
+class GetTicket:
+    """Completion of one submitted batch of reads: ``wait()`` -> list[int | None] (lengths)."""
+
+    __slots__ = ("_t", "_keep", "_results")
+
+    def __init__(self, ticket: Any, keep: Any = None) -> None:
+        self._t = ticket
+        self._keep = keep
+        self._results: list[int | None] | None = None
+
+    def done(self) -> bool:
+        return self._t.done()
+
+    def wait(self) -> list[int | None]:
+        if self._results is None:
+            self._results = [n if n >= 0 else None for n in self._t.wait()]
+            self._keep = None
+        return self._results
+
+
 def _parse_kinds(kinds: int | Mapping[str, Any]) -> tuple[list[str], list[int], list[float]]:
     if isinstance(kinds, bool):
         raise TypeError("kinds must be a page size in bytes or a mapping name -> page size")
@@ -185,7 +206,7 @@ class DiskStore:
                  kinds: int | Mapping[str, Any], *, name: str = "thaw",
                  cold_start: str = "clear", direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
-                 max_batch: int = 8, gc_high: float = 0.90, gc_low: float = 0.85) -> None:
+                 max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85) -> None:
         self._s = None
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
@@ -363,6 +384,19 @@ class DiskStore:
         r = self._native().get_buffers(k, self._keys(keys), [b._b for b in buffers])
         return [n if n >= 0 else None for n in r]
 
+    def get_buffers_async(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
+                          kind: str | int | None = None) -> GetTicket:
+        """Queue reads straight into slot buffers; do not touch them until the ticket is done."""
+        keys, buffers = list(keys), list(buffers)
+        if len(keys) != len(buffers):
+            raise ValueError(f"got {len(keys)} keys and {len(buffers)} buffers")
+        for i, b in enumerate(buffers):
+            if not isinstance(b, SlotBuffer):
+                raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+        k = self._kind(kind)
+        return GetTicket(self._native().get_buffers_async(k, self._keys(keys), [b._b for b in buffers]),
+                         buffers)
+
     # -- index -----------------------------------------------------------------------------
     def exists(self, key: Any, kind: str | int | None = None) -> bool:
         """True when ``key`` is indexed (no I/O; a later get may still miss if the slot rots)."""
@@ -430,5 +464,5 @@ class DiskStore:
         return _Collector()
 
 
-__all__ = ["DiskStore", "KEY_BYTES", "PUT_RESULTS", "PutTicket", "SLOT_HEADER_BYTES",
+__all__ = ["DiskStore", "GetTicket", "KEY_BYTES", "PUT_RESULTS", "PutTicket", "SLOT_HEADER_BYTES",
            "SlotBuffer", "make_key", "slot_bytes_for"]

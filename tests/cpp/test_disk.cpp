@@ -2,6 +2,7 @@
 // Invariant numbers refer to csrc/src/disk/DESIGN.md.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 
 #include "thaw/disk.hpp"
 #include "thaw/error.hpp"
+#include "thaw/fs.hpp"
 
 namespace fs = std::filesystem;
 using namespace thaw::disk;
@@ -146,7 +148,8 @@ TEST(Slab, RoundTripManySizesDirectAndBuffered) {
   for (DirectIo mode : {DirectIo::kAuto, DirectIo::kOff}) {
     const std::string path = d.path + (mode == DirectIo::kOff ? "/b.slab" : "/a.slab");
     SlabFile f(path, geo(3 * 4096, 8), ColdStart::kClear, mode);
-    EXPECT_EQ(f.direct(), mode == DirectIo::kAuto);  // ext4 accepts O_DIRECT
+    // auto: O_DIRECT exactly where the probe says the filesystem accepts it (ext4: yes)
+    EXPECT_EQ(f.direct(), mode == DirectIo::kAuto && thaw::fs::probe_direct_io(d.path).supported);
     EXPECT_EQ(fs::file_size(path), 4096u + 8 * 3 * 4096);
     thaw::AlignedBuffer buf(3 * 4096), back(3 * 4096);
     const size_t sizes[] = {0, 1, 63, 64, 4031, 4032, 4033, 8000, 3 * 4096 - 64};
@@ -285,7 +288,7 @@ TEST(Store, RoundTripDedupDeleteAcrossDrives) {
   EXPECT_EQ(st.kinds[0].entries, 23u);
   EXPECT_EQ(st.kinds[0].slots_used, 23u);
   EXPECT_EQ(st.kinds[0].slots_total, 32u);
-  EXPECT_TRUE(st.direct_io);
+  EXPECT_EQ(st.direct_io, thaw::fs::probe_direct_io(d1.path).supported);
   // Zero-copy read into a slot buffer.
   auto sb = s.make_buffer(0);
   GetItem g{key_of(5), sb->data(), sb->size(), true};
@@ -319,6 +322,34 @@ TEST(Store, CopyingPutAndFullPoolFailsCleanly) {
   EXPECT_EQ(r[0], static_cast<int64_t>(PutResult::kStored));
   EXPECT_GE(s.stats().gc_reclaims, 2u);
   EXPECT_THROW(s.submit_put_copy(0, {key_of(1)}, {src.data()}, {4001}), std::invalid_argument);
+}
+
+TEST(Store, WriteErrorsAreCountedAndFreeTheirSlots) {
+  TempDir d;
+  const size_t page = 4000;  // one 4 KiB slot each
+  StoreConfig c = store_cfg({d.path}, page, 16);
+  c.write_threads = 1;
+  Store s(c);
+  // Writes at or past 4096 + 4 slots fail with EFBIG (RLIMIT_FSIZE), like a failing device.
+  struct rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto prev = ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim = old;
+  lim.rlim_cur = 4096 + 4 * 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  const auto r = put_range(s, 0, 8, page);  // slots are handed out in order: 0..7
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, prev);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(r[i], static_cast<int64_t>(PutResult::kStored)) << i;
+  for (int i = 4; i < 8; ++i) EXPECT_EQ(r[i], static_cast<int64_t>(PutResult::kError)) << i;
+  auto st = s.stats();
+  EXPECT_EQ(st.write_errors, 4u);
+  EXPECT_EQ(st.kinds[0].slots_used, 4u);
+  EXPECT_EQ(st.kinds[0].entries, 4u);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(read_check(s, i, page), i < 4 ? 1 : 0) << i;
+  // The failed slots went back to the pool: the same keys store fine now.
+  for (auto v : put_range(s, 4, 8, page)) EXPECT_EQ(v, static_cast<int64_t>(PutResult::kStored));
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(read_check(s, i, page), 1) << i;
 }
 
 TEST(Store, FullPoolOfInFlightWritesReportsFull) {

@@ -2,6 +2,7 @@
 // registration guard, layouts, and gather/scatter round trips. Invariant numbers: DESIGN.md.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -219,6 +220,28 @@ TEST(Hugetlbfs, CapacityCheckMessage) {
   });
   EXPECT_NE(e.find("not a hugetlbfs mount"), std::string::npos) << e;
   EXPECT_NE(e.find("0xef53"), std::string::npos) << e;
+}
+
+TEST(Hugetlbfs, FreePagesFromSysfsWhenTheMountHasNoSizeLimit) {
+  char dir[] = "/tmp/thaw-sysfs-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string sub = std::string(dir) + "/hugepages-2048kB";
+  ASSERT_EQ(::mkdir(sub.c_str(), 0700), 0);
+  auto put = [&](const char* name, const char* v) {
+    FILE* f = std::fopen((sub + "/" + name).c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(v, f);
+    std::fclose(f);
+  };
+  EXPECT_EQ(hugetlb_free_pages(2 * MiB, dir), 0u) << "unreadable -> 0";
+  put("free_hugepages", "100\n");
+  EXPECT_EQ(hugetlb_free_pages(2 * MiB, dir), 100u);
+  put("resv_hugepages", "30\n");
+  EXPECT_EQ(hugetlb_free_pages(2 * MiB, dir), 70u) << "reserved pages are not free";
+  EXPECT_EQ(hugetlb_free_pages(1024 * MiB, dir), 0u) << "another page size";
+  for (const char* f : {"free_hugepages", "resv_hugepages"}) ::unlink((sub + "/" + f).c_str());
+  ::rmdir(sub.c_str());
+  ::rmdir(dir);
 }
 
 TEST(Hugetlbfs, PoolChecksCapacityBeforeMapping) {

@@ -1,8 +1,11 @@
 // GPU tests of the host tier (ctest label `gpu`): multi-slab registration under a forced small
 // ceiling, batched and looped page copies across slab boundaries (byte-exact), segments that
 // cannot straddle, and serial vs parallel registration timing. They skip without a driver.
+// ctest also runs this binary (label cpu) on fake_libcuda_host.cpp, a host-emulated driver that
+// refuses batch copies straddling two registrations, with both batch ABIs (13000 and 12080).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -12,10 +15,15 @@
 
 using namespace thaw::host;
 
+// THAW_TEST_REQUIRE_GPU=1 (set when ctest runs these on the host-emulated fake driver) turns the
+// skip into a failure, so a driver that did not load cannot pass silently.
 #define REQUIRE_GPU()                                                                  \
   do {                                                                                 \
-    if (!thaw::driver::available())                                                    \
+    if (!thaw::driver::available()) {                                                  \
+      if (std::getenv("THAW_TEST_REQUIRE_GPU") != nullptr)                             \
+        FAIL() << "THAW_TEST_REQUIRE_GPU is set but: " << thaw::driver::unavailable_reason(); \
       GTEST_SKIP() << "no CUDA driver: " << thaw::driver::unavailable_reason();       \
+    }                                                                                  \
   } while (0)
 
 namespace {

@@ -328,6 +328,39 @@ def test_gather_pages_into_slot_stride_and_back():
         host.scatter_pages(slots, lay, [1, 1], stride=slot)
 
 
+def test_gather_each_into_separate_slot_buffers_and_back():
+    layers, pages = 3, 6
+    mem = np.random.default_rng(6).integers(0, 256, 2 * layers * pages * 256, dtype=np.uint8)
+    half = mem.size // 2
+    lay = host.PageLayout.layer_first([mem.ctypes.data, mem.ctypes.data + half], layers=layers,
+                                      pages=pages, page_tokens=2, heads=1, head_dim=128,
+                                      item_bytes=1)
+    slots = [np.full(64 + lay.blob_bytes + 16, 0xEE, dtype=np.uint8) for _ in range(3)]
+    which = [5, 1, 2]
+    host.gather_each(lay, which, [s.ctypes.data + 64 for s in slots], lay.blob_bytes)
+    for s, p in zip(slots, which):
+        assert s[64:64 + lay.blob_bytes].tobytes() == reference_gather(lay, p)
+        assert (s[:64] == 0xEE).all() and (s[64 + lay.blob_bytes:] == 0xEE).all()
+    saved = mem.copy()
+    mem[:] = 0
+    host.scatter_each([s[64:64 + lay.blob_bytes] for s in slots], lay, which)
+    orig = host.PageLayout.layer_first([saved.ctypes.data, saved.ctypes.data + half],
+                                       layers=layers, pages=pages, page_tokens=2, heads=1,
+                                       head_dim=128, item_bytes=1)
+    for p in range(pages):
+        assert reference_gather(lay, p) == (reference_gather(orig, p) if p in which
+                                            else bytes(lay.blob_bytes)), p
+    back = [bytearray(lay.blob_bytes) for _ in which]
+    host.gather_each(lay, which, back)
+    assert [bytes(b) for b in back] == [s[64:64 + lay.blob_bytes].tobytes() for s in slots]
+    with pytest.raises(ValueError, match="2 buffers for 3 pages"):
+        host.gather_each(lay, which, back[:2])
+    with pytest.raises(ValueError, match="appears twice"):
+        host.scatter_each(back[:2], lay, [1, 1])
+    with pytest.raises(ValueError, match="needed"):
+        host.gather_each(lay, [0], [bytearray(lay.blob_bytes - 1)])
+
+
 def test_copier_threads_and_large_pages():
     c = host.Copier(threads=3)
     assert c.threads == 3
@@ -393,6 +426,28 @@ def test_gather_from_a_pool_slab():
 
 
 # ---- GPU --------------------------------------------------------------------------------------
+
+
+def _emulated_driver() -> str | None:
+    fake = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
+    if not fake:
+        return None
+    p = os.path.join(os.path.dirname(fake), "libthaw_fake_cuda_host.so")
+    return p if os.path.exists(p) else None
+
+
+@pytest.mark.skipif(_emulated_driver() is None,
+                    reason="THAW_TEST_FAKE_LIBCUDA not set or libthaw_fake_cuda_host.so not built")
+@pytest.mark.parametrize("abi", ["13000", "12080"])
+def test_gpu_tests_pass_on_the_host_emulated_driver(abi):
+    """The gpu tests below, on tests/cpp/fake_libcuda_host.cpp: it refuses batch copies whose
+    host range straddles two registrations, so the byte-exact checks have teeth on CPU."""
+    env = dict(os.environ, THAW_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_VERSION=abi)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                        "no:cacheprovider", __file__], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 passed" in r.stdout, r.stdout
 
 
 def _pattern(pages: int, page_bytes: int, salt: int) -> np.ndarray:

@@ -183,7 +183,7 @@ struct StoreConfig {
   unsigned write_threads = 2;      // per drive
   unsigned read_threads = 2;       // per drive
   unsigned queue_capacity = 64;    // jobs per drive queue; submitters wait when full
-  unsigned max_batch = 8;          // writes per fdatasync (group commit) on one write thread
+  unsigned max_batch = 32;         // writes per fdatasync (group commit) on one write thread
   double gc_high = 0.90;           // GC starts when a kind is this full ...
   double gc_low = 0.85;            // ... and reclaims coldest entries down to this
 };
@@ -256,6 +256,7 @@ struct GetItem {
   uint8_t* dst = nullptr;       // where the payload goes
   size_t dst_bytes = 0;         // capacity of dst
   bool dst_is_slot = false;     // dst is a slot buffer (aligned, payload lands at dst + 64)
+  bool miss_if_small = false;   // a too-small dst is a miss instead of std::invalid_argument
 };
 
 class Store {
@@ -362,6 +363,8 @@ class Store {
   // Moves `job` into the queue (waiting while it is full); false when the store is closing.
   template <class Job>
   bool push(Queue<Job>& q, Job& job);
+  void enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
+                    const std::vector<size_t>* where);
   void write_loop(unsigned drive);
   void read_loop(unsigned drive);
   void finish_write(WriteJob& job, PutResult r);

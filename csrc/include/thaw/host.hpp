@@ -51,13 +51,39 @@ struct FsCapacity {
 };
 using StatfsFn = std::function<FsCapacity(const std::string& path)>;
 
-// statfs(2) of `path`; throws std::system_error.
+// statfs(2) of `path`; throws std::system_error. A hugetlbfs mount without a size= limit
+// reports no blocks; then free_blocks comes from the kernel's pool of that page size
+// (hugetlb_free_pages).
 FsCapacity statfs_capacity(const std::string& path);
+// free_hugepages - resv_hugepages of the huge page size `page_bytes` under `sysfs_root`
+// (/sys/kernel/mm/hugepages/hugepages-<kB>kB/); 0 when unreadable.
+uint64_t hugetlb_free_pages(uint64_t page_bytes,
+                            const std::string& sysfs_root = "/sys/kernel/mm/hugepages");
 // Throws std::invalid_argument when `cap` is not hugetlbfs, thaw::OutOfSpace when `needed` bytes
 // exceed the free huge pages. Messages say needed vs free, the page size, and what to change.
 void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap);
 
 // ---- one registration ---------------------------------------------------------------------------
+
+// Holds one reference to a device's primary context (cuDevicePrimaryCtxRetain/Release). The
+// driver resets a primary context when its last reference goes, freeing every registration,
+// allocation and stream made in it; owners of such objects keep one of these for their lifetime,
+// so they stay valid in processes where nothing else (torch) holds the context.
+class PrimaryContextRef {
+ public:
+  PrimaryContextRef() = default;
+  explicit PrimaryContextRef(int device);
+  ~PrimaryContextRef();
+  PrimaryContextRef(PrimaryContextRef&& o) noexcept;
+  PrimaryContextRef& operator=(PrimaryContextRef&& o) noexcept;
+  PrimaryContextRef(const PrimaryContextRef&) = delete;
+  PrimaryContextRef& operator=(const PrimaryContextRef&) = delete;
+
+ private:
+  void release() noexcept;
+  bool held_ = false;
+  CUdevice dev_ = 0;
+};
 
 // cuMemHostRegister(ptr, bytes, PORTABLE | DEVICEMAP) with one owner; unregisters on destruction. Refuses
 // (std::invalid_argument, before any driver call) a range larger than `ceiling`.
@@ -75,6 +101,7 @@ class HostRegistration {
 
  private:
   void release() noexcept;
+  PrimaryContextRef context_;  // keeps the registration's context alive (see above)
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   int device_ = 0;
@@ -213,8 +240,10 @@ struct PageLayout {
 // Multi-threaded gather/scatter over a ThreadPool. `layout` must be valid (validate() is called).
 class Copier {
  public:
-  explicit Copier(size_t threads = default_threads());
+  // streaming: copies of >= 8 MiB in total use non-temporal stores (x86-64; memcpy elsewhere).
+  explicit Copier(size_t threads = default_threads(), bool streaming = true);
   size_t threads() const noexcept { return pool_.threads(); }
+  bool streaming() const noexcept { return streaming_; }
   static size_t default_threads();
 
   // Copies page `page` into dst[0, blob_bytes); capacity must be >= blob_bytes.
@@ -226,6 +255,12 @@ class Copier {
                     size_t dst_stride, size_t capacity);
   void scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
                      const PageLayout& layout, const std::vector<size_t>& pages);
+  // Page pages[i] <-> its own buffer dsts[i] / srcs[i] of `each_bytes` (e.g. separate slot
+  // buffers, each already offset past its header), all in one parallel copy.
+  void gather_each(const PageLayout& layout, const std::vector<size_t>& pages,
+                   const std::vector<uintptr_t>& dsts, size_t each_bytes);
+  void scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                    const PageLayout& layout, const std::vector<size_t>& pages);
   // Runs copies (dst, src, n) over the threads, balanced by bytes. Ranges must not overlap.
   struct Copy {
     uint8_t* dst;
@@ -236,6 +271,7 @@ class Copier {
 
  private:
   ThreadPool pool_;
+  bool streaming_;
 };
 
 // The process-wide copier used by the Python module-level gather/scatter (created on first use).
@@ -286,6 +322,7 @@ class Stream {
 
  private:
   int device_;
+  PrimaryContextRef context_;
   CUstream stream_ = nullptr;
 };
 

@@ -89,11 +89,16 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
   load_index();
   for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
-  for (size_t d = 0; d < nd; ++d) {
-    for (unsigned t = 0; t < cfg_.write_threads; ++t)
-      drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
-    for (unsigned t = 0; t < cfg_.read_threads; ++t)
-      drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
+  try {
+    for (size_t d = 0; d < nd; ++d) {
+      for (unsigned t = 0; t < cfg_.write_threads; ++t)
+        drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
+      for (unsigned t = 0; t < cfg_.read_threads; ++t)
+        drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
+    }
+  } catch (...) {  // could not start every thread: stop the ones that did
+    close();
+    throw;
   }
 }
 
@@ -254,11 +259,20 @@ Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
                     std::to_string(it.buffer->size()) + " bytes is too small or not aligned");
   }
   auto t = std::make_shared<Completion>(items.size());
+  enqueue_puts(kind, items, t, nullptr);
+  return t;
+}
+
+// Allocate slots and queue writes; result i of `items` goes to t[where ? where[i] : i].
+void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
+                         const std::vector<size_t>* where) {
+  KindState& k = kinds_[kind];
   std::vector<WriteJob> jobs;
   {
     std::lock_guard lk(mu_);
-    for (size_t i = 0; i < items.size(); ++i) {
-      PutItem& it = items[i];
+    for (size_t n = 0; n < items.size(); ++n) {
+      PutItem& it = items[n];
+      const size_t i = where ? (*where)[n] : n;
       if (closed_) {
         t->finish(i, static_cast<int64_t>(PutResult::kCancelled));
         continue;
@@ -311,7 +325,6 @@ Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
       finish_write(jobs[j], PutResult::kCancelled);
     }
   }
-  return t;
 }
 
 Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
@@ -354,14 +367,10 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
     items.push_back(PutItem{keys[i], std::move(b), lens[i]});
     where.push_back(i);
   }
-  Ticket inner = submit_put(kind, std::move(items));
-  if (where.size() == keys.size()) return inner;
-  // Merge: duplicates now, the rest when the inner ticket completes.
-  const std::vector<int64_t> r = inner->wait();
   auto t = std::make_shared<Completion>(keys.size());
   for (size_t i = 0; i < keys.size(); ++i)
     if (dup[i]) t->finish(i, static_cast<int64_t>(PutResult::kDuplicate));
-  for (size_t j = 0; j < where.size(); ++j) t->finish(where[j], r[j]);
+  enqueue_puts(kind, items, t, &where);
   return t;
 }
 
@@ -473,7 +482,7 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
     for (size_t i = 0; i < items.size(); ++i) {
       const GetItem& it = items[i];
       auto e = closed_ ? k.index.end() : k.index.find(it.key);
-      if (e == k.index.end()) continue;
+      if (e == k.index.end() || it.miss_if_small) continue;
       const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
                                          : e->second.len;
       THAW_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
@@ -485,6 +494,11 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
     }
     for (size_t i = 0; i < items.size(); ++i) {
       auto e = closed_ ? k.index.end() : k.index.find(items[i].key);
+      const GetItem& it = items[i];
+      if (e != k.index.end() && it.miss_if_small &&
+          it.dst_bytes < (it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
+                                         : e->second.len))
+        e = k.index.end();  // the entry changed size since the caller looked: a miss
       if (e == k.index.end()) {
         ++counters_.misses;
         done[i] = true;

@@ -8,6 +8,11 @@
 #include "thaw/error.hpp"
 #include "thaw/host.hpp"
 
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define THAW_STREAMING_STORES 1
+#endif
+
 namespace thaw::host {
 
 namespace {
@@ -37,6 +42,46 @@ size_t span_of(const PageLayout& l) {
 
 constexpr size_t kParallelMinBytes = size_t(1) << 20;  // below: one thread
 constexpr size_t kBytesPerTask = size_t(512) << 10;    // at least this much per task
+// Copies of at least this many bytes in total use non-temporal stores: the destination (a slot
+// buffer bound for disk, or pool pages bound for the GPU) is not read back by this CPU soon, and
+// streaming stores skip the read-for-ownership of every destination line.
+constexpr size_t kStreamMinBytes = size_t(8) << 20;
+
+void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool streaming) {
+#ifdef THAW_STREAMING_STORES
+  if (streaming && n >= 256) {
+    const size_t head = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; ++i, dst += 64, src += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    }
+    std::memcpy(dst, src, n % 64);
+    return;
+  }
+#else
+  (void)streaming;
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void store_fence(bool streaming) {
+#ifdef THAW_STREAMING_STORES
+  if (streaming) _mm_sfence();  // streaming stores are weakly ordered: publish before returning
+#else
+  (void)streaming;
+#endif
+}
 
 }  // namespace
 
@@ -140,7 +185,7 @@ size_t Copier::default_threads() {
   return std::clamp<size_t>(hc == 0 ? 4 : hc, 1, 16);
 }
 
-Copier::Copier(size_t threads) : pool_(threads) {}
+Copier::Copier(size_t threads, bool streaming) : pool_(threads), streaming_(streaming) {}
 
 Copier& default_copier() {
   // Intentionally leaked: worker threads must not be joined during static destruction.
@@ -159,16 +204,18 @@ void Copier::copy(const std::vector<Copy>& copies) {
   if (total == 0) return;
   size_t tasks = std::min(threads(), (total + kBytesPerTask - 1) / kBytesPerTask);
   if (total < kParallelMinBytes) tasks = 1;
+  const bool streaming = streaming_ && total >= kStreamMinBytes;
   auto run_range = [&](size_t lo, size_t hi) {
     size_t i = std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin();
     while (lo < hi && i < copies.size()) {
       const size_t start = ends[i] - copies[i].bytes;
       const size_t off = lo - start;
       const size_t len = std::min(hi, ends[i]) - lo;
-      std::memcpy(copies[i].dst + off, copies[i].src + off, len);
+      copy_bytes(copies[i].dst + off, copies[i].src + off, len, streaming);
       lo += len;
       ++i;
     }
+    store_fence(streaming);
   };
   if (tasks <= 1) {
     run_range(0, total);
@@ -271,6 +318,46 @@ void Copier::scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
     add_page(layout, pages[i],
              const_cast<uint8_t*>(static_cast<const uint8_t*>(src)) + i * src_stride, false,
              copies);
+  copy(copies);
+}
+
+namespace {
+
+void check_each(const PageLayout& l, const std::vector<size_t>& pages,
+                const std::vector<uintptr_t>& bufs, size_t each, const char* what) {
+  THAW_EXPECT(bufs.size() == pages.size(), std::string(what) + ": " + n(bufs.size()) +
+                                               " buffers for " + n(pages.size()) + " pages");
+  for (size_t p : pages) check_page(l, p);
+  for (uintptr_t b : bufs) check_buffer(reinterpret_cast<const void*>(b), each, l.blob_bytes(), what);
+}
+
+}  // namespace
+
+void Copier::gather_each(const PageLayout& layout, const std::vector<size_t>& pages,
+                         const std::vector<uintptr_t>& dsts, size_t each_bytes) {
+  layout.validate();
+  check_each(layout, pages, dsts, each_bytes, "gather_each destination");
+  std::vector<Copy> copies;
+  copies.reserve(pages.size() * layout.components.size() * layout.layers);
+  for (size_t i = 0; i < pages.size(); ++i)
+    add_page(layout, pages[i], reinterpret_cast<uint8_t*>(dsts[i]), true, copies);
+  copy(copies);
+}
+
+void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                          const PageLayout& layout, const std::vector<size_t>& pages) {
+  layout.validate();
+  check_each(layout, pages, srcs, each_bytes, "scatter_each source");
+  std::vector<size_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  THAW_EXPECT(dup == sorted.end(),
+              "scatter_each: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
+                  " appears twice (two sources for one page)");
+  std::vector<Copy> copies;
+  copies.reserve(pages.size() * layout.components.size() * layout.layers);
+  for (size_t i = 0; i < pages.size(); ++i)
+    add_page(layout, pages[i], reinterpret_cast<uint8_t*>(srcs[i]), false, copies);
   copy(copies);
 }
 

@@ -91,7 +91,26 @@ FsCapacity statfs_capacity(const std::string& path) {
   c.fs_magic = static_cast<uint64_t>(st.f_type);
   c.block_size = static_cast<uint64_t>(st.f_bsize);
   c.free_blocks = static_cast<uint64_t>(st.f_bavail);
+  if (c.fs_magic == kHugetlbfsMagic && st.f_blocks == 0 && c.block_size > 0)
+    c.free_blocks = hugetlb_free_pages(c.block_size);  // no size= limit: the kernel's pool
   return c;
+}
+
+uint64_t hugetlb_free_pages(uint64_t page_bytes, const std::string& sysfs_root) {
+  const std::string dir = sysfs_root + "/hugepages-" + std::to_string(page_bytes / 1024) + "kB/";
+  auto read = [&](const char* name) -> long long {
+    FILE* f = std::fopen((dir + name).c_str(), "re");
+    if (f == nullptr) return -1;
+    long long v = -1;
+    if (std::fscanf(f, "%lld", &v) != 1) v = -1;
+    std::fclose(f);
+    return v;
+  };
+  const long long free = read("free_hugepages");
+  const long long resv = read("resv_hugepages");
+  if (free < 0) return 0;
+  const long long avail = free - (resv > 0 ? resv : 0);
+  return avail > 0 ? static_cast<uint64_t>(avail) : 0;
 }
 
 void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap) {
@@ -117,6 +136,40 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
       "hugetlbfs mount to use ordinary pages");
 }
 
+// ---- primary context reference -----------------------------------------------------------------
+
+PrimaryContextRef::PrimaryContextRef(int device) {
+  const auto& d = driver::cu();
+  THAW_CU(d.cuDeviceGet(&dev_, device));
+  CUcontext ctx = nullptr;
+  THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx, dev_));
+  held_ = true;
+}
+
+PrimaryContextRef::~PrimaryContextRef() { release(); }
+
+void PrimaryContextRef::release() noexcept {
+  if (!held_) return;
+  held_ = false;
+  try {
+    (void)driver::cu().cuDevicePrimaryCtxRelease(dev_);
+  } catch (...) {
+    // Destructors never throw.
+  }
+}
+
+PrimaryContextRef::PrimaryContextRef(PrimaryContextRef&& o) noexcept
+    : held_(std::exchange(o.held_, false)), dev_(o.dev_) {}
+
+PrimaryContextRef& PrimaryContextRef::operator=(PrimaryContextRef&& o) noexcept {
+  if (this != &o) {
+    release();
+    held_ = std::exchange(o.held_, false);
+    dev_ = o.dev_;
+  }
+  return *this;
+}
+
 // ---- one registration ---------------------------------------------------------------------------
 
 HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling)
@@ -128,10 +181,12 @@ HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t c
                   "is " + human(ceiling) +
                   " (THAW_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
                   "into slabs (HostPool does) or raise THAW_MAX_SLAB_GB if this driver allows it");
+  PrimaryContextRef keep(device);
   driver::ContextGuard ctx(device);
   // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
   THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes,
                                          CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
+  context_ = std::move(keep);
   ptr_ = ptr;
   bytes_ = bytes;
 }
@@ -150,14 +205,19 @@ void HostRegistration::release() noexcept {
   }
   ptr_ = nullptr;
   bytes_ = 0;
+  context_ = PrimaryContextRef();  // after the unregister
 }
 
 HostRegistration::HostRegistration(HostRegistration&& o) noexcept
-    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), device_(o.device_) {}
+    : context_(std::move(o.context_)),
+      ptr_(std::exchange(o.ptr_, nullptr)),
+      bytes_(std::exchange(o.bytes_, 0)),
+      device_(o.device_) {}
 
 HostRegistration& HostRegistration::operator=(HostRegistration&& o) noexcept {
   if (this != &o) {
     release();
+    context_ = std::move(o.context_);
     ptr_ = std::exchange(o.ptr_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
     device_ = o.device_;

@@ -1,0 +1,116 @@
+// The disk tier's slot path: one O_DIRECT transfer per slot (SlabFile) and the Store's
+// put/get with background I/O threads. Directory: THAW_BENCH_DIR (default /tmp; use the drive
+// you care about, not tmpfs). Bytes/s are reported per benchmark.
+#include <benchmark/benchmark.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "thaw/disk.hpp"
+
+using namespace thaw::disk;
+
+namespace {
+
+std::string bench_dir() {
+  const char* d = std::getenv("THAW_BENCH_DIR");
+  std::string tmpl = std::string(d && *d ? d : "/tmp") + "/thaw-bench-disk-XXXXXX";
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return tmpl;
+}
+
+constexpr uint64_t kSlots = 64;
+
+Key key_of(uint64_t i) {
+  Key k{};
+  std::memcpy(k.data(), &i, sizeof i);
+  return k;
+}
+
+void BM_SlabWrite(benchmark::State& st) {
+  const size_t page = static_cast<size_t>(st.range(0));
+  const std::string dir = bench_dir();
+  {
+    SlabFile f(dir + "/w.slab", SlabGeometry{0, slot_bytes_for(page), kSlots, 1}, ColdStart::kClear,
+               DirectIo::kAuto);
+    thaw::AlignedBuffer buf(slot_bytes_for(page));
+    std::memset(buf.data() + 64, 0x5A, page);
+    uint64_t i = 0;
+    for (auto _ : st) {
+      f.write_aligned(i % kSlots, key_of(i), buf.data(), page, static_cast<uint32_t>(i));
+      ++i;
+    }
+    f.sync();
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * page));
+    st.counters["direct"] = f.direct();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+void BM_SlabRead(benchmark::State& st) {
+  const size_t page = static_cast<size_t>(st.range(0));
+  const std::string dir = bench_dir();
+  {
+    SlabFile f(dir + "/r.slab", SlabGeometry{0, slot_bytes_for(page), kSlots, 1}, ColdStart::kClear,
+               DirectIo::kAuto);
+    thaw::AlignedBuffer buf(slot_bytes_for(page));
+    std::memset(buf.data() + 64, 0x5A, page);
+    for (uint64_t i = 0; i < kSlots; ++i) f.write_aligned(i, key_of(i), buf.data(), page, 0);
+    f.sync();
+    uint64_t i = 0, misses = 0;
+    for (auto _ : st) {
+      misses += !f.read_into(i % kSlots, key_of(i % kSlots), buf.data(), buf.size(), page);
+      ++i;
+    }
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * page));
+    st.counters["misses"] = static_cast<double>(misses);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Store round trip: a batch of `depth` puts (zero-copy slot buffers) then `depth` gets.
+void BM_StorePutGet(benchmark::State& st) {
+  const size_t page = static_cast<size_t>(st.range(0));
+  const unsigned depth = static_cast<unsigned>(st.range(1));
+  const std::string dir = bench_dir();
+  {
+    StoreConfig c;
+    c.dirs = {dir};
+    c.kinds = {KindConfig{page, 1.0}};
+    c.budget_bytes = 4096 + 4 * depth * slot_bytes_for(page);
+    c.write_threads = depth;
+    c.read_threads = depth;
+    Store s(c);
+    std::vector<SlotBufferPtr> bufs;
+    for (unsigned j = 0; j < depth; ++j) {
+      bufs.push_back(s.make_buffer(0));
+      std::memset(bufs.back()->data() + 64, 0x33, page);
+    }
+    uint64_t next = 0;
+    for (auto _ : st) {
+      std::vector<PutItem> items;
+      std::vector<GetItem> gets;
+      for (unsigned j = 0; j < depth; ++j) {
+        items.push_back(PutItem{key_of(next + j), bufs[j], page});
+        gets.push_back(GetItem{key_of(next + j), bufs[j]->data(), bufs[j]->size(), true});
+      }
+      s.submit_put(0, std::move(items))->wait();
+      s.submit_get(0, std::move(gets))->wait();
+      next += depth;
+    }
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * depth * page * 2));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+BENCHMARK(BM_SlabWrite)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_SlabRead)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_StorePutGet)->Args({1 << 20, 1})->Args({1 << 20, 4})->Args({4 << 20, 4})
+    ->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+
+BENCHMARK_MAIN();
