@@ -15,6 +15,8 @@ Fairness (the page cache would otherwise serve the file backend's reads from RAM
     thaw only after ``fdatasync``: the ``set`` rows time each as it is; the ``file set + sync``
     row adds the ``os.sync`` that makes the file backend's pages durable too.
   * each set repetition writes new keys (both backends skip keys they already hold).
+The ``drive (fio)`` row is the ceiling of the drive itself: a cold O_DIRECT sequential read of
+thaw's slab file by fio (libaio, queue depth 16), measured in the same run.
 
   python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
 """
@@ -22,9 +24,11 @@ Fairness (the page cache would otherwise serve the file backend's reads from RAM
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +54,24 @@ def drop_cache(paths):
             os.close(fd)
 
 
+def fio_read_limit(path, nbytes, scratch):
+    """Bytes/s of a cold O_DIRECT sequential read of ``path`` by fio, or why not measured."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return "fio not installed"
+    drop_cache([path])
+    cmd = [fio, "--name=limit", f"--filename={path}", "--readonly", "--rw=read", "--bs=1m",
+           "--direct=1", "--ioengine=libaio", "--iodepth=16", f"--size={nbytes}",
+           "--output-format=json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=scratch)
+        if out.returncode != 0:
+            return f"fio failed: {out.stderr.strip()[-200:]}"
+        return float(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"])
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+        return f"fio failed: {type(e).__name__}: {e}"
+
+
 def files_under(d):
     return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
 
@@ -61,16 +83,24 @@ def main() -> int:
                     "(default: a temporary directory under THAW_TEST_DIR or /var/tmp)")
     ap.add_argument("--layout", default="layer_first",
                     choices=["layer_first", "page_first", "page_first_direct"])
-    ap.add_argument("--page-tokens", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8, help="KV heads per rank")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--pages", type=int, default=128, help="pages per repetition")
+    ap.add_argument("--geometry", action="append", default=None,
+                    help="TOKENSxLAYERSxKVHEADSxHEADDIM of one page, bf16 (repeatable; default "
+                    "64x32x8x128 = 8 MiB pages, Llama-3-8B TP1 with 64-token pages, and "
+                    "16x32x4x128 = 1 MiB pages, the same model at TP2 with 16-token pages)")
+    ap.add_argument("--bytes-per-rep", type=int, default=1 << 30,
+                    help="bytes written/read per repetition and backend (default 1 GiB)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="small pages, few of them")
+    ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
     args = ap.parse_args()
     if args.quick:
-        args.page_tokens, args.layers, args.pages, args.reps = 16, 8, 64, 2
+        args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
+    geoms = []
+    for text in args.geometry or ["64x32x8x128", "16x32x4x128"]:
+        try:
+            t, l, h, d = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            ap.error(f"--geometry {text!r}: expected TOKENSxLAYERSxKVHEADSxHEADDIM")
+        geoms.append((t, l, h, d))
 
     import torch
 
@@ -84,13 +114,38 @@ def main() -> int:
     thaw_dir, file_dir = os.path.join(scratch, "thaw"), os.path.join(scratch, "file")
     os.makedirs(thaw_dir)
     os.makedirs(file_dir)
+    rows, ratios, goals, configs = [], {}, {}, []
     try:
-        return run(args, scratch, thaw_dir, file_dir)
+        for geom in geoms:
+            for d in (thaw_dir, file_dir):
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+            r, q, cfg = run(args, geom, scratch, thaw_dir, file_dir)
+            rows += r
+            ratios.update(q)
+            configs.append(cfg)
+            goals[f"get_thaw_vs_file@{cfg['page']}"] = 3.0
+        res = resultlib.result(
+            "hicache", rows=rows, ratios=ratios, goals=goals, directory=thaw_dir,
+            config={"layout": args.layout, "reps": args.reps, "bytes_per_rep": args.bytes_per_rep,
+                    "geometries": configs, "sglang": __import__("sglang").__version__},
+            method=("Both backends driven by SGLang's HiCacheController page I/O functions on a "
+                    "real MHATokenToKVPoolHost (thaw: _page_set/_page_get_zero_copy, file: "
+                    "_generic_page_set/_generic_page_get), batches of STORAGE_BATCH_SIZE pages. "
+                    "Before each timed get every file of both backends is os.sync'ed and dropped "
+                    "from the page cache with posix_fadvise(DONTNEED), so both read from the "
+                    "drive; set reps use fresh keys; gets verified byte for byte; best of reps."))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    resultlib.print_table(rows, ["page", "backend", "op", "pages", "GB/s", "pages/s", "best_s",
+                                 "median_s", "note"])
+    print("ratios:", ratios)
+    print("goals:", goals)
+    print("wrote", resultlib.write(res, args.out))
+    return 0
 
 
-def run(args, scratch, thaw_dir, file_dir) -> int:
+def run(args, geom, scratch, thaw_dir, file_dir):
     import torch
 
     import sglang.srt.managers.cache_controller as ccm
@@ -100,13 +155,14 @@ def run(args, scratch, thaw_dir, file_dir) -> int:
     from sglang.srt.mem_cache.utils import get_hash_str
     from sglang.srt.runtime_context import get_parallel
 
-    P = args.page_tokens
-    n = args.pages
-    page_bytes = 2 * args.layers * P * args.heads * args.head_dim * 2
+    P, layers, heads, head_dim = geom
+    page_bytes = 2 * layers * P * heads * head_dim * 2
+    n = max(1, args.bytes_per_rep // page_bytes)
+    page = f"{page_bytes / (1 << 20):g}MiB"
 
     dev_tokens = 2 * n * P
     dev = MHATokenToKVPool(size=dev_tokens, page_size=P, dtype=torch.bfloat16,
-                           head_num=args.heads, head_dim=args.head_dim, layer_num=args.layers,
+                           head_num=heads, head_dim=head_dim, layer_num=layers,
                            device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     host = MHATokenToKVPoolHost(dev, 1.0, 0, P, args.layout, pin_memory=False, device="cpu")
     alloc = PagedTokenToKVPoolAllocator(dev_tokens, P, torch.bfloat16, "cpu", dev, False)
@@ -182,18 +238,21 @@ def run(args, scratch, thaw_dir, file_dir) -> int:
                     raise SystemExit(f"{name}: page {i} read back wrong")
             results[name]["get"].append(t1 - t0)
 
-    thaw_backend = controllers["thaw"].storage_backend
-    direct = thaw_backend.thaw_stats()["store"]["direct_io"]
-    probe_fs = resultlib.machine(thaw_dir).get("filesystem")
+    direct = controllers["thaw"].storage_backend.thaw_stats()["store"]["direct_io"]
+    slab = controllers["thaw"].storage_backend.slab_paths[0]
+    drive = fio_read_limit(slab, min(os.path.getsize(slab), args.bytes_per_rep), scratch)
+    for cc in controllers.values():
+        cc.detach_storage_backend()
+    del host, dev, want
     rows = []
     total = n * page_bytes
 
     def add(backend, op, secs, note=""):
         best = min(secs)
-        rows.append({"backend": backend, "op": op, "pages": n, "page_bytes": page_bytes,
-                     "GB/s": round(total / best / 1e9, 3), "pages/s": round(n / best, 1),
-                     "best_s": round(best, 4), "median_s": round(statistics.median(secs), 4),
-                     "note": note})
+        rows.append({"page": page, "backend": backend, "op": op, "pages": n,
+                     "page_bytes": page_bytes, "GB/s": round(total / best / 1e9, 3),
+                     "pages/s": round(n / best, 1), "best_s": round(best, 4),
+                     "median_s": round(statistics.median(secs), 4), "note": note})
         return total / best
 
     r = {}
@@ -201,32 +260,25 @@ def run(args, scratch, thaw_dir, file_dir) -> int:
     r["file_set"] = add("file", "set", results["file"]["set"], "SGLang HiCacheFile, no fsync")
     r["file_set_sync"] = add("file", "set + sync", results["file"]["sync"],
                              "plus os.sync() to make it durable")
-    r["thaw_get"] = add("thaw", "get", results["thaw"]["get"], "cold: O_DIRECT")
+    r["thaw_get"] = add("thaw", "get", results["thaw"]["get"],
+                        "cold: O_DIRECT" if direct else "cold: buffered (no O_DIRECT here)")
     r["file_get"] = add("file", "get", results["file"]["get"], "cold: page cache dropped")
+    if isinstance(drive, float):
+        rows.append({"page": page, "backend": "drive (fio)", "op": "read", "pages": "",
+                     "page_bytes": "", "GB/s": round(drive / 1e9, 3), "pages/s": "",
+                     "best_s": "", "median_s": "",
+                     "note": "ceiling: fio O_DIRECT libaio iodepth 16, 1 MiB, same file"})
     ratios = {
-        "get_thaw_vs_file": round(r["thaw_get"] / r["file_get"], 3),
-        "set_thaw_vs_file": round(r["thaw_set"] / r["file_set"], 3),
-        "set_thaw_vs_file_durable": round(r["thaw_set"] / r["file_set_sync"], 3),
+        f"get_thaw_vs_file@{page}": round(r["thaw_get"] / r["file_get"], 3),
+        f"set_thaw_vs_file@{page}": round(r["thaw_set"] / r["file_set"], 3),
+        f"set_thaw_vs_file_durable@{page}": round(r["thaw_set"] / r["file_set_sync"], 3),
     }
-    goals = {"get_thaw_vs_file": 3.0}
-    res = resultlib.result(
-        "hicache", rows=rows, ratios=ratios, goals=goals, directory=thaw_dir,
-        config={"layout": args.layout, "page_tokens": P, "layers": args.layers,
-                "kv_heads": args.heads, "head_dim": args.head_dim, "dtype": "bfloat16",
-                "pages": n, "reps": args.reps, "batch_pages": B, "thaw_direct_io": direct,
-                "filesystem": probe_fs, "sglang": __import__("sglang").__version__},
-        method=("Both backends driven by SGLang's HiCacheController page I/O functions on a real "
-                "MHATokenToKVPoolHost; before each timed get every file of both backends is "
-                "os.sync'ed and dropped from the page cache with posix_fadvise(DONTNEED); set "
-                "reps use fresh keys; gets verified byte for byte; best of reps."))
-    for cc in controllers.values():
-        cc.detach_storage_backend()
-    resultlib.print_table(rows, ["backend", "op", "pages", "page_bytes", "GB/s", "pages/s",
-                                 "best_s", "median_s", "note"])
-    print("ratios:", ratios, "goals:", goals)
-    path = resultlib.write(res, args.out)
-    print("wrote", path)
-    return 0
+    cfg = {"page": page, "page_tokens": P, "layers": layers, "kv_heads": heads,
+           "head_dim": head_dim, "dtype": "bfloat16", "page_bytes": page_bytes, "pages": n,
+           "batch_pages": B, "thaw_direct_io": direct,
+           "drive_read_limit": drive if isinstance(drive, float) else None,
+           "drive_read_limit_note": None if isinstance(drive, float) else drive}
+    return rows, ratios, cfg
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ logger and counted in :meth:`ThawStorage.thaw_stats`. Configuration mistakes (a 
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import re
@@ -352,7 +351,6 @@ class ThawStorage(HiCacheStorage):
         self._store: Optional[_tier.DiskStore] = None
         self._store_name: Optional[str] = None
         self._copier = _host.Copier()
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, "thaw-hicache-read")
         self._set_lock = threading.Lock()   # owns the set staging buffers
         self._get_lock = threading.Lock()   # owns the get staging buffers
         self._state = _SharedLock()         # store swap (clear/close) vs. everything else
@@ -410,7 +408,6 @@ class ThawStorage(HiCacheStorage):
                 store, self._store = self._store, None
                 self._set_bufs, self._get_bufs = [], []
                 store.close()
-            self._reader.shutdown(wait=True)
 
     def clear(self) -> bool:
         """Drop every page of this rank (SGLang's ``/clear_hicache_storage``): the slabs are
@@ -483,8 +480,8 @@ class ThawStorage(HiCacheStorage):
                                 tk, tickets[side] = tickets[side], None
                                 self._collect(tk, results)
                             bufs = self._set_bufs[side][:len(part)]
-                            for b, i in zip(bufs, part):
-                                self._copier.gather(g.layout, pages[i], b.address, b.capacity)
+                            self._copier.gather_each(g.layout, [pages[i] for i in part],
+                                                     [b.address for b in bufs], g.blob_bytes)
                             tickets[side] = (part, store.put_buffers_async(
                                 [keys[i] for i in part], bufs, [g.blob_bytes] * len(part),
                                 _KIND))
@@ -516,20 +513,21 @@ class ThawStorage(HiCacheStorage):
             results[i] = bool(ok)
 
     def _read_scatter(self, store, g, keys, pages, results) -> None:
-        """Read chunk i+1 (I/O threads, on the reader thread) while chunk i is scattered."""
+        """Chunk i+1 is read (the store's I/O threads) while chunk i is scattered."""
         n, step = len(keys), self._chunk
         chunks = [list(range(s, min(n, s + step))) for s in range(0, n, step)]
 
         def read(ci):
             part = chunks[ci]
-            return store.get_buffers([keys[i] for i in part], self._get_bufs[ci % 2][:len(part)],
-                                     _KIND)
+            return store.get_buffers_async([keys[i] for i in part],
+                                           self._get_bufs[ci % 2][:len(part)], _KIND)
 
-        pending = self._reader.submit(read, 0)
+        pending = read(0)
         try:
             for ci, part in enumerate(chunks):
-                lens = pending.result()
-                pending = self._reader.submit(read, ci + 1) if ci + 1 < len(chunks) else None
+                lens = pending.wait()
+                pending = read(ci + 1) if ci + 1 < len(chunks) else None
+                hits = []
                 for b, i, ln in zip(self._get_bufs[ci % 2], part, lens):
                     if ln is None:
                         continue
@@ -538,11 +536,15 @@ class ThawStorage(HiCacheStorage):
                                        "expected; dropped", keys[i], ln, g.blob_bytes)
                         store.delete(keys[i], _KIND)
                         continue
-                    self._copier.scatter(b.address, g.layout, pages[i], g.blob_bytes)
-                    results[i] = True
+                    hits.append((b, i))
+                if hits:
+                    self._copier.scatter_each([b.address for b, _ in hits], g.layout,
+                                              [pages[i] for _, i in hits], g.blob_bytes)
+                    for _, i in hits:
+                        results[i] = True
         finally:
             if pending is not None:  # on an error: the buffers are free again once it is done
-                concurrent.futures.wait([pending])
+                pending.wait()
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
