@@ -24,6 +24,7 @@ thaw's slab file by fio (libaio, queue depth 16), measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -84,9 +85,10 @@ def main() -> int:
     ap.add_argument("--layout", default="layer_first",
                     choices=["layer_first", "page_first", "page_first_direct"])
     ap.add_argument("--geometry", action="append", default=None,
-                    help="TOKENSxLAYERSxKVHEADSxHEADDIM of one page, bf16 (repeatable; default "
-                    "64x32x8x128 = 8 MiB pages, Llama-3-8B TP1 with 64-token pages, and "
-                    "16x32x4x128 = 1 MiB pages, the same model at TP2 with 16-token pages)")
+                    help="TOKENSxLAYERSxKVHEADSxHEADDIM of one page, bf16 (repeatable; default: "
+                    "Llama-3-8B's KV (32 layers, 8 KV heads of 128) as one rank holds it: "
+                    "64x32x8x128 = 8 MiB pages at TP1 with 64-token pages, 16x32x4x128 = 1 MiB "
+                    "at TP2 with 16-token pages, 16x32x1x128 = 256 KiB at TP8)")
     ap.add_argument("--bytes-per-rep", type=int, default=1 << 30,
                     help="bytes written/read per repetition and backend (default 1 GiB)")
     ap.add_argument("--reps", type=int, default=3)
@@ -95,7 +97,7 @@ def main() -> int:
     if args.quick:
         args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
     geoms = []
-    for text in args.geometry or ["64x32x8x128", "16x32x4x128"]:
+    for text in args.geometry or ["64x32x8x128", "16x32x4x128", "16x32x1x128"]:
         try:
             t, l, h, d = (int(x) for x in text.lower().split("x"))
         except ValueError:
@@ -121,6 +123,7 @@ def main() -> int:
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
             r, q, cfg = run(args, geom, scratch, thaw_dir, file_dir)
+            gc.collect()  # the previous geometry's host pool, before SGLang sizes the next one
             rows += r
             ratios.update(q)
             configs.append(cfg)
@@ -158,7 +161,7 @@ def run(args, geom, scratch, thaw_dir, file_dir):
     P, layers, heads, head_dim = geom
     page_bytes = 2 * layers * P * heads * head_dim * 2
     n = max(1, args.bytes_per_rep // page_bytes)
-    page = f"{page_bytes / (1 << 20):g}MiB"
+    page = f"{page_bytes >> 10}KiB" if page_bytes < (1 << 20) else f"{page_bytes / (1 << 20):g}MiB"
 
     dev_tokens = 2 * n * P
     dev = MHATokenToKVPool(size=dev_tokens, page_size=P, dtype=torch.bfloat16,
@@ -243,7 +246,8 @@ def run(args, geom, scratch, thaw_dir, file_dir):
     drive = fio_read_limit(slab, min(os.path.getsize(slab), args.bytes_per_rep), scratch)
     for cc in controllers.values():
         cc.detach_storage_backend()
-    del host, dev, want
+    controllers.clear()
+    del host, dev, want, alloc, src, dst, flat
     rows = []
     total = n * page_bytes
 

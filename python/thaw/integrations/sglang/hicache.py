@@ -29,7 +29,7 @@ Extra-config keys (besides SGLang's ``backend_name``, ``module_path``, ``class_n
 ``cold_start``     ``"load"`` (default: keep pages across restarts) or ``"clear"``
 ``direct_io``      ``"auto"`` / ``"on"`` / ``"off"``; default ``THAW_DIRECT_IO``
 ``staging_bytes``  bytes of slot buffers per direction (default 256 MiB)
-``read_threads``   I/O threads per drive for reads (default 4)
+``read_threads``   I/O threads per drive for reads (default 8)
 ``write_threads``  I/O threads per drive for writes (default 2)
 ``name``           file-name prefix (default ``"hicache"``)
 =================  =====================================================================
@@ -95,7 +95,7 @@ class ThawStorageSettings:
     cold_start: str = "load"
     direct_io: Optional[str] = None
     staging_bytes: int = 256 * _MiB
-    read_threads: int = 4
+    read_threads: int = 8
     write_threads: int = 2
     name: str = "hicache"
 
@@ -140,7 +140,7 @@ class ThawStorageSettings:
             raise ValueError(f"thaw HiCache backend: 'direct_io' must be 'auto', 'on' or 'off', "
                              f"got {dio!r}")
         ints = {}
-        for key, default, low in (("staging_bytes", 256 * _MiB, 1), ("read_threads", 4, 1),
+        for key, default, low in (("staging_bytes", 256 * _MiB, 1), ("read_threads", 8, 1),
                                   ("write_threads", 2, 1)):
             v = extra.get(key, default)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
