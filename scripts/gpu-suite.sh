@@ -33,7 +33,10 @@ step() {  # step NAME CMD...: run, log, record the exit code
 # GPU benchmarks: each prints a table and writes <name>-<date>.json into the directory it is
 # given with --out. Append new ones here.
 GPU_BENCHMARKS=(
+  benchmarks/python/bench_region.py
+  benchmarks/python/bench_snapshot.py
   benchmarks/python/bench_host.py
+  benchmarks/python/bench_graphs.py
 )
 
 step nvidia-smi nvidia-smi

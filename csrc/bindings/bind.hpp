@@ -8,5 +8,8 @@ namespace thaw::bindings {
 void bind_common(nanobind::module_& m);
 void bind_driver(nanobind::module_& m);
 void bind_disk(nanobind::module_& m);
+void bind_region(nanobind::module_& m);
+void bind_snapshot(nanobind::module_& m);
 void bind_host(nanobind::module_& m);
+void bind_graph(nanobind::module_& m);
 }  // namespace thaw::bindings

@@ -92,7 +92,7 @@ void bind_host(nb::module_& m) {
       .def(
           "__init__",
           [](PoolHandle* self, size_t total, size_t page, size_t ceiling, const std::string& mount,
-             const std::string& reg, bool parallel, size_t reg_threads, int device,
+             const std::string& reg, bool parallel, size_t reg_threads, bool prefault, int device,
              std::optional<std::tuple<uint64_t, uint64_t, uint64_t>> fake_statfs) {
             host::HostPoolOptions o;
             o.max_slab_bytes = ceiling;
@@ -100,6 +100,7 @@ void bind_host(nb::module_& m) {
             o.registration = parse_registration(reg);
             o.parallel_registration = parallel;
             o.registration_threads = reg_threads;
+            o.prefault = prefault;
             o.device = device;
             if (fake_statfs) {
               const auto [magic, bsize, free] = *fake_statfs;
@@ -114,7 +115,8 @@ void bind_host(nb::module_& m) {
           },
           nb::arg("total_bytes"), nb::arg("page_bytes"), nb::arg("max_slab_bytes"),
           nb::arg("hugetlbfs_mount"), nb::arg("register"), nb::arg("parallel"),
-          nb::arg("registration_threads"), nb::arg("device"), nb::arg("fake_statfs").none())
+          nb::arg("registration_threads"), nb::arg("prefault"), nb::arg("device"),
+          nb::arg("fake_statfs").none())
       .def("close",
            [](PoolHandle& h) {
              std::shared_ptr<HostPool> p = std::move(h.pool);
@@ -148,6 +150,7 @@ void bind_host(nb::module_& m) {
              d["threads"] = t.threads;
              d["seconds"] = t.seconds;
              d["slab_seconds"] = t.slab_seconds;
+             d["prefault_seconds"] = t.prefault_seconds;
              return d;
            })
       .def("slab_address",

@@ -5,5 +5,8 @@ NB_MODULE(_native, m) {
   thaw::bindings::bind_common(m);
   thaw::bindings::bind_driver(m);
   thaw::bindings::bind_disk(m);
+  thaw::bindings::bind_region(m);
+  thaw::bindings::bind_snapshot(m);
   thaw::bindings::bind_host(m);
+  thaw::bindings::bind_graph(m);
 }

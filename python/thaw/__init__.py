@@ -9,6 +9,7 @@ from . import _native
 from ._logging import configure_from_env as _configure_from_env
 from ._logging import install_native_sink as _install_native_sink
 from ._native import CudaError, CudaOutOfMemoryError, CudaUnavailableError
+from .region import Region, RegionAddressError
 
 __version__ = _native.build_info()["version"]
 
@@ -35,6 +36,8 @@ __all__ = [
     "CudaError",
     "CudaOutOfMemoryError",
     "CudaUnavailableError",
+    "Region",
+    "RegionAddressError",
     "__version__",
     "build_info",
     "cuda_available",

@@ -25,6 +25,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main()
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from . import archive
+
+    try:
+        info = archive.inspect(args.archive)
+    except (archive.ArchiveError, FileNotFoundError) as e:
+        print(f"thaw inspect: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(archive.render_inspect(info))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from . import archive
+
+    problems = archive.verify(args.archive)
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        return 1
+    print(f"OK {args.archive}: every file present, sized and checksummed as the manifest says")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thaw", description=__import__("thaw").__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"thaw {__import__('thaw').__version__}")
@@ -35,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_doctor)
     m = sub.add_parser("demo", help="run thaw's main job here; says what was skipped and why")
     m.set_defaults(func=_cmd_demo)
+    i = sub.add_parser("inspect", help="describe an archive: fingerprint, ranks, spans, graphs, sizes")
+    i.add_argument("archive")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.set_defaults(func=_cmd_inspect)
+    v = sub.add_parser("verify", help="check every file of an archive (exit 0 intact, 1 damaged)")
+    v.add_argument("archive")
+    v.set_defaults(func=_cmd_verify)
     return p
 
 

@@ -170,7 +170,9 @@ class HostPool:
         register: ``"auto"`` (register when a GPU is present), ``True``/``"on"`` (require it),
             ``False``/``"off"`` (never).
         parallel: register slabs in parallel threads (else one after another).
-        registration_threads: the most threads used for parallel registration.
+        registration_threads: the most threads used for parallel registration (and prefault).
+        prefault: before registering, fault every page in with parallel threads; pinning then
+            only pins (registration alone serialises on the kernel's memory-map lock).
         device: the CUDA device whose primary context registers and copies.
 
     Use as a context manager or call :meth:`close`; numpy/torch views of a slab keep its
@@ -180,7 +182,8 @@ class HostPool:
     def __init__(self, total_bytes: int, page_bytes: int, *, max_slab_bytes: int | None = None,
                  hugetlbfs_mount: str | os.PathLike | None = None,
                  register: bool | str = "auto",
-                 parallel: bool = True, registration_threads: int = 16, device: int = 0,
+                 parallel: bool = True, registration_threads: int = 16, prefault: bool = True,
+                 device: int = 0,
                  _fake_statfs: tuple[int, int, int] | None = None) -> None:
         reg = {True: "on", False: "off"}.get(register, register) if isinstance(register, bool) \
             else register
@@ -191,7 +194,8 @@ class HostPool:
         ceiling = default_max_slab_bytes() if max_slab_bytes is None else max_slab_bytes
         self._pool = _native.HostPool(total_bytes, page_bytes, ceiling,
                                       os.fspath(hugetlbfs_mount) if hugetlbfs_mount else "",
-                                      reg, bool(parallel), registration_threads, device,
+                                      reg, bool(parallel), registration_threads, bool(prefault),
+                                      device,
                                       _fake_statfs)
 
     # -- facts
@@ -246,7 +250,8 @@ class HostPool:
 
     def registration(self) -> dict:
         """How registration went: ``registered``, ``parallel``, ``threads``, ``seconds`` (wall
-        time for all slabs) and ``slab_seconds`` (each slab's cuMemHostRegister)."""
+        time for all slabs), ``slab_seconds`` (each slab's cuMemHostRegister) and
+        ``prefault_seconds`` (the parallel prefault before it; 0 when off)."""
         return dict(self._pool.registration())
 
     # -- addresses

@@ -89,3 +89,12 @@ TEST(DriverSeam, ResultNamesWithoutADriverFallBackToNumbers) {
   const std::string n = thaw::driver::result_name(1);
   EXPECT_TRUE(n == "CUDA_ERROR_INVALID_VALUE" || n == "CUresult 1") << n;
 }
+
+TEST(DriverSeam, ReserveAlignmentHonoursHints) {
+  using thaw::driver::reserve_alignment;
+  EXPECT_EQ(reserve_alignment(0), 0u);
+  EXPECT_EQ(reserve_alignment(0x600000000000ull), 1ull << 30);  // capped at 1 GiB
+  EXPECT_EQ(reserve_alignment(0x7f0000200000ull), 2ull << 20);  // lowest set bit
+  EXPECT_EQ(reserve_alignment(0x40000000ull), 1ull << 30);
+  EXPECT_EQ(reserve_alignment(0x1000ull), 0x1000u);
+}

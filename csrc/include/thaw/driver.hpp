@@ -38,8 +38,12 @@ inline const Table& cu() { return table(); }
 std::string result_name(int result);
 std::string result_string(int result);
 
-// Makes the device's primary context current on this thread for the guard's lifetime
-// (retained for as long as the guard lives; the previous current context is restored).
+// The device's primary context, retained once for the life of the process (never released:
+// releasing the last reference would destroy every allocation made in it).
+CUcontext primary_context(int device);
+
+// Makes the device's primary context current on this thread for the guard's lifetime; the
+// previous current context is restored afterwards.
 class ContextGuard {
  public:
   explicit ContextGuard(int device);
@@ -49,10 +53,17 @@ class ContextGuard {
   CUcontext context() const noexcept { return ctx_; }
 
  private:
-  CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   CUcontext prev_ = nullptr;
 };
+
+// The alignment to pass to cuMemAddressReserve together with the hint `addr` so that the driver
+// honours the hint: the largest power of two dividing `addr`, capped at 1 GiB (0 for addr 0).
+// Measured on an H200 (driver 580, CUDA 13.0): with alignment 0 or 2 MiB, reservations of up to
+// 64 MiB land inside the driver's own heap whatever the hint; with alignment 1 GiB every hint
+// tried (16 TiB .. 127.5 TiB, 2 MiB .. 256 GiB) came back exact. Bases should therefore be
+// multiples of 1 GiB.
+uint64_t reserve_alignment(uint64_t addr) noexcept;
 
 // Facts about one device, for `thaw doctor` and archive fingerprints.
 struct DeviceInfo {

@@ -65,26 +65,6 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
 
 // ---- one registration ---------------------------------------------------------------------------
 
-// Holds one reference to a device's primary context (cuDevicePrimaryCtxRetain/Release). The
-// driver resets a primary context when its last reference goes, freeing every registration,
-// allocation and stream made in it; owners of such objects keep one of these for their lifetime,
-// so they stay valid in processes where nothing else (torch) holds the context.
-class PrimaryContextRef {
- public:
-  PrimaryContextRef() = default;
-  explicit PrimaryContextRef(int device);
-  ~PrimaryContextRef();
-  PrimaryContextRef(PrimaryContextRef&& o) noexcept;
-  PrimaryContextRef& operator=(PrimaryContextRef&& o) noexcept;
-  PrimaryContextRef(const PrimaryContextRef&) = delete;
-  PrimaryContextRef& operator=(const PrimaryContextRef&) = delete;
-
- private:
-  void release() noexcept;
-  bool held_ = false;
-  CUdevice dev_ = 0;
-};
-
 // cuMemHostRegister(ptr, bytes, PORTABLE | DEVICEMAP) with one owner; unregisters on destruction. Refuses
 // (std::invalid_argument, before any driver call) a range larger than `ceiling`.
 class HostRegistration {
@@ -101,7 +81,6 @@ class HostRegistration {
 
  private:
   void release() noexcept;
-  PrimaryContextRef context_;  // keeps the registration's context alive (see above)
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   int device_ = 0;
@@ -117,6 +96,7 @@ struct HostPoolOptions {
   Registration registration = Registration::Auto;  // Auto: register when a GPU is present
   bool parallel_registration = true;               // one thread per slab (capped), else serial
   size_t registration_threads = 16;                // cap on parallel registration threads
+  bool prefault = true;  // before registering, fault every page in with parallel threads
   int device = 0;                                  // whose primary context registers
   StatfsFn statfs;                                 // injectable; empty -> statfs_capacity
 };
@@ -134,6 +114,7 @@ struct RegistrationTiming {
   bool parallel = false;
   size_t threads = 0;
   double seconds = 0;                // wall time of registering every slab
+  double prefault_seconds = 0;       // wall time of the parallel prefault before it (0: none)
   std::vector<double> slab_seconds;  // each slab's cuMemHostRegister
 };
 
@@ -170,6 +151,7 @@ class HostPool {
     size_t bytes = 0;
   };
   void unmap_all() noexcept;
+  void prefault_parallel(size_t threads);
 
   size_t total_bytes_;
   size_t page_bytes_;
@@ -322,7 +304,6 @@ class Stream {
 
  private:
   int device_;
-  PrimaryContextRef context_;
   CUstream stream_ = nullptr;
 };
 

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <vector>
 
 #include "driver/loader.hpp"
 
@@ -130,23 +131,45 @@ std::string result_string(int result) {
   return {};
 }
 
+CUcontext primary_context(int device) {
+  // One retain per device for the life of the process (as the CUDA runtime does): releasing the
+  // last reference would destroy the context and every allocation made in it.
+  static std::mutex mu;
+  static std::vector<CUcontext>* contexts = new std::vector<CUcontext>();  // leaked on purpose
+  const Table& d = table();
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= 0 && static_cast<size_t>(device) < contexts->size() && (*contexts)[device])
+    return (*contexts)[device];
+  const int n = device_count();
+  THAW_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
+                                             " out of range: this machine has " +
+                                             std::to_string(n) + " CUDA device(s)");
+  CUdevice dev = 0;
+  THAW_CU(d.cuDeviceGet(&dev, device));
+  CUcontext ctx = nullptr;
+  THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx, dev));
+  if (contexts->size() <= static_cast<size_t>(device)) contexts->resize(device + 1, nullptr);
+  (*contexts)[device] = ctx;
+  return ctx;
+}
+
 ContextGuard::ContextGuard(int device) {
   const Table& d = table();
-  THAW_CU(d.cuDeviceGet(&dev_, device));
+  ctx_ = primary_context(device);
   THAW_CU(d.cuCtxGetCurrent(&prev_));
-  THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx_, dev_));
-  const CUresult r = d.cuCtxSetCurrent(ctx_);
-  if (r != CUDA_SUCCESS) {
-    d.cuDevicePrimaryCtxRelease(dev_);
-    THAW_CU(r);
-  }
+  if (prev_ != ctx_) THAW_CU(d.cuCtxSetCurrent(ctx_));
 }
 
 ContextGuard::~ContextGuard() {
-  const Table& d = loaded().table;
-  // Destructors never throw: results are ignored on purpose (nothing sensible to do with them).
-  (void)d.cuCtxSetCurrent(prev_);
-  (void)d.cuDevicePrimaryCtxRelease(dev_);
+  // Destructors never throw: the result is ignored on purpose (nothing sensible to do with it).
+  if (prev_ != ctx_) (void)loaded().table.cuCtxSetCurrent(prev_);
+}
+
+uint64_t reserve_alignment(uint64_t addr) noexcept {
+  if (addr == 0) return 0;
+  const uint64_t low = addr & (~addr + 1);  // lowest set bit
+  constexpr uint64_t kGiB = uint64_t(1) << 30;
+  return low < kGiB ? low : kGiB;
 }
 
 int device_count() {

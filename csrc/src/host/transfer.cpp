@@ -144,7 +144,7 @@ void memcpy_sync(Direction direction, int device, CUdeviceptr device_ptr, void* 
     THAW_CU(driver::cu().cuMemcpyDtoH(host, device_ptr, bytes));
 }
 
-Stream::Stream(int device) : device_(device), context_(device) {
+Stream::Stream(int device) : device_(device) {
   driver::ContextGuard ctx(device);
   THAW_CU(driver::cu().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
 }

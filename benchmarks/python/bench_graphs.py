@@ -1,0 +1,207 @@
+"""CUDA graph persistence benchmark (GPU): capture vs rebuild.
+
+FREEZE (this process): record kernel binaries, capture one decode-like MLP graph per batch size
+(cuBLAS GEMMs + elementwise) into a FixedArena, walk each into a GraphStore, save.
+THAW (a fresh subprocess, no torch): restore the arena image, load + rebuild every graph with
+topology templates and, as the baseline, with one executable per graph; replay all graphs
+round-robin (parameter switches) and compare outputs with FREEZE's byte for byte.
+
+Rows: graphs rebuilt per second (templates vs none), bytes per graph on disk, capture time vs
+rebuild time per graph, replay cost per launch (thaw with switches vs torch's own replay).
+
+    python benchmarks/python/bench_graphs.py --out DIR [--quick] [--graphs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultlib  # noqa: E402
+
+BASE = 0x7E0000000000
+ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the arena never reuses
+HIDDEN = 512
+LAYERS = 4
+
+
+def freeze(work: Path, n_graphs: int) -> dict:
+    import thaw.graphs as tg
+
+    tg.record_modules()
+    import torch
+
+    arena = tg.FixedArena(BASE, ARENA)
+    pool = tg.arena_mem_pool(arena)
+    store = tg.GraphStore(region_base=arena.base, region_size=arena.size)
+    with torch.cuda.use_mem_pool(pool):
+        torch.manual_seed(0)
+        ws = [torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.half) * 0.05
+              for _ in range(LAYERS)]
+        bs_ = [torch.randn(HIDDEN, device="cuda", dtype=torch.half) for _ in range(LAYERS)]
+        batch_sizes = list(range(1, n_graphs + 1))
+        xs = {bs: torch.randn(bs, HIDDEN, device="cuda", dtype=torch.half) for bs in batch_sizes}
+    torch.cuda.synchronize()
+    inputs_end = arena.used  # weights and inputs: all THAW must restore (the rest is scratch)
+
+    def step(x):
+        for w, b in zip(ws, bs_):
+            x = torch.nn.functional.gelu(x @ w + b)
+        return x
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+        for bs in batch_sizes:
+            step(xs[bs])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    capture_s = instantiate_s = walk_s = 0.0
+    graphs, outs = {}, {}
+    for bs in batch_sizes:
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g, pool=pool.id):
+            outs[bs] = step(xs[bs])
+        t1 = time.perf_counter()
+        g.instantiate()
+        t2 = time.perf_counter()
+        store.add_cuda_graph(f"bs{bs}", g.raw_cuda_graph())
+        t3 = time.perf_counter()
+        capture_s += t1 - t0
+        instantiate_s += t2 - t1
+        walk_s += t3 - t2
+        graphs[bs] = g
+    torch.cuda.synchronize()
+    image = arena.read(0, inputs_end)
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    # torch's own replay, round-robin over all graphs: the baseline for THAW's switching replay.
+    rounds = 5
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for g in graphs.values():
+            g.replay()
+    torch.cuda.synchronize()
+    torch_replay_s = (time.perf_counter() - t0) / (rounds * len(graphs))
+    expected = {f"bs{bs}": {"offset": o.data_ptr() - arena.base, "nbytes": o.numel() * o.element_size()}
+                for bs, o in outs.items()}
+    (work / "expected").mkdir(parents=True, exist_ok=True)
+    for name, e in expected.items():
+        (work / "expected" / f"{name}.bin").write_bytes(arena.read(e["offset"], e["nbytes"]))
+    (work / "arena.bin").write_bytes(image)
+    t0 = time.perf_counter()
+    index = store.save(work / "rank0")
+    save_s = time.perf_counter() - t0
+    sizes = [g["bytes"] for g in index["graphs"]]
+    meta = {"graphs": len(graphs), "capture_s": capture_s, "instantiate_s": instantiate_s,
+            "walk_s": walk_s, "save_s": save_s, "torch_replay_s": torch_replay_s,
+            "graph_bytes": sizes, "templates": len(index["templates"]),
+            "module_bytes": sum(m["bytes"] for m in index["modules"].values()),
+            "modules": len(index["modules"]), "nodes": index["graphs"][-1]["nodes"],
+            "expected": expected, "size": arena.size, "image_bytes": len(image),
+            "arena_used": arena.used}
+    (work / "meta.json").write_text(json.dumps(meta))
+    return meta
+
+
+def thaw(work: Path) -> dict:
+    import thaw.graphs as tg
+
+    meta = json.loads((work / "meta.json").read_text())
+    arena = tg.FixedArena(BASE, meta["size"])
+    arena.write(0, (work / "arena.bin").read_bytes())
+    out = {}
+    for label, share in (("none", False), ("templates", True)):
+        t0 = time.perf_counter()
+        graphs = tg.load(work / "rank0", share_templates=share, threads=4)
+        graphs.wait_all()
+        out[f"rebuild_s_{label}"] = time.perf_counter() - t0
+        out[f"stats_{label}"] = graphs.stats()
+        graphs.close()
+    graphs = tg.load(work / "rank0", threads=4)
+    graphs.wait_all()
+    names = graphs.names
+    for n in names:  # first launch of each (applies parameters), then check outputs
+        graphs.replay(n, stream=0)
+        graphs.synchronize()
+        e = meta["expected"][n]
+        if arena.read(e["offset"], e["nbytes"]) != (work / "expected" / f"{n}.bin").read_bytes():
+            out.setdefault("mismatch", []).append(n)
+    rounds = 5
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for n in names:
+            graphs.replay(n, stream=0)
+    graphs.synchronize()
+    out["replay_s"] = (time.perf_counter() - t0) / (rounds * len(names))
+    out["stats_replay"] = graphs.stats()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for the result JSON")
+    ap.add_argument("--quick", action="store_true", help="fewer graphs (32)")
+    ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 64)")
+    ap.add_argument("--thaw", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
+    args = ap.parse_args()
+    if args.thaw:
+        print(json.dumps(thaw(Path(args.thaw))))
+        return 0
+    n = args.graphs or (32 if args.quick else 64)
+    with tempfile.TemporaryDirectory(prefix="thaw-bench-graphs-") as tmp:
+        work = Path(tmp)
+        fz = freeze(work, n)
+        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--thaw", str(work)],
+                           capture_output=True, text=True, timeout=300)
+        if p.returncode != 0:
+            print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
+            raise SystemExit(f"THAW subprocess failed (rc {p.returncode})")
+        th = json.loads(p.stdout.strip().splitlines()[-1])
+    g = fz["graphs"]
+    per_graph_capture = (fz["capture_s"] + fz["instantiate_s"]) / g
+    rows = [
+        {"metric": "graphs", "value": g, "unit": "count"},
+        {"metric": "nodes per graph (largest)", "value": fz["nodes"], "unit": "count"},
+        {"metric": "templates", "value": th["stats_templates"]["templates"], "unit": "count"},
+        {"metric": "bytes per graph (mean)", "value": sum(fz["graph_bytes"]) / g, "unit": "B"},
+        {"metric": "kernel binaries saved", "value": fz["module_bytes"], "unit": "B"},
+        {"metric": "torch capture+instantiate per graph", "value": per_graph_capture * 1e3, "unit": "ms"},
+        {"metric": "walk+serialize per graph (FREEZE)", "value": fz["walk_s"] / g * 1e3, "unit": "ms"},
+        {"metric": "rebuild per graph, templates", "value": th["rebuild_s_templates"] / g * 1e3, "unit": "ms"},
+        {"metric": "rebuild per graph, no templates", "value": th["rebuild_s_none"] / g * 1e3, "unit": "ms"},
+        {"metric": "graphs rebuilt/s, templates", "value": g / th["rebuild_s_templates"], "unit": "1/s"},
+        {"metric": "graphs rebuilt/s, no templates", "value": g / th["rebuild_s_none"], "unit": "1/s"},
+        {"metric": "replay round-robin (thaw, switching)", "value": th["replay_s"] * 1e6, "unit": "us"},
+        {"metric": "replay round-robin (torch)", "value": fz["torch_replay_s"] * 1e6, "unit": "us"},
+        {"metric": "outputs equal to FREEZE", "value": g - len(th.get("mismatch", [])), "unit": "graphs"},
+    ]
+    ratios = {
+        "rebuild_speedup_templates_vs_none": th["rebuild_s_none"] / th["rebuild_s_templates"],
+        "capture_time_over_rebuild_time": (fz["capture_s"] + fz["instantiate_s"]) / th["rebuild_s_templates"],
+        "replay_thaw_over_torch": th["replay_s"] / fz["torch_replay_s"],
+        "graphs_rebuilt_per_s_templates": g / th["rebuild_s_templates"],
+    }
+    goals = {"graphs_rebuilt_per_s_templates": 1000.0, "capture_time_over_rebuild_time": 1.0,
+             "rebuild_speedup_templates_vs_none": 1.0}
+    resultlib.print_table(rows, ["metric", "value", "unit"])
+    res = resultlib.result("graphs", rows=rows, ratios=ratios, goals=goals,
+                           freeze=fz | {"expected": None}, thaw=th)
+    path = resultlib.write(res, args.out)
+    print(f"wrote {path}")
+    if th.get("mismatch"):
+        print(f"MISMATCH: {th['mismatch']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Restore throughput of span snapshots on a GPU, against limits measured in the same run.
+
+Rows: pinned host->GPU limit (one big cuMemcpyHtoD), restore from a pinned in-memory snapshot,
+dump to a span file, the disk's O_DIRECT read rate (dd iflag=direct of that same file, written
+just before), restore file->GPU (O_DIRECT, double-buffered, CRC-checked).
+Goals: restore host->GPU >= 0.90 of the pinned limit; restore file->GPU >= 0.90 of
+min(pinned limit, disk read rate).
+
+    python benchmarks/python/bench_snapshot.py --out DIR [--size-gib 4] [--dir PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import resultlib  # noqa: E402
+
+import thaw  # noqa: E402
+from thaw import _native, snapshot  # noqa: E402
+
+GiB = 1 << 30
+
+
+def dd_read_rate(path: str, direct: bool) -> tuple[float, str]:
+    """Bytes/s of `dd if=path of=/dev/null bs=64M [iflag=direct]`, parsed from its summary."""
+    cmd = ["dd", f"if={path}", "of=/dev/null", "bs=64M"] + (["iflag=direct"] if direct else [])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.strip()}")
+    m = re.search(r"^(\d+) bytes .* copied, ([0-9.]+) s", p.stderr, re.M)
+    if m:
+        return int(m.group(1)) / float(m.group(2)), " ".join(cmd)
+    return os.path.getsize(path) / dt, " ".join(cmd)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap.add_argument("--dir", default=None, help="directory for the span file (default: a temp "
+                    "dir under $THAW_BENCH_DIR, else the repository's build/)")
+    ap.add_argument("--quick", action="store_true", help="2 GiB instead of --size-gib")
+    args = ap.parse_args()
+    if not thaw.cuda_available():
+        print(f"no GPU: {thaw.cuda_unavailable_reason()}")
+        return 2
+    size = int((2.0 if args.quick else args.size_gib) * GiB) // (2 << 20) * (2 << 20)
+    root = args.dir or os.environ.get("THAW_BENCH_DIR") or os.path.join(resultlib.REPO, "build")
+    os.makedirs(root, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench-snapshot-", dir=root)
+    probe = _native.probe_direct_io(work)
+    direct = "on" if probe["supported"] else "off"
+    rows: list[dict] = []
+    try:
+        t0 = time.perf_counter()
+        span = snapshot.ScratchSpan(0, size, 0, [True] * (size // (2 << 20)))
+
+        # limit 1: one big pinned H2D copy (it overwrites the span, so it runs before the fill)
+        t_lim = _native.measure_pinned_h2d(0, span.base, size, 3)
+        h2d_limit = size / t_lim
+        rows.append({"path": "pinned H2D limit (one copy)", "GB/s": h2d_limit / 1e9,
+                     "seconds": t_lim})
+
+        block = os.urandom(64 << 20)
+        for off in range(0, size, len(block)):
+            span.write(off, block[: min(len(block), size - off)])
+
+        snap = snapshot.dump(span.base, 0, size, target=0, pin=True)
+        best = 1e30
+        for _ in range(3):
+            t = time.perf_counter()
+            snapshot.restore(snap, span.base, size, target=0)
+            best = min(best, time.perf_counter() - t)
+        host_rate = size / best
+        rows.append({"path": "restore host->GPU (pinned snapshot)", "GB/s": host_rate / 1e9,
+                     "seconds": best})
+        del snap
+
+        path = os.path.join(work, "span.span")
+        d = snapshot.dump_to_file(path, span.base, 0, size, target=0, direct_io=direct)
+        rows.append({"path": f"dump GPU->file (O_DIRECT {direct})", "GB/s": size / d["seconds"] / 1e9,
+                     "seconds": d["seconds"]})
+
+        disk_rate, dd_cmd = dd_read_rate(path, probe["supported"])
+        rows.append({"path": "disk read limit (" + dd_cmd.split(" ", 1)[0] + " iflag=direct)"
+                     if probe["supported"] else "disk read limit (dd, buffered)",
+                     "GB/s": disk_rate / 1e9, "seconds": os.path.getsize(path) / disk_rate})
+
+        span.write(0, b"\0" * (64 << 20))  # make a wrong restore visible
+        best_file = None
+        for _ in range(2):
+            r = snapshot.restore_from_file(path, span.base, size, target=0, direct_io=direct)
+            if best_file is None or r["seconds"] < best_file["seconds"]:
+                best_file = r
+        file_rate = size / best_file["seconds"]
+        rows.append({"path": f"restore file->GPU (O_DIRECT {direct})", "GB/s": file_rate / 1e9,
+                     "seconds": best_file["seconds"]})
+        assert span.read(0, 64 << 20) == block, "file restore produced wrong bytes"
+        disk_rate2, _ = dd_read_rate(path, probe["supported"])
+        rows.append({"path": "disk read limit, again after restore", "GB/s": disk_rate2 / 1e9,
+                     "seconds": os.path.getsize(path) / disk_rate2})
+        file_limit = min(h2d_limit, max(disk_rate, disk_rate2))
+        span.close()
+        ratios = {"restore_host_vs_pinned_h2d": host_rate / h2d_limit,
+                  "restore_file_vs_min_limit": file_rate / file_limit}
+        goals = {"restore_host_vs_pinned_h2d": 0.90, "restore_file_vs_min_limit": 0.90}
+        res = resultlib.result("snapshot", rows=rows, ratios=ratios, goals=goals, directory=work,
+                               size_bytes=size, direct_io=direct, o_direct_probe=dict(probe),
+                               wall_seconds=time.perf_counter() - t0)
+        resultlib.print_table(rows, ["path", "GB/s", "seconds"])
+        for k, v in ratios.items():
+            print(f"{k}: {v:.3f} (goal >= {goals[k]:.2f}) {'MET' if v >= goals[k] else 'MISSED'}")
+        print(resultlib.write(res, args.out))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

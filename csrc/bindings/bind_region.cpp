@@ -1,0 +1,120 @@
+// The region allocator: argument conversion and GIL release only.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind.hpp"
+#include "thaw/region.hpp"
+
+namespace nb = nanobind;
+
+namespace thaw::bindings {
+
+void bind_region(nb::module_& m) {
+  nb::exception<AddressUnavailable>(m, "RegionAddressError", PyExc_RuntimeError);
+
+  m.def("region_candidate_bases", &region::candidate_bases, nb::arg("size"));
+  m.def("region_round_up", &region::round_up, nb::arg("n"), nb::arg("granularity"));
+  m.attr("REGION_SEARCH_FIRST") = region::kSearchFirst;
+  m.attr("REGION_SEARCH_LIMIT") = region::kSearchLimit;
+  m.attr("REGION_DEFAULT_PREALLOC_CHUNK") = region::kDefaultPreallocChunk;
+
+  nb::class_<Region>(m, "Region")
+      .def(
+          "__init__",
+          [](Region* self, std::optional<uint64_t> base, uint64_t size, int device) {
+            nb::gil_scoped_release nogil;
+            new (self) Region(base, size, device);
+          },
+          nb::arg("base").none(), nb::arg("size"), nb::arg("device"))
+      .def("close", [](Region& r) {
+        nb::gil_scoped_release nogil;
+        r.close();
+      })
+      .def_prop_ro("closed", &Region::closed)
+      .def_prop_ro("base", &Region::base)
+      .def_prop_ro("size", &Region::size)
+      .def_prop_ro("granularity", &Region::granularity)
+      .def_prop_ro("device", &Region::device)
+      .def("describe", &Region::describe)
+      .def("allocate", [](Region& r, uint64_t n) {
+        nb::gil_scoped_release nogil;
+        return r.allocate(n);
+      }, nb::arg("nbytes"))
+      .def("free", [](Region& r, uint64_t p) {
+        nb::gil_scoped_release nogil;
+        r.free(p);
+      }, nb::arg("ptr"))
+      .def("owns", &Region::owns, nb::arg("ptr"))
+      .def("stop", &Region::stop)
+      .def("resume", &Region::resume)
+      .def_prop_ro("stopped", &Region::stopped)
+      .def_prop_ro("offset", &Region::offset)
+      .def("set_offset", [](Region& r, uint64_t n) {
+        nb::gil_scoped_release nogil;
+        r.set_offset(n);
+      }, nb::arg("offset"))
+      .def("preallocate", [](Region& r, uint64_t upto, uint64_t chunk) {
+        nb::gil_scoped_release nogil;
+        return r.preallocate(upto, chunk);
+      }, nb::arg("upto"), nb::arg("chunk_bytes"))
+      .def("checkpoint", &Region::checkpoint, nb::arg("name"))
+      .def("checkpoints", &Region::checkpoints)
+      .def("stats", [](const Region& r) {
+        const RegionStats s = r.stats();
+        nb::dict d;
+        d["base"] = s.base;
+        d["device"] = s.device;
+        d["stopped"] = s.stopped;
+        d["reserved"] = s.layout.size;
+        d["granularity"] = s.layout.granularity;
+        d["cursor"] = s.layout.cursor;
+        d["frontier"] = s.layout.frontier;
+        d["mapped"] = s.layout.mapped_bytes;
+        d["chunks"] = s.layout.chunks;
+        d["live_allocations"] = s.layout.live_allocations;
+        d["live_bytes"] = s.layout.live_bytes;
+        d["allocations_total"] = s.layout.allocations_total;
+        d["frees_total"] = s.layout.frees_total;
+        d["chunks_created"] = s.layout.chunks_created;
+        d["chunks_released"] = s.layout.chunks_released;
+        d["fallback_live"] = s.fallback_live;
+        d["fallback_bytes"] = s.fallback_bytes;
+        return d;
+      })
+      .def("write", [](Region& r, uint64_t dst, nb::bytes data) {
+        const char* p = data.c_str();
+        const size_t n = data.size();
+        nb::gil_scoped_release nogil;
+        r.write(dst, p, n);
+      }, nb::arg("ptr"), nb::arg("data"))
+      .def("read", [](const Region& r, uint64_t src, size_t n) {
+        std::string out(n, '\0');
+        {
+          nb::gil_scoped_release nogil;
+          r.read(src, out.data(), n);
+        }
+        return nb::bytes(out.data(), out.size());
+      }, nb::arg("ptr"), nb::arg("nbytes"));
+
+  m.def("region_set_active", [](Region* r, int device) { region::set_active(r, device); },
+        nb::arg("region").none(), nb::arg("device"));
+  m.def("region_active_base", [](int device) -> std::optional<uint64_t> {
+    Region* r = region::active(device);
+    if (r == nullptr) return std::nullopt;
+    return r->base();
+  }, nb::arg("device"));
+  m.def("region_last_abi_error", &region::last_abi_error);
+  // The C ABI, callable from Python for tests (torch calls the exported symbols directly).
+  m.def("_region_abi_malloc", [](int64_t size, int device) {
+    nb::gil_scoped_release nogil;
+    return reinterpret_cast<uint64_t>(thaw_region_malloc(size, device, nullptr));
+  });
+  m.def("_region_abi_free", [](uint64_t p, int64_t size, int device) {
+    nb::gil_scoped_release nogil;
+    thaw_region_free(reinterpret_cast<void*>(p), size, device, nullptr);
+  });
+}
+
+}  // namespace thaw::bindings

@@ -1,0 +1,176 @@
+// Recording kernel binaries through CUPTI resource callbacks. libcupti is dlopen()ed (never
+// linked), and only the handful of CUPTI declarations used here are written out below; when
+// the CUPTI headers are present at build time they are checked against them.
+#include <dlfcn.h>
+
+#include <cstdlib>
+
+#include "thaw/graph_cuda.hpp"
+#include "thaw/log.hpp"
+
+#if __has_include(<cupti_callbacks.h>)
+#include <cupti_callbacks.h>
+#define THAW_HAVE_CUPTI_HEADERS 1
+#endif
+
+namespace thaw::graph {
+namespace {
+
+// CUPTI ABI subset (cupti_callbacks.h, cupti_result.h).
+using CuptiResult = int;
+using CuptiCallback = void (*)(void* userdata, int domain, uint32_t cbid, const void* cbdata);
+using PfnSubscribe = CuptiResult (*)(void** subscriber, CuptiCallback cb, void* userdata);
+using PfnUnsubscribe = CuptiResult (*)(void* subscriber);
+using PfnEnableCallback = CuptiResult (*)(uint32_t enable, void* subscriber, int domain, uint32_t cbid);
+using PfnResultString = CuptiResult (*)(CuptiResult r, const char** text);
+constexpr int kDomainResource = 3;          // CUPTI_CB_DOMAIN_RESOURCE
+constexpr uint32_t kCbidModuleLoaded = 6;   // CUPTI_CBID_RESOURCE_MODULE_LOADED
+constexpr CuptiResult kMultipleSubscribers = 39;  // CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+struct ResourceData {                       // CUpti_ResourceData
+  void* context;
+  void* resource_handle;
+  void* resource_descriptor;
+};
+struct ModuleResourceData {                 // CUpti_ModuleResourceData
+  uint32_t module_id;
+  size_t cubin_size;
+  const char* cubin;
+};
+
+#ifdef THAW_HAVE_CUPTI_HEADERS
+static_assert(CUPTI_CB_DOMAIN_RESOURCE == kDomainResource);
+static_assert(CUPTI_CBID_RESOURCE_MODULE_LOADED == kCbidModuleLoaded);
+static_assert(sizeof(CUpti_ResourceData) == sizeof(ResourceData));
+static_assert(offsetof(CUpti_ResourceData, resourceDescriptor) ==
+              offsetof(ResourceData, resource_descriptor));
+static_assert(sizeof(CUpti_ModuleResourceData) == sizeof(ModuleResourceData));
+static_assert(offsetof(CUpti_ModuleResourceData, cubinSize) == offsetof(ModuleResourceData, cubin_size));
+static_assert(offsetof(CUpti_ModuleResourceData, pCubin) == offsetof(ModuleResourceData, cubin));
+#endif
+
+void callback(void* userdata, int domain, uint32_t cbid, const void* cbdata) {
+  if (domain != kDomainResource || cbid != kCbidModuleLoaded || cbdata == nullptr) return;
+  const auto* rd = static_cast<const ResourceData*>(cbdata);
+  const auto* md = static_cast<const ModuleResourceData*>(rd->resource_descriptor);
+  if (md == nullptr || md->cubin == nullptr || md->cubin_size == 0) return;
+  static_cast<ModuleRecorder*>(userdata)->on_module_loaded(md->cubin, md->cubin_size);
+}
+
+std::vector<std::string> candidates(const std::vector<std::string>& extra) {
+  std::vector<std::string> out;
+  if (const char* p = std::getenv("THAW_CUPTI_PATH"); p != nullptr && *p != '\0') {
+    out.emplace_back(p);
+    return out;  // an explicit path is the only one tried
+  }
+  out.push_back("libcupti.so.13");
+  out.push_back("libcupti.so");
+  std::vector<std::string> roots;
+  for (const char* env : {"CUDA_HOME", "CUDA_PATH"})
+    if (const char* v = std::getenv(env); v != nullptr && *v != '\0') roots.emplace_back(v);
+  roots.push_back("/usr/local/cuda");
+  roots.push_back("/usr/local/cuda-13");
+  for (const std::string& r : roots)
+    for (const char* sub : {"/lib64/libcupti.so.13", "/extras/CUPTI/lib64/libcupti.so.13",
+                            "/lib/libcupti.so.13", "/lib64/libcupti.so"})
+      out.push_back(r + sub);
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
+}  // namespace
+
+ModuleRecorder& ModuleRecorder::instance() {
+  static ModuleRecorder* r = new ModuleRecorder();  // leaked: CUPTI may call back until exit
+  return *r;
+}
+
+void ModuleRecorder::on_module_loaded(const void* data, size_t n) noexcept {
+  try {
+    registry_.add(data, n);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++seen_;
+  } catch (...) {
+    // Out of memory while copying a binary: the kernel will be reported missing at FREEZE.
+  }
+}
+
+void ModuleRecorder::start(const std::vector<std::string>& extra_paths) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_) return;
+    start_locked(extra_paths);
+  }
+  // Logged outside the lock: the Python log sink takes the GIL.
+  if (log::enabled(log::kInfo)) log::info("recording kernel binaries through " + library_path());
+}
+
+void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
+  if (lib_ == nullptr) {
+    std::string tried;
+    for (const std::string& p : candidates(extra_paths)) {
+      void* h = ::dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (h != nullptr) {
+        lib_ = h;
+        lib_path_ = p;
+        break;
+      }
+      const char* e = ::dlerror();
+      tried += "\n  " + p + ": " + (e ? e : "not loadable");
+    }
+    if (lib_ == nullptr)
+      throw Error("cannot load libcupti (needed to record kernel binaries); set THAW_CUPTI_PATH "
+                  "to libcupti.so.13. Tried:" + tried);
+  }
+  auto sym = [&](const char* name) {
+    void* s = ::dlsym(lib_, name);
+    if (s == nullptr) throw Error(lib_path_ + " has no " + name + ": not a usable libcupti");
+    return s;
+  };
+  auto subscribe = reinterpret_cast<PfnSubscribe>(sym("cuptiSubscribe"));
+  auto enable = reinterpret_cast<PfnEnableCallback>(sym("cuptiEnableCallback"));
+  auto unsubscribe = reinterpret_cast<PfnUnsubscribe>(sym("cuptiUnsubscribe"));
+  auto result_string = reinterpret_cast<PfnResultString>(::dlsym(lib_, "cuptiGetResultString"));
+  auto fail = [&](const char* call, CuptiResult r) {
+    const char* text = nullptr;
+    if (result_string == nullptr || result_string(r, &text) != 0 || text == nullptr) text = "";
+    std::string msg = std::string(call) + " failed: CUPTI result " + std::to_string(r) + " " +
+                      text + " (" + lib_path_ + ")";
+    if (r == kMultipleSubscribers)
+      msg += "; another CUPTI subscriber is active (torch profiler, Nsight, cuda-gdb?)";
+    throw Error(msg);
+  };
+  void* sub = nullptr;
+  if (CuptiResult r = subscribe(&sub, &callback, this); r != 0) fail("cuptiSubscribe", r);
+  if (CuptiResult r = enable(1, sub, kDomainResource, kCbidModuleLoaded); r != 0) {
+    unsubscribe(sub);
+    fail("cuptiEnableCallback(RESOURCE, MODULE_LOADED)", r);
+  }
+  subscriber_ = sub;
+  active_ = true;
+}
+
+void ModuleRecorder::stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!active_) return;
+  auto unsubscribe = reinterpret_cast<PfnUnsubscribe>(::dlsym(lib_, "cuptiUnsubscribe"));
+  if (unsubscribe != nullptr) unsubscribe(subscriber_);
+  subscriber_ = nullptr;
+  active_ = false;
+}
+
+bool ModuleRecorder::active() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return active_;
+}
+
+std::string ModuleRecorder::library_path() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lib_path_;
+}
+
+size_t ModuleRecorder::modules_seen() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_;
+}
+
+}  // namespace thaw::graph

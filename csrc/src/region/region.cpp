@@ -1,0 +1,341 @@
+// Region = Layout (pure bookkeeping) + the VMM owners. Invariant numbers refer to DESIGN.md.
+#include <optional>
+#include <string>
+
+#include "region/vmm.hpp"
+#include "thaw/device_memory.hpp"
+#include "thaw/log.hpp"
+#include "thaw/region.hpp"
+
+namespace thaw {
+
+using region::format_range;
+using region::hex;
+using region::Span;
+using region::detail::Mapping;
+using region::detail::PhysicalMemory;
+using region::detail::Reservation;
+
+struct Region::Fallback {
+  DeviceBuffer buffer;
+};
+
+namespace {
+
+std::string gib(uint64_t n) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3g GiB", double(n) / double(region::kGiB));
+  return b;
+}
+
+// R2: one reserve at exactly `base`; anything else is freed and reported.
+std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::string* why) {
+  std::unique_ptr<Reservation> r;
+  try {
+    r = std::make_unique<Reservation>(base, size);
+  } catch (const CudaError& e) {
+    *why = "cuMemAddressReserve failed: " + e.name();
+    return nullptr;
+  }
+  if (r->ptr() == base) return r;
+  *why = "the driver returned " + format_range(r->ptr(), r->ptr() + size) + " instead";
+  r.reset();  // free the stray reservation before reporting
+  return nullptr;
+}
+
+}  // namespace
+
+Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device_(device) {
+  THAW_EXPECT(size > 0, "region size must be positive, got 0");
+  const int n = driver::device_count();
+  THAW_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
+                                             " out of range: this machine has " +
+                                             std::to_string(n) + " CUDA device(s)");
+  driver::ContextGuard ctx(device);
+  granularity_ = region::detail::granularity(device);
+  size_ = region::round_up(size, granularity_);
+  if (base) {
+    THAW_EXPECT(*base % granularity_ == 0, "region base " + hex(*base) +
+                                               " is not a multiple of the allocation granularity " +
+                                               std::to_string(granularity_) + " of device " +
+                                               std::to_string(device));
+    THAW_EXPECT(*base != 0 && *base <= UINT64_MAX - size_,
+                "region base " + hex(*base) + " with size " + std::to_string(size_) +
+                    " is not a usable range");
+    std::string why;
+    reservation_ = reserve_exact(*base, size_, &why);
+    if (!reservation_)
+      throw AddressUnavailable("could not reserve the region " +
+                               format_range(*base, *base + size_) + " (" + gib(size_) +
+                               ") on device " + std::to_string(device) + ": " + why +
+                               "; the range (or part of it) is in use in this process — pick "
+                               "another base, or base=None for the deterministic search");
+  } else {
+    const std::vector<uint64_t> cands = region::candidate_bases(size_);
+    std::string tried;
+    for (uint64_t c : cands) {
+      std::string why;
+      reservation_ = reserve_exact(c, size_, &why);
+      if (reservation_) break;
+      tried += "\n  " + format_range(c, c + size_) + ": " + why;
+    }
+    if (!reservation_)
+      throw AddressUnavailable("no candidate base could be reserved for a region of " +
+                               std::to_string(size_) + " bytes (" + gib(size_) + ") on device " +
+                               std::to_string(device) +
+                               (cands.empty() ? std::string(": the size exceeds the search window ") +
+                                                    format_range(region::kSearchFirst,
+                                                                 region::kSearchLimit)
+                                              : ", tried:" + tried));
+  }
+  base_ = reservation_->ptr();
+  layout_ = std::make_unique<region::Layout>(size_, granularity_);
+  region::register_region(this);
+  log::debug("region " + describe() + " reserved");
+}
+
+Region::~Region() { close(); }
+
+void Region::close() noexcept {
+  region::unregister_region(this);  // first: the C ABI can no longer reach this region
+  std::string problems;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    std::optional<driver::ContextGuard> ctx;
+    try {
+      ctx.emplace(device_);
+    } catch (...) {
+      // Without a context the driver objects are gone with it; the owners below still try.
+    }
+    fallback_.clear();
+    for (auto& [off, m] : mappings_) {
+      const int r = m->release();
+      if (r != 0) {
+        problems += " unmap ";
+        problems += hex(base_ + off);
+        problems += ": " + driver::result_name(r) + ";";
+      }
+    }
+    mappings_.clear();
+    if (reservation_) {
+      const int r = reservation_->release();
+      if (r != 0) problems += " cuMemAddressFree: " + driver::result_name(r) + ";";
+      reservation_.reset();
+    }
+  }
+  if (!problems.empty()) log::warning("region " + describe() + " close:" + problems);
+}
+
+bool Region::closed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return closed_;
+}
+
+void Region::check_open() const {
+  if (closed_) throw Error("region " + describe() + " is closed");
+}
+
+std::string Region::describe() const {
+  return format_range(base_, base_ + size_) + " on device " + std::to_string(device_);
+}
+
+std::unique_ptr<Mapping> Region::map_chunk(const Span& s) const {
+  PhysicalMemory mem(s.size, device_);
+  return std::make_unique<Mapping>(base_ + s.offset, std::move(mem), device_);
+}
+
+uint64_t Region::allocate(uint64_t bytes) {
+  THAW_EXPECT(bytes > 0, "allocation size must be positive, got 0");
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  if (stopped_) {  // R8: ordinary memory, the cursor does not move
+    auto f = std::make_unique<Fallback>(Fallback{DeviceBuffer(bytes, device_)});
+    const uint64_t p = f->buffer.ptr();
+    fallback_.emplace(p, std::move(f));
+    return p;
+  }
+  const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes);  // may throw OutOfSpace
+  std::unique_ptr<Mapping> m;
+  if (plan.new_chunk) {
+    driver::ContextGuard ctx(device_);
+    m = map_chunk(*plan.new_chunk);  // a failure unwinds here; nothing was committed (R9)
+  }
+  layout_->commit_allocate(plan);
+  if (m) mappings_.emplace(plan.new_chunk->offset, std::move(m));
+  return base_ + plan.alloc.offset;
+}
+
+void Region::free(uint64_t ptr) {
+  std::string problems;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    if (auto f = fallback_.find(ptr); f != fallback_.end()) {
+      fallback_.erase(f);
+      return;
+    }
+    THAW_EXPECT(contains(ptr), "pointer " + hex(ptr) + " is neither in the region " + describe() +
+                                   " nor an allocation made while it was stopped");
+    const std::vector<Span> release = layout_->free(ptr - base_);
+    if (!release.empty()) {
+      std::optional<driver::ContextGuard> ctx;
+      try {
+        ctx.emplace(device_);
+      } catch (...) {
+      }
+      for (const Span& s : release) {
+        auto it = mappings_.find(s.offset);
+        if (it == mappings_.end()) continue;
+        const int r = it->second->release();
+        if (r != 0) {
+          problems += ' ';
+          problems += format_range(base_ + s.offset, base_ + s.end());
+          problems += ": " + driver::result_name(r) + ";";
+        }
+        mappings_.erase(it);
+      }
+    }
+  }
+  if (!problems.empty()) log::warning("region " + describe() + ": releasing chunks failed:" + problems);
+}
+
+bool Region::owns(uint64_t ptr) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return false;
+  if (fallback_.count(ptr)) return true;
+  if (!contains(ptr)) return false;
+  const auto a = layout_->allocation_containing(ptr - base_);
+  return a && a->offset == ptr - base_;
+}
+
+bool Region::stop() {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  return std::exchange(stopped_, true);
+}
+
+bool Region::resume() {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  return std::exchange(stopped_, false);
+}
+
+bool Region::stopped() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stopped_;
+}
+
+uint64_t Region::offset() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return layout_->cursor();
+}
+
+void Region::set_offset(uint64_t n) {
+  std::string problems;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    const std::vector<Span> release = layout_->set_offset(n);
+    for (const Span& s : release) {
+      auto it = mappings_.find(s.offset);
+      if (it == mappings_.end()) continue;
+      const int r = it->second->release();
+      if (r != 0) {
+        problems += ' ';
+        problems += hex(base_ + s.offset);
+        problems += ": " + driver::result_name(r) + ";";
+      }
+      mappings_.erase(it);
+    }
+  }
+  if (!problems.empty()) log::warning("region " + describe() + ": releasing chunks failed:" + problems);
+}
+
+uint64_t Region::preallocate(uint64_t upto, uint64_t chunk_bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  const std::vector<Span> plan = layout_->plan_preallocate(upto, chunk_bytes);
+  if (plan.empty()) return 0;
+  driver::ContextGuard ctx(device_);
+  std::vector<std::unique_ptr<Mapping>> made;  // all or nothing (R9)
+  made.reserve(plan.size());
+  uint64_t bytes = 0;
+  for (const Span& s : plan) {
+    made.push_back(map_chunk(s));
+    bytes += s.size;
+  }
+  layout_->commit_chunks(plan);
+  for (size_t i = 0; i < plan.size(); ++i) mappings_.emplace(plan[i].offset, std::move(made[i]));
+  return bytes;
+}
+
+uint64_t Region::checkpoint(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  return layout_->checkpoint(name);
+}
+
+std::vector<std::pair<std::string, uint64_t>> Region::checkpoints() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return layout_->checkpoints();
+}
+
+RegionStats Region::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  RegionStats s;
+  s.base = base_;
+  s.device = device_;
+  s.stopped = stopped_;
+  s.layout = layout_->stats();
+  if (closed_) {  // nothing is mapped any more
+    s.layout.mapped_bytes = 0;
+    s.layout.chunks = 0;
+  }
+  s.fallback_live = fallback_.size();
+  for (const auto& [p, f] : fallback_) s.fallback_bytes += f->buffer.size();
+  return s;
+}
+
+void Region::check_live_range(uint64_t ptr, size_t n, const char* what) const {
+  THAW_EXPECT(n > 0, std::string(what) + " of 0 bytes");
+  auto f = fallback_.upper_bound(ptr);
+  if (f != fallback_.begin()) {
+    --f;
+    const uint64_t b = f->first, e = b + f->second->buffer.size();
+    if (ptr >= b && ptr < e) {
+      THAW_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
+                                    hex(ptr) + " runs past the end of its allocation " +
+                                    format_range(b, e));
+      return;
+    }
+  }
+  THAW_EXPECT(contains(ptr), std::string(what) + " at " + hex(ptr) + ": not in the region " +
+                                 describe() + " nor a fallback allocation");
+  const auto a = layout_->allocation_containing(ptr - base_);
+  THAW_EXPECT(a.has_value(), std::string(what) + " at " + hex(ptr) +
+                                 ": no live allocation of the region holds this address");
+  const uint64_t e = base_ + a->end();
+  THAW_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
+                                hex(ptr) + " runs past the end of its allocation " +
+                                format_range(base_ + a->offset, e));
+}
+
+void Region::write(uint64_t dst, const void* src, size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_live_range(dst, n, "write");
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyHtoD(dst, src, n));
+}
+
+void Region::read(uint64_t src, void* dst, size_t n) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_live_range(src, n, "read");
+  driver::ContextGuard ctx(device_);
+  THAW_CU(driver::cu().cuMemcpyDtoH(dst, src, n));
+}
+
+}  // namespace thaw

@@ -1,0 +1,70 @@
+// Internal: one RAII owner per VMM driver object (invariant R9 in DESIGN.md).
+//   Reservation     cuMemAddressReserve  -> cuMemAddressFree
+//   PhysicalMemory  cuMemCreate          -> cuMemRelease
+//   Mapping         cuMemMap (+ SetAccess) -> cuMemUnmap, then its PhysicalMemory is released
+// A failed multi-step operation unwinds by letting its local owners die. Destructors never throw.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "thaw/driver.hpp"
+
+namespace thaw::region::detail {
+
+class Reservation {
+ public:
+  // Asks the driver for [addr, addr+size) (addr 0: anywhere). The driver may return another
+  // address: the caller compares ptr() with what it asked for.
+  Reservation(uint64_t addr, uint64_t size);
+  ~Reservation() { (void)release(); }
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+  uint64_t ptr() const { return ptr_; }
+  uint64_t size() const { return size_; }
+  // Frees the range now; returns the CUresult (0 when there was nothing to free).
+  int release() noexcept;
+
+ private:
+  uint64_t ptr_ = 0, size_ = 0;
+};
+
+class PhysicalMemory {
+ public:
+  PhysicalMemory(uint64_t size, int device);
+  ~PhysicalMemory() { (void)release(); }
+  PhysicalMemory(PhysicalMemory&& o) noexcept
+      : handle_(std::exchange(o.handle_, 0)), size_(std::exchange(o.size_, 0)) {}
+  PhysicalMemory& operator=(PhysicalMemory&&) = delete;
+  PhysicalMemory(const PhysicalMemory&) = delete;
+  CUmemGenericAllocationHandle handle() const { return handle_; }
+  uint64_t size() const { return size_; }
+  int release() noexcept;
+
+ private:
+  CUmemGenericAllocationHandle handle_ = 0;
+  uint64_t size_ = 0;
+};
+
+class Mapping {
+ public:
+  // Maps all of `mem` at ptr (inside a live Reservation) and makes it read-write for `device`.
+  Mapping(uint64_t ptr, PhysicalMemory&& mem, int device);
+  ~Mapping() { (void)release(); }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  uint64_t ptr() const { return ptr_; }
+  uint64_t size() const { return mem_.size(); }
+  // Unmaps, then releases the physical memory; returns the first failing CUresult (or 0).
+  int release() noexcept;
+
+ private:
+  uint64_t ptr_ = 0;
+  bool mapped_ = false;
+  PhysicalMemory mem_;
+};
+
+// The driver's minimum allocation granularity for pinned device memory on `device`.
+uint64_t granularity(int device);
+
+}  // namespace thaw::region::detail

@@ -1,0 +1,506 @@
+// Span files: the bulk path device <-> pinned staging <-> file (format in DESIGN.md).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "snapshot/handoff.hpp"
+#include "thaw/crc32c.hpp"
+#include "thaw/fs.hpp"
+#include "thaw/log.hpp"
+#include "thaw/snapshot.hpp"
+
+namespace thaw::snapshot {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'H', 'A', 'W', 'S', 'P', 'A', 'N'};
+constexpr uint32_t kVersion = 1;
+constexpr uint64_t kBlock = 4096;  // header size, data/table alignment, O_DIRECT unit
+
+// The first bytes of the 4 KiB header block; all fields little-endian (x86-64/aarch64 native).
+struct RawHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t header_bytes;
+  uint64_t base, start, end;
+  uint64_t chunk_bytes, granularity;
+  uint64_t interval_count;
+  uint64_t data_offset, data_bytes;
+  uint64_t table_offset, table_bytes;
+  uint64_t file_bytes;
+  uint32_t table_crc;
+  uint32_t header_crc;  // CRC32C of the bytes of this struct before this field
+};
+static_assert(sizeof(RawHeader) == 112, "span file header layout");
+static_assert(offsetof(RawHeader, header_crc) == 108, "span file header layout");
+
+uint64_t chunk_count(uint64_t data_bytes, uint64_t chunk_bytes) {
+  return (data_bytes + chunk_bytes - 1) / chunk_bytes;
+}
+
+[[noreturn]] void corrupt(const std::string& path, const std::string& what) {
+  throw SpanFileError("span file " + path + ": " + what);
+}
+
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const noexcept { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// Opens `path` with O_DIRECT when the mode and the filesystem allow it.
+int open_file(const std::string& path, int flags, DirectIo mode, bool* direct) {
+  bool want = false;
+  if (mode == DirectIo::kOn) {
+    want = true;
+  } else if (mode == DirectIo::kAuto) {
+    const fs::DirectIoProbe p = fs::probe_direct_io(dir_of(path));
+    want = p.supported;
+    if (!p.supported && log::enabled(log::kDebug))
+      log::debug("snapshot: no O_DIRECT for " + path + ": " + p.reason);
+  }
+  if (want) {
+    const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      *direct = true;
+      return fd;
+    }
+    if (mode == DirectIo::kOn || errno != EINVAL)
+      thaw::detail::throw_errno(errno, ("open(\"" + path + "\", O_DIRECT)").c_str(), __FILE__, __LINE__);
+  }
+  *direct = false;
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+  if (fd < 0) thaw::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  return fd;
+}
+
+void pwrite_all(int fd, const uint8_t* p, size_t n, uint64_t off, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      thaw::detail::throw_errno(errno, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+    }
+    if (w == 0) thaw::detail::throw_errno(EIO, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+    p += w;
+    n -= static_cast<size_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+}
+
+// Reads exactly n bytes; a short file is a SpanFileError naming `what`.
+void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& path,
+               const std::string& what) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      thaw::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+    }
+    if (r == 0) corrupt(path, "truncated: end of file inside " + what);
+    p += r;
+    n -= static_cast<size_t>(r);
+    off += static_cast<uint64_t>(r);
+  }
+}
+
+void check_options(const FileOptions& opt) {
+  THAW_EXPECT(opt.chunk_bytes >= kBlock && opt.chunk_bytes % kBlock == 0 &&
+                  opt.chunk_bytes <= (uint64_t(1) << 34),
+              "chunk_bytes must be a positive multiple of 4096 up to 16 GiB, got " +
+                  std::to_string(opt.chunk_bytes));
+  THAW_EXPECT(opt.granularity > 0 && (opt.granularity & (opt.granularity - 1)) == 0,
+              "granularity must be a power of two, got " + std::to_string(opt.granularity));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Staging {
+  AlignedBuffer buf[2];
+  std::unique_ptr<Pinned> pin[2];
+  Staging(CopyBackend& be, uint64_t bytes) {
+    for (int i = 0; i < 2; ++i) {
+      buf[i] = AlignedBuffer(bytes, kBlock);
+      pin[i] = be.pin(buf[i].data(), buf[i].size());
+    }
+  }
+  ~Staging() {
+    pin[0].reset();  // unregister before the buffers are freed
+    pin[1].reset();
+  }
+};
+
+// Header + tables of an open span file, validated.
+SpanFileInfo read_info(int fd, const std::string& path) {
+  AlignedBuffer hb(kBlock, kBlock);
+  pread_all(fd, hb.data(), kBlock, 0, path, "the header");
+  RawHeader h;
+  std::memcpy(&h, hb.data(), sizeof h);
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) corrupt(path, "not a span file (bad magic)");
+  if (h.header_crc != crc32c(&h, offsetof(RawHeader, header_crc)))
+    corrupt(path, "header CRC32C mismatch");
+  if (h.version != kVersion)
+    corrupt(path, "version " + std::to_string(h.version) + ", this thaw reads version " +
+                      std::to_string(kVersion));
+  if (h.header_bytes != kBlock || h.data_offset != kBlock || h.chunk_bytes == 0 ||
+      h.chunk_bytes > (uint64_t(1) << 34) || h.end < h.start || h.data_bytes > h.end - h.start || h.data_bytes > (uint64_t(1) << 50) ||
+      h.chunk_bytes % kBlock != 0 || h.table_offset % kBlock != 0 ||
+      h.table_offset != round_up(h.data_offset + h.data_bytes, kBlock) ||
+      h.interval_count > (uint64_t(1) << 40) / 16 ||
+      h.table_bytes != h.interval_count * 16 + chunk_count(h.data_bytes, h.chunk_bytes) * 4 ||
+      h.file_bytes != h.table_offset + round_up(h.table_bytes, kBlock))
+    corrupt(path, "inconsistent header fields");
+  struct stat st{};
+  THAW_SYSCALL(::fstat(fd, &st));
+  if (static_cast<uint64_t>(st.st_size) < h.file_bytes)
+    corrupt(path, "truncated: " + std::to_string(st.st_size) + " bytes, the header says " +
+                      std::to_string(h.file_bytes));
+
+  SpanFileInfo info;
+  info.version = h.version;
+  info.base = h.base;
+  info.start = h.start;
+  info.end = h.end;
+  info.chunk_bytes = h.chunk_bytes;
+  info.granularity = h.granularity;
+  info.data_bytes = h.data_bytes;
+  info.file_bytes = h.file_bytes;
+  AlignedBuffer tb(round_up(h.table_bytes, kBlock), kBlock);
+  if (h.table_bytes > 0)
+    pread_all(fd, tb.data(), tb.size(), h.table_offset, path, "the tables");
+  if (crc32c(tb.data(), h.table_bytes) != h.table_crc) corrupt(path, "table CRC32C mismatch");
+  info.intervals.resize(h.interval_count);
+  std::memcpy(info.intervals.data(), tb.data(), h.interval_count * 16);
+  info.chunk_crcs.resize(chunk_count(h.data_bytes, h.chunk_bytes));
+  std::memcpy(info.chunk_crcs.data(), tb.data() + h.interval_count * 16,
+              info.chunk_crcs.size() * 4);
+  if (!is_normalized(info.intervals) || total_bytes(info.intervals) != h.data_bytes ||
+      (!info.intervals.empty() &&
+       (info.intervals.front().begin < h.start || info.intervals.back().end > h.end)))
+    corrupt(path, "interval table is inconsistent with the header");
+  return info;
+}
+
+// Joins a pipeline thread on every exit path; on an error exit it first fails the handoff so a
+// blocked thread wakes up.
+class Joiner {
+ public:
+  Joiner(detail::Handoff& h, std::thread& t) : h_(h), t_(t) {}
+  ~Joiner() {
+    if (std::uncaught_exceptions() > 0) h_.fail(nullptr);
+    if (t_.joinable()) t_.join();
+  }
+
+ private:
+  detail::Handoff& h_;
+  std::thread& t_;
+};
+
+}  // namespace
+
+DirectIo parse_direct_io(const std::string& s) {
+  if (s == "auto") return DirectIo::kAuto;
+  if (s == "on") return DirectIo::kOn;
+  if (s == "off") return DirectIo::kOff;
+  THAW_EXPECT(false, "direct_io must be auto, on or off, got \"" + s + "\"");
+  return DirectIo::kAuto;
+}
+
+FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t end,
+                       const std::string& path, const FileOptions& opt) {
+  check_options(opt);
+  THAW_EXPECT(start <= end, "span start " + std::to_string(start) + " is past its end " +
+                                std::to_string(end));
+  THAW_EXPECT(base + end >= base, "span end overflows the address space");
+  const auto t0 = std::chrono::steady_clock::now();
+  FileStats st;
+  Fd fd(open_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io, &st.direct_io));
+  const uint64_t cb = opt.chunk_bytes;
+  // A span smaller than a chunk needs (and pins) only its own size.
+  Staging stage(be, std::max(kBlock, round_up(std::min(cb, end - start), kBlock)));
+  uint64_t fill[2] = {0, 0};
+  std::vector<uint32_t> crcs;
+
+  // Consumer: checksum and write each full slot at its place in the data area (invariant 6).
+  detail::Handoff h(2);
+  std::thread writer([&] {
+    try {
+      for (uint64_t k = 0;; ++k) {
+        const int s = h.acquire_full();
+        if (s < 0) return;
+        uint8_t* p = stage.buf[s].data();
+        const uint64_t n = fill[s];
+        crcs.push_back(crc32c(p, n));
+        const uint64_t padded = round_up(n, kBlock);
+        std::memset(p + n, 0, padded - n);
+        pwrite_all(fd.get(), p, padded, kBlock + k * cb, path);
+        h.release(s);
+      }
+    } catch (...) {
+      h.fail(std::current_exception());
+    }
+  });
+  {
+    Joiner join(h, writer);
+    auto add = [&](uint64_t b, uint64_t e) {
+      if (!st.intervals.empty() && st.intervals.back().end == b)
+        st.intervals.back().end = e;
+      else
+        st.intervals.push_back({b, e});
+    };
+    int cur = h.acquire_free();
+    fill[cur] = 0;
+    uint64_t off = start;
+    while (off < end && cur >= 0) {
+      const uint64_t take = std::min(cb - fill[cur], end - off);
+      uint8_t* dst = stage.buf[cur].data();
+      if (be.try_to_host(dst + fill[cur], base + off, take)) {
+        add(off, off + take);
+        fill[cur] += take;
+      } else {  // holes: granule trial copies, packing what copied (invariant 3)
+        for (const Interval& p : split_aligned(base, off, off + take, opt.granularity))
+          if (be.try_to_host(dst + fill[cur], base + p.begin, p.size())) {
+            add(p.begin, p.end);
+            fill[cur] += p.size();
+          }
+      }
+      off += take;
+      if (fill[cur] == cb) {
+        h.publish(cur);
+        cur = h.acquire_free();
+        if (cur >= 0) fill[cur] = 0;
+      }
+      if (opt.progress) opt.progress(off - start, end - start);
+    }
+    if (cur >= 0 && fill[cur] > 0) h.publish(cur);
+    h.close();
+  }
+  h.rethrow();
+  st.bytes = total_bytes(st.intervals);
+
+  RawHeader hd{};
+  std::memcpy(hd.magic, kMagic, sizeof kMagic);
+  hd.version = kVersion;
+  hd.header_bytes = kBlock;
+  hd.base = base;
+  hd.start = start;
+  hd.end = end;
+  hd.chunk_bytes = cb;
+  hd.granularity = opt.granularity;
+  hd.interval_count = st.intervals.size();
+  hd.data_offset = kBlock;
+  hd.data_bytes = st.bytes;
+  hd.table_offset = round_up(kBlock + st.bytes, kBlock);
+  hd.table_bytes = st.intervals.size() * 16 + crcs.size() * 4;
+  hd.file_bytes = hd.table_offset + round_up(hd.table_bytes, kBlock);
+  if (crcs.size() != chunk_count(st.bytes, cb))
+    throw Error("span file " + path + ": internal error, " + std::to_string(crcs.size()) +
+                " chunk CRCs for " + std::to_string(st.bytes) + " bytes");
+  if (hd.table_bytes > 0) {
+    AlignedBuffer tb(round_up(hd.table_bytes, kBlock), kBlock);
+    std::memcpy(tb.data(), st.intervals.data(), st.intervals.size() * 16);
+    std::memcpy(tb.data() + st.intervals.size() * 16, crcs.data(), crcs.size() * 4);
+    hd.table_crc = crc32c(tb.data(), hd.table_bytes);
+    pwrite_all(fd.get(), tb.data(), tb.size(), hd.table_offset, path);
+  } else {
+    hd.table_crc = crc32c(nullptr, 0);
+  }
+  // Invariant 7: data and tables are durable before the header that makes the file valid.
+  THAW_SYSCALL(::fdatasync(fd.get()));
+  hd.header_crc = crc32c(&hd, offsetof(RawHeader, header_crc));
+  AlignedBuffer hb(kBlock, kBlock);
+  std::memcpy(hb.data(), &hd, sizeof hd);
+  pwrite_all(fd.get(), hb.data(), kBlock, 0, path);
+  THAW_SYSCALL(::fdatasync(fd.get()));
+  st.seconds = seconds_since(t0);
+  return st;
+}
+
+SpanFileInfo read_span_file_info(const std::string& path) {
+  bool direct = false;
+  Fd fd(open_file(path, O_RDONLY, DirectIo::kOff, &direct));
+  return read_info(fd.get(), path);
+}
+
+FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t base,
+                            uint64_t ceiling, const FileOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  FileStats st;
+  Fd fd(open_file(path, O_RDONLY, opt.direct_io, &st.direct_io));
+  const SpanFileInfo info = read_info(fd.get(), path);
+  THAW_EXPECT(base + info.end >= base, "restore base overflows the address space");
+  const uint64_t cb = info.chunk_bytes;
+  const uint64_t chunks = info.chunk_crcs.size();
+  Staging stage(be, std::max(kBlock, round_up(std::min(cb, info.data_bytes), kBlock)));
+  uint64_t len[2] = {0, 0};
+
+  // Producer: the reader thread fills free slots with consecutive chunks.
+  detail::Handoff h(2);
+  std::thread reader([&] {
+    try {
+      for (uint64_t k = 0; k < chunks; ++k) {
+        const int s = h.acquire_free();
+        if (s < 0) return;
+        len[s] = std::min(cb, info.data_bytes - k * cb);
+        pread_all(fd.get(), stage.buf[s].data(), round_up(len[s], kBlock), kBlock + k * cb, path,
+                  "chunk " + std::to_string(k));
+        h.publish(s);
+      }
+      h.close();
+    } catch (...) {
+      h.fail(std::current_exception());
+    }
+  });
+  int pending = -1;  // the slot whose device copy may still be in flight
+  try {
+    Joiner join(h, reader);
+    size_t iv = 0;        // interval holding the next data byte
+    uint64_t within = 0;  // offset of that byte inside intervals[iv]
+    for (uint64_t k = 0; k < chunks; ++k) {
+      const int s = h.acquire_full();
+      if (s < 0) break;
+      // The previous chunk's copy had the whole read of this chunk to finish: hand its buffer
+      // back to the reader now, so the next read overlaps this chunk's CRC and copy.
+      if (pending >= 0) {
+        be.wait(pending);
+        h.release(pending);
+        pending = -1;
+      }
+      const uint8_t* p = stage.buf[s].data();
+      const uint32_t got = crc32c(p, len[s]);
+      if (got != info.chunk_crcs[k]) {  // invariant 8: a bad chunk is never written
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "stored %08x, computed %08x", info.chunk_crcs[k], got);
+        corrupt(path, "chunk " + std::to_string(k) + " of " + std::to_string(chunks) +
+                          " (file offset " + std::to_string(kBlock + k * cb) + ", " +
+                          std::to_string(len[s]) + " bytes): CRC32C mismatch, " + buf);
+      }
+      uint64_t pos = 0;
+      while (pos < len[s]) {
+        const Interval& i = info.intervals[iv];
+        const uint64_t take = std::min(i.size() - within, len[s] - pos);
+        const uint64_t dst = i.begin + within;
+        const uint64_t keep = dst >= ceiling ? 0 : std::min(take, ceiling - dst);
+        if (keep > 0) {
+          be.to_device_async(base + dst, p + pos, keep, s);
+          st.bytes_written += keep;
+          if (!st.intervals.empty() && st.intervals.back().end == dst)
+            st.intervals.back().end = dst + keep;
+          else
+            st.intervals.push_back({dst, dst + keep});
+        }
+        st.bytes_dropped += take - keep;
+        pos += take;
+        within += take;
+        if (within == i.size()) ++iv, within = 0;
+      }
+      be.to_device_async(0, nullptr, 0, s);  // marks the lane even when nothing was copied
+      pending = s;
+      if (opt.progress) opt.progress(std::min(info.data_bytes, (k + 1) * cb), info.data_bytes);
+    }
+    if (pending >= 0) {
+      be.wait(pending);
+      h.release(pending);
+      pending = -1;
+    }
+  } catch (...) {
+    // Staging memory must not be unregistered under an in-flight copy.
+    for (int lane = 0; lane < 2; ++lane) try { be.wait(lane); } catch (...) {}
+    throw;
+  }
+  h.rethrow();
+  st.bytes = info.data_bytes;
+  st.seconds = seconds_since(t0);
+  return st;
+}
+
+void verify_span_file(const std::string& path, const FileOptions& opt) {
+  bool direct = false;
+  Fd fd(open_file(path, O_RDONLY, opt.direct_io, &direct));
+  const SpanFileInfo info = read_info(fd.get(), path);
+  AlignedBuffer buf(std::max(kBlock, round_up(std::min(info.chunk_bytes, info.data_bytes), kBlock)),
+                    kBlock);
+  for (uint64_t k = 0; k < info.chunk_crcs.size(); ++k) {
+    const uint64_t n = std::min(info.chunk_bytes, info.data_bytes - k * info.chunk_bytes);
+    pread_all(fd.get(), buf.data(), round_up(n, kBlock), kBlock + k * info.chunk_bytes, path,
+              "chunk " + std::to_string(k));
+    if (crc32c(buf.data(), n) != info.chunk_crcs[k])
+      corrupt(path, "chunk " + std::to_string(k) + " of " + std::to_string(info.chunk_crcs.size()) +
+                        " (file offset " + std::to_string(kBlock + k * info.chunk_bytes) +
+                        "): CRC32C mismatch");
+    if (opt.progress) opt.progress((k + 1) * info.chunk_bytes, info.data_bytes);
+  }
+}
+
+uint32_t file_crc32c(const std::string& path) {
+  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (raw < 0) thaw::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  Fd fd(raw);
+  (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  constexpr size_t kBuf = 8 << 20;
+  AlignedBuffer buf[2] = {AlignedBuffer(kBuf, kBlock), AlignedBuffer(kBuf, kBlock)};
+  size_t got[2] = {0, 0};
+  // A reader thread fills one buffer while this thread checksums the other.
+  detail::Handoff h(2);
+  std::thread reader([&] {
+    try {
+      uint64_t off = 0;
+      for (;;) {
+        const int s = h.acquire_free();
+        if (s < 0) return;
+        ssize_t r;
+        do r = ::pread(fd.get(), buf[s].data(), kBuf, static_cast<off_t>(off));
+        while (r < 0 && errno == EINTR);
+        if (r < 0) thaw::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+        if (r == 0) {
+          h.release(s);
+          h.close();
+          return;
+        }
+        got[s] = static_cast<size_t>(r);
+        off += static_cast<uint64_t>(r);
+        h.publish(s);
+      }
+    } catch (...) {
+      h.fail(std::current_exception());
+    }
+  });
+  uint32_t crc = 0;
+  {
+    Joiner join(h, reader);
+    for (;;) {
+      const int s = h.acquire_full();
+      if (s < 0) break;
+      crc = crc32c(buf[s].data(), got[s], crc);
+      h.release(s);
+    }
+  }
+  h.rethrow();
+  return crc;
+}
+
+}  // namespace thaw::snapshot

@@ -1,0 +1,354 @@
+// The graph capture (FREEZE) and rebuild (THAW) logic against a fake driver
+// (fake_graph_cuda.cpp), on CPU: description -> GraphSet rebuild -> launch (the fake logs the
+// parameters each launch runs with) -> capture_graph of the rebuilt graph -> the same
+// description; template switching; ownership (nothing leaks); FREEZE errors.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "thaw/driver.hpp"
+#include "thaw/graph.hpp"
+#include "thaw/graph_cuda.hpp"
+
+using namespace thaw::graph;
+
+namespace {
+
+// Before anything loads the driver: this test binary runs against the fake.
+const int kUseFake = [] {
+  ::setenv("THAW_LIBCUDA_PATH", THAW_FAKE_GRAPH_CUDA_PATH, 1);
+  return 0;
+}();
+
+void* fake() {
+  static void* h = ::dlopen(THAW_FAKE_GRAPH_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  return h;
+}
+template <typename F>
+F hook(const char* name) {
+  auto f = reinterpret_cast<F>(::dlsym(fake(), name));
+  if (f == nullptr) throw std::runtime_error(std::string("fake hook missing: ") + name);
+  return f;
+}
+int live(const char* what) { return hook<int (*)(const char*)>("fake_graph_live")(what); }
+size_t launches() { return hook<size_t (*)()>("fake_graph_launches")(); }
+std::string launch_state(size_t i) { return hook<const char* (*)(size_t)>("fake_graph_launch")(i); }
+CUgraph last_graph() { return hook<CUgraph (*)()>("fake_graph_last")(); }
+
+const std::string kImageA =
+    ".version 8.0\n.target sm_90\n"
+    ".visible .entry thaw_axpy ( // params 0:4 8:8 16:8 24:4\n"
+    ".visible .entry thaw_add_span ( // params 0:16 16:4\n";
+const std::string kImageB =  // also defines thaw_axpy, next to another kernel
+    ".version 8.0\n.entry thaw_axpy ( // params 0:4 8:8 16:8 24:4\n.entry other ( // params 0:8\n";
+const std::string kImageA2 = kImageA + "// same kernels, other bytes\n";
+
+Hash hash_of(const std::string& s) { return sha256(s.data(), s.size()); }
+
+constexpr uint64_t kBase = 0x7e0000000000ull, kSize = 1ull << 30;
+
+void put64(std::vector<uint8_t>& b, size_t off, uint64_t v) { std::memcpy(b.data() + off, &v, 8); }
+
+Graph pipeline(uint64_t base, uint32_t n, uint32_t memset_value = 7) {
+  Graph g;
+  g.event_count = 1;
+  Node set;
+  set.kind = NodeKind::memset;
+  set.memset = {base + 0x10000, 0, memset_value, 4, 4096, 1};
+  Node rec, wait;
+  rec.kind = NodeKind::event_record;
+  wait.kind = NodeKind::event_wait;
+  Node axpy;
+  axpy.kind = NodeKind::kernel;
+  KernelNode& k = axpy.kernel;
+  k.module = hash_of(kImageA);
+  k.name = "thaw_axpy";
+  k.grid = {(n + 255) / 256, 1, 1};
+  k.block = {256, 1, 1};
+  k.params.assign(28, 0);
+  const float a = 2.0f;
+  std::memcpy(k.params.data(), &a, 4);
+  put64(k.params, 8, base);
+  put64(k.params, 16, base + 0x10000);
+  std::memcpy(k.params.data() + 24, &n, 4);
+  k.slots = {{0, 4}, {8, 8}, {16, 8}, {24, 4}};
+  Node span;
+  span.kind = NodeKind::kernel;
+  KernelNode& s = span.kernel;
+  s.module = hash_of(kImageA);
+  s.name = "thaw_add_span";
+  s.grid = {(n + 127) / 128, 1, 1};
+  s.block = {128, 1, 1};
+  s.shared_mem = 2048;
+  s.params.assign(20, 0);
+  put64(s.params, 0, base + 0x10000);
+  std::memcpy(s.params.data() + 8, &n, 4);
+  s.slots = {{0, 16}, {16, 4}};
+  s.attributes.push_back({CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, {2, 0, 0, 0, 1, 0, 0, 0, 1}});
+  s.func_attributes.push_back({CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 65536});
+  Node cp;
+  cp.kind = NodeKind::memcpy;
+  cp.memcpy.src_type = cp.memcpy.dst_type = CU_MEMORYTYPE_DEVICE;
+  cp.memcpy.src = base + 0x10000;
+  cp.memcpy.dst = base + 0x20000;
+  cp.memcpy.width = 16384;
+  cp.memcpy.height = cp.memcpy.depth = 1;
+  g.nodes = {set, rec, wait, axpy, span, cp, Node{}};
+  g.edges = {{0, 1}, {1, 2}, {2, 3}, {3, 4, 0, 0, 1}, {4, 5}, {5, 6}};
+  find_relocations(g, kBase, kSize);
+  return g;
+}
+
+// What the fake logs for a launch of a graph holding g's parameters.
+std::string expected_state(const Graph& g) {
+  std::string out;
+  char buf[8];
+  for (const Node& n : g.nodes) {
+    switch (n.kind) {
+      case NodeKind::kernel: {
+        const KernelNode& k = n.kernel;
+        out += "K " + k.name + " g=" + std::to_string(k.grid.x) + "," + std::to_string(k.grid.y) +
+               "," + std::to_string(k.grid.z) + " b=" + std::to_string(k.block.x) + "," +
+               std::to_string(k.block.y) + "," + std::to_string(k.block.z) +
+               " s=" + std::to_string(k.shared_mem) + " p=";
+        for (uint8_t c : k.params) {
+          std::snprintf(buf, sizeof buf, "%02x", c);
+          out += buf;
+        }
+        break;
+      }
+      case NodeKind::memcpy:
+        out += "C " + std::to_string(n.memcpy.src) + "->" + std::to_string(n.memcpy.dst) +
+               " w=" + std::to_string(n.memcpy.width);
+        break;
+      case NodeKind::memset:
+        out += "S " + std::to_string(n.memset.dst) + " v=" + std::to_string(n.memset.value) +
+               " w=" + std::to_string(n.memset.width);
+        break;
+      case NodeKind::event_record: out += "R"; break;
+      case NodeKind::event_wait: out += "W"; break;
+      case NodeKind::empty: out += "E"; break;
+    }
+    out += ";";
+  }
+  return out;
+}
+
+void expect_nothing_alive() {
+  EXPECT_EQ(live("graphs"), 0);
+  EXPECT_EQ(live("execs"), 0);
+  EXPECT_EQ(live("modules"), 0);
+  EXPECT_EQ(live("events"), 0);
+}
+
+}  // namespace
+
+TEST(GraphFake, DriverIsTheFake) {
+  ASSERT_TRUE(thaw::driver::available()) << thaw::driver::unavailable_reason();
+  ASSERT_NE(fake(), nullptr) << ::dlerror();
+  EXPECT_EQ(thaw::driver::table().library_path, THAW_FAKE_GRAPH_CUDA_PATH);
+}
+
+TEST(GraphFake, RebuildLaunchAndCaptureBackIsTheSameGraph) {
+  ASSERT_TRUE(thaw::driver::available()) << thaw::driver::unavailable_reason();
+  const Graph g = pipeline(kBase, 1000);
+  ModuleRegistry reg;
+  reg.add(kImageA.data(), kImageA.size());
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    const size_t id = set.add(g);
+    set.start(1);
+    set.wait(id);
+    const size_t before = launches();
+    set.launch(id, 0);
+    ASSERT_EQ(launches(), before + 1);
+    EXPECT_EQ(launch_state(before), expected_state(g));
+    // Walk the rebuilt graph: FREEZE of THAW's graph gives back the description.
+    CUgraph built = last_graph();
+    ASSERT_NE(built, nullptr);
+    CaptureOptions opt;
+    opt.region_base = kBase;
+    opt.region_size = kSize;
+    const Graph back = capture_graph(built, reg, opt);
+    EXPECT_EQ(back.nodes, g.nodes);
+    EXPECT_EQ(back.edges, g.edges);
+    EXPECT_EQ(back.relocations, g.relocations);
+    EXPECT_EQ(back, g);
+    EXPECT_EQ(live("execs"), 1);
+    EXPECT_EQ(live("events"), 1);
+    EXPECT_EQ(set.stats().modules_loaded, 1u);
+  }
+  expect_nothing_alive();
+}
+
+TEST(GraphFake, TemplateMembersSwitchOnlyTheNodesThatDiffer) {
+  ASSERT_TRUE(thaw::driver::available());
+  std::vector<Graph> gs = {pipeline(kBase, 256), pipeline(kBase, 1000), pipeline(kBase, 4096, 9)};
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    for (const Graph& g : gs) set.add(g);
+    set.start(2);
+    set.wait_all();
+    EXPECT_EQ(set.stats().templates, 1u);
+    EXPECT_EQ(live("execs"), 1);
+    const int updates0 = live("exec_updates");
+    const size_t first = launches();
+    const size_t order[] = {0, 1, 2, 0, 0, 2};
+    for (size_t i : order) set.launch(i, 0);
+    for (size_t j = 0; j < 6; ++j)
+      EXPECT_EQ(launch_state(first + j), expected_state(gs[order[j]])) << "launch " << j;
+    // 0->1: two kernels; 1->2: two kernels + memset value; 2->0: the same three; 0->0: none;
+    // 0->2: three. The first launch of 0 needs nothing (the executable was built from it).
+    const RebuildStats st = set.stats();
+    EXPECT_EQ(st.parameter_switches, 4u);
+    EXPECT_EQ(st.nodes_updated, 2u + 3u + 3u + 3u);
+    EXPECT_EQ(live("exec_updates") - updates0, 11);
+  }
+  expect_nothing_alive();
+}
+
+TEST(GraphFake, WithoutTemplatesEveryGraphHasItsOwnExecutable) {
+  ASSERT_TRUE(thaw::driver::available());
+  {
+    GraphSet set(0, /*share_templates=*/false);
+    set.add_module(kImageA.data(), kImageA.size());
+    for (uint32_t n : {256u, 1000u, 4096u}) set.add(pipeline(kBase, n));
+    set.start(3);
+    set.wait_all();
+    EXPECT_EQ(set.stats().templates, 3u);
+    EXPECT_EQ(live("execs"), 3);
+    EXPECT_EQ(live("modules"), 1) << "a module is loaded once per GraphSet";
+  }
+  expect_nothing_alive();
+}
+
+TEST(GraphFake, RelocatedGraphLaunchesWithTheNewAddresses) {
+  ASSERT_TRUE(thaw::driver::available());
+  const uint64_t other = 0x7d0000000000ull;
+  Graph g = pipeline(kBase, 512);
+  relocate(g, other);
+  GraphSet set(0);
+  set.add_module(kImageA.data(), kImageA.size());
+  set.add(g);
+  set.start(1);
+  const size_t first = launches();
+  set.launch(0, 0);
+  Graph want = pipeline(other, 512);
+  EXPECT_EQ(launch_state(first), expected_state(want));
+}
+
+TEST(GraphFake, SameNamedKernelsAreTellApartByTheirModule) {
+  ASSERT_TRUE(thaw::driver::available());
+  ModuleRegistry reg;
+  reg.add(kImageA.data(), kImageA.size());
+  reg.add(kImageB.data(), kImageB.size());
+  GraphSet set(0);
+  set.add_module(kImageA.data(), kImageA.size());
+  set.add(pipeline(kBase, 64));
+  set.start(1);
+  set.wait_all();
+  const Graph back = capture_graph(last_graph(), reg, CaptureOptions{});
+  EXPECT_EQ(back.nodes[3].kernel.module, hash_of(kImageA)) << "thaw_axpy is in A and in B";
+  // A second binary with A's very kernels but other bytes cannot be told apart: FREEZE error.
+  reg.add(kImageA2.data(), kImageA2.size());
+  try {
+    capture_graph(last_graph(), reg, CaptureOptions{});
+    FAIL() << "no FreezeError for an ambiguous kernel";
+  } catch (const FreezeError& e) {
+    EXPECT_NE(std::string(e.what()).find("'thaw_axpy' is defined by 2 different recorded binaries"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(GraphFake, FreezeErrorsNameTheKernelOrTheKind) {
+  ASSERT_TRUE(thaw::driver::available());
+  GraphSet set(0);
+  set.add_module(kImageA.data(), kImageA.size());
+  set.add(pipeline(kBase, 64));
+  set.start(1);
+  set.wait_all();
+  ModuleRegistry empty;
+  try {
+    capture_graph(last_graph(), empty, CaptureOptions{});
+    FAIL() << "no FreezeError";
+  } catch (const FreezeError& e) {
+    EXPECT_NE(std::string(e.what()).find("graph node 3 of 7: the binary of kernel 'thaw_axpy' was not recorded"),
+              std::string::npos) << e.what();
+  }
+  const auto& d = thaw::driver::cu();
+  CUgraph parent = nullptr, child = nullptr;
+  THAW_CU(d.cuGraphCreate(&parent, 0));
+  THAW_CU(d.cuGraphCreate(&child, 0));
+  CUgraphNode n = nullptr;
+  THAW_CU(d.cuGraphAddEmptyNode(&n, parent, nullptr, 0));
+  THAW_CU(d.cuGraphAddChildGraphNode(&n, parent, &n, 1, child));
+  try {
+    capture_graph(parent, empty, CaptureOptions{});
+    FAIL() << "no FreezeError";
+  } catch (const FreezeError& e) {
+    EXPECT_NE(std::string(e.what()).find("graph node 1 of 2: unsupported node kind 'child graph'"),
+              std::string::npos) << e.what();
+  }
+  d.cuGraphDestroy(parent);
+  d.cuGraphDestroy(child);
+}
+
+TEST(GraphFake, BuildErrorsReachEveryWaiterWithTheNodeNamed) {
+  ASSERT_TRUE(thaw::driver::available());
+  Graph g = pipeline(kBase, 64);
+  g.nodes[4].kernel.name = "not_in_the_module";
+  g.nodes[4].kernel.attributes.clear();
+  g.nodes[4].kernel.func_attributes.clear();
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    set.add(g);
+    set.add(g);
+    set.start(1);
+    for (size_t id : {0u, 1u}) {
+      try {
+        set.wait(id);
+        FAIL() << "no error for graph " << id;
+      } catch (const thaw::CudaError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("rebuilding graph 0 node 4 (kernel 'not_in_the_module')"), std::string::npos) << m;
+        EXPECT_NE(m.find("CUDA_ERROR_NOT_FOUND"), std::string::npos) << m;
+      }
+    }
+    EXPECT_THROW(set.launch(1, 0), thaw::CudaError);
+    EXPECT_EQ(set.stats().built_templates, 0u);
+  }
+  expect_nothing_alive();
+}
+
+TEST(GraphFake, ManyTemplatesOnFourBuildThreadsWaitedInAnyOrder) {
+  ASSERT_TRUE(thaw::driver::available());
+  std::vector<Graph> gs;
+  for (uint32_t t = 0; t < 24; ++t)
+    for (uint32_t n : {64u, 640u, 6400u}) {
+      Graph g = pipeline(kBase, n, t);
+      g.nodes[3].kernel.block.x = 32 * (1 + t);  // 24 topologies of 3 members each
+      gs.push_back(g);
+    }
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    for (const Graph& g : gs) set.add(g);
+    set.start(4);
+    for (size_t i = gs.size(); i-- > 0;) set.wait(i);
+    EXPECT_EQ(set.stats().templates, 24u);
+    EXPECT_EQ(set.stats().built_templates, 24u);
+    EXPECT_EQ(set.stats().ready_graphs, gs.size());
+    EXPECT_EQ(live("execs"), 24);
+    const size_t first = launches();
+    for (size_t i = 0; i < gs.size(); ++i) set.launch((i * 7) % gs.size(), 0);
+    for (size_t i = 0; i < gs.size(); ++i)
+      ASSERT_EQ(launch_state(first + i), expected_state(gs[(i * 7) % gs.size()])) << "launch " << i;
+  }
+  expect_nothing_alive();
+}

@@ -1,0 +1,330 @@
+// GPU tests of graph persistence (ctest label `gpu`): walk a CUgraph built from the fixture
+// cubin (tests/cpp/fixtures/graph_kernels.cu), serialize, rebuild with GraphSet, replay, and
+// compare the output bytes with the original graph's; relocation to another buffer; templates;
+// FREEZE errors; CUPTI module recording. Each test skips without a driver or without nvcc.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include "graph/cuda_util.hpp"
+#include "thaw/device_memory.hpp"
+#include "thaw/driver.hpp"
+#include "thaw/graph.hpp"
+#include "thaw/graph_cuda.hpp"
+
+using namespace thaw;
+using namespace thaw::graph;
+
+#define REQUIRE_GPU()                                                                     \
+  do {                                                                                    \
+    if (!driver::available()) GTEST_SKIP() << "no CUDA driver: " << driver::unavailable_reason(); \
+    if (std::string(THAW_GRAPH_FIXTURES).empty())                                         \
+      GTEST_SKIP() << "nvcc was not found at configure time: no fixture cubin";           \
+  } while (0)
+
+namespace {
+
+constexpr int kN = 4096;          // floats per array
+constexpr size_t kRegion = 2 << 20;  // one 2 MiB buffer plays the region
+// Layout inside the region: x at 0, y at 64 KiB, z at 128 KiB.
+constexpr size_t kX = 0, kY = 64 << 10, kZ = 128 << 10;
+
+std::vector<uint8_t> cubin() {
+  std::ifstream f(std::string(THAW_GRAPH_FIXTURES) + "/graph_kernels.cubin", std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+struct ModuleOwner {
+  CUmodule m = nullptr;
+  explicit ModuleOwner(const std::vector<uint8_t>& image) {
+    THAW_CU(CU_NEED(cuModuleLoadData)(&m, image.data()));
+  }
+  ~ModuleOwner() { CU_NEED(cuModuleUnload)(m); }
+  CUfunction fn(const char* name) const {
+    CUfunction f = nullptr;
+    THAW_CU(CU_NEED(cuModuleGetFunction)(&f, m, name));
+    return f;
+  }
+};
+
+struct GraphOwner {
+  CUgraph g = nullptr;
+  CUgraphExec exec = nullptr;
+  std::vector<CUevent> events;
+  GraphOwner() { THAW_CU(CU_NEED(cuGraphCreate)(&g, 0)); }
+  ~GraphOwner() {
+    if (exec) CU_NEED(cuGraphExecDestroy)(exec);
+    CU_NEED(cuGraphDestroy)(g);
+    for (CUevent e : events) driver::cu().cuEventDestroy(e);
+  }
+  void run() {
+    if (!exec) THAW_CU(CU_NEED(cuGraphInstantiateWithFlags)(&exec, g, 0));
+    THAW_CU(CU_NEED(cuGraphLaunch)(exec, nullptr));
+    THAW_CU(driver::cu().cuCtxSynchronize());
+  }
+};
+
+CUgraphNode add_kernel(CUgraph g, CUfunction f, std::vector<void*> args, unsigned grid,
+                       std::vector<CUgraphNode> deps) {
+  CUDA_KERNEL_NODE_PARAMS p;
+  std::memset(&p, 0, sizeof p);
+  p.func = f;
+  p.gridDimX = grid; p.gridDimY = 1; p.gridDimZ = 1;
+  p.blockDimX = 256; p.blockDimY = 1; p.blockDimZ = 1;
+  p.kernelParams = args.data();
+  CUgraphNode n = nullptr;
+  THAW_CU(CU_NEED(cuGraphAddKernelNode)(&n, g, deps.data(), deps.size(), &p));
+  return n;
+}
+
+struct Span {
+  float* data;
+  int n;
+};
+
+// memset(y[0:kN] = 1.0) -> record(e) -> wait(e) -> axpy(2, x, y, n) -> add_span({y, n}, 0.5)
+//   -> helper_apply(y, n) -> memcpy(z[0:kN] <- y) -> empty.
+// So z[i] = 3 * (2 x[i] + 1 + 0.5) + 1 for i < n, and 1.0 for n <= i < kN.
+void build_pipeline(GraphOwner& G, const ModuleOwner& mod, CUdeviceptr base, int n) {
+  CUcontext ctx = nullptr;
+  THAW_CU(driver::cu().cuCtxGetCurrent(&ctx));
+  CUDA_MEMSET_NODE_PARAMS ms;
+  std::memset(&ms, 0, sizeof ms);
+  ms.dst = base + kY;
+  ms.value = 0x3f800000u;  // 1.0f
+  ms.elementSize = 4;
+  ms.width = kN;  // copies and memsets keep their size across a template; kernels vary
+  ms.height = 1;
+  CUgraphNode set = nullptr, rec = nullptr, wait = nullptr, cp = nullptr, end = nullptr;
+  THAW_CU(CU_NEED(cuGraphAddMemsetNode)(&set, G.g, nullptr, 0, &ms, ctx));
+  CUevent e = nullptr;
+  THAW_CU(driver::cu().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+  G.events.push_back(e);
+  THAW_CU(CU_NEED(cuGraphAddEventRecordNode)(&rec, G.g, &set, 1, e));
+  THAW_CU(CU_NEED(cuGraphAddEventWaitNode)(&wait, G.g, &rec, 1, e));
+  float a = 2.0f, v = 0.5f;
+  CUdeviceptr x = base + kX, y = base + kY;
+  int count = n;
+  Span span{reinterpret_cast<float*>(y), n};
+  const unsigned grid = (n + 255) / 256;
+  CUgraphNode k1 = add_kernel(G.g, mod.fn("thaw_axpy"), {&a, &x, &y, &count}, grid, {wait});
+  CUgraphNode k2 = add_kernel(G.g, mod.fn("thaw_add_span"), {&span, &v}, grid, {k1});
+  CUgraphNode k3 = add_kernel(G.g, mod.fn("thaw_helper_apply"), {&y, &count}, grid, {k2});
+  CUDA_MEMCPY3D c;
+  std::memset(&c, 0, sizeof c);
+  c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+  c.srcDevice = y;
+  c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  c.dstDevice = base + kZ;
+  c.WidthInBytes = size_t(kN) * 4;
+  c.Height = 1;
+  c.Depth = 1;
+  THAW_CU(CU_NEED(cuGraphAddMemcpyNode)(&cp, G.g, &k3, 1, &c, ctx));
+  THAW_CU(CU_NEED(cuGraphAddEmptyNode)(&end, G.g, &cp, 1));
+}
+
+std::vector<float> inputs() {
+  std::vector<float> x(kN);
+  for (int i = 0; i < kN; ++i) x[i] = float(i % 97) * 0.25f - 3.0f;
+  return x;
+}
+
+float expected(float x) { return 3.0f * (2.0f * x + 1.0f + 0.5f) + 1.0f; }
+
+// Fills a region buffer: x = inputs, y and z = a sentinel.
+void prepare(DeviceBuffer& buf) {
+  std::vector<float> sentinel(kN, -777.0f);
+  const auto x = inputs();
+  buf.copy_from_host(x.data(), kN * 4, kX);
+  buf.copy_from_host(sentinel.data(), kN * 4, kY);
+  buf.copy_from_host(sentinel.data(), kN * 4, kZ);
+}
+
+std::vector<float> read_z(const DeviceBuffer& buf, int n = kN) {
+  std::vector<float> z(n);
+  buf.copy_to_host(z.data(), size_t(n) * 4, kZ);
+  return z;
+}
+
+void expect_pipeline_output(const DeviceBuffer& buf, int n, const char* what) {
+  const auto x = inputs();
+  const auto z = read_z(buf);
+  for (int i = 0; i < kN; ++i) {
+    const float want = i < n ? expected(x[i]) : 1.0f;
+    ASSERT_EQ(z[i], want) << what << ": z[" << i << "] (n = " << n << ")";
+  }
+}
+
+Graph freeze(CUgraph g, const ModuleRegistry& reg, CUdeviceptr base) {
+  CaptureOptions opt;
+  opt.device = 0;
+  opt.region_base = base;
+  opt.region_size = kRegion;
+  Graph d = capture_graph(g, reg, opt);
+  const auto bytes = serialize(d);
+  return deserialize(bytes.data(), bytes.size());  // what THAW reads back from disk
+}
+
+}  // namespace
+
+TEST(GraphGpu, WalkSerializeRebuildReplayMatchesTheOriginal) {
+  REQUIRE_GPU();
+  driver::ContextGuard ctx(0);
+  const auto image = cubin();
+  ModuleOwner mod(image);
+  DeviceBuffer buf(kRegion, 0);
+  prepare(buf);
+  GraphOwner G;
+  build_pipeline(G, mod, buf.ptr(), kN);
+  G.run();
+  expect_pipeline_output(buf, kN, "original graph");
+  const auto original = read_z(buf);
+
+  ModuleRegistry reg;
+  reg.add(image.data(), image.size());
+  Graph d = freeze(G.g, reg, buf.ptr());
+  ASSERT_EQ(d.nodes.size(), 8u);
+  size_t kernels = 0, memsets = 0, memcpys = 0, records = 0, waits = 0, empties = 0;
+  for (const Node& n : d.nodes) {
+    kernels += n.kind == NodeKind::kernel;
+    memsets += n.kind == NodeKind::memset;
+    memcpys += n.kind == NodeKind::memcpy;
+    records += n.kind == NodeKind::event_record;
+    waits += n.kind == NodeKind::event_wait;
+    empties += n.kind == NodeKind::empty;
+    if (n.kind == NodeKind::kernel) EXPECT_EQ(n.kernel.module, sha256(image.data(), image.size()));
+  }
+  EXPECT_EQ(kernels, 3u);
+  EXPECT_EQ(memsets + memcpys + records + waits + empties, 5u);
+  EXPECT_EQ(d.event_count, 1u);
+  EXPECT_EQ(d.edges.size(), 7u);
+  // axpy: x, y; add_span: span.data; helper_apply: p; memset: dst; memcpy: src, dst.
+  EXPECT_EQ(d.relocations.size(), 7u);
+
+  prepare(buf);
+  GraphSet set(0);
+  set.add_module(image.data(), image.size());
+  const size_t id = set.add(d);
+  set.start(1);
+  set.wait(id);
+  set.launch(id, 0);
+  THAW_CU(driver::cu().cuCtxSynchronize());
+  EXPECT_EQ(read_z(buf), original) << "rebuilt graph output differs from the original's";
+  EXPECT_EQ(set.stats().modules_loaded, 1u);
+}
+
+TEST(GraphGpu, RelocatedGraphWritesOnlyTheNewRegion) {
+  REQUIRE_GPU();
+  driver::ContextGuard ctx(0);
+  const auto image = cubin();
+  ModuleOwner mod(image);
+  DeviceBuffer a(kRegion, 0), b(kRegion, 0);
+  prepare(a);
+  GraphOwner G;
+  build_pipeline(G, mod, a.ptr(), kN);
+  ModuleRegistry reg;
+  reg.add(image.data(), image.size());
+  Graph d = freeze(G.g, reg, a.ptr());
+  relocate(d, b.ptr());
+  prepare(a);
+  prepare(b);
+  GraphSet set(0);
+  set.add_module(image.data(), image.size());
+  set.add(d);
+  set.start(1);
+  set.launch(0, 0);
+  THAW_CU(driver::cu().cuCtxSynchronize());
+  expect_pipeline_output(b, kN, "relocated graph, new region");
+  const auto untouched = read_z(a);
+  for (int i = 0; i < kN; ++i) ASSERT_EQ(untouched[i], -777.0f) << "old region written at " << i;
+}
+
+TEST(GraphGpu, BatchSizesShareOneTemplateAndSwitchWithoutSync) {
+  REQUIRE_GPU();
+  driver::ContextGuard ctx(0);
+  const auto image = cubin();
+  ModuleOwner mod(image);
+  const int sizes[] = {256, 1000, 4096};
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  ModuleRegistry reg;
+  reg.add(image.data(), image.size());
+  GraphSet set(0);
+  set.add_module(image.data(), image.size());
+  for (int n : sizes) {
+    bufs.push_back(std::make_unique<DeviceBuffer>(kRegion, 0));
+    GraphOwner G;
+    build_pipeline(G, mod, bufs.back()->ptr(), n);
+    set.add(freeze(G.g, reg, bufs.back()->ptr()));
+  }
+  set.start(2);
+  set.wait_all();
+  EXPECT_EQ(set.stats().templates, 1u) << "the three graphs differ only in grid and parameters";
+  for (auto& b : bufs) prepare(*b);
+  // Launch all three back to back on one stream, twice, with no synchronisation in between.
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < 3; ++i) set.launch(i, 0);
+  THAW_CU(driver::cu().cuCtxSynchronize());
+  for (size_t i = 0; i < 3; ++i) expect_pipeline_output(*bufs[i], sizes[i], "template member");
+  EXPECT_GE(set.stats().parameter_switches, 5u);
+}
+
+TEST(GraphGpu, FreezeNamesAMissingBinaryAndAnUnsupportedNode) {
+  REQUIRE_GPU();
+  driver::ContextGuard ctx(0);
+  const auto image = cubin();
+  ModuleOwner mod(image);
+  DeviceBuffer buf(kRegion, 0);
+  GraphOwner G;
+  build_pipeline(G, mod, buf.ptr(), kN);
+  ModuleRegistry empty;
+  try {
+    capture_graph(G.g, empty, CaptureOptions{});
+    FAIL() << "no FreezeError for a kernel whose binary was not recorded";
+  } catch (const FreezeError& e) {
+    EXPECT_NE(std::string(e.what()).find("thaw_axpy"), std::string::npos) << e.what();
+  }
+  GraphOwner child, parent;
+  CUgraphNode n = nullptr;
+  THAW_CU(CU_NEED(cuGraphAddEmptyNode)(&n, child.g, nullptr, 0));
+  THAW_CU(CU_NEED(cuGraphAddChildGraphNode)(&n, parent.g, nullptr, 0, child.g));
+  try {
+    capture_graph(parent.g, empty, CaptureOptions{});
+    FAIL() << "no FreezeError for a child-graph node";
+  } catch (const FreezeError& e) {
+    EXPECT_NE(std::string(e.what()).find("child graph"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GraphGpu, CorruptModuleIsRejectedBeforeLoading) {
+  REQUIRE_GPU();
+  const auto image = cubin();
+  GraphSet set(0);
+  const Hash wrong = sha256("x", 1);
+  EXPECT_THROW(set.add_module(image.data(), image.size(), &wrong), std::invalid_argument);
+}
+
+TEST(GraphGpu, CuptiRecordsModulesLoadedAfterStart) {
+  REQUIRE_GPU();
+  ModuleRecorder& r = ModuleRecorder::instance();
+  try {
+    r.start();
+  } catch (const Error& e) {
+    GTEST_SKIP() << "CUPTI unavailable here: " << e.what();
+  }
+  driver::ContextGuard ctx(0);
+  const auto image = cubin();
+  const size_t before = r.modules_seen();
+  {
+    ModuleOwner mod(image);
+    mod.fn("thaw_axpy");  // lazy loading: make sure the module is really loaded
+  }
+  EXPECT_GT(r.modules_seen(), before) << "no CUPTI module-loaded callback via " << r.library_path();
+  bool found = false;
+  for (const Hash& h : r.registry().hashes()) {
+    auto m = r.registry().get(h);
+    for (const auto& k : m->kernels) found = found || k == "thaw_axpy";
+  }
+  EXPECT_TRUE(found) << r.registry().size() << " modules recorded, none defines thaw_axpy";
+}

@@ -1,0 +1,248 @@
+// The Region class itself on the fake driver (tests/cpp/fake_libcuda.cpp emulates VMM on host
+// memory), so reservation, mapping, unwinding and the C ABI run on machines without a GPU.
+// R<n> = invariant n in csrc/src/region/DESIGN.md.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "thaw/region.hpp"
+
+using thaw::Region;
+using thaw::region::kGiB;
+using thaw::region::kMiB;
+
+namespace {
+constexpr uint64_t G = 2 * kMiB;
+
+// Before anything loads the driver: this binary runs on the fake with one device.
+const bool kFakeDriver = [] {
+  ::setenv("THAW_LIBCUDA_PATH", THAW_FAKE_CUDA_PATH, 1);
+  ::setenv("FAKE_CUDA_DEVICES", "1", 1);
+  return true;
+}();
+
+struct Env {
+  Env(const char* k, const char* v) : key(k) { ::setenv(k, v, 1); }
+  ~Env() { ::unsetenv(key); }
+  const char* key;
+};
+
+struct Counts {
+  uint64_t reservations, handles, mappings, allocs, physical;
+  bool operator==(const Counts&) const = default;
+};
+Counts counts() {
+  void* h = ::dlopen(THAW_FAKE_CUDA_PATH, RTLD_NOW);
+  EXPECT_NE(h, nullptr);
+  auto f = reinterpret_cast<void (*)(uint64_t*)>(::dlsym(h, "fake_cuda_counts"));
+  uint64_t v[5] = {};
+  f(v);
+  ::dlclose(h);
+  return Counts{v[0], v[1], v[2], v[3], v[4]};
+}
+
+uint64_t free_base() {  // a base nobody else in this process uses
+  static uint64_t next = 0x500000000000ull;
+  next += 64 * kGiB;
+  return next;
+}
+}  // namespace
+
+TEST(RegionFake, ExactBaseAndRoundedSize) {  // R2, R3
+  ASSERT_TRUE(kFakeDriver);
+  const uint64_t base = free_base();
+  Region r(base, 10 * kMiB + 1, 0);
+  EXPECT_EQ(r.base(), base);
+  EXPECT_EQ(r.size(), 12 * kMiB);
+  EXPECT_EQ(r.granularity(), G);
+  EXPECT_EQ(r.describe(), thaw::region::format_range(base, base + 12 * kMiB) + " on device 0");
+}
+
+TEST(RegionFake, TakenBaseIsAClearErrorAndLeavesNothingBehind) {  // R2
+  const uint64_t base = free_base();
+  Region a(base, 1 * kGiB, 0);
+  const Counts before = counts();
+  try {
+    Region b(base + 512 * kMiB, 1 * kGiB, 0);  // overlaps a: the fake returns another address
+    FAIL() << "no throw";
+  } catch (const thaw::AddressUnavailable& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(thaw::region::format_range(base + 512 * kMiB, base + 512 * kMiB + kGiB)),
+              std::string::npos) << m;
+    EXPECT_NE(m.find("the driver returned [0x"), std::string::npos) << m;
+  }
+  EXPECT_EQ(counts(), before);  // the stray reservation was freed
+}
+
+TEST(RegionFake, ArgumentsAreValidated) {
+  EXPECT_THROW(Region(free_base() + 4096, kGiB, 0), std::invalid_argument);  // unaligned
+  EXPECT_THROW(Region(free_base(), 0, 0), std::invalid_argument);
+  EXPECT_THROW(Region(free_base(), kGiB, 1), std::invalid_argument);  // one fake device
+  EXPECT_THROW(Region(free_base(), kGiB, -1), std::invalid_argument);
+}
+
+TEST(RegionFake, SearchTakesTheFirstFreeCandidate) {  // R2
+  Region a(std::nullopt, kGiB, 0);
+  EXPECT_EQ(a.base(), thaw::region::kSearchFirst);
+  Region b(std::nullopt, kGiB, 0);  // the first candidate is taken by a
+  EXPECT_EQ(b.base(), thaw::region::kSearchFirst + thaw::region::kTiB);
+}
+
+TEST(RegionFake, AllocateWriteReadFree) {  // R1, R6
+  const Counts before = counts();
+  {
+    Region r(free_base(), kGiB, 0);
+    const uint64_t a = r.allocate(3 * kMiB);
+    const uint64_t b = r.allocate(1);
+    EXPECT_EQ(a, r.base());
+    EXPECT_EQ(b, r.base() + 4 * kMiB);
+    std::vector<char> src(3 * kMiB), back(3 * kMiB);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = char(i * 7);
+    r.write(a, src.data(), src.size());
+    r.read(a, back.data(), back.size());
+    EXPECT_EQ(src, back);
+    EXPECT_THROW(r.write(a + 4 * kMiB - 1, src.data(), 2), std::invalid_argument);  // past a's end
+    EXPECT_THROW(r.read(r.base() + 100 * kMiB, back.data(), 1), std::invalid_argument);
+    r.free(a);
+    EXPECT_THROW(r.read(a, back.data(), 1), std::invalid_argument);  // freed
+    const uint64_t c = r.allocate(kMiB);
+    EXPECT_EQ(c, r.base() + 6 * kMiB);  // never reused
+    EXPECT_THROW(r.free(a), std::invalid_argument);
+    EXPECT_THROW(r.free(r.base() - G), std::invalid_argument);
+    const auto s = r.stats();
+    EXPECT_EQ(s.layout.live_allocations, 2u);
+    EXPECT_EQ(s.layout.chunks, 2u);
+    EXPECT_EQ(counts().mappings, before.mappings + 2);
+  }
+  EXPECT_EQ(counts(), before);  // close released every mapping, handle and the reservation
+}
+
+TEST(RegionFake, OutOfSpaceIsNotAFallback) {  // R5
+  Region r(free_base(), 8 * kMiB, 0);
+  r.allocate(6 * kMiB);
+  const Counts before = counts();
+  EXPECT_THROW(r.allocate(4 * kMiB), thaw::OutOfSpace);
+  EXPECT_EQ(counts(), before);  // no cuMemAlloc happened
+  EXPECT_EQ(r.offset(), 6 * kMiB);
+}
+
+TEST(RegionFake, StopRoutesToOrdinaryMemoryWithoutMovingTheCursor) {  // R8
+  Region r(free_base(), kGiB, 0);
+  r.allocate(G);
+  EXPECT_FALSE(r.stop());
+  EXPECT_TRUE(r.stopped());
+  const uint64_t p = r.allocate(G);
+  EXPECT_FALSE(r.contains(p));
+  EXPECT_TRUE(r.owns(p));
+  EXPECT_EQ(r.offset(), G);
+  const char msg[] = "outside";
+  r.write(p, msg, sizeof msg);
+  EXPECT_EQ(r.stats().fallback_live, 1u);
+  EXPECT_TRUE(r.resume());
+  EXPECT_EQ(r.allocate(G), r.base() + G);
+  r.free(p);  // a fallback allocation is freed after resume too
+  EXPECT_EQ(r.stats().fallback_live, 0u);
+  EXPECT_FALSE(r.owns(p));
+}
+
+TEST(RegionFake, FailedMapUnwindsCleanly) {  // R9
+  Region r(free_base(), kGiB, 0);
+  const Counts before = counts();
+  for (const char* entry : {"cuMemCreate", "cuMemMap", "cuMemSetAccess"}) {
+    Env fail("FAKE_CUDA_FAIL", entry);
+    EXPECT_THROW(r.allocate(G), thaw::CudaError) << entry;
+    EXPECT_EQ(counts(), before) << entry;
+    EXPECT_EQ(r.offset(), 0u) << entry;
+  }
+  EXPECT_EQ(r.allocate(G), r.base());  // and works again afterwards
+}
+
+TEST(RegionFake, PreallocateIsAllOrNothing) {  // R7, R9
+  Region r(free_base(), 4 * kGiB, 0);
+  const Counts before = counts();
+  {
+    Env mem("FAKE_CUDA_DEVICE_MEMORY", std::to_string(before.physical + 5 * G).c_str());
+    EXPECT_THROW(r.preallocate(8 * G, 2 * G), thaw::CudaOutOfMemory);  // the 3rd chunk fails
+    EXPECT_EQ(counts(), before);
+    EXPECT_EQ(r.stats().layout.mapped_bytes, 0u);
+  }
+  EXPECT_EQ(r.preallocate(8 * G, 2 * G), 8 * G);
+  EXPECT_EQ(counts().mappings, before.mappings + 4);
+  const auto handles = counts().handles;
+  for (int i = 0; i < 8; ++i) r.allocate(G);  // a pointer bump: no driver object created
+  EXPECT_EQ(counts().handles, handles);
+  EXPECT_EQ(r.preallocate(8 * G), 0u);
+}
+
+TEST(RegionFake, SetOffsetAndCheckpoints) {  // R4, R10
+  Region r(free_base(), kGiB, 0);
+  r.allocate(G);
+  EXPECT_EQ(r.checkpoint("weights"), G);
+  r.set_offset(10 * G);
+  EXPECT_EQ(r.allocate(G), r.base() + 10 * G);
+  EXPECT_THROW(r.set_offset(2 * G), std::invalid_argument);
+  EXPECT_EQ(r.checkpoint("warmup"), 11 * G);
+  ASSERT_EQ(r.checkpoints().size(), 2u);
+}
+
+TEST(RegionFake, ClosedRegionRefusesWork) {
+  Region r(free_base(), kGiB, 0);
+  r.allocate(G);
+  r.close();
+  r.close();  // idempotent
+  EXPECT_TRUE(r.closed());
+  EXPECT_THROW(r.allocate(G), thaw::Error);
+  EXPECT_EQ(r.stats().layout.mapped_bytes, 0u);
+}
+
+TEST(RegionFake, ThreadsGetDistinctAddresses) {  // R1 under concurrency
+  Region r(free_base(), 4 * kGiB, 0);
+  constexpr int kThreads = 4, kEach = 100;
+  std::vector<std::vector<uint64_t>> got(kThreads);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t)
+    ts.emplace_back([&, t] {
+      for (int i = 0; i < kEach; ++i) {
+        const uint64_t p = r.allocate(G);
+        got[t].push_back(p);
+        if (i % 3 == 0) r.free(p);
+      }
+    });
+  for (auto& t : ts) t.join();
+  std::vector<uint64_t> all;
+  for (auto& g : got) all.insert(all.end(), g.begin(), g.end());
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(std::adjacent_find(all.begin(), all.end()), all.end());
+  EXPECT_EQ(r.offset(), uint64_t(kThreads * kEach) * G);
+}
+
+TEST(RegionFake, CAbiRoutesToTheActiveRegion) {  // R11
+  Region r(free_base(), kGiB, 0);
+  EXPECT_EQ(thaw_region_malloc(G, 0, nullptr), nullptr);  // nothing active
+  EXPECT_NE(thaw::region::last_abi_error().find("no active region for device 0"), std::string::npos);
+  thaw::region::set_active(&r, 0);
+  void* p = thaw_region_malloc(3 * kMiB, 0, nullptr);
+  EXPECT_EQ(reinterpret_cast<uint64_t>(p), r.base());
+  EXPECT_EQ(thaw::region::last_abi_error(), "");
+  thaw::region::set_active(nullptr, 0);
+  thaw_region_free(p, 3 * kMiB, 0, nullptr);  // found by address, not by the active region
+  EXPECT_EQ(r.stats().layout.live_allocations, 0u);
+  thaw_region_free(p, 3 * kMiB, 0, nullptr);  // unknown now: logged, no crash
+  EXPECT_NE(thaw::region::last_abi_error().find("belongs to no live region"), std::string::npos);
+  thaw::region::set_active(&r, 0);
+  EXPECT_EQ(thaw_region_malloc(2 * kGiB, 0, nullptr), nullptr);  // full: no fallback
+  EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
+  void* q = thaw_region_malloc(G, 0, nullptr);
+  EXPECT_EQ(thaw::region::last_abi_error(), "");  // a successful malloc clears it
+  EXPECT_NE(thaw_region_malloc(2 * kGiB, 0, nullptr), q);
+  thaw_region_free(q, G, 0, nullptr);  // a successful free keeps the reason of the failure
+  EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
+  r.close();  // leaves the registry: the device has no active region any more
+  EXPECT_EQ(thaw::region::active(0), nullptr);
+  EXPECT_THROW(thaw::region::set_active(&r, 0), std::invalid_argument);
+}

@@ -1,0 +1,202 @@
+"""Subprocess worker for tests/python/test_graphs_gpu.py and benchmarks: FREEZE and THAW of CUDA
+graphs in separate, fresh processes.
+
+    python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/rank0 + image
+    python graph_worker.py thaw   main DIR BASE [NAME]  # no torch: rebuild at BASE, replay, compare
+    python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
+    python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
+
+Memory: one FixedArena of ARENA bytes at BASE backs every torch allocation (a torch MemPool
+through CUDAPluggableAllocator), so FREEZE saves the used part of the arena as an image and
+THAW writes it back at BASE (or at another base: relocation). The last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ARENA = 2 << 30  # torch.cuda.graph() empties the cache at each capture; the arena never reuses
+
+
+def _cases(torch, out_skipped):
+    """(name, fn) pairs; every fn reads tensors allocated here and returns a new tensor."""
+    cases = []
+    torch.manual_seed(0)
+    # An MLP: cuBLAS GEMMs + elementwise, at several batch sizes, fp32 and fp16.
+    w1 = torch.randn(256, 512, device="cuda") * 0.05
+    b1 = torch.randn(512, device="cuda")
+    w2 = torch.randn(512, 128, device="cuda") * 0.05
+    for bs in (8, 16, 32):
+        x = torch.randn(bs, 256, device="cuda")
+        cases.append((f"mlp_bs{bs}", lambda x=x: torch.relu(x @ w1 + b1) @ w2))
+    h1, hb, h2 = w1.half(), b1.half(), w2.half()
+    xh = torch.randn(64, 256, device="cuda", dtype=torch.half)
+    cases.append(("mlp_half_bs64", lambda: torch.relu(xh @ h1 + hb) @ h2))
+    # Elementwise only, three batch sizes: same kernels, other grids -> one template.
+    for bs in (64, 128, 256):
+        x = torch.randn(bs, 1024, device="cuda")
+        cases.append((f"ew_bs{bs}", lambda x=x: torch.relu(x * 2.0 + 1.0)))
+    # Two streams joined by an external event: event record + event wait nodes.
+    try:
+        ext = torch.cuda.Event(external=True)
+    except TypeError as e:
+        out_skipped["events"] = f"torch.cuda.Event has no `external` argument: {e}"
+    else:
+        xe = torch.randn(4096, device="cuda")
+        side = torch.cuda.Stream()
+
+        def two_streams():
+            main = torch.cuda.current_stream()
+            a = xe * 2.0
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                b = a + 1.0
+                ext.record(side)
+            main.wait_stream(side)  # the join orders b before c (an edge) ...
+            ext.wait(main)  # ... so this external wait node never races its record node
+            return b * 3.0
+
+        cases.append(("events", two_streams))
+    # torch.compile (Triton JIT kernels).
+    try:
+        wc = torch.randn(1024, device="cuda")
+        xc = torch.randn(64, 1024, device="cuda")
+        cf = torch.compile(lambda a, b: torch.tanh(a * b + 1.0).sum(dim=-1) + a.mean())
+        cf(xc, wc)  # compile now, so a failure is a skip rather than an error
+        cases.append(("compiled", lambda: cf(xc, wc)))
+    except Exception as e:  # no triton / no compiler on this machine
+        out_skipped["compiled"] = f"torch.compile failed: {type(e).__name__}: {e}"[:500]
+    return cases
+
+
+def freeze(case: str, out: Path, base: int) -> dict:
+    import thaw.graphs as tg
+
+    if case != "missing":
+        tg.record_modules()
+    import torch
+
+    arena = tg.FixedArena(base, ARENA)
+    pool = tg.arena_mem_pool(arena)
+    store = tg.GraphStore(region_base=arena.base, region_size=arena.size)
+    result: dict = {"base": arena.base, "size": arena.size, "skipped": {}, "outputs": {},
+                    "info": {}, "capture_seconds": {}}
+    if case in ("missing", "unsupported"):
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.randn(1024, device="cuda")
+            pinned = torch.randn(1024).pin_memory()
+            x * 2.0  # warm up
+        torch.cuda.synchronize()
+        y = None
+        try:
+            with store.capture("bad", pool=pool.id):
+                if case == "missing":
+                    y = x * 2.0
+                else:
+                    x.copy_(pinned, non_blocking=True)
+                    y = x + 1.0
+            result["freeze_error"] = None
+        except tg.GraphFreezeError as e:
+            result["freeze_error"] = str(e)
+        except Exception as e:  # torch itself refused the capture (reported, not hidden)
+            if case == "missing":
+                raise
+            result["freeze_error"] = None
+            result["capture_error"] = f"{type(e).__name__}: {e}"
+        del y
+        return result
+    with torch.cuda.use_mem_pool(pool):
+        cases = _cases(torch, result["skipped"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+        for _, fn in cases:
+            for _ in range(3):
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    caps = {}
+    for name, fn in cases:
+        t0 = time.perf_counter()
+        with store.capture(name, pool=pool.id) as cap:
+            o = fn()
+        result["capture_seconds"][name] = time.perf_counter() - t0
+        caps[name] = (cap, o)
+        result["info"][name] = cap.info
+    torch.cuda.synchronize()
+    image = arena.read(0, arena.used)  # inputs and weights, before any replay
+    for name, (cap, o) in caps.items():
+        cap.graph.replay()
+    torch.cuda.synchronize()
+    expected = out / "expected"
+    expected.mkdir(parents=True, exist_ok=True)
+    for name, (cap, o) in caps.items():
+        if not o.is_contiguous() or not (arena.base <= o.data_ptr() < arena.base + arena.size):
+            raise RuntimeError(f"output of {name} is not a contiguous tensor in the arena")
+        off, n = o.data_ptr() - arena.base, o.numel() * o.element_size()
+        (expected / f"{name}.bin").write_bytes(arena.read(off, n))
+        result["outputs"][name] = {"offset": off, "nbytes": n}
+    (out / "arena.bin").write_bytes(image)
+    t0 = time.perf_counter()
+    result["index"] = store.save(out / "rank0")
+    result["save_seconds"] = time.perf_counter() - t0
+    (out / "freeze.json").write_text(json.dumps(result))
+    return result
+
+
+def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
+    import thaw.graphs as tg
+
+    meta = json.loads((out / "freeze.json").read_text())
+    if only is not None:  # one graph alone (a fault in one graph cannot hide the others)
+        meta["outputs"] = {only: meta["outputs"][only]}
+    t0 = time.perf_counter()
+    arena = tg.FixedArena(base, meta["size"])
+    arena.write(0, (out / "arena.bin").read_bytes())
+    t1 = time.perf_counter()
+    graphs = tg.load(out / "rank0", region_base=arena.base,
+                     names=None if only is None else [only])
+    graphs.wait_all()
+    t2 = time.perf_counter()
+    equal, first_diff = {}, {}
+    for name, o in meta["outputs"].items():
+        graphs.replay(name, stream=0)
+        graphs.synchronize()
+        got = arena.read(o["offset"], o["nbytes"])
+        want = (out / "expected" / f"{name}.bin").read_bytes()
+        equal[name] = got == want
+        if got != want:
+            first_diff[name] = next(i for i in range(len(got)) if got[i] != want[i])
+    # Replay every graph again, back to back without synchronising, then check once more.
+    for name in meta["outputs"]:
+        graphs.replay(name, stream=0)
+    graphs.synchronize()
+    again = {name: arena.read(o["offset"], o["nbytes"]) ==
+             (out / "expected" / f"{name}.bin").read_bytes()
+             for name, o in meta["outputs"].items()}
+    return {"equal": equal, "equal_after_back_to_back": again, "first_diff": first_diff,
+            "templates": {n: graphs.template_of(n) for n in graphs.names},
+            "stats": graphs.stats(), "restore_seconds": t1 - t0, "rebuild_seconds": t2 - t1,
+            "skipped": meta["skipped"], "info": meta["info"], "freeze_base": meta["base"],
+            "base": arena.base}
+
+
+def main() -> int:
+    mode, case, out, base = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4], 0)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        only = sys.argv[5] if len(sys.argv) > 5 else None
+        r = freeze(case, out, base) if mode == "freeze" else thaw(case, out, base, only)
+        r["ok"] = True
+    except Exception as e:
+        r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    print(json.dumps(r, default=str))
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

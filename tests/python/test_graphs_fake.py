@@ -1,0 +1,95 @@
+"""The Python graph API end to end on CPU, against the fake driver with graph entry points
+(tests/cpp/fake_graph_cuda.cpp, built next to THAW_TEST_FAKE_LIBCUDA by `make test`):
+GraphStore.add -> save -> load at another base -> replay (the fake logs each launch) ->
+add_cuda_graph of the rebuilt graph. Runs in a subprocess: the driver is chosen once per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAKE = Path(os.environ.get("THAW_TEST_FAKE_LIBCUDA", "/nonexistent")).with_name(
+    "libthaw_fake_graph_cuda.so")
+
+SCRIPT = r'''
+import ctypes, json, struct, sys
+from pathlib import Path
+import thaw
+import thaw.graphs as tg
+from thaw import _native
+
+fake = ctypes.CDLL(sys.argv[1])
+fake.fake_graph_launch.restype = ctypes.c_char_p
+fake.fake_graph_launches.restype = ctypes.c_size_t
+fake.fake_graph_last.restype = ctypes.c_void_p
+out = Path(sys.argv[2])
+BASE, BASE2, SIZE = 0x7E0000000000, 0x7D0000000000, 1 << 30
+IMAGE = b".version 8.0\n.entry scale ( // params 0:8 8:4\n"
+assert thaw.cuda_available(), thaw.cuda_unavailable_reason()
+mod = _native.graph_add_recorded_module(IMAGE)
+
+def graph(n, value):
+    params = struct.pack("<QI", BASE + 0x1000, n)
+    d = {"nodes": [
+        {"kind": "memset", "dst": BASE + 0x1000, "value": value, "element_size": 4, "width": 64},
+        {"kind": "kernel", "module": mod, "name": "scale", "grid": ((n + 127) // 128, 1, 1),
+         "block": (128, 1, 1), "params": params, "slots": [(0, 8), (8, 4)]}],
+        "edges": [(0, 1)]}
+    return _native.graph_find_relocations(_native.graph_build(d), BASE, SIZE)
+
+store = tg.GraphStore(region_base=BASE, region_size=SIZE)
+store.add("small", graph(100, 1))
+store.add("large", graph(5000, 2))
+index = store.save(out)
+graphs = tg.load(out, region_base=BASE2)
+graphs.wait_all()
+first = fake.fake_graph_launches()
+graphs.replay("large")
+graphs.replay("small", stream=0)
+graphs.replay("large", stream=0)
+log = [fake.fake_graph_launch(first + i).decode() for i in range(3)]
+walked = tg.GraphStore(region_base=BASE2, region_size=SIZE)
+info = walked.add_cuda_graph("walked", fake.fake_graph_last())
+print(json.dumps({"log": log, "stats": graphs.stats(), "index": index, "info": info,
+                  "walked": _native.graph_describe(walked.data("walked"))}, default=str))
+'''
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not FAKE.exists():
+        pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
+    d = tmp_path_factory.mktemp("fakegraphs")
+    env = dict(os.environ, THAW_LIBCUDA_PATH=str(FAKE))
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(FAKE), str(d)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_replay_launches_each_graph_with_its_relocated_parameters(run):
+    base2 = 0x7D0000000000
+    ptr = (base2 + 0x1000).to_bytes(8, "little").hex()
+    large, small, large2 = run["log"]
+    assert large == f"S {base2 + 0x1000} v=2 w=64;K scale g=40,1,1 b=128,1,1 s=0 p={ptr}" + \
+        (5000).to_bytes(4, "little").hex() + ";"
+    assert small == f"S {base2 + 0x1000} v=1 w=64;K scale g=1,1,1 b=128,1,1 s=0 p={ptr}" + \
+        (100).to_bytes(4, "little").hex() + ";"
+    assert large2 == large
+    st = run["stats"]
+    assert st["templates"] == 1 and st["graphs"] == 2
+    assert st["parameter_switches"] == 3  # small was built first: large, small, large
+
+
+def test_index_and_walk_of_the_rebuilt_graph(run):
+    assert [t["graphs"] for t in run["index"]["templates"]] == [["small", "large"]]
+    assert run["info"]["kinds"] == {"memset": 1, "kernel": 1}
+    assert run["info"]["relocations"] == 2  # memset dst + the kernel's pointer
+    walked = run["walked"]
+    assert walked["nodes"][1]["name"] == "scale"
+    assert [tuple(e) for e in walked["edges"]] == [(0, 1, 0, 0, 0)]
