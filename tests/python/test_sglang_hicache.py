@@ -526,7 +526,7 @@ def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout)
     slot = tier.slot_bytes_for(BLOB)
     b = _backend(host, _extra(tmp_path, staging_bytes=2 * slot * 3))
     try:
-        assert b._chunk == 3
+        assert b._chunk == 3  # staging for 3 pages (the batch quarter is 32)
         src = host.alloc(10 * PAGE)
         want = _pages(host, src, 10)
         _, keys = _keys(10)

@@ -394,7 +394,8 @@ class ThawStorage(HiCacheStorage):
         # Staging buffers belong to a store; new ones with every (re)open. Writes use two sets
         # (gather one chunk while the previous one is written), and so do reads (scatter one
         # chunk while the next one is read).
-        self._chunk = max(1, min(STORAGE_BATCH_SIZE,
+        # A quarter of SGLang's batch per chunk, so a full batch overlaps copies with I/O.
+        self._chunk = max(1, min(STORAGE_BATCH_SIZE // 4,
                                  self.settings.staging_bytes // (2 * store.slot_bytes(_KIND))))
         self._set_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
         self._get_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
@@ -513,7 +514,7 @@ class ThawStorage(HiCacheStorage):
             results[i] = bool(ok)
 
     def _read_scatter(self, store, g, keys, pages, results) -> None:
-        """Chunk i+1 is read (the store's I/O threads) while chunk i is scattered."""
+        """Chunks i+1 (and i+2) are read by the store's I/O threads while i is scattered."""
         n, step = len(keys), self._chunk
         chunks = [list(range(s, min(n, s + step))) for s in range(0, n, step)]
 
@@ -522,11 +523,14 @@ class ThawStorage(HiCacheStorage):
             return store.get_buffers_async([keys[i] for i in part],
                                            self._get_bufs[ci % 2][:len(part)], _KIND)
 
-        pending = read(0)
+        # Two chunks in flight: chunk i+1 is queued before chunk i is waited on, so the I/O
+        # threads never drain while chunk i is scattered; chunk i+2 reuses chunk i's buffers.
+        pending: dict = {}
         try:
+            for ci in range(min(2, len(chunks))):
+                pending[ci] = read(ci)
             for ci, part in enumerate(chunks):
-                lens = pending.wait()
-                pending = read(ci + 1) if ci + 1 < len(chunks) else None
+                lens = pending.pop(ci).wait()
                 hits = []
                 for b, i, ln in zip(self._get_bufs[ci % 2], part, lens):
                     if ln is None:
@@ -542,9 +546,11 @@ class ThawStorage(HiCacheStorage):
                                               [pages[i] for _, i in hits], g.blob_bytes)
                     for _, i in hits:
                         results[i] = True
+                if ci + 2 < len(chunks):
+                    pending[ci + 2] = read(ci + 2)
         finally:
-            if pending is not None:  # on an error: the buffers are free again once it is done
-                pending.wait()
+            for t in pending.values():  # on an error: the buffers are free again once done
+                t.wait()
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
