@@ -11,7 +11,7 @@ JOBS ?= $(shell nproc)
 all: build
 
 setup: $(PY)
-$(PY): scripts/setup.sh requirements-dev.txt
+$(PY): scripts/setup.sh requirements-dev.txt requirements-sglang-test.txt
 	bash scripts/setup.sh
 	@touch $(PY)
 

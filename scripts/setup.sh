@@ -44,4 +44,21 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+
+# SGLang for the `sglang`-marked tests (list and reasons: requirements-sglang-test.txt).
+# THAW_SGLANG_TESTS=0 skips it (those tests then skip, saying sglang is not installed).
+if [ "${THAW_SGLANG_TESTS:-1}" != 0 ]; then
+  echo "setup: SGLang test environment (requirements-sglang-test.txt; THAW_SGLANG_TESTS=0 skips)"
+  sg_pin=$(grep -E '^sglang==' requirements-sglang-test.txt)
+  grep -vE '^sglang==' requirements-sglang-test.txt > "$VENV/sglang-deps.txt"
+  # pip's resolver lists sglang's GPU requirements as missing: expected, they are left out.
+  log="$VENV/sglang-pip.log"
+  if ! { "$VENV/bin/python" -m pip install -q -r "$VENV/sglang-deps.txt" &&
+         "$VENV/bin/python" -m pip install -q --no-deps "$sg_pin"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup: installing the SGLang test environment failed (THAW_SGLANG_TESTS=0 skips it)" >&2
+    exit 1
+  fi
+  grep -vE "^sglang [0-9.]+ requires|dependency resolver|is ignored: it is neither" "$log" || true
+fi
 echo "setup: done"

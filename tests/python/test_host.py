@@ -503,8 +503,18 @@ def test_gpu_registration_serial_vs_parallel_recorded():
           f"parallel {times[True]:.3f} s")
 
 
+def _torch_has_cuda() -> bool:
+    # torch has its own CUDA runtime (not thaw's driver seam): a CPU-only torch, or a CUDA
+    # build on a machine without a GPU (e.g. under the host-emulated driver), cannot run this.
+    if not HAVE_TORCH:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.skipif(not _torch_has_cuda(), reason="torch is not installed or has no CUDA device")
 def test_gpu_torch_stream_and_tensor():
     import torch
 

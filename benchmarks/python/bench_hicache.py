@@ -1,0 +1,300 @@
+"""HiCache L3 backends, same pages, same run: thaw's ThawStorage vs SGLang's HiCacheFile.
+
+Both backends are driven through SGLang's own cache-controller code (the pinned release): the
+page I/O functions a real ``HiCacheController`` picks for them (``_page_set_zero_copy`` /
+``_page_get_zero_copy`` for thaw with ``interface_v1``, ``_generic_page_set`` /
+``_generic_page_get`` for ``file``), in batches of SGLang's ``STORAGE_BATCH_SIZE`` pages, on a
+real ``MHATokenToKVPoolHost`` filled with random bytes. Reported per backend and operation:
+GB/s and pages/s (best of ``--reps``); every get is checked byte for byte.
+
+Fairness (the page cache would otherwise serve the file backend's reads from RAM):
+  * before every timed get, all written files of both backends are flushed (``os.sync``) and
+    dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``, so both read from
+    the drive (thaw reads with O_DIRECT anyway);
+  * SGLang's file backend acknowledges a set without any fsync (its pages may still be in RAM),
+    thaw only after ``fdatasync``: the ``set`` rows time each as it is; the ``file set + sync``
+    row adds the ``os.sync`` that makes the file backend's pages durable too.
+  * each set repetition writes new keys (both backends skip keys they already hold).
+The ``drive (fio)`` row is the drive itself: fio writes a fresh file with O_DIRECT, its pages
+are dropped, and fio reads it back cold (O_DIRECT, libaio, queue depth 16, 1 MiB blocks), in the
+same run. (Virtual drives may cache recently read data below the guest; reps are best-of.)
+
+  python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import resultlib  # noqa: E402
+
+MiB = 1 << 20
+
+
+def drop_cache(paths):
+    os.sync()
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fio_read_limit(scratch, nbytes):
+    """Bytes/s of a cold O_DIRECT sequential read (libaio, queue depth 16) of a file fio just
+    wrote with O_DIRECT in the scratch directory, or why it was not measured."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return "fio not installed"
+    path = os.path.join(scratch, "fio-ceiling.bin")
+    common = [f"--filename={path}", "--bs=1m", "--direct=1", f"--size={nbytes}",
+              "--output-format=json"]
+    try:
+        w = subprocess.run([fio, "--name=write", "--rw=write", "--ioengine=psync", *common],
+                           capture_output=True, text=True, timeout=300)
+        if w.returncode != 0:
+            return f"fio write failed: {w.stderr.strip()[-200:]}"
+        drop_cache([path])
+        r = subprocess.run([fio, "--name=read", "--readonly", "--rw=read", "--ioengine=libaio",
+                            "--iodepth=16", *common], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            return f"fio read failed: {r.stderr.strip()[-200:]}"
+        return float(json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"])
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+        return f"fio failed: {type(e).__name__}: {e}"
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def files_under(d):
+    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the result JSON")
+    ap.add_argument("--dir", default=None, help="scratch directory on the drive to test "
+                    "(default: a temporary directory under THAW_TEST_DIR or /var/tmp)")
+    ap.add_argument("--layout", default="layer_first",
+                    choices=["layer_first", "page_first", "page_first_direct"])
+    ap.add_argument("--geometry", action="append", default=None,
+                    help="TOKENSxLAYERSxKVHEADSxHEADDIM of one page, bf16 (repeatable; default: "
+                    "Llama-3-8B's KV (32 layers, 8 KV heads of 128) as one rank holds it: "
+                    "64x32x8x128 = 8 MiB pages at TP1 with 64-token pages, 16x32x4x128 = 1 MiB "
+                    "at TP2 with 16-token pages, 16x32x1x128 = 256 KiB at TP8)")
+    ap.add_argument("--bytes-per-rep", type=int, default=1 << 30,
+                    help="bytes written/read per repetition and backend (default 1 GiB)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
+    args = ap.parse_args()
+    if args.quick:
+        args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
+    geoms = []
+    for text in args.geometry or ["64x32x8x128", "16x32x4x128", "16x32x1x128"]:
+        try:
+            t, l, h, d = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            ap.error(f"--geometry {text!r}: expected TOKENSxLAYERSxKVHEADSxHEADDIM")
+        geoms.append((t, l, h, d))
+
+    import torch
+
+    import sglang.srt.managers.cache_controller as ccm
+
+    if not torch.cuda.is_available():
+        ccm.device_module = torch.cpu  # the controller's streams/events: no device here
+    os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
+    base = args.dir or os.environ.get("THAW_TEST_DIR") or "/var/tmp"
+    scratch = tempfile.mkdtemp(prefix="bench-hicache-", dir=base)
+    thaw_dir, file_dir = os.path.join(scratch, "thaw"), os.path.join(scratch, "file")
+    os.makedirs(thaw_dir)
+    os.makedirs(file_dir)
+    rows, ratios, goals, configs = [], {}, {}, []
+    try:
+        for geom in geoms:
+            for d in (thaw_dir, file_dir):
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+            r, q, cfg = run(args, geom, scratch, thaw_dir, file_dir)
+            gc.collect()  # the previous geometry's host pool, before SGLang sizes the next one
+            rows += r
+            ratios.update(q)
+            configs.append(cfg)
+            goals[f"get_thaw_vs_file@{cfg['page']}"] = 3.0
+        res = resultlib.result(
+            "hicache", rows=rows, ratios=ratios, goals=goals, directory=thaw_dir,
+            config={"layout": args.layout, "reps": args.reps, "bytes_per_rep": args.bytes_per_rep,
+                    "geometries": configs, "sglang": __import__("sglang").__version__},
+            method=("Both backends driven by SGLang's HiCacheController page I/O functions on a "
+                    "real MHATokenToKVPoolHost (thaw: _page_set/_page_get_zero_copy, file: "
+                    "_generic_page_set/_generic_page_get), batches of STORAGE_BATCH_SIZE pages. "
+                    "Before each timed get every file of both backends is os.sync'ed and dropped "
+                    "from the page cache with posix_fadvise(DONTNEED), so both read from the "
+                    "drive; set reps use fresh keys; gets verified byte for byte; best of reps."))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    resultlib.print_table(rows, ["page", "backend", "op", "pages", "GB/s", "pages/s", "best_s",
+                                 "median_s", "note"])
+    print("ratios:", ratios)
+    print("goals:", goals)
+    print("wrote", resultlib.write(res, args.out))
+    return 0
+
+
+def run(args, geom, scratch, thaw_dir, file_dir):
+    import torch
+
+    import sglang.srt.managers.cache_controller as ccm
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.utils import get_hash_str
+    from sglang.srt.runtime_context import get_parallel
+
+    P, layers, heads, head_dim = geom
+    page_bytes = 2 * layers * P * heads * head_dim * 2
+    n = max(1, args.bytes_per_rep // page_bytes)
+    page = f"{page_bytes >> 10}KiB" if page_bytes < (1 << 20) else f"{page_bytes / (1 << 20):g}MiB"
+
+    dev_tokens = 2 * n * P
+    dev = MHATokenToKVPool(size=dev_tokens, page_size=P, dtype=torch.bfloat16,
+                           head_num=heads, head_dim=head_dim, layer_num=layers,
+                           device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev, 1.0, 0, P, args.layout, pin_memory=False, device="cpu")
+    alloc = PagedTokenToKVPoolAllocator(dev_tokens, P, torch.bfloat16, "cpu", dev, False)
+    g = torch.Generator().manual_seed(0)
+    flat = host.kv_buffer.view(torch.int16).view(-1)
+    flat.copy_(torch.randint(-32768, 32767, (flat.numel(),), dtype=torch.int16, generator=g))
+    src = host.alloc(n * P)
+    dst = host.alloc(n * P)
+
+    budget = (args.reps + 1) * n * (page_bytes + 8192) + (64 << 20)
+    controllers = {}
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        extra_thaw = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
+                      "class_name": "ThawStorage", "interface_v1": 1, "dirs": [thaw_dir],
+                      "budget_bytes": budget, "cold_start": "clear"}
+        controllers["thaw"] = ccm.HiCacheController(
+            alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
+            io_backend="direct", storage_backend="dynamic", model_name="bench",
+            storage_backend_extra_config=extra_thaw)
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
+        controllers["file"] = ccm.HiCacheController(
+            alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
+            io_backend="direct", storage_backend="file", model_name="bench",
+            storage_backend_extra_config={})
+    B = ccm.STORAGE_BATCH_SIZE
+
+    def keys_for(rep):
+        tokens = [(rep * 1_000_003 + i) % 150_000 for i in range(n * P)]
+        return tokens, get_hash_str(tokens, None, page_size=P)
+
+    def do_set(cc, hashes):
+        ok = True
+        for s in range(0, n, B):
+            ok &= bool(cc.page_set_func(hashes[s:s + B], src[s * P:(s + len(hashes[s:s + B])) * P]))
+        return ok
+
+    def do_get(cc, tokens, hashes):
+        op = ccm.PrefetchOperation("bench", tokens)
+        for s in range(0, n, B):
+            hs = hashes[s:s + B]
+            cc.page_get_func(op, hs, dst[s * P:(s + len(hs)) * P])
+        return op.completed_tokens == n * P
+
+    want = [host.get_data_page(int(src[i * P])).view(torch.int16).clone() for i in range(n)]
+    results = {name: {"set": [], "get": [], "sync": []} for name in controllers}
+    last = None
+    for rep in range(args.reps):
+        tokens, hashes = keys_for(rep)
+        last = (tokens, hashes)
+        for name, cc in controllers.items():
+            drop_cache(files_under(scratch))
+            t0 = time.perf_counter()
+            if not do_set(cc, hashes):
+                raise SystemExit(f"{name}: set failed in rep {rep}")
+            t1 = time.perf_counter()
+            os.sync()
+            t2 = time.perf_counter()
+            results[name]["set"].append(t1 - t0)
+            results[name]["sync"].append(t2 - t0)
+    tokens, hashes = last
+    for rep in range(args.reps):
+        for name, cc in controllers.items():
+            for i in range(n):
+                host.get_data_page(int(dst[i * P])).zero_()
+            drop_cache(files_under(scratch))
+            t0 = time.perf_counter()
+            ok = do_get(cc, tokens, hashes)
+            t1 = time.perf_counter()
+            if not ok:
+                raise SystemExit(f"{name}: get missed pages in rep {rep}")
+            for i in range(n):
+                if not torch.equal(host.get_data_page(int(dst[i * P])).view(torch.int16), want[i]):
+                    raise SystemExit(f"{name}: page {i} read back wrong")
+            results[name]["get"].append(t1 - t0)
+
+    direct = controllers["thaw"].storage_backend.thaw_stats()["store"]["direct_io"]
+    drive = fio_read_limit(scratch, args.bytes_per_rep)
+    for cc in controllers.values():
+        cc.detach_storage_backend()
+    controllers.clear()
+    del host, dev, want, alloc, src, dst, flat
+    rows = []
+    total = n * page_bytes
+
+    def add(backend, op, secs, note=""):
+        best = min(secs)
+        rows.append({"page": page, "backend": backend, "op": op, "pages": n,
+                     "page_bytes": page_bytes, "GB/s": round(total / best / 1e9, 3),
+                     "pages/s": round(n / best, 1), "best_s": round(best, 4),
+                     "median_s": round(statistics.median(secs), 4), "note": note})
+        return total / best
+
+    r = {}
+    r["thaw_set"] = add("thaw", "set", results["thaw"]["set"], "acknowledged after fdatasync")
+    r["file_set"] = add("file", "set", results["file"]["set"], "SGLang HiCacheFile, no fsync")
+    r["file_set_sync"] = add("file", "set + sync", results["file"]["sync"],
+                             "plus os.sync() to make it durable")
+    r["thaw_get"] = add("thaw", "get", results["thaw"]["get"],
+                        "cold: O_DIRECT" if direct else "cold: buffered (no O_DIRECT here)")
+    r["file_get"] = add("file", "get", results["file"]["get"], "cold: page cache dropped")
+    if isinstance(drive, float):
+        rows.append({"page": page, "backend": "drive (fio)", "op": "read", "pages": "",
+                     "page_bytes": "", "GB/s": round(drive / 1e9, 3), "pages/s": "",
+                     "best_s": "", "median_s": "",
+                     "note": "drive: fio cold O_DIRECT read, libaio QD16, 1 MiB, fresh file"})
+    ratios = {
+        f"get_thaw_vs_file@{page}": round(r["thaw_get"] / r["file_get"], 3),
+        f"set_thaw_vs_file@{page}": round(r["thaw_set"] / r["file_set"], 3),
+        f"set_thaw_vs_file_durable@{page}": round(r["thaw_set"] / r["file_set_sync"], 3),
+    }
+    cfg = {"page": page, "page_tokens": P, "layers": layers, "kv_heads": heads,
+           "head_dim": head_dim, "dtype": "bfloat16", "page_bytes": page_bytes, "pages": n,
+           "batch_pages": B, "thaw_direct_io": direct,
+           "drive_read_limit": drive if isinstance(drive, float) else None,
+           "drive_read_limit_note": None if isinstance(drive, float) else drive}
+    return rows, ratios, cfg
+
+
+if __name__ == "__main__":
+    sys.exit(main())

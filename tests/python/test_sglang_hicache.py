@@ -1,0 +1,545 @@
+"""ThawStorage, the HiCache L3 backend, driven by unmodified SGLang (the pinned release) on CPU.
+
+Everything here uses SGLang's own objects: the storage backend factory (``dynamic`` backend,
+extra config naming our module and class), real host KV pools (``MHATokenToKVPoolHost`` /
+``MLATokenToKVPoolHost`` over a CPU device pool), SGLang's page hashes (``get_hash_str``) and,
+for the end-to-end tests, a real ``HiCacheController`` whose backup and prefetch threads call
+``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1``. The one test seam: the controller module
+picks ``torch.cuda`` for its streams and events at import; these tests swap in ``torch.cpu``
+(same API, no device), and pin SGLang's parallel context (TP/PP ranks) with its own
+``get_parallel().override``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+sglang = pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+from thaw import tier  # noqa: E402
+from thaw.integrations.sglang.hicache import ThawStorage, ThawStorageSettings  # noqa: E402
+
+PAGE = 16            # tokens per page
+LAYERS, HEADS, DIM = 4, 2, 64
+BLOB = 2 * LAYERS * PAGE * HEADS * DIM * 2   # bytes of one MHA bf16 page: 32 KiB
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def _extra(d, **kw):
+    e = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
+         "class_name": "ThawStorage", "interface_v1": 1, "dirs": [str(d)],
+         "budget_bytes": 16 << 20}
+    e.update(kw)
+    return e
+
+
+def _mha_host(layout, tokens=512):
+    dev = MHATokenToKVPool(size=tokens, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
+                           head_dim=DIM, layer_num=LAYERS, device="cpu",
+                           enable_memory_saver=False, enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
+    return dev, host
+
+
+def _mla_host(layout):
+    dev = MLATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=64,
+                           qk_rope_head_dim=16, layer_num=3, device="cpu",
+                           enable_memory_saver=False)
+    return MLATokenToKVPoolHost(dev, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
+
+
+def _fill_random(host, seed):
+    g = torch.Generator().manual_seed(seed)
+    flat = host.kv_buffer.view(-1)
+    flat.copy_(torch.randn(flat.numel(), generator=g).to(flat.dtype))
+
+
+def _config(extra, *, tp_rank=0, tp_size=1, model="org/tiny-model", mla=False):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+        is_page_first_layout=False, model_name=model, extra_config=dict(extra))
+
+
+def _backend(host, extra, **kw) -> ThawStorage:
+    """What SGLang does at attach: factory create, then register the host pool."""
+    b = StorageBackendFactory.create_backend("dynamic", _config(extra, **kw), host)
+    b.register_mem_pool_host(host)
+    return b
+
+
+def _pages(host, idx, n):
+    return [host.get_data_page(int(idx[i * PAGE])).clone() for i in range(n)]
+
+
+def _keys(n, salt=0):
+    tokens = list(range(salt, salt + n * PAGE))
+    return tokens, get_hash_str(tokens, None, page_size=PAGE)
+
+
+# ---- the real HiCacheController --------------------------------------------------------------
+
+
+@pytest.fixture
+def controller_factory(monkeypatch):
+    import sglang.srt.managers.cache_controller as ccm
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    monkeypatch.setattr(ccm, "device_module", torch.cpu)
+    made = []
+
+    def make(dev, host, extra):
+        alloc = PagedTokenToKVPoolAllocator(dev.size, PAGE, torch.bfloat16, "cpu", dev, False)
+        with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+            cc = ccm.HiCacheController(alloc, host, PAGE, tp_group=None,
+                                       load_cache_event=threading.Event(), io_backend="direct",
+                                       prefetch_threshold=PAGE, storage_backend="dynamic",
+                                       model_name="org/tiny-model",
+                                       storage_backend_extra_config=dict(extra))
+        made.append(cc)
+        return cc
+
+    yield make
+    for cc in made:
+        cc.detach_storage_backend()
+
+
+def _prefetch(cc, host, tokens, timeout=20.0):
+    """What HiRadixCache does for a request: query, allocate host pages, hand over, wait."""
+    cc.prefetch("req", tokens)
+    op = cc.prefetch_hit_queue.get(timeout=timeout)
+    hit = op.storage_hit_count
+    idx = host.alloc(hit)
+    op.host_indices = idx
+    cc.prefetch_buffer.put(op)
+    t = time.monotonic()
+    while op.completed_tokens < hit and time.monotonic() - t < timeout:
+        time.sleep(0.005)
+    return op, idx
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_controller_backup_then_prefetch_v1(tmp_path, controller_factory, layout):
+    """SGLang's backup thread writes through batch_set_v1; a prefetch (batch_exists for the hit
+    count, batch_get_v1 into freshly allocated host pages) brings back the same bytes."""
+    dev, host = _mha_host(layout)
+    cc = controller_factory(dev, host, _extra(tmp_path))
+    assert isinstance(cc.storage_backend, ThawStorage)
+    assert cc.page_set_func.__name__ == "_page_set_zero_copy"
+    assert cc.page_get_func.__name__ == "_page_get_zero_copy"
+
+    n = 6
+    _fill_random(host, 1)
+    idx = host.alloc(n * PAGE)
+    want = _pages(host, idx, n)
+    tokens, hashes = _keys(n)
+    cc.write_storage(idx, tokens, hash_value=hashes)
+    op = cc.ack_backup_queue.get(timeout=20)
+    assert op.completed_tokens == n * PAGE
+    host.kv_buffer.zero_()
+
+    op, got_idx = _prefetch(cc, host, tokens)
+    assert op.storage_hit_count == n * PAGE
+    assert op.completed_tokens == n * PAGE
+    assert not set(got_idx.tolist()) & set(idx.tolist())  # other host pages than the source
+    for i, page in enumerate(_pages(host, got_idx, n)):
+        assert torch.equal(page, want[i]), f"page {i} differs after the round trip ({layout})"
+
+
+def test_controller_prefetch_stops_at_first_missing_page(tmp_path, controller_factory):
+    dev, host = _mha_host("page_first")
+    cc = controller_factory(dev, host, _extra(tmp_path))
+    _fill_random(host, 2)
+    tokens, hashes = _keys(5)
+    idx = host.alloc(3 * PAGE)
+    cc.write_storage(idx, tokens[:3 * PAGE], hash_value=hashes[:3])  # only the first 3 pages
+    assert cc.ack_backup_queue.get(timeout=20).completed_tokens == 3 * PAGE
+    op, _ = _prefetch(cc, host, tokens)
+    assert op.storage_hit_count == 3 * PAGE
+
+
+# ---- the backend through the factory ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gathered_page_is_sglang_flat_page(tmp_path, layout):
+    """thaw's gathered page has exactly the bytes of SGLang's flat data page, so the v0 calls
+    (tensors) and the v1 calls (host indices) share one key space."""
+    _, host = _mha_host(layout)
+    _fill_random(host, 3)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        idx = host.alloc(2 * PAGE)
+        _, keys = _keys(2)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        for i, k in enumerate(keys):
+            out = host.get_dummy_flat_data_page()
+            assert b.get(k, out) is out
+            assert torch.equal(out, host.get_data_page(int(idx[i * PAGE])))
+        # and the other way round: v0 set, v1 get
+        k2 = "v0-written"
+        src = host.get_data_page(int(idx[0])).clone()
+        assert b.set(k2, src)
+        dst = host.alloc(PAGE)
+        assert b.batch_get_v1([k2], dst) == [True]
+        assert torch.equal(host.get_data_page(int(dst[0])), src)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_pool_roundtrip(tmp_path, layout):
+    host = _mla_host(layout)
+    _fill_random(host, 4)
+    b = _backend(host, _extra(tmp_path), mla=True)
+    try:
+        idx = host.alloc(3 * PAGE)
+        want = _pages(host, idx, 3)
+        _, keys = _keys(3)
+        assert b.batch_set_v1(keys, idx) == [True] * 3
+        host.kv_buffer.zero_()
+        dst = host.alloc(3 * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * 3
+        for i, page in enumerate(_pages(host, dst, 3)):
+            assert torch.equal(page, want[i])
+    finally:
+        b.close()
+
+
+def test_exists_is_a_prefix_count_and_set_dedups(tmp_path):
+    _, host = _mha_host("layer_first")
+    _fill_random(host, 5)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        idx = host.alloc(4 * PAGE)
+        _, keys = _keys(4)
+        assert b.batch_exists(keys) == 0
+        assert b.batch_set_v1(keys[:2], idx[:2 * PAGE]) == [True, True]
+        assert b.batch_exists(keys) == 2
+        assert b.exists(keys[1]) and not b.exists(keys[2])
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+        s = b.thaw_stats()
+        assert s["set_pages"] == 4 and s["set_dedup"] == 2
+        assert s["store"]["kinds"]["kv"]["entries"] == 4
+        assert b.batch_exists(keys) == 4
+        assert b.batch_get_v1(["never-written"], host.alloc(PAGE)) == [False]
+    finally:
+        b.close()
+
+
+def test_restart_cold_start_load_hits_clear_misses(tmp_path):
+    _, host = _mha_host("page_first")
+    _fill_random(host, 6)
+    idx = host.alloc(5 * PAGE)
+    want = _pages(host, idx, 5)
+    _, keys = _keys(5)
+    b = _backend(host, _extra(tmp_path))
+    assert b.batch_set_v1(keys, idx) == [True] * 5
+    b.close()
+
+    host.kv_buffer.zero_()
+    b2 = _backend(host, _extra(tmp_path, cold_start="load"))  # a restarted server
+    try:
+        assert b2.batch_exists(keys) == 5
+        dst = host.alloc(5 * PAGE)
+        assert b2.batch_get_v1(keys, dst) == [True] * 5
+        for i, page in enumerate(_pages(host, dst, 5)):
+            assert torch.equal(page, want[i])
+        assert b2.thaw_stats()["store"]["loaded_entries"] == 5
+    finally:
+        b2.close()
+
+    b3 = _backend(host, _extra(tmp_path, cold_start="clear"))
+    try:
+        assert b3.batch_exists(keys) == 0
+    finally:
+        b3.close()
+    b4 = _backend(host, _extra(tmp_path, cold_start="load"))  # cleared pages stay gone
+    try:
+        assert b4.batch_exists(keys) == 0
+    finally:
+        b4.close()
+
+
+def test_clear_drops_everything_also_for_a_restart(tmp_path):
+    _, host = _mha_host("layer_first")
+    _fill_random(host, 7)
+    idx = host.alloc(3 * PAGE)
+    _, keys = _keys(3)
+    b = _backend(host, _extra(tmp_path))
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    assert b.clear() is True
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, host.alloc(3 * PAGE)) == [False] * 3
+    assert b.batch_set_v1(keys[:1], idx[:PAGE]) == [True]  # usable after clear
+    b.close()
+    b2 = _backend(host, _extra(tmp_path))
+    try:
+        assert b2.batch_exists(keys) == 1
+    finally:
+        b2.close()
+
+
+def _slot_of(path, key, slot_bytes):
+    """File offset of the slot whose header holds ``key`` (thaw's 32-byte key) in a slab."""
+    k = tier.make_key(key)
+    data = open(path, "rb").read()
+    off = 4096
+    while off + slot_bytes <= len(data):
+        if k in data[off:off + tier.SLOT_HEADER_BYTES]:
+            return off
+        off += slot_bytes
+    raise AssertionError(f"no slot holds {key!r} in {path}")
+
+
+def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path):
+    _, host = _mha_host("page_first")
+    _fill_random(host, 8)
+    idx = host.alloc(4 * PAGE)
+    want = _pages(host, idx, 4)
+    _, keys = _keys(4)
+    b = _backend(host, _extra(tmp_path))
+    assert b.batch_set_v1(keys, idx) == [True] * 4
+    path, slot = b.slab_paths[0], b.thaw_stats()["store"]["kinds"]["kv"]["slot_bytes"]
+    b.close()
+
+    off = _slot_of(path, keys[2], slot) + tier.SLOT_HEADER_BYTES + 1000  # inside the payload
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    b2 = _backend(host, _extra(tmp_path, cold_start="load"))
+    try:
+        dst = host.alloc(4 * PAGE)
+        host.kv_buffer.zero_()
+        assert b2.batch_get_v1(keys, dst) == [True, True, False, True]
+        got = _pages(host, dst, 4)
+        for i in (0, 1, 3):
+            assert torch.equal(got[i], want[i])
+        assert not torch.equal(got[2], want[2])  # the bad page was not scattered
+        assert b2.batch_exists(keys) == 2        # and it left the index
+        assert b2.thaw_stats()["store"]["verify_failures"] == 1
+    finally:
+        b2.close()
+
+
+def test_full_budget_gc_keeps_writing_and_evicts_oldest(tmp_path):
+    _, host = _mha_host("layer_first", tokens=1024)
+    _fill_random(host, 9)
+    slot = tier.slot_bytes_for(BLOB)
+    b = _backend(host, _extra(tmp_path, budget_bytes=4096 + 40 * slot))
+    try:
+        assert b.thaw_stats()["store"]["kinds"]["kv"]["slots_total"] == 40
+        batches = []
+        for salt in range(12):   # 12 batches x 8 pages = 96 pages into 40 slots
+            idx = host.alloc(8 * PAGE)
+            _, keys = _keys(8, salt=10_000 * (salt + 1))
+            assert b.batch_set_v1(keys, idx) == [True] * 8, f"batch {salt} refused"
+            host.free(idx)
+            batches.append(keys)
+        s = b.thaw_stats()["store"]
+        assert s["gc_reclaims"] > 0 and s["kinds"]["kv"]["slots_used"] <= 40
+        assert b.batch_exists(batches[0]) == 0          # oldest evicted
+        assert b.batch_exists(batches[-1]) == 8         # newest kept
+    finally:
+        b.close()
+
+
+def test_per_rank_and_per_model_slabs(tmp_path):
+    _, host = _mha_host("page_first")
+    _fill_random(host, 10)
+    idx = host.alloc(PAGE)
+    _, keys = _keys(1)
+    r0 = _backend(host, _extra(tmp_path), tp_rank=0, tp_size=2)
+    r1 = _backend(host, _extra(tmp_path), tp_rank=1, tp_size=2)
+    other = _backend(host, _extra(tmp_path), tp_rank=0, tp_size=2, model="org/other-model")
+    try:
+        assert "-tp0of2-" in r0.slab_paths[0] and "-tp1of2-" in r1.slab_paths[0]
+        assert len({r0.slab_paths[0], r1.slab_paths[0], other.slab_paths[0]}) == 3
+        assert r0.batch_set_v1(keys, idx) == [True]
+        assert r0.batch_exists(keys) == 1
+        assert r1.batch_exists(keys) == 0 and other.batch_exists(keys) == 0
+    finally:
+        for b in (r0, r1, other):
+            b.close()
+
+
+def test_errors_are_misses_and_never_raise(tmp_path, caplog):
+    _, host = _mha_host("page_first")
+    b = _backend(host, _extra(tmp_path))
+    _, keys = _keys(2)
+    idx = host.alloc(2 * PAGE)
+    assert b.batch_set_v1(keys, idx[:PAGE]) == [False, False]      # wrong index count
+    assert b.batch_get_v1(keys, idx[:PAGE + 1]) == [False, False]
+    assert b.batch_set_v1(keys, idx + 1) == [False, False]         # not page aligned
+    assert b.batch_set(keys, None) is False
+    assert b.batch_get(keys, [None, None]) == [None, None]
+    assert b.thaw_stats()["errors"] == 5
+    assert "treated as a miss" in caplog.text
+    b.close()
+    assert b.batch_set_v1(keys, idx) == [False, False]
+    assert b.batch_get_v1(keys, idx) == [False, False]
+    assert b.batch_exists(keys) == 0 and not b.exists(keys[0])
+    assert b.clear() is False
+    b.close()  # idempotent
+
+
+def test_stats_hook_feeds_sglang_metrics(tmp_path):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    _, host = _mha_host("page_first")
+    _fill_random(host, 11)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        idx = host.alloc(3 * PAGE)
+        _, keys = _keys(3)
+        b.batch_set_v1(keys, idx)
+        b.batch_get_v1(keys, host.alloc(3 * PAGE))
+        m = b.get_stats()
+        assert isinstance(m, StorageMetrics)
+        assert m.backup_pgs == [3] and m.prefetch_pgs == [3]
+        assert len(m.backup_bandwidth) == 1 and m.backup_bandwidth[0] > 0
+        assert len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
+        assert b.get_stats().prefetch_pgs == []   # drained per call, as SGLang expects
+    finally:
+        b.close()
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"dirs": None}, "dirs"),
+    ({"dirs": []}, "dirs"),
+    ({"budget_bytes": 0}, "budget_bytes"),
+    ({"budget_gb": 1.0}, "exactly one"),
+    ({"cold_start": "warm"}, "cold_start"),
+    ({"direct_io": "maybe"}, "direct_io"),
+    ({"staging_bytes": -1}, "staging_bytes"),
+    ({"name": "a/b"}, "name"),
+])
+def test_config_errors_name_the_value(tmp_path, bad, match):
+    extra = _extra(tmp_path)
+    extra.update(bad)
+    extra = {k: v for k, v in extra.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        StorageBackendFactory.create_backend("dynamic", _config(extra), None)
+
+
+def test_config_defaults_and_budget_gb(tmp_path):
+    s = ThawStorageSettings.from_extra_config({"dirs": str(tmp_path), "budget_gb": 2})
+    assert s.dirs == (str(tmp_path),) and s.budget_bytes == 2_000_000_000
+    assert s.cold_start == "load" and s.direct_io is None
+
+
+def test_unsupported_pools_are_refused_at_attach(tmp_path):
+    _, host = _mha_host("page_head")
+    b = StorageBackendFactory.create_backend("dynamic", _config(_extra(tmp_path)), host)
+    with pytest.raises(ValueError, match="page_head"):
+        b.register_mem_pool_host(host)
+    with pytest.raises(ValueError, match="MLA"):
+        StorageBackendFactory.create_backend(
+            "dynamic", _config(_extra(tmp_path), tp_size=2, mla=True), None)
+
+
+def test_concurrent_set_get_exists(tmp_path):
+    """SGLang's backup, prefetch and prefetch-I/O threads call in at the same time."""
+    _, host = _mha_host("page_first", tokens=1024)
+    _fill_random(host, 12)
+    b = _backend(host, _extra(tmp_path))
+    src = host.alloc(32 * PAGE)
+    want = _pages(host, src, 32)
+    _, keys = _keys(32)
+    assert b.batch_set_v1(keys[:16], src[:16 * PAGE]) == [True] * 16
+    errors = []
+
+    def writer():
+        for i in range(16, 32):
+            if b.batch_set_v1([keys[i]], src[i * PAGE:(i + 1) * PAGE]) != [True]:
+                errors.append(f"set {i}")
+
+    def reader():
+        for _ in range(10):
+            dst = host.alloc(16 * PAGE)
+            if b.batch_get_v1(keys[:16], dst) != [True] * 16:
+                errors.append("get")
+            got = _pages(host, dst, 16)
+            if not all(torch.equal(got[i], want[i]) for i in range(16)):
+                errors.append("bytes")
+            host.free(dst)
+            b.batch_exists(keys)
+
+    ts = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    b.close()
+    assert not any(t.is_alive() for t in ts)
+    assert not errors
+
+
+def test_v2_multi_pool_calls_answer_nothing_stored(tmp_path):
+    """Hybrid models call the v2 API; thaw stores no v2 pages and must not raise."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
+
+    _, host = _mha_host("page_first")
+    _fill_random(host, 13)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        idx = host.alloc(2 * PAGE)
+        _, keys = _keys(2)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        b.register_mem_host_pool_v2(host, PoolName.MAMBA)
+        t = PoolTransfer(name=PoolName.MAMBA, host_indices=idx, keys=list(keys))
+        r = b.batch_exists_v2(keys, [t])
+        assert isinstance(r, PoolTransferResult) and r.kv_hit_pages == 0
+        assert b.batch_exists_v2(keys, None).kv_hit_pages == 2
+        assert b.batch_set_v2([t]) == {PoolName.MAMBA: [False, False]}
+        assert b.batch_get_v2([t]) == {PoolName.MAMBA: [False, False]}
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout):
+    """Staging for 3 pages per chunk: batches of 10 go through the double-buffered gather/write
+    and read/scatter pipelines in 4 chunks; every page and every per-key result lands right."""
+    _, host = _mha_host(layout, tokens=1024)
+    _fill_random(host, 14)
+    slot = tier.slot_bytes_for(BLOB)
+    b = _backend(host, _extra(tmp_path, staging_bytes=2 * slot * 3))
+    try:
+        assert b._chunk == 3  # staging for 3 pages (the batch quarter is 32)
+        src = host.alloc(10 * PAGE)
+        want = _pages(host, src, 10)
+        _, keys = _keys(10)
+        assert b.batch_set_v1(keys[:4:2], torch.cat([src[0:PAGE], src[2 * PAGE:3 * PAGE]])) \
+            == [True, True]
+        assert b.batch_set_v1(keys, src) == [True] * 10
+        assert b.thaw_stats()["set_dedup"] == 2
+        asked = keys[:5] + ["missing"] + keys[5:]
+        dst = host.alloc(11 * PAGE)
+        assert b.batch_get_v1(asked, dst) == [True] * 5 + [False] + [True] * 5
+        got = _pages(host, dst, 11)
+        for j, i in enumerate(list(range(5)) + [None] + list(range(5, 10))):
+            if i is not None:
+                assert torch.equal(got[j], want[i]), f"slot {j} (page {i}) differs"
+    finally:
+        b.close()
