@@ -12,5 +12,4 @@ void bind_region(nanobind::module_& m);
 void bind_snapshot(nanobind::module_& m);
 void bind_host(nanobind::module_& m);
 void bind_graph(nanobind::module_& m);
-void bind_disk(nanobind::module_& m);
 }  // namespace thaw::bindings

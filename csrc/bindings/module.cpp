@@ -9,5 +9,4 @@ NB_MODULE(_native, m) {
   thaw::bindings::bind_snapshot(m);
   thaw::bindings::bind_host(m);
   thaw::bindings::bind_graph(m);
-  thaw::bindings::bind_disk(m);
 }
