@@ -36,6 +36,8 @@ namespace region {
 
 constexpr uint64_t kMiB = uint64_t(1) << 20;
 constexpr uint64_t kGiB = uint64_t(1) << 30;
+// The least address space a Region reserves, whatever its size (see reserve_exact, R2).
+constexpr uint64_t kMinReservation = kGiB;
 constexpr uint64_t kTiB = uint64_t(1) << 40;
 
 // The deterministic base search (base=None), invariant R2: candidates are

@@ -1,4 +1,5 @@
 // Region = Layout (pure bookkeeping) + the VMM owners. Invariant numbers refer to DESIGN.md.
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -28,11 +29,16 @@ std::string gib(uint64_t n) {
   return b;
 }
 
-// R2: one reserve at exactly `base`; anything else is freed and reported.
+// R2: one reserve at exactly `base`; anything else is freed and reported. At least
+// kMinReservation of address space is reserved (the region still hands out only `size`): the
+// H200 driver places small reservations in its own heap whatever the hint, depending on what
+// the process did before (a 64 MiB reserve at a 1 GiB-aligned hint came back exact in a fresh
+// process and elsewhere in a pytest process that had used torch); 512 MiB and more were always
+// honoured (scripts/experiments/va_hints.py).
 std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::string* why) {
   std::unique_ptr<Reservation> r;
   try {
-    r = std::make_unique<Reservation>(base, size);
+    r = std::make_unique<Reservation>(base, std::max(size, region::kMinReservation));
   } catch (const CudaError& e) {
     *why = "cuMemAddressReserve failed: " + e.name();
     return nullptr;
