@@ -39,6 +39,11 @@ GPU_BENCHMARKS=(
   benchmarks/python/bench_graphs.py
 )
 
+# Result files name the commit: the GPU machine's copy of the tree may lack a usable .git,
+# so pass THAW_GIT_SHA=<commit> when calling from elsewhere.
+if [ -z "${THAW_GIT_SHA:-}" ] && sha=$(git rev-parse HEAD 2>/dev/null) && [ ${#sha} = 40 ]; then
+  export THAW_GIT_SHA=$sha
+fi
 step nvidia-smi nvidia-smi
 step build-python "$PY" -m pip install --no-build-isolation --no-deps --no-index -q .
 GTEST_ARG=()

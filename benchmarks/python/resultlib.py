@@ -15,11 +15,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_sha() -> str:
+    """THAW_GIT_SHA when set (the GPU machine's copy of the tree may have no usable .git), else
+    `git rev-parse HEAD`; "unknown" when neither gives a commit id."""
+    env = os.environ.get("THAW_GIT_SHA", "").strip()
+    if env:
+        return env
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return out if len(out) == 40 and all(c in "0123456789abcdef" for c in out) else "unknown"
 
 
 def _cpu_name() -> str:
