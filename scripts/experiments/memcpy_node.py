@@ -109,4 +109,17 @@ for i, n in mem:
             res.append({"node": i, "variant": f"{label}, ctx={pass_ctx}", "rc": rc})
             cu.cuGraphDestroy(g)
 out["tries"] = res
+# The native rebuild of the same graphs: one build thread, then two.
+loads = {}
+for threads in (1, 2):
+    for names in (["decode_bs1"], None):
+        key = f"threads={threads} names={names}"
+        try:
+            gs = tg.load_from_archive(a, 0, region_base=r.base, threads=threads, names=names)
+            gs.wait_all()
+            loads[key] = "ok"
+            gs.close()
+        except Exception as e:
+            loads[key] = f"{type(e).__name__}: {e}"[:300]
+out["loads"] = loads
 print(json.dumps(out))
