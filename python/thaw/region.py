@@ -165,7 +165,9 @@ class Region:
     def set_offset(self, offset: int) -> None:
         """Move the cursor forward to ``offset`` (a multiple of the granularity, at most
         ``size``). Moving it backwards is a ``ValueError``. Idle chunks skipped over are
-        released."""
+        released — including preallocated ones, with whatever was written into them. To keep
+        bytes restored into ``[cursor, offset)`` (THAW), claim the range with
+        ``allocate(offset - cursor)`` instead."""
         self._r.set_offset(_int("offset", offset))
 
     def preallocate(self, upto: int, chunk_bytes: int = DEFAULT_PREALLOC_CHUNK) -> int:

@@ -13,7 +13,8 @@ FREEZE (``python -m thaw.integrations.demo freeze ARCHIVE``, needs torch and a G
 
 THAW (``python -m thaw.integrations.demo thaw ARCHIVE``, a fresh process; torch is never
 imported) open the archive and check its fingerprint against this machine -> reserve the region
-at the same base -> map up to the final offset -> restore both spans (CRC-checked) -> load the
+at the same base -> map and claim up to the final offset -> restore both spans (CRC-checked) ->
+load the
 graphs (one executable per topology template) -> decode the same STEPS tokens and compare them
 with the reference, token for token.
 
@@ -166,10 +167,13 @@ def thaw(path: str) -> dict:
     t0 = time.perf_counter()
     region = Region(reg["size"], base=reg["base"])
     final = state["final_offset"]
-    region.preallocate(final)
+    region.preallocate(final)  # 1 GiB cuMemMaps instead of one per 2 MiB
+    # Claim [0, final) as one live allocation: the cursor lands where FREEZE's ended and the
+    # chunks stay mapped (set_offset would release chunks it skips that hold no allocation, R4).
+    if region.allocate(final) != region.base:
+        raise RuntimeError("the thawed region did not start at its base")
     for name in (WEIGHTS_SPAN, WARMUP_SPAN):
         archive.restore_span(0, name, region.base, final)
-    region.set_offset(final)
     timings["region_restore_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
