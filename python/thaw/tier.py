@@ -185,6 +185,17 @@ def _positive_int(name: str, v: Any) -> int:
     return v
 
 
+def _slot_buffers(keys: Sequence[Any], buffers: Sequence[SlotBuffer]) -> tuple[list, list]:
+    """``keys`` and ``buffers`` as lists, checked to pair up one SlotBuffer per key."""
+    keys, buffers = list(keys), list(buffers)
+    if len(keys) != len(buffers):
+        raise ValueError(f"got {len(keys)} keys and {len(buffers)} buffers")
+    for i, b in enumerate(buffers):
+        if not isinstance(b, SlotBuffer):
+            raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+    return keys, buffers
+
+
 class DiskStore:
     """Content-addressed pages in O_DIRECT slab files (see the module docstring for the API).
 
@@ -374,12 +385,7 @@ class DiskStore:
     def get_buffers(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
                     kind: str | int | None = None) -> list[int | None]:
         """Read each page straight into its slot buffer; payload lengths, None on a miss."""
-        keys, buffers = list(keys), list(buffers)
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys and {len(buffers)} buffers")
-        for i, b in enumerate(buffers):
-            if not isinstance(b, SlotBuffer):
-                raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+        keys, buffers = _slot_buffers(keys, buffers)
         k = self._kind(kind)
         r = self._native().get_buffers(k, self._keys(keys), [b._b for b in buffers])
         return [n if n >= 0 else None for n in r]
@@ -387,12 +393,7 @@ class DiskStore:
     def get_buffers_async(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
                           kind: str | int | None = None) -> GetTicket:
         """Queue reads straight into slot buffers; do not touch them until the ticket is done."""
-        keys, buffers = list(keys), list(buffers)
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys and {len(buffers)} buffers")
-        for i, b in enumerate(buffers):
-            if not isinstance(b, SlotBuffer):
-                raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+        keys, buffers = _slot_buffers(keys, buffers)
         k = self._kind(kind)
         return GetTicket(self._native().get_buffers_async(k, self._keys(keys), [b._b for b in buffers]),
                          buffers)
