@@ -127,7 +127,9 @@ def restore(snapshot: Snapshot, base: int, ceiling: int, *, target: Target = 0) 
     """Copy each interval of ``snapshot`` to ``base + offset``, clamped to ``[0, ceiling)``.
 
     ``ceiling`` is the region's final mapped offset: bytes at or above it are dropped, never
-    written. The caller then sets the region's cursor. Returns ``bytes_written``,
+    written. The target range must be mapped and stay so: with a :class:`thaw.Region`, claim
+    ``[0, ceiling)`` with ``region.allocate(ceiling)`` before restoring (``set_offset`` would
+    release the idle chunks it skips, restored bytes included). Returns ``bytes_written``,
     ``bytes_dropped`` and ``intervals_written``.
     """
     _check_span(base, 0, ceiling)
