@@ -1,8 +1,10 @@
 // Copy backends: the CUDA driver (real) and host memory posing as a device (CPU tests).
+#include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "thaw/driver.hpp"
+#include "thaw/host.hpp"
 #include "thaw/snapshot.hpp"
 
 namespace thaw::snapshot {
@@ -10,39 +12,16 @@ namespace {
 
 // ---- the driver -----------------------------------------------------------------------------
 
-// Registered host memory. Holds its own reference on the device's primary context, so it may
-// outlive the backend that made it (a pinned Snapshot does).
+// Registered host memory (one host::HostRegistration: unregistered on destruction). The driver
+// seam keeps the primary context alive for the process, so it may outlive the backend that made
+// it (a pinned Snapshot does).
 class DriverPinned final : public Pinned {
  public:
-  DriverPinned(int device, void* p, size_t n) : p_(p) {
-    const auto& d = driver::cu();
-    THAW_CU(d.cuDeviceGet(&dev_, device));
-    THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx_, dev_));
-    driver::ContextGuard guard(device);
-    const CUresult r = d.cuMemHostRegister(p, n, 0);
-    if (r != CUDA_SUCCESS) {
-      (void)d.cuDevicePrimaryCtxRelease(dev_);
-      THAW_CU(r);
-    }
-  }
-  ~DriverPinned() override {
-    try {
-      CUcontext prev = nullptr;
-      const auto& d = driver::cu();
-      (void)d.cuCtxGetCurrent(&prev);
-      (void)d.cuCtxSetCurrent(ctx_);
-      (void)d.cuMemHostUnregister(p_);
-      (void)d.cuCtxSetCurrent(prev);
-      (void)d.cuDevicePrimaryCtxRelease(dev_);
-    } catch (...) {
-      // destructors never throw
-    }
-  }
+  DriverPinned(int device, void* p, size_t n)
+      : reg_(p, n, device, std::max(n, host::kDefaultMaxSlabBytes)) {}
 
  private:
-  CUdevice dev_ = 0;
-  CUcontext ctx_ = nullptr;
-  void* p_;
+  host::HostRegistration reg_;
 };
 
 class DriverBackend final : public CopyBackend {
