@@ -148,34 +148,44 @@ size_t slice_of(size_t page_tokens, size_t heads, size_t head_dim, size_t item_b
 }
 }  // namespace
 
-PageLayout PageLayout::layer_first(std::vector<uintptr_t> components, size_t layers, size_t pages,
-                                   size_t page_tokens, size_t heads, size_t head_dim,
-                                   size_t item_bytes) {
+namespace {
+// A layout whose slices are `page_tokens * heads * head_dim * item_bytes` long; `layer_major`
+// puts all pages of a layer together ([layer][page], SGLang's layer_first), else all layers of
+// a page ([page][layer], page_first).
+PageLayout dense_layout(std::vector<uintptr_t> components, size_t layers, size_t pages,
+                        size_t page_tokens, size_t heads, size_t head_dim, size_t item_bytes,
+                        bool layer_major) {
   PageLayout l;
   l.components = std::move(components);
   l.layers = layers;
   l.pages = pages;
   l.slice_bytes = slice_of(page_tokens, heads, head_dim, item_bytes);
-  l.page_stride = l.slice_bytes;
-  l.layer_stride = mul(pages, l.slice_bytes, "layer_first layer_stride");
-  l.component_bytes = mul(layers, l.layer_stride, "layer_first component bytes");
+  if (layer_major) {
+    l.page_stride = l.slice_bytes;
+    l.layer_stride = mul(pages, l.slice_bytes, "layer_first layer_stride");
+    l.component_bytes = mul(layers, l.layer_stride, "layer_first component bytes");
+  } else {
+    l.layer_stride = l.slice_bytes;
+    l.page_stride = mul(layers, l.slice_bytes, "page_first page_stride");
+    l.component_bytes = mul(pages, l.page_stride, "page_first component bytes");
+  }
   l.validate();
   return l;
+}
+}  // namespace
+
+PageLayout PageLayout::layer_first(std::vector<uintptr_t> components, size_t layers, size_t pages,
+                                   size_t page_tokens, size_t heads, size_t head_dim,
+                                   size_t item_bytes) {
+  return dense_layout(std::move(components), layers, pages, page_tokens, heads, head_dim,
+                      item_bytes, true);
 }
 
 PageLayout PageLayout::page_first(std::vector<uintptr_t> components, size_t layers, size_t pages,
                                   size_t page_tokens, size_t heads, size_t head_dim,
                                   size_t item_bytes) {
-  PageLayout l;
-  l.components = std::move(components);
-  l.layers = layers;
-  l.pages = pages;
-  l.slice_bytes = slice_of(page_tokens, heads, head_dim, item_bytes);
-  l.layer_stride = l.slice_bytes;
-  l.page_stride = mul(layers, l.slice_bytes, "page_first page_stride");
-  l.component_bytes = mul(pages, l.page_stride, "page_first component bytes");
-  l.validate();
-  return l;
+  return dense_layout(std::move(components), layers, pages, page_tokens, heads, head_dim,
+                      item_bytes, false);
 }
 
 // ---- copier -------------------------------------------------------------------------------------
