@@ -18,6 +18,9 @@ Fairness (the page cache would otherwise serve the file backend's reads from RAM
 The ``drive (fio)`` row is the drive itself: fio writes a fresh file with O_DIRECT, its pages
 are dropped, and fio reads it back cold (O_DIRECT, libaio, queue depth 16, 1 MiB blocks), in the
 same run. (Virtual drives may cache recently read data below the guest; reps are best-of.)
+Two ratios put the get goal in proportion to the drive: ``get_file_headroom`` = drive / file
+get, the most any backend reading from this drive could beat the file backend by, and
+``get_thaw_vs_drive`` = thaw get / drive, the share of the drive thaw's gets use.
 
   python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
 """
@@ -288,6 +291,11 @@ def run(args, geom, scratch, thaw_dir, file_dir):
         f"set_thaw_vs_file@{page}": round(r["thaw_set"] / r["file_set"], 3),
         f"set_thaw_vs_file_durable@{page}": round(r["thaw_set"] / r["file_set_sync"], 3),
     }
+    if isinstance(drive, float):
+        # What the drive allows: no backend reading pages from this drive can beat the file
+        # backend by more than drive / file, and thaw_get / drive says how much of it thaw uses.
+        ratios[f"get_file_headroom@{page}"] = round(drive / r["file_get"], 3)
+        ratios[f"get_thaw_vs_drive@{page}"] = round(r["thaw_get"] / drive, 3)
     cfg = {"page": page, "page_tokens": P, "layers": layers, "kv_heads": heads,
            "head_dim": head_dim, "dtype": "bfloat16", "page_bytes": page_bytes, "pages": n,
            "batch_pages": B, "thaw_direct_io": direct,
