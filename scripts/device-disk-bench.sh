@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The disk-tier benchmarks (bench_disk.py, bench_hicache.py: no GPU needed) on another machine's
+# drive, e.g. the GPU machine's local disk, so their ratios are measured on a second drive.
+#
+#   bash scripts/device-disk-bench.sh OUTDIR [TAG]
+#
+# Results: OUTDIR/disk-TAG-<date>.json and OUTDIR/hicache-TAG-<date>.json (TAG default: the
+# host name). Needs thaw importable (installs it from this tree when it is not).
+# fio: from PATH, else from .whl/fio-bundle.tar.xz (a fio binary plus lib/ holding its shared
+# libraries, carried from a machine that has fio). SGLang (bench_hicache): importable, else
+# unpacked from .whl/sglang-site.tar.xz (see shared/sglang-on-gpu). What is missing is skipped
+# with a line saying so. THAW_BENCH_QUICK=1 runs both with --quick; the exit code is that of the last benchmark that failed, else 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=$(realpath -m "${1:?usage: device-disk-bench.sh OUTDIR [TAG]}")
+TAG=${2:-$(hostname -s)}
+PY=${PYTHON:-python3}
+SCRATCH=${THAW_BENCH_DIR:-/tmp/thaw-disk-bench}
+WORK=$(mktemp -d)
+mkdir -p "$OUTDIR" "$SCRATCH"
+RC=0
+QUICK=()
+[ "${THAW_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
+
+if ! (cd /tmp && "$PY" -c "import thaw.tier") 2>/dev/null; then
+  echo "== installing thaw from this tree"
+  "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . || exit 2
+fi
+
+if ! command -v fio >/dev/null 2>&1 && [ -f .whl/fio-bundle.tar.xz ]; then
+  mkdir -p /tmp/fio-bundle/bin
+  tar -xJf .whl/fio-bundle.tar.xz -C /tmp/fio-bundle
+  # a wrapper, so the bundled libraries reach fio only
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/fio-bundle/lib exec /tmp/fio-bundle/fio "$@"\n' \
+    >/tmp/fio-bundle/bin/fio
+  chmod +x /tmp/fio-bundle/bin/fio
+  export PATH="/tmp/fio-bundle/bin:$PATH"
+fi
+echo "== fio: $(fio --version 2>/dev/null || echo 'not available: fio baselines are skipped')"
+
+rename_result() {  # NAME: move WORK/NAME-<date>.json to OUTDIR/NAME-TAG-<date>.json
+  for f in "$WORK/$1"-*.json; do
+    [ -e "$f" ] || continue
+    mv "$f" "$OUTDIR/$1-$TAG-${f##*/$1-}"
+    echo "== wrote $OUTDIR/$1-$TAG-${f##*/$1-}"
+  done
+}
+
+echo "== bench_disk (scratch $SCRATCH)"
+"$PY" benchmarks/python/bench_disk.py --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
+rename_result disk
+
+SGPATH=()
+if ! "$PY" -c "import sglang" 2>/dev/null && [ -f .whl/sglang-site.tar.xz ]; then
+  if [ ! -d /tmp/sgsite/sglang ]; then
+    mkdir -p /tmp/sgsite && tar -xJf .whl/sglang-site.tar.xz -C /tmp/sgsite
+  fi
+  SGPATH=(env "PYTHONPATH=/tmp/sgsite${PYTHONPATH:+:$PYTHONPATH}" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1)
+fi
+if "${SGPATH[@]}" "$PY" -c "import sglang.srt.mem_cache.hicache_storage" 2>/dev/null; then
+  echo "== bench_hicache (scratch $SCRATCH)"
+  "${SGPATH[@]}" "$PY" benchmarks/python/bench_hicache.py --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
+  rename_result hicache
+else
+  echo "== bench_hicache skipped: sglang is not importable and no bundle was carried"
+fi
+rm -rf "$WORK" "$SCRATCH"
+exit $RC
