@@ -44,6 +44,8 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
               "write_threads and read_threads must be >= 1");
   THAW_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
   THAW_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
+  THAW_EXPECT(cfg_.load_threads <= 256,
+              "load_threads must be in [0, 256], got " + std::to_string(cfg_.load_threads));
   THAW_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
               "need 0 < gc_low < gc_high <= 1, got gc_low=" + std::to_string(cfg_.gc_low) +
                   " gc_high=" + std::to_string(cfg_.gc_high));
@@ -105,6 +107,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
 Store::~Store() { close(); }
 
 void Store::close() noexcept {
+  std::lock_guard cl(clear_mu_);  // not while a clear() rewrites the slab headers
   {
     std::lock_guard lk(mu_);
     if (closed_) return;
@@ -153,15 +156,21 @@ void Store::load_index() {
     };
     std::vector<Found> found;
     std::vector<std::vector<bool>> used(k.slabs.size());
+    const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
     for (size_t d = 0; d < k.slabs.size(); ++d) {
       used[d].assign(k.slabs[d]->geometry().slot_count, false);
       if (cfg_.cold_start != ColdStart::kLoad || k.slabs[d]->formatted()) continue;
-      for (const ScannedSlot& s : k.slabs[d]->scan())
+      // scan() returns the slots in slot order whatever the thread count.
+      for (const ScannedSlot& s : k.slabs[d]->scan(threads))
         if (s.payload_len <= k.cfg.page_bytes) found.push_back({static_cast<uint32_t>(d), s});
     }
-    // Oldest writes first: they become the coldest GC entries; a later duplicate wins.
-    std::sort(found.begin(), found.end(),
-              [](const Found& a, const Found& b) { return a.s.seq < b.s.seq; });
+    // Oldest writes first: they become the coldest GC entries; a later duplicate wins. Ties
+    // (only possible after seq wrapped) break on (drive, slot), so the result is deterministic.
+    std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+      if (a.s.seq != b.s.seq) return a.s.seq < b.s.seq;
+      if (a.drive != b.drive) return a.drive < b.drive;
+      return a.s.slot < b.s.slot;
+    });
     for (const Found& f : found) {
       seq_ = std::max(seq_, f.s.seq + 1);
       auto it = k.index.find(f.s.key);
@@ -314,7 +323,8 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
       ++k.slots_used;
       k.pending[it.key] = Pending{};
       jobs.push_back(WriteJob{kind, it.key, static_cast<uint32_t>(d), slot, std::move(it.buffer),
-                              it.payload_len, seq_++, t, i});
+                              it.payload_len, seq_++, t, i, epoch_});
+      ++in_flight_writes_;  // from here until its acknowledgement (finish_write)
     }
     write_queue_depth_ += jobs.size();
   }
@@ -376,6 +386,14 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
 
 // Called with mu_ held: publish or undo one write, wake its joiners.
 void Store::finish_write(WriteJob& job, PutResult r) {
+  --in_flight_writes_;  // with the acknowledgement, under the same lock as stats()
+  if (job.epoch != epoch_) {
+    // clear() ran since the slot was allocated: the slot went back to the pool and the pending
+    // entry (with its joiners) was acknowledged then. Nothing of this job is in the state.
+    job.buffer.reset();
+    job.ticket->finish(job.index, static_cast<int64_t>(PutResult::kCancelled));
+    return;
+  }
   KindState& k = kinds_[job.kind];
   Pending p;
   if (auto it = k.pending.find(job.key); it != k.pending.end()) {
@@ -429,7 +447,22 @@ void Store::write_loop(unsigned drive) {
     }
     q.not_full.notify_all();
     write_queue_depth_ -= batch.size();
-    in_flight_writes_ += batch.size();
+    gate_enter();  // no clear() while this batch does slot I/O
+    GateGuard gate{this};
+    {
+      // Jobs allocated before a clear() own no slot any more: acknowledge them, write nothing.
+      std::lock_guard lk(mu_);
+      size_t keep = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (batch[i].epoch != epoch_)
+          finish_write(batch[i], PutResult::kCancelled);
+        else if (keep != i)
+          batch[keep++] = std::move(batch[i]);
+        else
+          ++keep;
+      }
+      batch.resize(keep);
+    }
     std::vector<PutResult> res(batch.size(), PutResult::kStored);
     std::vector<SlabFile*> touched;
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -470,7 +503,6 @@ void Store::write_loop(unsigned drive) {
         }
       }
     }
-    in_flight_writes_ -= batch.size();
   }
 }
 
@@ -508,7 +540,7 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
       }
       e->second.last_access = ++tick_;  // reads touch (invariant 8)
       jobs.push_back(ReadJob{kind, items[i].key, e->second.drive, e->second.slot, e->second.len,
-                             items[i], t, i});
+                             items[i], t, i, epoch_});
     }
     read_queue_depth_ += jobs.size();
   }
@@ -540,6 +572,18 @@ void Store::read_loop(unsigned drive) {
     q.not_full.notify_one();
     --read_queue_depth_;
     ++in_flight_reads_;
+    gate_enter();  // no clear() while this read does slot I/O
+    GateGuard gate{this};
+    bool current;
+    {
+      std::lock_guard lk(mu_);
+      current = j.epoch == epoch_;
+    }
+    if (!current) {  // looked up before a clear(): the entry is gone, a miss
+      --in_flight_reads_;
+      j.ticket->finish(j.index, -1);
+      continue;
+    }
     const SlabFile& s = *kinds_[j.kind].slabs[drive];
     std::optional<size_t> r;
     if (j.item.dst_is_slot) {
@@ -596,13 +640,103 @@ bool Store::remove(unsigned kind, const Key& key) {
   return false;
 }
 
+void Store::gate_enter() {
+  std::unique_lock g(gate_mu_);
+  gate_cv_.wait(g, [&] { return gate_clearing_ == 0; });
+  ++gate_active_;
+}
+
+void Store::gate_leave() {
+  {
+    std::lock_guard g(gate_mu_);
+    --gate_active_;
+  }
+  gate_cv_.notify_all();
+}
+
+void Store::clear() {
+  std::lock_guard cl(clear_mu_);
+  {
+    std::lock_guard lk(mu_);
+    if (closed_) return;
+  }
+  // Close the gate and wait until no slot write or read is in progress.
+  {
+    std::unique_lock g(gate_mu_);
+    ++gate_clearing_;
+    gate_cv_.wait(g, [&] { return gate_active_ == 0; });
+  }
+  struct Reopen {
+    Store* s;
+    ~Reopen() {
+      {
+        std::lock_guard g(s->gate_mu_);
+        --s->gate_clearing_;
+      }
+      s->gate_cv_.notify_all();
+    }
+  } reopen{this};
+  // Take every queued job: they are acknowledged below without I/O.
+  std::vector<WriteJob> writes;
+  std::vector<ReadJob> reads;
+  for (auto& d : drives_) {
+    {
+      std::lock_guard lk(d->writes.mu);
+      for (auto& j : d->writes.jobs) writes.push_back(std::move(j));
+      d->writes.jobs.clear();
+    }
+    d->writes.not_full.notify_all();
+    {
+      std::lock_guard lk(d->reads.mu);
+      for (auto& j : d->reads.jobs) reads.push_back(std::move(j));
+      d->reads.jobs.clear();
+    }
+    d->reads.not_full.notify_all();
+  }
+  {
+    std::lock_guard lk(mu_);
+    write_queue_depth_ -= writes.size();
+    read_queue_depth_ -= reads.size();
+    ++epoch_;  // every job allocated so far is cancelled when it reaches a thread
+    ++counters_.clears;
+    for (KindState& k : kinds_) {
+      for (auto& [key, p] : k.pending)
+        for (auto& [tk, idx] : p.joiners) tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
+      k.pending.clear();
+      k.index.clear();
+      k.heap.clear();
+      k.slots_used = 0;
+      for (size_t d = 0; d < k.slabs.size(); ++d) {
+        k.free[d].clear();
+        for (uint64_t slot = k.slabs[d]->geometry().slot_count; slot-- > 0;) k.free[d].push_back(slot);
+        k.stale[d].clear();  // the new slab id makes every old slot inert
+      }
+    }
+    for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
+  }
+  for (ReadJob& j : reads) j.ticket->finish(j.index, -1);
+  // New slab ids, as cold start `clear` writes them (invariant 7). The gate is still closed,
+  // so no slot I/O runs; puts submitted meanwhile wait at the gate and get the new id.
+  std::exception_ptr err;
+  for (KindState& k : kinds_)
+    for (auto& slab : k.slabs) {
+      try {
+        slab->reformat();
+      } catch (const std::exception& e) {
+        log::error(std::string("thaw.disk: clear: ") + e.what());
+        if (!err) err = std::current_exception();
+      }
+    }
+  if (err) std::rethrow_exception(err);
+}
+
 StoreStats Store::stats() const {
   std::lock_guard lk(mu_);
   StoreStats s = counters_;
   for (const KindState& k : kinds_)
     s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.slots_total, k.slots_used,
                                 static_cast<uint64_t>(k.index.size())});
-  s.in_flight_writes = in_flight_writes_.load();
+  s.in_flight_writes = in_flight_writes_;
   s.in_flight_reads = in_flight_reads_.load();
   s.write_queue_depth = write_queue_depth_.load();
   s.read_queue_depth = read_queue_depth_.load();
