@@ -106,8 +106,34 @@ void BM_StorePutGet(benchmark::State& st) {
   std::filesystem::remove_all(dir);
 }
 
+// Cold start `load`'s header scan of a slab of range(0) slots of 64 KiB, each holding a slot
+// header (one 4 KiB read per slot), with range(1) threads: serial (1) vs parallel.
+void BM_SlabScan(benchmark::State& st) {
+  const uint64_t slots = static_cast<uint64_t>(st.range(0));
+  const unsigned threads = static_cast<unsigned>(st.range(1));
+  const std::string dir = bench_dir();
+  {
+    const SlabGeometry g{0, 64 * 1024, slots, 1};
+    {
+      SlabFile f(dir + "/s.slab", g, ColdStart::kClear, DirectIo::kAuto);
+      thaw::AlignedBuffer buf(kBlock);
+      for (uint64_t i = 0; i < slots; ++i) f.write_aligned(i, key_of(i), buf.data(), 16, 0);
+      f.sync();
+    }
+    SlabFile f(dir + "/s.slab", g, ColdStart::kLoad, DirectIo::kAuto);
+    size_t found = 0;
+    for (auto _ : st) found = f.scan(threads).size();
+    st.counters["found"] = static_cast<double>(found);
+    st.counters["direct"] = f.direct();
+    st.SetItemsProcessed(static_cast<int64_t>(st.iterations() * slots));
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
+BENCHMARK(BM_SlabScan)->Args({8192, 1})->Args({8192, 8})->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_SlabWrite)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_SlabRead)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_StorePutGet)->Args({1 << 20, 1})->Args({1 << 20, 4})->Args({4 << 20, 4})

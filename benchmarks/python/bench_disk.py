@@ -19,10 +19,21 @@ For each page size and queue depth, in the same run and on the same directory:
 
 A fourth column runs the thaw measurement on /dev/shm (no disk) to show the store's own
 software ceiling. Ratios: thaw/fio (goal >= 0.90) and thaw/naive (goal >= 3.0) per direction and configuration,
-plus the geometric means. Usage::
+plus the geometric means.
+
+Ceiling analysis, from the same run: ``drive_ceiling_MBps`` per (op, page size) is the best rate
+any fio variant (psync, libaio, plain or with group-commit fdatasync) reached at any depth
+measured; ``naive_headroom`` = ceiling / naive is the largest thaw/naive ratio any store could
+reach in that config on this drive (below 3 the 3x goal is out of reach here, whatever the
+store does), and ``vs_ceiling`` = thaw / ceiling. Every contender runs ``--repeat`` times per
+config, interleaved; rates and ratios are best-of-N, with medians alongside.
+
+A ``load`` section times cold start ``load`` of ``--load-slots`` live entries with one header
+reader (``load_threads=1``) vs the default parallel scan. Usage::
 
     python benchmarks/python/bench_disk.py --out benchmarks/results [--dir /mnt/nvme]
-        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 512] [--repeat 3]   (~2-3 min)
+        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 384] [--repeat 5]
+        [--load-slots 20000]   (~3-4 min on the 2-core CI VM)
 """
 
 from __future__ import annotations
