@@ -130,6 +130,13 @@ class SlabFile {
   // mismatch or I/O error. Never throws.
   std::optional<size_t> read_into(uint64_t slot, const Key& key, uint8_t* buf, size_t buf_bytes,
                                   size_t expected_len = SIZE_MAX) const noexcept;
+  // read_into in two steps (to verify on another thread): read_raw transfers what read_into
+  // would and returns the bytes read, or -1 on an error or a bad argument; verify_read then
+  // checks the buffer exactly as read_into does. Never throw.
+  ssize_t read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                   size_t expected_len = SIZE_MAX) const noexcept;
+  std::optional<size_t> verify_read(uint64_t slot, const Key& key, const uint8_t* buf, ssize_t got,
+                                    size_t expected_len = SIZE_MAX) const noexcept;
 
   // Header-only scan of every slot; returns the slots whose header verifies for this slab, in
   // slot order. Payload CRCs are checked later, on read. Large slots cost one 4 KiB read each;
@@ -200,6 +207,8 @@ struct StoreConfig {
   double gc_low = 0.85;            // ... and reclaims coldest entries down to this
   unsigned load_threads = 0;       // cold start `load`: header-scan threads per slab file
                                    // (0: kDefaultLoadThreads; 1: one read after another)
+  int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
+                                   // -1 when read_threads == 1, 0 never, 1 always
 };
 constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 
@@ -394,6 +403,10 @@ class Store {
                     const std::vector<size_t>* where);
   void write_loop(unsigned drive);
   void read_loop(unsigned drive);
+  void read_loop_staged(unsigned drive, uint64_t max_slot);
+  bool next_read(unsigned drive, ReadJob& j);
+  bool current_epoch(const ReadJob& j) const;
+  void complete_read(ReadJob& j, std::optional<size_t> r);
   void finish_write(WriteJob& job, PutResult r);
   void gc_locked(KindState& k, uint64_t target_used);
   void free_slot_locked(KindState& k, uint32_t drive, uint64_t slot);

@@ -266,26 +266,35 @@ bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept 
          h.payload_len <= geo_.slot_bytes - kSlotHeaderBytes;
 }
 
-std::optional<size_t> SlabFile::read_into(uint64_t slot, const Key& key, uint8_t* buf,
-                                          size_t buf_bytes, size_t expected_len) const noexcept {
-  if (slot >= geo_.slot_count || buf == nullptr) return std::nullopt;
-  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return std::nullopt;
+ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                           size_t expected_len) const noexcept {
+  if (slot >= geo_.slot_count || buf == nullptr) return -1;
+  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return -1;
   size_t n = geo_.slot_bytes;
   if (expected_len != SIZE_MAX) {
-    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return std::nullopt;
+    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return -1;
     n = round_up(kSlotHeaderBytes + expected_len, kBlock);
   }
-  if (buf_bytes < n) return std::nullopt;
-  const ssize_t r = pread_full(fd_, buf, n, slot_offset(slot));
-  if (r < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;
+  if (buf_bytes < n) return -1;
+  return pread_full(fd_, buf, n, slot_offset(slot));
+}
+
+std::optional<size_t> SlabFile::verify_read(uint64_t slot, const Key& key, const uint8_t* buf,
+                                            ssize_t got, size_t expected_len) const noexcept {
+  if (buf == nullptr || got < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;
   SlotHeader h;
   std::memcpy(&h, buf, sizeof h);
   if (!verify_header(h, slot) || std::memcmp(h.key, key.data(), kKeyBytes) != 0)
     return std::nullopt;
   if (expected_len != SIZE_MAX && h.payload_len != expected_len) return std::nullopt;
-  if (kSlotHeaderBytes + h.payload_len > static_cast<size_t>(r)) return std::nullopt;
+  if (kSlotHeaderBytes + h.payload_len > static_cast<size_t>(got)) return std::nullopt;
   if (crc32c(buf + kSlotHeaderBytes, h.payload_len) != h.payload_crc) return std::nullopt;
   return h.payload_len;
+}
+
+std::optional<size_t> SlabFile::read_into(uint64_t slot, const Key& key, uint8_t* buf,
+                                          size_t buf_bytes, size_t expected_len) const noexcept {
+  return verify_read(slot, key, buf, read_raw(slot, buf, buf_bytes, expected_len), expected_len);
 }
 
 std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) const {
