@@ -515,28 +515,63 @@ TEST(Store, ConcurrentPutGetGcDeleteBoundedTimeNoDeadlock) {
 }
 
 TEST(Store, CorruptionUnderALiveStoreIsAMissNeverWrongBytes) {
-  TempDir d;
-  const size_t page = 6000;
-  Store s(store_cfg({d.path}, page, 32));
-  put_range(s, 0, 32, page);
-  const SlabFile& f = s.slab(0, 0);
-  std::mt19937_64 rng(42);
-  int misses = 0;
-  for (int trial = 0; trial < 400; ++trial) {
-    const uint64_t slot = rng() % 32;
-    const uint64_t off = f.slot_offset(slot) + rng() % slot_bytes_for(page);
-    uint8_t b = static_cast<uint8_t>(rng() | 1);
-    if (rng() % 2) b = peek(f.path(), off) ^ static_cast<uint8_t>(1u << (rng() % 8));
-    poke(f.path(), off, &b, 1);
-    for (uint64_t i = 0; i < 32; ++i) {
-      const int r = read_check(s, i, page);
-      ASSERT_GE(r, 0) << "wrong bytes for key " << i << " at trial " << trial;
-      misses += r == 0;
+  // verify_stage 0: CRC on the reading thread; 1: on the verify stage (also with 2 readers);
+  // -1 with one read thread: the staged default. Batched reads exercise the overlap.
+  for (const auto [stage, readers] : {std::pair{0, 2u}, std::pair{1, 2u}, std::pair{-1, 1u}}) {
+    TempDir d;
+    const size_t page = 6000;
+    StoreConfig c = store_cfg({d.path}, page, 32);
+    c.verify_stage = stage;
+    c.read_threads = readers;
+    Store s(c);
+    put_range(s, 0, 32, page);
+    const SlabFile& f = s.slab(0, 0);
+    std::mt19937_64 rng(42);
+    int misses = 0;
+    for (int trial = 0; trial < 200; ++trial) {
+      const uint64_t slot = rng() % 32;
+      const uint64_t off = f.slot_offset(slot) + rng() % slot_bytes_for(page);
+      uint8_t b = static_cast<uint8_t>(rng() | 1);
+      if (rng() % 2) b = peek(f.path(), off) ^ static_cast<uint8_t>(1u << (rng() % 8));
+      poke(f.path(), off, &b, 1);
+      if (trial % 2 == 0) {
+        for (uint64_t i = 0; i < 32; ++i) {
+          const int r = read_check(s, i, page);
+          ASSERT_GE(r, 0) << "wrong bytes for key " << i << " at trial " << trial;
+          misses += r == 0;
+        }
+      } else {  // one batch: half into plain buffers, half into slot buffers
+        std::vector<std::vector<uint8_t>> plain(32);
+        std::vector<SlotBufferPtr> slots(32);
+        std::vector<GetItem> gets;
+        for (uint64_t i = 0; i < 32; ++i) {
+          if (i % 2) {
+            slots[i] = s.make_buffer(0);
+            gets.push_back(GetItem{key_of(i), slots[i]->data(), slots[i]->size(), true});
+          } else {
+            plain[i].resize(page);
+            gets.push_back(GetItem{key_of(i), plain[i].data(), page, false});
+          }
+        }
+        const auto r = s.submit_get(0, std::move(gets))->wait();
+        for (uint64_t i = 0; i < 32; ++i) {
+          if (r[i] < 0) {
+            ++misses;
+            continue;
+          }
+          const uint8_t* p = i % 2 ? slots[i]->data() + kSlotHeaderBytes : plain[i].data();
+          ASSERT_TRUE(content_ok(i, p, static_cast<size_t>(r[i]), page))
+              << "wrong bytes for key " << i << " at trial " << trial << ", stage " << stage;
+        }
+      }
+      put_range(s, 0, 32, page);  // re-store what went missing
     }
-    put_range(s, 0, 32, page);  // re-store what went missing
+    EXPECT_GT(misses, 0);
+    EXPECT_GT(s.stats().verify_failures, 0u);
+    const auto st = s.stats();
+    EXPECT_EQ(st.in_flight_reads, 0u);
+    EXPECT_EQ(st.kinds[0].slots_used, st.kinds[0].entries);
   }
-  EXPECT_GT(misses, 0);
-  EXPECT_GT(s.stats().verify_failures, 0u);
 }
 
 TEST(Store, TruncatedSlabReadsAsMissesThenLoadRecovers) {
@@ -791,6 +826,7 @@ TEST(Store, ClearCancelsQueuedPutsAndRacesWithTrafficWithoutLeaks) {
   const size_t page = 4000;
   StoreConfig c = store_cfg({d.path}, page, 400);
   c.write_threads = 1;
+  c.read_threads = 1;  // reads go through the verify stage (verify_stage -1)
   c.max_batch = 1;
   c.queue_capacity = 1000;
   Store s(c);
