@@ -398,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
                     "drive_ceiling_MBps": "per (op, page size): the best rate ANY fio variant "
                                           "reached in this run at ANY depth measured (psync and "
                                           "libaio, plain and with fdatasync every 32 writes) - "
-                                          "what this drive delivers to a good O_DIRECT client",
+                                          "what this drive delivers to a good O_DIRECT client. "
+                                          "Write ceilings usually come from fio_sync, fio's "
+                                          "second pass over its file (blocks already written); "
+                                          "thaw's measurement, like fio's first pass, writes "
+                                          "into a freshly preallocated file",
                     "naive_headroom": "drive_ceiling / naive for the config: the largest "
                                       "vs_naive ratio any store could reach on this drive. "
                                       "Where it is < 3, the 3x vs_naive goal is unreachable "
