@@ -106,8 +106,72 @@ void BM_StorePutGet(benchmark::State& st) {
   std::filesystem::remove_all(dir);
 }
 
+// Cold start `load`'s header scan of a slab of range(0) slots of 64 KiB, each holding a slot
+// header (one 4 KiB read per slot), with range(1) threads: serial (1) vs parallel.
+void BM_SlabScan(benchmark::State& st) {
+  const uint64_t slots = static_cast<uint64_t>(st.range(0));
+  const unsigned threads = static_cast<unsigned>(st.range(1));
+  const std::string dir = bench_dir();
+  {
+    const SlabGeometry g{0, 64 * 1024, slots, 1};
+    {
+      SlabFile f(dir + "/s.slab", g, ColdStart::kClear, DirectIo::kAuto);
+      thaw::AlignedBuffer buf(kBlock);
+      for (uint64_t i = 0; i < slots; ++i) f.write_aligned(i, key_of(i), buf.data(), 16, 0);
+      f.sync();
+    }
+    SlabFile f(dir + "/s.slab", g, ColdStart::kLoad, DirectIo::kAuto);
+    size_t found = 0;
+    for (auto _ : st) found = f.scan(threads).size();
+    st.counters["found"] = static_cast<double>(found);
+    st.counters["direct"] = f.direct();
+    st.SetItemsProcessed(static_cast<int64_t>(st.iterations() * slots));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Reads at queue depth 1 (one read thread), 32 gets per submission into slot buffers, with the
+// payload CRC on the reading thread (range(1) = 0) or on a second stage overlapping the next
+// read (1). THAW_BENCH_DIR=/dev/shm shows the software ceiling.
+void BM_StoreReadQd1(benchmark::State& st) {
+  const size_t page = static_cast<size_t>(st.range(0));
+  constexpr unsigned kBatch = 32;
+  const std::string dir = bench_dir();
+  {
+    StoreConfig c;
+    c.dirs = {dir};
+    c.kinds = {KindConfig{page, 1.0}};
+    c.budget_bytes = 4096 + 2 * kBatch * slot_bytes_for(page);
+    c.read_threads = 1;
+    c.verify_stage = static_cast<int>(st.range(1));
+    Store s(c);
+    std::vector<SlotBufferPtr> bufs;
+    std::vector<PutItem> items;
+    for (unsigned j = 0; j < kBatch; ++j) {
+      bufs.push_back(s.make_buffer(0));
+      std::memset(bufs.back()->data() + 64, 0x33 + j, page);
+      items.push_back(PutItem{key_of(j), bufs[j], page});
+    }
+    s.submit_put(0, std::move(items))->wait();
+    int64_t misses = 0;
+    for (auto _ : st) {
+      std::vector<GetItem> gets;
+      for (unsigned j = 0; j < kBatch; ++j)
+        gets.push_back(GetItem{key_of(j), bufs[j]->data(), bufs[j]->size(), true});
+      for (int64_t r : s.submit_get(0, std::move(gets))->wait()) misses += r < 0;
+    }
+    st.SetBytesProcessed(static_cast<int64_t>(st.iterations() * kBatch * page));
+    st.counters["misses"] = static_cast<double>(misses);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
+BENCHMARK(BM_StoreReadQd1)->Args({1 << 20, 0})->Args({1 << 20, 1})->Args({4 << 20, 0})
+    ->Args({4 << 20, 1})->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_SlabScan)->Args({8192, 1})->Args({8192, 8})->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_SlabWrite)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_SlabRead)->Arg(1 << 20)->Arg(4 << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
 BENCHMARK(BM_StorePutGet)->Args({1 << 20, 1})->Args({1 << 20, 4})->Args({4 << 20, 4})

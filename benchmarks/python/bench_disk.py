@@ -19,10 +19,21 @@ For each page size and queue depth, in the same run and on the same directory:
 
 A fourth column runs the thaw measurement on /dev/shm (no disk) to show the store's own
 software ceiling. Ratios: thaw/fio (goal >= 0.90) and thaw/naive (goal >= 3.0) per direction and configuration,
-plus the geometric means. Usage::
+plus the geometric means.
+
+Ceiling analysis, from the same run: ``drive_ceiling_MBps`` per (op, page size) is the best rate
+any fio variant (psync, libaio, plain or with group-commit fdatasync) reached at any depth
+measured; ``naive_headroom`` = ceiling / naive is the largest thaw/naive ratio any store could
+reach in that config on this drive (below 3 the 3x goal is out of reach here, whatever the
+store does), and ``vs_ceiling`` = thaw / ceiling. Every contender runs ``--repeat`` times per
+config, interleaved; rates and ratios are best-of-N, with medians alongside.
+
+A ``load`` section times cold start ``load`` of ``--load-slots`` live entries with one header
+reader (``load_threads=1``) vs the default parallel scan. Usage::
 
     python benchmarks/python/bench_disk.py --out benchmarks/results [--dir /mnt/nvme]
-        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 512] [--repeat 3]   (~2-3 min)
+        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 384] [--repeat 5]
+        [--load-slots 20000]   (~3-4 min on the 2-core CI VM)
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -168,8 +180,77 @@ def bench_naive(d: str, page: int, depth: int, total: int) -> tuple[float, float
     return n * page / tw, n * page / tr
 
 
+def bench_load(d: str, slots: int, page: int, repeat: int) -> dict:
+    """Cold start ``load`` of a store holding ``slots`` live entries: ``load_threads=1`` (one
+    header pread after the other) vs the default parallel scan, alternating, best and median of
+    ``repeat``. Payloads are tiny (one 4 KiB write each) so filling is quick; ``page`` sets the
+    slot size and thereby whether adjacent headers are batched into one read."""
+    total_slots = int(slots / 0.8) + 1  # below gc_high, so nothing is evicted while filling
+    budget = 4096 + total_slots * tier.slot_bytes_for(page)
+    root = tempfile.mkdtemp(prefix="load-", dir=d)
+    try:
+        with tier.DiskStore(root, budget, page, name="load", write_threads=4,
+                            queue_capacity=256) as s:
+            keys = [f"load-{i}" for i in range(slots)]
+            tickets = [s.put_async(keys[i:i + 1024], [b"x" * 16] * len(keys[i:i + 1024]))
+                       for i in range(0, slots, 1024)]
+            stored = sum(sum(t.wait()) for t in tickets)
+            direct = s.direct_io()
+            slot_bytes = s.slot_bytes()
+        if stored != slots:
+            raise RuntimeError(f"load bench stored {stored} of {slots} entries")
+        times: dict[str, list[float]] = {"serial": [], "parallel": []}
+        for rep in range(repeat):
+            for who in (("serial", "parallel") if rep % 2 == 0 else ("parallel", "serial")):
+                t0 = time.perf_counter()
+                s = tier.DiskStore(root, budget, page, name="load", cold_start="load",
+                                   load_threads=1 if who == "serial" else 0)
+                dt = time.perf_counter() - t0
+                got = s.stats()["loaded_entries"]
+                s.close()
+                if got != slots:
+                    raise RuntimeError(f"load ({who}) rebuilt {got} of {slots} entries")
+                times[who].append(dt)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ser, par = min(times["serial"]), min(times["parallel"])
+    return {"slots": slots, "slot_bytes": slot_bytes, "direct_io": direct,
+            "serial_s": ser, "parallel_s": par,
+            "serial_median_s": statistics.median(times["serial"]),
+            "parallel_median_s": statistics.median(times["parallel"]),
+            "speedup": ser / par,
+            "speedup_median": statistics.median(times["serial"]) / statistics.median(times["parallel"])}
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+CONTENDERS = ["thaw", "psync", "libaio", "naive"]
+
+
+def measure_config(work: str, page: int, depth: int, total: int, repeat: int) -> dict:
+    """Every contender `repeat` times, interleaved: each repeat runs all four, the order rotating
+    so no contender always runs first (shared, noisy machine). Returns every sample."""
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"write": [], "read": []} for n in CONTENDERS}
+    synced: list[float] = []
+    info: dict = {}
+    for rep in range(repeat):
+        order = CONTENDERS[rep % 4:] + CONTENDERS[:rep % 4]
+        for who in order:
+            if who == "thaw":
+                w, r, info = bench_thaw(work, page, depth, total)
+            elif who == "naive":
+                w, r = bench_naive(work, page, depth, total)
+            else:
+                w, r, ws = bench_fio(work, page, depth, total, who)
+                if who == "psync":
+                    synced.append(ws)
+                samples.setdefault(f"{who}_sync", {"write": [], "read": []})["write"].append(ws)
+            samples[who]["write"].append(w)
+            samples[who]["read"].append(r)
+    return {"samples": samples, "psync_sync": synced, "info": info}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="filesystem to measure (not tmpfs)")
     ap.add_argument("--sizes-mib", default="1,4")
     ap.add_argument("--depths", default="1,4,16")
-    ap.add_argument("--total-mib", type=int, default=512, help="MiB moved per measurement")
-    ap.add_argument("--repeat", type=int, default=3, help="best of N for every contender")
+    ap.add_argument("--total-mib", type=int, default=384, help="MiB moved per measurement")
+    ap.add_argument("--repeat", type=int, default=5, help="best (and median) of N per contender")
+    ap.add_argument("--load-slots", type=int, default=20000,
+                    help="live entries for the cold-start load section (0: skip it)")
     ap.add_argument("--quick", action="store_true", help="1 and 4 MiB at depth 4, 128 MiB")
     a = ap.parse_args(argv)
     if shutil.which("fio") is None:
@@ -194,72 +277,102 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="thaw-bench-disk-", dir=a.dir)
     shm = tempfile.mkdtemp(prefix="thaw-bench-disk-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     rows, ratios = [], {}
+    measured: dict[tuple[int, int], dict] = {}
+    tmpfs: dict[tuple[int, int], tuple[float, float]] = {}
+    load: dict[str, dict] = {}
     t_start = time.perf_counter()
     try:
         for page in sizes:
             for depth in depths:
-                # best of `repeat` for every contender alike (shared, noisy machines), the
-                # order rotating each repeat so no contender always runs first
-                names = ["thaw", "psync", "libaio", "naive"]
-                best = {n: (0.0, 0.0) for n in names}
-                synced = {"psync": 0.0, "libaio": 0.0}
-                info: dict = {}
-                for rep in range(a.repeat):
-                    order = names[rep % 4:] + names[:rep % 4]
-                    for who in order:
-                        if who == "thaw":
-                            w, r, info = bench_thaw(work, page, depth, total)
-                        elif who == "naive":
-                            w, r = bench_naive(work, page, depth, total)
-                        else:
-                            w, r, ws = bench_fio(work, page, depth, total, who)
-                            synced[who] = max(synced[who], ws)
-                        best[who] = (max(best[who][0], w), max(best[who][1], r))
-                (tw, tr), (fw, fr), (aw, ar), (nw, nr) = (best[n] for n in names)
+                measured[page, depth] = measure_config(work, page, depth, total, a.repeat)
                 # the store's own ceiling (no disk): the same run on tmpfs, for diagnosis
                 sw = sr = float("nan")
                 if shm:
                     sw, sr, _ = bench_thaw(shm, page, depth, min(total, 256 * MiB))
-                tag = f"{page // MiB}MiB_qd{depth}"
-                for direction, t, f, fa, nv, sh in (("write", tw, fw, aw, nw, sw),
-                                                    ("read", tr, fr, ar, nr, sr)):
-                    rows.append({"page_mib": page // MiB, "depth": depth, "op": direction,
-                                 "thaw_MBps": t / 1e6, "fio_MBps": f / 1e6,
-                                 "fio_libaio_MBps": fa / 1e6, "naive_MBps": nv / 1e6,
-                                 "thaw_tmpfs_MBps": sh / 1e6, "vs_fio": t / f,
-                                 "vs_fio_libaio": t / fa, "vs_naive": t / nv,
-                                 "pages": info["pages"], "direct_io": info["direct_io"]})
-                    if direction == "write":
-                        rows[-1]["fio_sync_MBps"] = synced["psync"] / 1e6
-                        rows[-1]["vs_fio_sync"] = t / synced["psync"]
-                        ratios[f"write_{tag}_vs_fio_sync"] = t / synced["psync"]
-                    ratios[f"{direction}_{tag}_vs_fio"] = t / f
-                    ratios[f"{direction}_{tag}_vs_fio_libaio"] = t / fa
-                    ratios[f"{direction}_{tag}_vs_naive"] = t / nv
-                print(f"  {tag}: done", flush=True)
+                tmpfs[page, depth] = (sw, sr)
+                print(f"  {page // MiB}MiB_qd{depth}: done ({time.perf_counter() - t_start:.0f} s)",
+                      flush=True)
+        if a.load_slots > 0:
+            # 60 KiB pages: 64 KiB slots, one 4 KiB header read per slot (large-page stores);
+            # 4 KiB slots: adjacent headers are batched into one read
+            for label, page in (("64KiB_slots", 60 * 1024), ("4KiB_slots", 4096 - 64)):
+                load[label] = bench_load(work, a.load_slots, page, 3)
+                print(f"  load {label}: serial {load[label]['serial_s']:.2f} s, parallel "
+                      f"{load[label]['parallel_s']:.2f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if shm:
             shutil.rmtree(shm, ignore_errors=True)
-    for direction in ("write", "read"):
-        ratios[f"{direction}_geomean_vs_fio"] = geomean(
-            [r["vs_fio"] for r in rows if r["op"] == direction])
-        ratios[f"{direction}_geomean_vs_fio_libaio"] = geomean(
-            [r["vs_fio_libaio"] for r in rows if r["op"] == direction])
-        ratios[f"{direction}_geomean_vs_naive"] = geomean(
-            [r["vs_naive"] for r in rows if r["op"] == direction])
-    # goals on the like-for-like baselines (fio psync with `depth` threads, naive); the libaio
-    # ratios are reported alongside without a goal
+
+    def best(xs: list[float]) -> float:
+        return max(xs) if xs else float("nan")
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    # Drive ceiling per (op, page): the best rate any fio variant reached at any depth measured
+    # (psync, libaio, and for writes psync with group-commit fdatasync). No store on this drive
+    # can beat it by much, so ceiling / naive bounds the vs_naive ratio any store could reach.
+    ceiling: dict[tuple[str, int], float] = {}
+    for (page, depth), m in measured.items():
+        for op in ("write", "read"):
+            for who in ("psync", "libaio", "psync_sync", "libaio_sync"):
+                xs = m["samples"].get(who, {}).get(op, [])
+                if xs:
+                    ceiling[op, page] = max(ceiling.get((op, page), 0.0), max(xs))
+    for (page, depth), m in measured.items():
+        smp, info = m["samples"], m["info"]
+        tag = f"{page // MiB}MiB_qd{depth}"
+        for op, sh in (("write", tmpfs[page, depth][0]), ("read", tmpfs[page, depth][1])):
+            t, f, fa, nv = (best(smp[n][op]) for n in CONTENDERS)
+            tm, fm, fam, nvm = (med(smp[n][op]) for n in CONTENDERS)
+            c = ceiling[op, page]
+            row = {"page_mib": page // MiB, "depth": depth, "op": op,
+                   "thaw_MBps": t / 1e6, "fio_MBps": f / 1e6, "fio_libaio_MBps": fa / 1e6,
+                   "naive_MBps": nv / 1e6, "thaw_median_MBps": tm / 1e6,
+                   "fio_median_MBps": fm / 1e6, "fio_libaio_median_MBps": fam / 1e6,
+                   "naive_median_MBps": nvm / 1e6, "thaw_tmpfs_MBps": sh / 1e6,
+                   "drive_ceiling_MBps": c / 1e6,
+                   "vs_fio": t / f, "vs_fio_libaio": t / fa, "vs_naive": t / nv,
+                   "vs_fio_median": tm / fm, "vs_naive_median": tm / nvm,
+                   "naive_headroom": c / nv, "vs_ceiling": t / c,
+                   "pages": info["pages"], "direct_io": info["direct_io"]}
+            if op == "write":
+                ws = best(m["psync_sync"])
+                row["fio_sync_MBps"] = ws / 1e6
+                row["vs_fio_sync"] = t / ws
+                ratios[f"write_{tag}_vs_fio_sync"] = t / ws
+            rows.append(row)
+            ratios[f"{op}_{tag}_vs_fio"] = t / f
+            ratios[f"{op}_{tag}_vs_fio_libaio"] = t / fa
+            ratios[f"{op}_{tag}_vs_naive"] = t / nv
+            ratios[f"{op}_{tag}_naive_headroom"] = c / nv
+            ratios[f"{op}_{tag}_vs_ceiling"] = t / c
+    for op in ("write", "read"):
+        mine = [r for r in rows if r["op"] == op]
+        for k in ("vs_fio", "vs_fio_libaio", "vs_naive", "naive_headroom", "vs_ceiling",
+                  "vs_fio_median", "vs_naive_median"):
+            ratios[f"{op}_geomean_{k}"] = geomean([r[k] for r in mine])
+    # goals on the like-for-like baselines (fio psync with `depth` threads, naive); the libaio,
+    # ceiling and headroom ratios are reported alongside without a goal
     ratios["write_geomean_vs_fio_sync"] = geomean(
         [r["vs_fio_sync"] for r in rows if r["op"] == "write"])
+    for label, l in load.items():
+        ratios[f"load_{label}_parallel_speedup"] = l["speedup"]
     goals = {k: (0.90 if k.endswith("vs_fio") else 3.0) for k in ratios
              if k.endswith("vs_fio") or k.endswith("vs_naive")}
-    resultlib.print_table(rows, ["page_mib", "depth", "op", "thaw_MBps", "fio_MBps",
-                                 "fio_libaio_MBps", "naive_MBps", "vs_fio", "vs_fio_libaio",
-                                 "vs_naive", "fio_sync_MBps", "thaw_tmpfs_MBps"])
+    resultlib.print_table(rows, ["page_mib", "depth", "op", "thaw_MBps", "thaw_median_MBps",
+                                 "fio_MBps", "fio_libaio_MBps", "naive_MBps",
+                                 "drive_ceiling_MBps", "vs_fio", "vs_naive", "naive_headroom",
+                                 "vs_ceiling", "vs_fio_libaio", "fio_sync_MBps",
+                                 "thaw_tmpfs_MBps"])
     for k in sorted(ratios):
-        if "geomean" in k:
+        if "geomean" in k or k.startswith("load_"):
             print(f"{k}: {ratios[k]:.3f} (goal {goals.get(k, '-')})")
+    for label, l in load.items():
+        print(f"load {label}: {l['slots']} slots of {l['slot_bytes']} B, serial {l['serial_s']:.2f} s "
+              f"(median {l['serial_median_s']:.2f}), parallel {l['parallel_s']:.2f} s "
+              f"(median {l['parallel_median_s']:.2f}), speedup {l['speedup']:.2f}x")
     elapsed = time.perf_counter() - t_start
     print(f"total {elapsed:.0f} s")
     if a.out:
@@ -282,8 +395,29 @@ def main(argv: list[str] | None = None) -> int:
                              "after posix_fadvise(DONTNEED)",
                     "thaw_tmpfs": "the thaw measurement on /dev/shm: the store's own ceiling "
                                   "without a disk (diagnostic, not a baseline)",
-                    "repeat": "best of N per contender, order rotated each repeat"},
-            total_bytes_per_measurement=total, repeat=a.repeat, elapsed_s=elapsed)
+                    "drive_ceiling_MBps": "per (op, page size): the best rate ANY fio variant "
+                                          "reached in this run at ANY depth measured (psync and "
+                                          "libaio, plain and with fdatasync every 32 writes) - "
+                                          "what this drive delivers to a good O_DIRECT client. "
+                                          "Write ceilings usually come from fio_sync, fio's "
+                                          "second pass over its file (blocks already written); "
+                                          "thaw's measurement, like fio's first pass, writes "
+                                          "into a freshly preallocated file",
+                    "naive_headroom": "drive_ceiling / naive for the config: the largest "
+                                      "vs_naive ratio any store could reach on this drive. "
+                                      "Where it is < 3, the 3x vs_naive goal is unreachable "
+                                      "here because the naive store already runs near the "
+                                      "drive's rate, not because the store is slow",
+                    "vs_ceiling": "thaw / drive_ceiling: the share of the drive's best "
+                                  "measured rate the store reaches in this config",
+                    "repeat": "each config: every contender measured `repeat` times, "
+                              "interleaved (all four per repeat, order rotated); *_MBps and "
+                              "vs_* are best-of-N, *_median_MBps and vs_*_median the medians",
+                    "load": "cold start load of `slots` live entries (tiny payloads) on the "
+                            "same filesystem: DiskStore(cold_start='load', load_threads=1) "
+                            "(one header read after another) vs the default parallel scan, "
+                            "alternating, best and median of 3; speedup = serial / parallel"},
+            total_bytes_per_measurement=total, repeat=a.repeat, elapsed_s=elapsed, load=load)
         print(f"wrote {resultlib.write(res, a.out)}")
     return 0
 

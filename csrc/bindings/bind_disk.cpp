@@ -102,7 +102,7 @@ nb::dict stats_dict(const disk::StoreStats& s) {
   THAW_STAT(spills); THAW_STAT(spill_bytes); THAW_STAT(reloads); THAW_STAT(reload_bytes);
   THAW_STAT(misses); THAW_STAT(verify_failures); THAW_STAT(dedup_hits); THAW_STAT(gc_runs);
   THAW_STAT(gc_reclaims); THAW_STAT(deletes); THAW_STAT(write_errors); THAW_STAT(put_failures);
-  THAW_STAT(loaded_entries); THAW_STAT(in_flight_writes); THAW_STAT(in_flight_reads);
+  THAW_STAT(loaded_entries); THAW_STAT(clears); THAW_STAT(in_flight_writes); THAW_STAT(in_flight_reads);
   THAW_STAT(write_queue_depth); THAW_STAT(read_queue_depth); THAW_STAT(direct_io);
 #undef THAW_STAT
   return d;
@@ -145,7 +145,7 @@ void bind_disk(nb::module_& m) {
              std::vector<uint64_t> page_bytes, std::vector<double> shares, std::string name,
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
-             double gc_low) {
+             double gc_low, unsigned load_threads) {
             THAW_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -162,17 +162,23 @@ void bind_disk(nb::module_& m) {
             c.max_batch = max_batch;
             c.gc_high = gc_high;
             c.gc_low = gc_low;
+            c.load_threads = load_threads;
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
           nb::arg("dirs"), nb::arg("budget_bytes"), nb::arg("page_bytes"), nb::arg("shares"),
           nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
-          nb::arg("gc_high"), nb::arg("gc_low"))
+          nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0)
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;
              s.close();
+           })
+      .def("clear",
+           [](disk::Store& s) {
+             nb::gil_scoped_release nogil;
+             s.clear();
            })
       .def("kind_count", &disk::Store::kind_count)
       .def("page_bytes", &disk::Store::page_bytes)

@@ -3,7 +3,8 @@
 API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="thaw", cold_start="clear", direct_io=None,
-write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85)``
+write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85,
+load_threads=0)``
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -22,6 +23,7 @@ write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, 
 ``get_buffers_async(...)``                   -> :class:`GetTicket`
 ``stats()``                                  occupancy, spills, reloads, GC, errors, queues
 ``prometheus_collector()``                   a prometheus_client collector (if installed)
+``clear()``                                  drop every page (files and threads stay open)
 ``close()`` / ``with DiskStore(...) as s``   drain the I/O threads and close the files
 ==========================================  ===================================================
 
@@ -211,13 +213,16 @@ class DiskStore:
         queue_capacity: jobs per drive queue before submitters wait.
         max_batch: writes per fdatasync on one write thread (group commit).
         gc_high, gc_low: GC starts at ``gc_high`` occupancy and evicts down to ``gc_low``.
+        load_threads: threads scanning each slab's slot headers for ``cold_start="load"``
+            (0: the default, 8; 1: one header read after another).
     """
 
     def __init__(self, dirs: str | os.PathLike | Sequence[str | os.PathLike], budget_bytes: int,
                  kinds: int | Mapping[str, Any], *, name: str = "thaw",
                  cold_start: str = "clear", direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
-                 max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85) -> None:
+                 max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85,
+                 load_threads: int = 0) -> None:
         self._s = None
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
@@ -238,6 +243,9 @@ class DiskStore:
             raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
         if not (0 < gc_low < gc_high <= 1):
             raise ValueError(f"need 0 < gc_low < gc_high <= 1, got gc_low={gc_low!r} gc_high={gc_high!r}")
+        if (isinstance(load_threads, bool) or not isinstance(load_threads, int)
+                or not 0 <= load_threads <= 256):
+            raise ValueError(f"load_threads must be an int in [0, 256], got {load_threads!r}")
         self.kind_names, pages, shares = _parse_kinds(kinds)
         self._kind_index = {n: i for i, n in enumerate(self.kind_names)}
         for d in dirs:
@@ -248,7 +256,7 @@ class DiskStore:
             dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
             _positive_int("write_threads", write_threads), _positive_int("read_threads", read_threads),
             _positive_int("queue_capacity", queue_capacity), _positive_int("max_batch", max_batch),
-            float(gc_high), float(gc_low))
+            float(gc_high), float(gc_low), load_threads)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -256,6 +264,14 @@ class DiskStore:
         if self._s is not None:
             s, self._s = self._s, None
             s.close()
+
+    def clear(self) -> None:
+        """Drop every page of every kind, keeping the files and threads open: writes and reads
+        in progress finish first, queued puts are acknowledged as cancelled (False) and queued
+        reads as misses, and every slab gets a new slab id (as ``cold_start="clear"`` does), so
+        neither this store nor a later ``cold_start="load"`` sees the old pages. OSError when a
+        slab header cannot be rewritten."""
+        self._native().clear()
 
     @property
     def closed(self) -> bool:
@@ -444,7 +460,7 @@ class DiskStore:
                 lab = ["store"]
                 for field in ("spills", "spill_bytes", "reloads", "reload_bytes", "misses",
                               "verify_failures", "dedup_hits", "gc_runs", "gc_reclaims",
-                              "deletes", "write_errors", "put_failures"):
+                              "deletes", "write_errors", "put_failures", "clears"):
                     c = CounterMetricFamily(f"thaw_disk_{field}", f"thaw disk tier: {field}",
                                             labels=lab)
                     c.add_metric([store.name], s[field])

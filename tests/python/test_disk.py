@@ -180,6 +180,54 @@ def test_clear_and_load_rebuild_exactly_the_live_set(d):
         assert s.stats()["loaded_entries"] == 0  # old bytes are inert after clear
 
 
+def test_store_clear_drops_every_kind_and_load_sees_only_later_puts(d):
+    kinds = {"k": 8000, "v": (4000, 2.0)}
+    with DiskStore([os.path.join(d, "a"), os.path.join(d, "b")], 2 << 20, kinds) as s:
+        for kind in kinds:
+            assert all(s.batch_put([f"{kind}{i}" for i in range(10)],
+                                   [content(i, 100 + i) for i in range(10)], kind))
+        # a ticket not yet waited: its puts finish (stored or cancelled), never hang
+        t = s.put_async([f"late{i}" for i in range(20)], [b"x" * 50] * 20, "v")
+        s.clear()
+        assert all(r in ("stored", "cancelled") for r in t.wait_results())
+        st = s.stats()
+        assert st["clears"] == 1 and st["in_flight_writes"] == 0
+        assert all(k["entries"] == 0 and k["slots_used"] == 0 for k in st["kinds"].values())
+        for kind in kinds:
+            assert s.get(f"{kind}0", kind) is None
+            assert not s.exists(f"{kind}1", kind)
+        assert s.get("late0", "v") is None
+        # stored again (not a duplicate of a dropped page), by the same threads
+        assert s.put("k0", content(0, 100), "k")
+        assert s.put("after", b"post-clear", "v")
+        assert s.get("k0", "k") == content(0, 100)
+        assert s.stats()["spills"] >= 2
+    with DiskStore([os.path.join(d, "a"), os.path.join(d, "b")], 2 << 20, kinds,
+                   cold_start="load", load_threads=1) as s:
+        assert s.stats()["loaded_entries"] == 2
+        assert s.get("k0", "k") == content(0, 100) and s.get("after", "v") == b"post-clear"
+        assert s.get("k1", "k") is None and s.get("v0", "v") is None
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.clear()
+
+
+def test_load_threads_give_the_same_index(d):
+    page = 4000
+    with DiskStore(d, 4096 + 3000 * 4096, page) as s:
+        keys = [f"n{i}" for i in range(2000)]
+        assert all(s.batch_put(keys, [content(i, 10 + i % 50) for i in range(2000)]))
+        assert all(s.batch_delete(keys[::7]))
+    live = set(keys) - set(keys[::7])
+    for threads in (0, 1, 3, 16):
+        with DiskStore(d, 4096 + 3000 * 4096, page, cold_start="load", load_threads=threads) as s:
+            assert s.stats()["loaded_entries"] == len(live), threads
+            assert s.batch_exists(keys) == [k in live for k in keys], threads
+    for bad in (-1, 257, 1.5, True):
+        with pytest.raises(ValueError, match="load_threads"):
+            DiskStore(d, 1 << 20, page, load_threads=bad)
+
+
 def test_load_ignores_a_slab_from_another_store(d):
     other = tempfile.mkdtemp(dir=BASE)
     try:

@@ -130,10 +130,28 @@ class SlabFile {
   // mismatch or I/O error. Never throws.
   std::optional<size_t> read_into(uint64_t slot, const Key& key, uint8_t* buf, size_t buf_bytes,
                                   size_t expected_len = SIZE_MAX) const noexcept;
+  // read_into in two steps (to verify on another thread): read_raw transfers what read_into
+  // would and returns the bytes read, or -1 on an error or a bad argument; verify_read then
+  // checks the buffer exactly as read_into does. Never throw.
+  ssize_t read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                   size_t expected_len = SIZE_MAX) const noexcept;
+  std::optional<size_t> verify_read(uint64_t slot, const Key& key, const uint8_t* buf, ssize_t got,
+                                    size_t expected_len = SIZE_MAX) const noexcept;
 
-  // Header-only scan of every slot (one 4 KiB read each); returns the slots whose header
-  // verifies for this slab. Payload CRCs are checked later, on read.
-  std::vector<ScannedSlot> scan() const;
+  // Header-only scan of every slot; returns the slots whose header verifies for this slab, in
+  // slot order. Payload CRCs are checked later, on read. Large slots cost one 4 KiB read each;
+  // slots of at most kScanBatchBytes / 2 are read kScanBatchBytes at a time (many headers per
+  // read). `threads` workers scan contiguous slot ranges in parallel (fewer when the slab has
+  // under kScanMinSlotsPerThread slots per worker); the result does not depend on `threads`.
+  // Throws std::system_error on an I/O error, std::invalid_argument for threads == 0.
+  std::vector<ScannedSlot> scan(unsigned threads = 1) const;
+  static constexpr uint64_t kScanBatchBytes = 256 * 1024;
+  static constexpr uint64_t kScanMinSlotsPerThread = 256;
+
+  // Formats the slab again exactly as cold start `clear` does: the file header gets
+  // slab_id + 1, so every slot written so far stops verifying. Not concurrent with slot I/O.
+  // Throws std::system_error on an I/O error.
+  void reformat();
 
   // Overwrites the slot's first 4 KiB with zeros so its header never verifies again.
   // Throws std::system_error on an I/O error.
@@ -153,6 +171,7 @@ class SlabFile {
 
  private:
   bool verify_header(const SlotHeader& h, uint64_t slot) const noexcept;
+  std::vector<ScannedSlot> scan_range(uint64_t first, uint64_t last) const;
   void format();
 
   std::string path_;
@@ -186,7 +205,12 @@ struct StoreConfig {
   unsigned max_batch = 32;         // writes per fdatasync (group commit) on one write thread
   double gc_high = 0.90;           // GC starts when a kind is this full ...
   double gc_low = 0.85;            // ... and reclaims coldest entries down to this
+  unsigned load_threads = 0;       // cold start `load`: header-scan threads per slab file
+                                   // (0: kDefaultLoadThreads; 1: one read after another)
+  int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
+                                   // -1 when read_threads == 1, 0 never, 1 always
 };
+constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 
 enum class PutResult : int8_t {
   kPending = -1,
@@ -216,7 +240,8 @@ struct StoreStats {
   uint64_t write_errors = 0;
   uint64_t put_failures = 0;    // kFull
   uint64_t loaded_entries = 0;  // entries rebuilt by cold start `load`
-  uint64_t in_flight_writes = 0;
+  uint64_t clears = 0;          // Store::clear() calls
+  uint64_t in_flight_writes = 0;  // puts given a slot and not yet acknowledged (queued included)
   uint64_t in_flight_reads = 0;
   uint64_t write_queue_depth = 0;
   uint64_t read_queue_depth = 0;
@@ -268,6 +293,15 @@ class Store {
 
   // Stops the I/O threads after draining their queues; later calls fail with kCancelled/miss.
   void close() noexcept;
+
+  // Drops every entry of every kind, as cold start `clear` would, keeping files and threads:
+  // waits for the slot writes and reads in progress, acknowledges queued puts kCancelled and
+  // queued reads as misses, then reformats every slab (slab_id + 1: every old slot stops
+  // verifying, so a later `load` sees only what is put after this) and empties the index, the
+  // GC heaps and the slot pools. Puts submitted concurrently are either cancelled or stored
+  // after the clear. No-op on a closed store. Throws std::system_error when a slab header
+  // cannot be rewritten (the index is empty anyway; that slab's old slots become misses).
+  void clear();
 
   size_t kind_count() const noexcept { return kinds_.size(); }
   uint64_t page_bytes(unsigned kind) const;
@@ -336,6 +370,7 @@ class Store {
     uint32_t seq;
     Ticket ticket;
     size_t index;
+    uint64_t epoch;  // clears_ when the slot was allocated; older jobs are cancelled
   };
   struct ReadJob {
     unsigned kind;
@@ -346,6 +381,7 @@ class Store {
     GetItem item;
     Ticket ticket;
     size_t index;
+    uint64_t epoch;
   };
   template <class Job>
   struct Queue {
@@ -367,10 +403,22 @@ class Store {
                     const std::vector<size_t>* where);
   void write_loop(unsigned drive);
   void read_loop(unsigned drive);
+  void read_loop_staged(unsigned drive, uint64_t max_slot);
+  bool next_read(unsigned drive, ReadJob& j);
+  bool current_epoch(const ReadJob& j) const;
+  void complete_read(ReadJob& j, std::optional<size_t> r);
   void finish_write(WriteJob& job, PutResult r);
   void gc_locked(KindState& k, uint64_t target_used);
   void free_slot_locked(KindState& k, uint32_t drive, uint64_t slot);
   void load_index();
+  // I/O threads hold the gate around each batch of slot I/O; clear() closes it and waits
+  // until no I/O is in progress (new I/O waits while a clear is pending).
+  void gate_enter();
+  void gate_leave();
+  struct GateGuard {
+    Store* s;
+    ~GateGuard() { s->gate_leave(); }
+  };
   KindState& kind_state(unsigned kind);
   const KindState& kind_state(unsigned kind) const;
 
@@ -380,9 +428,16 @@ class Store {
   mutable std::mutex mu_;  // index, free lists, heaps, pending, counters below
   uint64_t tick_ = 0;
   uint32_t seq_ = 0;
+  uint64_t epoch_ = 0;  // bumped by clear(); jobs of an older epoch own no slot any more
   bool closed_ = false;
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  unsigned gate_active_ = 0;   // I/O threads inside the gate
+  unsigned gate_clearing_ = 0; // clear() calls waiting or running
+  std::mutex clear_mu_;        // one clear at a time
   StoreStats counters_;
-  std::atomic<uint64_t> in_flight_writes_{0}, in_flight_reads_{0};
+  uint64_t in_flight_writes_ = 0;  // under mu_: jobs created and not yet acknowledged
+  std::atomic<uint64_t> in_flight_reads_{0};
   std::atomic<uint64_t> write_queue_depth_{0}, read_queue_depth_{0};
 };
 

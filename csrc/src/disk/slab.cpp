@@ -7,7 +7,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <algorithm>
+#include <exception>
 #include <random>
+#include <thread>
 
 #include "thaw/crc32c.hpp"
 #include "thaw/disk.hpp"
@@ -156,6 +159,7 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
     const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
     struct stat st{};
     THAW_SYSCALL(::fstat(fd_, &st));
+    const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
     if (static_cast<uint64_t>(st.st_size) > size) THAW_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)));
     const int fa = ::posix_fallocate(fd_, 0, static_cast<off_t>(size));
     if (fa != 0)
@@ -176,7 +180,9 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
     if (mode == ColdStart::kLoad && matches) {
       slab_id_ = fh.slab_id;
     } else {
-      if (mode == ColdStart::kLoad)
+      if (mode == ColdStart::kLoad && fresh)
+        log::info("thaw.disk: " + path + " is new; formatted it empty");
+      else if (mode == ColdStart::kLoad)
         log::warning("thaw.disk: " + path + (valid ? " belongs to another store or geometry"
                                                    : " has no valid slab header") +
                      "; starting it empty");
@@ -260,43 +266,106 @@ bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept 
          h.payload_len <= geo_.slot_bytes - kSlotHeaderBytes;
 }
 
-std::optional<size_t> SlabFile::read_into(uint64_t slot, const Key& key, uint8_t* buf,
-                                          size_t buf_bytes, size_t expected_len) const noexcept {
-  if (slot >= geo_.slot_count || buf == nullptr) return std::nullopt;
-  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return std::nullopt;
+ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                           size_t expected_len) const noexcept {
+  if (slot >= geo_.slot_count || buf == nullptr) return -1;
+  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return -1;
   size_t n = geo_.slot_bytes;
   if (expected_len != SIZE_MAX) {
-    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return std::nullopt;
+    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return -1;
     n = round_up(kSlotHeaderBytes + expected_len, kBlock);
   }
-  if (buf_bytes < n) return std::nullopt;
-  const ssize_t r = pread_full(fd_, buf, n, slot_offset(slot));
-  if (r < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;
+  if (buf_bytes < n) return -1;
+  return pread_full(fd_, buf, n, slot_offset(slot));
+}
+
+std::optional<size_t> SlabFile::verify_read(uint64_t slot, const Key& key, const uint8_t* buf,
+                                            ssize_t got, size_t expected_len) const noexcept {
+  if (buf == nullptr || got < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;
   SlotHeader h;
   std::memcpy(&h, buf, sizeof h);
   if (!verify_header(h, slot) || std::memcmp(h.key, key.data(), kKeyBytes) != 0)
     return std::nullopt;
   if (expected_len != SIZE_MAX && h.payload_len != expected_len) return std::nullopt;
-  if (kSlotHeaderBytes + h.payload_len > static_cast<size_t>(r)) return std::nullopt;
+  if (kSlotHeaderBytes + h.payload_len > static_cast<size_t>(got)) return std::nullopt;
   if (crc32c(buf + kSlotHeaderBytes, h.payload_len) != h.payload_crc) return std::nullopt;
   return h.payload_len;
 }
 
-std::vector<ScannedSlot> SlabFile::scan() const {
+std::optional<size_t> SlabFile::read_into(uint64_t slot, const Key& key, uint8_t* buf,
+                                          size_t buf_bytes, size_t expected_len) const noexcept {
+  return verify_read(slot, key, buf, read_raw(slot, buf, buf_bytes, expected_len), expected_len);
+}
+
+std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) const {
   std::vector<ScannedSlot> out;
-  AlignedBuffer b(kBlock);
-  for (uint64_t s = 0; s < geo_.slot_count; ++s) {
-    const ssize_t r = pread_full(fd_, b.data(), kBlock, slot_offset(s));
-    if (r < 0) throw std::system_error(errno, std::generic_category(), "pread(\"" + path_ + "\")");
-    if (r < static_cast<ssize_t>(kSlotHeaderBytes)) continue;
-    SlotHeader h;
-    std::memcpy(&h, b.data(), sizeof h);
-    if (!verify_header(h, s)) continue;
-    ScannedSlot ss{s, {}, h.payload_len, h.seq};
-    std::memcpy(ss.key.data(), h.key, kKeyBytes);
-    out.push_back(ss);
+  // Small slots: one read covers the headers of several adjacent slots (the bytes between
+  // headers come along); large slots: one 4 KiB read per header.
+  const uint64_t per_read =
+      geo_.slot_bytes <= kScanBatchBytes / 2 ? kScanBatchBytes / geo_.slot_bytes : 1;
+  AlignedBuffer b(per_read == 1 ? kBlock : per_read * geo_.slot_bytes, kBlock);
+  for (uint64_t s0 = first; s0 < last; s0 += per_read) {
+    const uint64_t n = std::min(per_read, last - s0);
+    const size_t bytes = n == 1 ? kBlock : static_cast<size_t>(n * geo_.slot_bytes);
+    const ssize_t r = pread_full(fd_, b.data(), bytes, slot_offset(s0));
+    if (r < 0)
+      throw std::system_error(errno, std::generic_category(),
+                              "pread(\"" + path_ + "\", " + std::to_string(bytes) + " bytes at " +
+                                  std::to_string(slot_offset(s0)) + ")");
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t at = i * geo_.slot_bytes;
+      if (static_cast<uint64_t>(r) < at + kSlotHeaderBytes) break;  // truncated file
+      SlotHeader h;
+      std::memcpy(&h, b.data() + at, sizeof h);
+      if (!verify_header(h, s0 + i)) continue;
+      ScannedSlot ss{s0 + i, {}, h.payload_len, h.seq};
+      std::memcpy(ss.key.data(), h.key, kKeyBytes);
+      out.push_back(ss);
+    }
   }
   return out;
+}
+
+std::vector<ScannedSlot> SlabFile::scan(unsigned threads) const {
+  THAW_EXPECT(threads >= 1, "scan needs at least one thread");
+  // Contiguous ranges of at least kScanMinSlotsPerThread slots, one per worker; the results
+  // are concatenated in range order, so the output is the serial scan's, slot by slot.
+  const uint64_t count = geo_.slot_count;
+  const uint64_t workers =
+      std::max<uint64_t>(1, std::min<uint64_t>(threads, count / kScanMinSlotsPerThread));
+  if (workers == 1) return scan_range(0, count);
+  std::vector<std::vector<ScannedSlot>> parts(workers);
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  const auto bounds = [&](uint64_t w) { return count * w / workers; };
+  try {
+    for (uint64_t w = 0; w < workers; ++w)
+      pool.emplace_back([&, w] {
+        try {
+          parts[w] = scan_range(bounds(w), bounds(w + 1));
+        } catch (...) {
+          errors[w] = std::current_exception();
+        }
+      });
+  } catch (...) {  // could not start a thread: finish with the ones that run, then report
+    for (auto& t : pool) t.join();
+    throw;
+  }
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  std::vector<ScannedSlot> out;
+  size_t total = 0;
+  for (auto& p : parts) total += p.size();
+  out.reserve(total);
+  for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+void SlabFile::reformat() {
+  slab_id_ = slab_id_ + 1 == 0 ? 1 : slab_id_ + 1;
+  format();
 }
 
 }  // namespace thaw::disk

@@ -44,6 +44,8 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
               "write_threads and read_threads must be >= 1");
   THAW_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
   THAW_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
+  THAW_EXPECT(cfg_.load_threads <= 256,
+              "load_threads must be in [0, 256], got " + std::to_string(cfg_.load_threads));
   THAW_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
               "need 0 < gc_low < gc_high <= 1, got gc_low=" + std::to_string(cfg_.gc_low) +
                   " gc_high=" + std::to_string(cfg_.gc_high));
@@ -105,6 +107,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
 Store::~Store() { close(); }
 
 void Store::close() noexcept {
+  std::lock_guard cl(clear_mu_);  // not while a clear() rewrites the slab headers
   {
     std::lock_guard lk(mu_);
     if (closed_) return;
@@ -153,15 +156,21 @@ void Store::load_index() {
     };
     std::vector<Found> found;
     std::vector<std::vector<bool>> used(k.slabs.size());
+    const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
     for (size_t d = 0; d < k.slabs.size(); ++d) {
       used[d].assign(k.slabs[d]->geometry().slot_count, false);
       if (cfg_.cold_start != ColdStart::kLoad || k.slabs[d]->formatted()) continue;
-      for (const ScannedSlot& s : k.slabs[d]->scan())
+      // scan() returns the slots in slot order whatever the thread count.
+      for (const ScannedSlot& s : k.slabs[d]->scan(threads))
         if (s.payload_len <= k.cfg.page_bytes) found.push_back({static_cast<uint32_t>(d), s});
     }
-    // Oldest writes first: they become the coldest GC entries; a later duplicate wins.
-    std::sort(found.begin(), found.end(),
-              [](const Found& a, const Found& b) { return a.s.seq < b.s.seq; });
+    // Oldest writes first: they become the coldest GC entries; a later duplicate wins. Ties
+    // (only possible after seq wrapped) break on (drive, slot), so the result is deterministic.
+    std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+      if (a.s.seq != b.s.seq) return a.s.seq < b.s.seq;
+      if (a.drive != b.drive) return a.drive < b.drive;
+      return a.s.slot < b.s.slot;
+    });
     for (const Found& f : found) {
       seq_ = std::max(seq_, f.s.seq + 1);
       auto it = k.index.find(f.s.key);
@@ -314,7 +323,8 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
       ++k.slots_used;
       k.pending[it.key] = Pending{};
       jobs.push_back(WriteJob{kind, it.key, static_cast<uint32_t>(d), slot, std::move(it.buffer),
-                              it.payload_len, seq_++, t, i});
+                              it.payload_len, seq_++, t, i, epoch_});
+      ++in_flight_writes_;  // from here until its acknowledgement (finish_write)
     }
     write_queue_depth_ += jobs.size();
   }
@@ -376,6 +386,14 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
 
 // Called with mu_ held: publish or undo one write, wake its joiners.
 void Store::finish_write(WriteJob& job, PutResult r) {
+  --in_flight_writes_;  // with the acknowledgement, under the same lock as stats()
+  if (job.epoch != epoch_) {
+    // clear() ran since the slot was allocated: the slot went back to the pool and the pending
+    // entry (with its joiners) was acknowledged then. Nothing of this job is in the state.
+    job.buffer.reset();
+    job.ticket->finish(job.index, static_cast<int64_t>(PutResult::kCancelled));
+    return;
+  }
   KindState& k = kinds_[job.kind];
   Pending p;
   if (auto it = k.pending.find(job.key); it != k.pending.end()) {
@@ -429,7 +447,22 @@ void Store::write_loop(unsigned drive) {
     }
     q.not_full.notify_all();
     write_queue_depth_ -= batch.size();
-    in_flight_writes_ += batch.size();
+    gate_enter();  // no clear() while this batch does slot I/O
+    GateGuard gate{this};
+    {
+      // Jobs allocated before a clear() own no slot any more: acknowledge them, write nothing.
+      std::lock_guard lk(mu_);
+      size_t keep = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (batch[i].epoch != epoch_)
+          finish_write(batch[i], PutResult::kCancelled);
+        else if (keep != i)
+          batch[keep++] = std::move(batch[i]);
+        else
+          ++keep;
+      }
+      batch.resize(keep);
+    }
     std::vector<PutResult> res(batch.size(), PutResult::kStored);
     std::vector<SlabFile*> touched;
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -470,7 +503,6 @@ void Store::write_loop(unsigned drive) {
         }
       }
     }
-    in_flight_writes_ -= batch.size();
   }
 }
 
@@ -508,7 +540,7 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
       }
       e->second.last_access = ++tick_;  // reads touch (invariant 8)
       jobs.push_back(ReadJob{kind, items[i].key, e->second.drive, e->second.slot, e->second.len,
-                             items[i], t, i});
+                             items[i], t, i, epoch_});
     }
     read_queue_depth_ += jobs.size();
   }
@@ -523,23 +555,72 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
   return t;
 }
 
-void Store::read_loop(unsigned drive) {
+// Statistics, the verify-failure reclaim and the acknowledgement of one read.
+void Store::complete_read(ReadJob& j, std::optional<size_t> r) {
+  {
+    std::lock_guard lk(mu_);
+    if (r) {
+      ++counters_.reloads;
+      counters_.reload_bytes += *r;
+    } else if (j.epoch != epoch_) {
+      ++counters_.misses;  // looked up before a clear(): the entry is gone
+    } else {
+      ++counters_.verify_failures;
+      // A slot that does not verify is a miss; drop its entry if it still points there.
+      KindState& k = kinds_[j.kind];
+      auto e = k.index.find(j.key);
+      if (e != k.index.end() && e->second.drive == j.drive && e->second.slot == j.slot) {
+        k.index.erase(e);
+        free_slot_locked(k, j.drive, j.slot);
+      }
+    }
+  }
+  --in_flight_reads_;
+  j.ticket->finish(j.index, r ? static_cast<int64_t>(*r) : -1);
+}
+
+// Takes the next read job; false when the queue is stopped and drained.
+bool Store::next_read(unsigned drive, ReadJob& j) {
   Queue<ReadJob>& q = drives_[drive]->reads;
+  {
+    std::unique_lock lk(q.mu);
+    q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
+    if (q.jobs.empty()) return false;
+    j = std::move(q.jobs.front());
+    q.jobs.pop_front();
+  }
+  q.not_full.notify_one();
+  --read_queue_depth_;
+  ++in_flight_reads_;
+  return true;
+}
+
+bool Store::current_epoch(const ReadJob& j) const {
+  std::lock_guard lk(mu_);
+  return j.epoch == epoch_;
+}
+
+void Store::read_loop(unsigned drive) {
   uint64_t max_slot = 0;
   for (auto& k : kinds_) max_slot = std::max(max_slot, k.slot_bytes);
-  AlignedBuffer scratch;
-  for (;;) {
-    ReadJob j;
-    {
-      std::unique_lock lk(q.mu);
-      q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
-      if (q.jobs.empty()) return;
-      j = std::move(q.jobs.front());
-      q.jobs.pop_front();
+  const bool staged = cfg_.verify_stage > 0 || (cfg_.verify_stage < 0 && cfg_.read_threads == 1);
+  if (staged) {
+    try {
+      read_loop_staged(drive, max_slot);
+      return;
+    } catch (const std::system_error& e) {  // no second thread: verify on this one
+      log::warning(std::string("thaw.disk: no verify thread (") + e.what() + ")");
     }
-    q.not_full.notify_one();
-    --read_queue_depth_;
-    ++in_flight_reads_;
+  }
+  AlignedBuffer scratch;
+  ReadJob j;
+  while (next_read(drive, j)) {
+    gate_enter();  // no clear() while this read does slot I/O
+    GateGuard gate{this};
+    if (!current_epoch(j)) {  // looked up before a clear(): the entry is gone, a miss
+      complete_read(j, std::nullopt);
+      continue;
+    }
     const SlabFile& s = *kinds_[j.kind].slabs[drive];
     std::optional<size_t> r;
     if (j.item.dst_is_slot) {
@@ -549,25 +630,91 @@ void Store::read_loop(unsigned drive) {
       r = s.read_into(j.slot, j.key, scratch.data(), scratch.size(), j.len);
       if (r && *r) std::memcpy(j.item.dst, scratch.data() + kSlotHeaderBytes, *r);
     }
+    complete_read(j, r);
+  }
+}
+
+// One reader and one verifier per drive: the payload CRC (and the copy out of the scratch
+// buffer) of read i runs on the verifier while the reader already transfers read i + 1, so at
+// queue depth 1 the drive does not idle during verification. Invariant 1 is unchanged: bytes
+// are acknowledged only after verify_read. Two scratch buffers alternate: the reader fills one
+// while the verifier may still read the other, and hands over only when the verifier is idle.
+void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
+  struct Staged {
+    ReadJob job;
+    uint8_t* buf;    // slot image: the caller's slot buffer or a scratch buffer
+    ssize_t got;     // read_raw's result
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<Staged> next;  // handed to the verifier
+  bool busy = false, stop = false;
+  std::thread verifier([&] {
+    for (;;) {
+      Staged st;
+      {
+        std::unique_lock lk(mu);
+        cv.wait(lk, [&] { return stop || next.has_value(); });
+        if (!next) return;
+        st = std::move(*next);
+        next.reset();
+        busy = true;
+      }
+      cv.notify_all();
+      {
+        gate_enter();  // verify_read uses the slab id, which clear() changes
+        GateGuard gate{this};
+        std::optional<size_t> r;
+        if (st.got >= 0 && current_epoch(st.job)) {
+          const SlabFile& s = *kinds_[st.job.kind].slabs[drive];
+          r = s.verify_read(st.job.slot, st.job.key, st.buf, st.got, st.job.len);
+          if (r && *r && !st.job.item.dst_is_slot)
+            std::memcpy(st.job.item.dst, st.buf + kSlotHeaderBytes, *r);
+        }
+        complete_read(st.job, r);
+      }
+      {
+        std::lock_guard lk(mu);
+        busy = false;
+      }
+      cv.notify_all();
+    }
+  });
+  AlignedBuffer scratch[2];
+  unsigned cur = 0;
+  ReadJob j;
+  while (next_read(drive, j)) {
+    Staged st{std::move(j), nullptr, -1};
     {
-      std::lock_guard lk(mu_);
-      if (r) {
-        ++counters_.reloads;
-        counters_.reload_bytes += *r;
-      } else {
-        // A slot that does not verify is a miss; drop its entry if it still points there.
-        ++counters_.verify_failures;
-        KindState& k = kinds_[j.kind];
-        auto e = k.index.find(j.key);
-        if (e != k.index.end() && e->second.drive == j.drive && e->second.slot == j.slot) {
-          k.index.erase(e);
-          free_slot_locked(k, j.drive, j.slot);
+      gate_enter();  // no clear() while this read does slot I/O
+      GateGuard gate{this};
+      if (current_epoch(st.job)) {
+        const SlabFile& s = *kinds_[st.job.kind].slabs[drive];
+        if (st.job.item.dst_is_slot) {
+          st.buf = st.job.item.dst;
+          st.got = s.read_raw(st.job.slot, st.buf, st.job.item.dst_bytes, st.job.len);
+        } else {
+          if (scratch[cur].size() < max_slot) scratch[cur] = AlignedBuffer(max_slot, kBlock);
+          st.buf = scratch[cur].data();
+          st.got = s.read_raw(st.job.slot, st.buf, scratch[cur].size(), st.job.len);
+          cur ^= 1;
         }
       }
     }
-    --in_flight_reads_;
-    j.ticket->finish(j.index, r ? static_cast<int64_t>(*r) : -1);
+    {
+      std::unique_lock lk(mu);
+      cv.wait(lk, [&] { return !next.has_value() && !busy; });
+      next = std::move(st);
+    }
+    cv.notify_all();
   }
+  {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return !next.has_value() && !busy; });
+    stop = true;
+  }
+  cv.notify_all();
+  verifier.join();
 }
 
 std::optional<size_t> Store::lookup(unsigned kind, const Key& key) const {
@@ -596,13 +743,103 @@ bool Store::remove(unsigned kind, const Key& key) {
   return false;
 }
 
+void Store::gate_enter() {
+  std::unique_lock g(gate_mu_);
+  gate_cv_.wait(g, [&] { return gate_clearing_ == 0; });
+  ++gate_active_;
+}
+
+void Store::gate_leave() {
+  {
+    std::lock_guard g(gate_mu_);
+    --gate_active_;
+  }
+  gate_cv_.notify_all();
+}
+
+void Store::clear() {
+  std::lock_guard cl(clear_mu_);
+  {
+    std::lock_guard lk(mu_);
+    if (closed_) return;
+  }
+  // Close the gate and wait until no slot write or read is in progress.
+  {
+    std::unique_lock g(gate_mu_);
+    ++gate_clearing_;
+    gate_cv_.wait(g, [&] { return gate_active_ == 0; });
+  }
+  struct Reopen {
+    Store* s;
+    ~Reopen() {
+      {
+        std::lock_guard g(s->gate_mu_);
+        --s->gate_clearing_;
+      }
+      s->gate_cv_.notify_all();
+    }
+  } reopen{this};
+  // Take every queued job: they are acknowledged below without I/O.
+  std::vector<WriteJob> writes;
+  std::vector<ReadJob> reads;
+  for (auto& d : drives_) {
+    {
+      std::lock_guard lk(d->writes.mu);
+      for (auto& j : d->writes.jobs) writes.push_back(std::move(j));
+      d->writes.jobs.clear();
+    }
+    d->writes.not_full.notify_all();
+    {
+      std::lock_guard lk(d->reads.mu);
+      for (auto& j : d->reads.jobs) reads.push_back(std::move(j));
+      d->reads.jobs.clear();
+    }
+    d->reads.not_full.notify_all();
+  }
+  {
+    std::lock_guard lk(mu_);
+    write_queue_depth_ -= writes.size();
+    read_queue_depth_ -= reads.size();
+    ++epoch_;  // every job allocated so far is cancelled when it reaches a thread
+    ++counters_.clears;
+    for (KindState& k : kinds_) {
+      for (auto& [key, p] : k.pending)
+        for (auto& [tk, idx] : p.joiners) tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
+      k.pending.clear();
+      k.index.clear();
+      k.heap.clear();
+      k.slots_used = 0;
+      for (size_t d = 0; d < k.slabs.size(); ++d) {
+        k.free[d].clear();
+        for (uint64_t slot = k.slabs[d]->geometry().slot_count; slot-- > 0;) k.free[d].push_back(slot);
+        k.stale[d].clear();  // the new slab id makes every old slot inert
+      }
+    }
+    for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
+  }
+  for (ReadJob& j : reads) j.ticket->finish(j.index, -1);
+  // New slab ids, as cold start `clear` writes them (invariant 7). The gate is still closed,
+  // so no slot I/O runs; puts submitted meanwhile wait at the gate and get the new id.
+  std::exception_ptr err;
+  for (KindState& k : kinds_)
+    for (auto& slab : k.slabs) {
+      try {
+        slab->reformat();
+      } catch (const std::exception& e) {
+        log::error(std::string("thaw.disk: clear: ") + e.what());
+        if (!err) err = std::current_exception();
+      }
+    }
+  if (err) std::rethrow_exception(err);
+}
+
 StoreStats Store::stats() const {
   std::lock_guard lk(mu_);
   StoreStats s = counters_;
   for (const KindState& k : kinds_)
     s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.slots_total, k.slots_used,
                                 static_cast<uint64_t>(k.index.size())});
-  s.in_flight_writes = in_flight_writes_.load();
+  s.in_flight_writes = in_flight_writes_;
   s.in_flight_reads = in_flight_reads_.load();
   s.write_queue_depth = write_queue_depth_.load();
   s.read_queue_depth = read_queue_depth_.load();

@@ -411,15 +411,14 @@ class ThawStorage(HiCacheStorage):
                 store.close()
 
     def clear(self) -> bool:
-        """Drop every page of this rank (SGLang's ``/clear_hicache_storage``): the slabs are
-        reopened empty, so neither this process nor a later ``cold_start=load`` sees them."""
+        """Drop every page of this rank (SGLang's ``/clear_hicache_storage``): the store drops
+        its index and gives every slab a new slab id (files, threads and staging buffers stay),
+        so neither this process nor a later ``cold_start=load`` sees them."""
         try:
             with self._state.exclusive():
                 if self._store is None:
                     return not self._closed
-                self._store.close()
-                self._store = None
-                self._store = self._open("clear")
+                self._store.clear()
             logger.info("thaw HiCache backend: cleared %s", self._store_name)
             return True
         except Exception as e:  # never raise into the scheduler
