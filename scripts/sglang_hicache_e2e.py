@@ -152,6 +152,11 @@ def thaw_extra_config(s: Settings, cold_start: str) -> dict:
 SCENARIOS = ("thaw", "thaw_restart", "file")
 
 
+def port_of(s: Settings, scenario: str) -> int:
+    """One port per scenario, so a stopped server's socket never delays the next launch."""
+    return s.port + SCENARIOS.index(scenario)
+
+
 def server_args(s: Settings, scenario: str) -> list[str]:
     """The exact ``python -m sglang.launch_server`` command of one scenario."""
     if scenario not in SCENARIOS:
@@ -168,7 +173,7 @@ def server_args(s: Settings, scenario: str) -> list[str]:
         "--hicache-write-policy", "write_through",
         "--hicache-io-backend", s.io_backend, "--hicache-mem-layout", s.mem_layout,
         "--hicache-storage-prefetch-policy", "wait_complete",
-        "--port", str(s.port), "--host", "127.0.0.1", "--log-level", "info",
+        "--port", str(port_of(s, scenario)), "--host", "127.0.0.1", "--log-level", "info",
     ]
     if scenario == "file":
         cmd += ["--hicache-storage-backend", "file"]
@@ -396,10 +401,15 @@ class Server:
                 except subprocess.TimeoutExpired:
                     continue
         if p is not None:
-            try:  # children left in the group after the leader exited
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            # children left in the group after the leader exited (the scheduler holds the
+            # GPU memory the next launch sizes its pools from): gone within a bounded wait
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10.0:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.2)
         if getattr(self, "_log", None):
             self._log.close()
             self._log = None
@@ -647,6 +657,7 @@ class Run:
     def l3_scenario(self, scenario: str) -> None:
         """thaw or file: miss, device_hit, written, flush, l3_hit."""
         s, page = self.s, self.s.page_tokens
+        port = port_of(s, scenario)
         info: dict[str, Any] = {"ok": False}
         self.scenarios[scenario] = info
         backend = "file" if scenario == "file" else "thaw"
@@ -657,16 +668,16 @@ class Run:
         info["log"] = os.path.basename(srv.log_path)
         try:
             with srv:
-                info["ready_s"] = round(srv.wait_ready(s.port, self._ready_timeout()), 1)
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
                 self.launches += 1
                 t = time.monotonic()
-                run_pass(s.port, self.warmup, s.max_new_tokens,
+                run_pass(port, self.warmup, s.max_new_tokens,
                          timeout=max(60.0, self.left() - 60))
                 info["warmup_s"] = round(time.monotonic() - t, 2)
-                miss = run_pass(s.port, self.prompts, s.max_new_tokens)
+                miss = run_pass(port, self.prompts, s.max_new_tokens)
                 r_miss = self._row(scenario, backend, "miss", miss,
                                    ("thaw", "miss") if scenario == "file" else None)
-                dev = run_pass(s.port, self.prompts, s.max_new_tokens)
+                dev = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
                 needed = self.needed_pages(self.prompts + self.warmup)
                 observe = (lambda: file_pages_written(store)) if backend == "file" else \
@@ -675,10 +686,10 @@ class Run:
                 info["pages_written"], wait = wait_written(
                     observe, needed, max(5.0, min(60.0, self.left() - 40)))
                 info["write_wait_s"] = round(wait, 2)
-                flush_cache(s.port)
+                flush_cache(port)
                 files = glob.glob(os.path.join(store, "*"))
                 info["page_cache_dropped_files"] = drop_page_cache(files)
-                l3 = run_pass(s.port, self.prompts, s.max_new_tokens)
+                l3 = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(scenario, backend, "l3_hit", l3, (scenario, "miss"))
                 ck = {
                     "miss_was_miss": all(r["cached_tokens"] == 0 for r in miss),
@@ -717,34 +728,37 @@ class Run:
     def restart_scenario(self) -> None:
         """thaw_restart: cold_start=load on the first launch's slabs; the first request hits."""
         s, page, sc = self.s, self.s.page_tokens, "thaw_restart"
+        port = port_of(s, sc)
         info: dict[str, Any] = {"ok": False}
         self.scenarios[sc] = info
         srv = self._launch(sc)
         info["log"] = os.path.basename(srv.log_path)
         try:
             with srv:
-                info["ready_s"] = round(srv.wait_ready(s.port, self._ready_timeout()), 1)
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
                 self.launches += 1
-                l3 = run_pass(s.port, self.prompts, s.max_new_tokens)
+                l3 = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(sc, "thaw", "l3_restart", l3, ("thaw", "miss"))
-                flush_cache(s.port)
-                st, text = http_call(s.port, "POST", "/hicache/storage-backend/clear")
+                flush_cache(port)
+                st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
                 info["clear_http"] = [st, text.strip()[:200]]
-                flush_cache(s.port)
-                fresh = run_pass(s.port, self.prompts, s.max_new_tokens)
+                flush_cache(port)
+                fresh = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(sc, "thaw", "miss_after_clear", fresh, ("thaw", "miss"))
                 dev_a = self.results.get(("thaw", "device_hit"), [])
                 ck = {
                     "first_request_from_storage": int(l3[0]["details"].get("storage", 0)) > 0,
                     "l3_all_from_storage": all_from_storage(l3, page),
                     "tokens_identical": tokens_identical(l3, self.results[("thaw", "miss")]),
-                    "logprobs_identical_vs_device_hit": logprob_diff(l3, dev_a) == 0.0,
                     "clear_then_miss": st == 200 and all(r["cached_tokens"] == 0
                                                          for r in fresh),
                     "cross_launch_deterministic": tokens_identical(
                         fresh, self.results[("thaw", "miss")]),
                 }
-                info["l3_logprob_max_abs_diff_vs_device_hit"] = logprob_diff(l3, dev_a)
+                # across processes bitwise-equal logprobs need deterministic kernel choices
+                # too: recorded, not a check (the tokens are)
+                info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
+                    logprob_diff(l3, dev_a)
                 text = srv.log_text()
                 info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
                 ck["no_backend_errors"] = info["backend_errors_logged"] == 0

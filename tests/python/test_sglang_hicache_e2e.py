@@ -340,3 +340,140 @@ def test_dry_run_runs_as_a_script():
                         "--dry-run"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "--hicache-storage-backend dynamic" in r.stdout
+
+
+# ---- the whole orchestration against a stand-in server ----------------------------------------
+
+_FAKE_LAUNCH_SERVER = r'''
+"""Stand-in for `python -m sglang.launch_server` (test only): the same CLI, the HTTP endpoints
+the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
+test (thaw: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
+log lines the real thaw backend writes."""
+import argparse, hashlib, json, os, sys, http.server
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int)
+ap.add_argument("--page-size", type=int)
+ap.add_argument("--hicache-storage-backend")
+ap.add_argument("--hicache-storage-backend-extra-config")
+a, _ = ap.parse_known_args()
+page = a.page_size
+backend = a.hicache_storage_backend
+if backend == "dynamic":
+    extra = json.loads(a.hicache_storage_backend_extra_config)
+    db = os.path.join(extra["dirs"][0], "fake.json")
+    stored = set()
+    if extra["cold_start"] == "load" and os.path.exists(db):
+        with open(db) as f:
+            stored = set(json.load(f))
+else:
+    fdir = os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
+    os.makedirs(fdir, exist_ok=True)
+    stored = {n[:-4] for n in os.listdir(fdir) if n.endswith(".bin")}
+device = set()
+total = [0]
+
+def save():  # atomic: the e2e script may stop this server at any moment
+    with open(db + ".tmp", "w") as f:
+        json.dump(sorted(stored), f)
+    os.replace(db + ".tmp", db)
+
+def keys(ids):
+    n = (len(ids) - 1) // page
+    return [hashlib.sha256(json.dumps(ids[:(i + 1) * page]).encode()).hexdigest()[:16] for i in range(n)]
+
+def store(ks):
+    new = [k for k in ks if k not in stored]
+    stored.update(new)
+    total[0] += len(new)
+    if backend == "dynamic":
+        save()
+        print(f"[t TP0] thaw HiCache backend: batch_set_v1 {len(ks)} pages: {len(new)} written, "
+              f"0 already stored, 0 failed, 1.0 MiB in 1.0 ms; totals: {total[0]} pages written, 0 pages read", flush=True)
+    else:
+        for k in new:
+            open(os.path.join(fdir, k + "_m_0_1.bin"), "wb").close()
+
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *x): pass
+    def _send(self, code, text=""):
+        self.send_response(code); self.end_headers(); self.wfile.write(text.encode())
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404)
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else {}
+        if self.path == "/flush_cache":
+            device.clear(); return self._send(200)
+        if self.path == "/hicache/storage-backend/clear":
+            stored.clear()
+            if backend == "dynamic":
+                save()
+            return self._send(200)
+        ids = body["input_ids"]; ks = keys(ids)
+        suffix = "_m_0_1" if backend == "file" else ""
+        if ks and all(k in device for k in ks):
+            det = {"device": len(ks) * page, "host": 0, "storage": 0}
+        elif ks and all(k + suffix in stored for k in ks):
+            det = {"device": 0, "host": 0, "storage": len(ks) * page}
+        else:
+            det = {}
+        cached = sum(v for v in det.values())
+        if det:
+            det["storage_backend"] = "ThawStorage" if backend == "dynamic" else "HiCacheFile"
+        seed = int(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8], 16)
+        out = [(seed >> i) % 1000 + 3 for i in range(body["sampling_params"]["max_new_tokens"])]
+        self.send_response(200); self.end_headers()
+        for i in range(len(out)):
+            chunk = {"output_ids": out[:i + 1], "meta_info": {
+                "prompt_tokens": len(ids), "cached_tokens": cached, "cached_tokens_details": det or None,
+                "output_token_logprobs": [[-0.01 * t, t, None] for t in out[:i + 1]]}}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        device.update(ks)
+        store([k + suffix for k in ks])
+
+print("fake sglang up", flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
+'''
+
+
+def _free_port_base():
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def test_whole_run_against_a_stand_in_server(tmp_path):
+    """Run.run end to end (bundle unpack, three launches, passes, waits on the real observables,
+    flush, restart, clear, JSON) with `sglang.launch_server` replaced by a stand-in."""
+    import tarfile
+
+    fake = tmp_path / "fakesite"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(_FAKE_LAUNCH_SERVER)
+    bundle = tmp_path / "bundle.tar.xz"
+    with tarfile.open(bundle, "w:xz") as t:
+        t.add(fake, arcname=".")
+    s = e2e.Settings(bundle=str(bundle), site=str(tmp_path / "site"), work=str(tmp_path / "w"),
+                     out=str(tmp_path / "out"), model_dir=str(tmp_path / "model"),
+                     port=_free_port_base(), prompts=2, min_len=300, max_len=400,
+                     budget_s=300, first_ready_s=30, ready_s=30)
+    res = e2e.Run(s).run()
+    assert res["bundle"].startswith("unpacked")
+    assert res["ok"] is True, json.dumps({k: res.get(k) for k in ("checks", "scenarios")},
+                                         indent=1)[:4000]
+    assert set(res["scenarios"]) == {"thaw", "thaw_restart", "file"} and not res["skipped"]
+    passes = [(r["scenario"], r["pass"]) for r in res["rows"]]
+    assert passes == [("thaw", "miss"), ("thaw", "device_hit"), ("thaw", "l3_hit"),
+                      ("thaw_restart", "l3_restart"), ("thaw_restart", "miss_after_clear"),
+                      ("file", "miss"), ("file", "device_hit"), ("file", "l3_hit")]
+    assert res["checks"]["thaw_restart.first_request_from_storage"] is True
+    assert res["scenarios"]["thaw"]["pages_written"] >= res["scenarios"]["thaw"]["pages_needed"]
+    assert "l3_hit_ttft_file_over_thaw" in res["ratios"]
+    for sc in e2e.SCENARIOS:
+        assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")
+    assert e2e.unpack_bundle(s) == "already unpacked"
