@@ -69,7 +69,7 @@ def test_server_args_parse_with_sglangs_parser(tmp_path, scenario):
     assert a.hicache_mem_layout == "page_first" and a.hicache_io_backend == "kernel"
     assert a.load_format == "dummy" and a.skip_tokenizer_init
     assert a.attention_backend == "triton" and a.sampling_backend == "pytorch"
-    assert a.max_total_tokens == 32768 and a.hicache_ratio == 2.0
+    assert a.max_total_tokens == 65536 and a.hicache_ratio == 2.0
     assert a.cuda_graph_backend_decode == "disabled"
     assert a.cuda_graph_backend_prefill == "disabled"
     if scenario == "file":
@@ -238,6 +238,7 @@ def test_generate_parses_the_stream():
 
 
 def _res(ids, cached=0, storage=0, plen=200, ttft=0.01, lp=None):
+    """One request's result as generate() returns it."""
     det = {"device": cached - storage, "host": 0, "storage": storage} if cached else {}
     return {"output_ids": ids, "logprobs": lp if lp is not None else [-1.0] * len(ids),
             "cached_tokens": cached, "details": det, "prompt_tokens": plen, "ttft_s": ttft,
