@@ -18,7 +18,8 @@ waited for instead of recomputed), ``--page-size 64`` (16 KiB of KV per token ->
                 until the backend has written every prompt page (its INFO summary lines in the
                 server log), ``/flush_cache`` (drops the radix tree and the host pool but not
                 the L3 storage, read in 0.5.17's HiRadixCache.reset), drop the page cache of the
-                L3 files, then ``l3_hit`` (prefix must come from L3).
+                L3 files, one untimed L3 warm-up request, then ``l3_hit`` (prefix must come
+                from L3). A warm-up prompt before ``miss`` takes the JIT/Triton compiles.
   thaw_restart  a second launch, ``cold_start="load"`` on the same slabs: ``l3_restart`` (the
                 FIRST request of the new process must hit L3), then flush + clear the storage
                 (``/hicache/storage-backend/clear``) and ``miss_after_clear``: a fresh miss that
