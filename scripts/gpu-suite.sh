@@ -59,6 +59,16 @@ step pytest-gpu "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproj
 for b in "${GPU_BENCHMARKS[@]}"; do
   step "bench:$(basename "$b" .py)" "$PY" "$b" --out "$WORK/bench"
 done
+# Opt-in (THAW_SGLANG_E2E=1): thaw's HiCache backend in a real SGLang server, from the carried
+# bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.
+if [ "${THAW_SGLANG_E2E:-0}" = 1 ]; then
+  if [ -f .whl/sglang-site.tar.xz ]; then
+    step sglang-e2e "$PY" scripts/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
+      --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
+  else
+    echo "=== sglang-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
+  fi
+fi
 
 {
   echo "{"

@@ -501,6 +501,13 @@ class ThawStorage(HiCacheStorage):
                 c.backup_pgs.append(n)
                 if written and dt > 0:
                     c.backup_bandwidth.append(written * g.blob_bytes / dt / 1e9)
+                total_written, total_read = c.set_pages, c.get_pages
+            # One summary line per batch (SGLang batches up to STORAGE_BATCH_SIZE pages).
+            logger.info("thaw HiCache backend: batch_set_v1 %d pages: %d written, %d already "
+                        "stored, %d failed, %.1f MiB in %.1f ms; totals: %d pages written, "
+                        "%d pages read", n, written, n - len(todo),
+                        sum(1 for r in results if not r), written * g.blob_bytes / _MiB,
+                        dt * 1e3, total_written, total_read)
             return results
         except Exception as e:
             self._error("batch_set_v1", e)
@@ -579,6 +586,11 @@ class ThawStorage(HiCacheStorage):
                 c.prefetch_pgs.append(n)
                 if hits and dt > 0:
                     c.prefetch_bandwidth.append(hits * g.blob_bytes / dt / 1e9)
+                total_written, total_read = c.set_pages, c.get_pages
+            logger.info("thaw HiCache backend: batch_get_v1 %d pages: %d read, %d missed, "
+                        "%.1f MiB in %.1f ms; totals: %d pages written, %d pages read",
+                        n, hits, n - hits, hits * g.blob_bytes / _MiB, dt * 1e3,
+                        total_written, total_read)
             return results
         except Exception as e:
             self._error("batch_get_v1", e)

@@ -1,0 +1,885 @@
+"""thaw's HiCache L3 backend in a REAL SGLang 0.5.17 server on a GPU machine, end to end.
+
+    python3 scripts/sglang_hicache_e2e.py [--bundle .whl/sglang-site.tar.xz] [--out DIR]
+    python3 scripts/sglang_hicache_e2e.py --dry-run      # print the server command lines only
+
+The GPU machine has no internet: SGLang comes from a carried bundle (a site directory packed by
+/work/shared/sglang-on-gpu/build.sh), unpacked once to ``--site``. The model is a config-only
+tiny Qwen3 (``--load-format dummy``: random weights, seeded per parameter with SGLang's fixed
+seed 1234 in ``initialize_dummy_weights``, so every launch on the same GPU gets the same
+weights), requests send ``input_ids`` (``--skip-tokenizer-init``).
+
+Scenarios, each one server launch (own process group, always stopped), radix cache on,
+hierarchical cache on (``write_through``, prefetch policy ``wait_complete`` so an L3 hit is
+waited for instead of recomputed), ``--page-size 64`` (16 KiB of KV per token -> 1 MiB pages):
+
+  thaw          thaw backend (``dynamic``, ``interface_v1``), ``cold_start="clear"``. Passes:
+                ``miss`` (fresh), ``device_hit`` (same prompts again: prefix on the GPU), wait
+                until the backend has written every prompt page (its INFO summary lines in the
+                server log), ``/flush_cache`` (drops the radix tree and the host pool but not
+                the L3 storage, read in 0.5.17's HiRadixCache.reset), drop the page cache of the
+                L3 files, one untimed L3 warm-up request, then ``l3_hit`` (prefix must come
+                from L3). A warm-up prompt before ``miss`` takes the JIT/Triton compiles.
+  thaw_restart  a second launch, ``cold_start="load"`` on the same slabs: ``l3_restart`` (the
+                FIRST request of the new process must hit L3), then flush + clear the storage
+                (``/hicache/storage-backend/clear``) and ``miss_after_clear``: a fresh miss that
+                must equal the first launch's ``miss`` tokens (cross-launch determinism, which
+                makes the cross-launch comparison of ``l3_restart`` meaningful).
+  file          SGLang's own ``file`` backend, same prompts and flow as ``thaw``: the same-run
+                baseline for L3-hit latency (dropped, and said so, when time runs short).
+
+Checks (JSON ``checks``): per scenario, output tokens of the L3 pass equal the miss pass; the
+logprobs of the L3 pass equal the ``device_hit`` pass bit for bit (both compute the same tail on
+the same cached prefix length, so any KV byte lost in L3 would show); every L3 request reports
+cached tokens from storage (``meta_info.cached_tokens_details.storage``). Requests are sent one
+at a time (prefetch admission is rate-limited by the host pool, and TTFT stays comparable).
+Writes ``sglang-hicache-e2e-<date>.json`` (benchmarks/python/resultlib.py) and every server log
+into ``--out``; prints a table. Exit status 0 only when every check of every scenario run passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import http.client
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "python"))
+import resultlib  # noqa: E402
+
+NAME = "sglang-hicache-e2e"
+MiB = 1 << 20
+
+# The tiny Qwen3 of /work/shared/sglang-on-gpu (8 layers, 8 KV heads of 64, bf16).
+MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 32000,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-06,
+    "use_cache": True, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+    "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+    "sliding_window": None, "max_window_layers": 8, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "bfloat16", "dtype": "bfloat16",
+}
+
+THAW_TOTALS = re.compile(r"thaw HiCache backend: batch_set_v1 .*totals: (\d+) pages written")
+THAW_ERRORS = re.compile(r"thaw HiCache backend: \S+ failed .*treated as a miss")
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    """K and V of every layer for one token (bf16)."""
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+def page_tokens_for(cfg: dict, page_bytes: int = MiB) -> int:
+    """Tokens per page so one page of KV is ``page_bytes`` (must divide exactly)."""
+    per = kv_bytes_per_token(cfg)
+    if page_bytes % per:
+        raise ValueError(f"page_bytes={page_bytes} is not a multiple of {per} B of KV per token")
+    return page_bytes // per
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    bundle: str = ".whl/sglang-site.tar.xz"
+    site: str = "/tmp/sgsite"
+    model_dir: str = "/tmp/qwen3-tiny-hicache"
+    work: str = "/tmp/thaw-sglang-e2e"       # L3 directories (thaw slabs, file backend files)
+    out: str = "build/sglang-hicache-e2e"
+    log_dir: str = ""                        # server logs (default: out)
+    port: int = 30021
+    python: str = sys.executable
+    prompts: int = 6
+    min_len: int = 2000
+    max_len: int = 4000
+    seed: int = 8
+    max_new_tokens: int = 16
+    budget_s: float = 530.0                  # whole script, unpack included
+    first_ready_s: float = 240.0            # fresh machine: JIT + Triton compiles
+    ready_s: float = 180.0
+    max_total_tokens: int = 65536            # device pool (tokens): every prompt stays on it
+    hicache_ratio: float = 2.0               # host pool = 2 x device pool (~2.1 GB pinned)
+    io_backend: str = "kernel"
+    mem_layout: str = "page_first"
+    thaw_budget_bytes: int = 1 << 30
+    skip_file: bool = False
+
+    @property
+    def page_tokens(self) -> int:
+        return page_tokens_for(MODEL_CONFIG)
+
+    @property
+    def thaw_dir(self) -> str:
+        return os.path.join(self.work, "thaw")
+
+    @property
+    def file_dir(self) -> str:
+        return os.path.join(self.work, "file")
+
+
+def thaw_extra_config(s: Settings, cold_start: str) -> dict:
+    """The ``--hicache-storage-backend-extra-config`` of the thaw scenarios."""
+    return {
+        "backend_name": "thaw",
+        "module_path": "thaw.integrations.sglang.hicache",
+        "class_name": "ThawStorage",
+        "interface_v1": 1,
+        "dirs": [s.thaw_dir],
+        "budget_bytes": s.thaw_budget_bytes,
+        "cold_start": cold_start,
+        "direct_io": "auto",
+        "staging_bytes": 64 * MiB,
+    }
+
+
+SCENARIOS = ("thaw", "thaw_restart", "file")
+
+
+def port_of(s: Settings, scenario: str) -> int:
+    """One port per scenario, so a stopped server's socket never delays the next launch."""
+    return s.port + SCENARIOS.index(scenario)
+
+
+def server_args(s: Settings, scenario: str) -> list[str]:
+    """The exact ``python -m sglang.launch_server`` command of one scenario."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
+    cmd = [
+        s.python, "-m", "sglang.launch_server",
+        "--model-path", s.model_dir, "--load-format", "dummy", "--skip-tokenizer-init",
+        "--attention-backend", "triton", "--sampling-backend", "pytorch",
+        # CUDA graphs are not what this measures; capturing them costs ~45 s per fresh launch
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+        "--mem-fraction-static", "0.3", "--max-total-tokens", str(s.max_total_tokens),
+        "--page-size", str(s.page_tokens),
+        "--enable-hierarchical-cache", "--hicache-ratio", str(s.hicache_ratio),
+        "--hicache-write-policy", "write_through",
+        "--hicache-io-backend", s.io_backend, "--hicache-mem-layout", s.mem_layout,
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--port", str(port_of(s, scenario)), "--host", "127.0.0.1", "--log-level", "info",
+    ]
+    if scenario == "file":
+        cmd += ["--hicache-storage-backend", "file"]
+    else:
+        cold = "clear" if scenario == "thaw" else "load"
+        cmd += ["--hicache-storage-backend", "dynamic",
+                "--hicache-storage-backend-extra-config",
+                json.dumps(thaw_extra_config(s, cold), separators=(",", ":"))]
+    return cmd
+
+
+def _cuda_home() -> Optional[str]:
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    cands = []
+    if nvcc:
+        cands.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    cands += ["/usr/local/cuda", "/usr/local/cuda-13.0", "/usr/local/cuda-13"]
+    for c in cands:
+        if os.access(os.path.join(c, "bin", "nvcc"), os.X_OK) and \
+                glob.glob(os.path.join(c, "lib64", "libcudart.so*")):
+            return c
+    return None
+
+
+def server_env(s: Settings, scenario: str, base: Optional[dict] = None,
+               probe: bool = True) -> dict:
+    """The environment the bundle needs (PYTHONPATH, offline HF, no NVLS, JIT toolchain).
+
+    ``probe=False`` (dry runs, tests) skips looking for CUDA/ninja on this machine."""
+    env = dict(os.environ if base is None else base)
+    env.update({
+        "PYTHONPATH": s.site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1",
+        "TVM_FFI_CACHE_DIR": "/tmp/tvm-ffi-cache",
+    })
+    env.pop("THAW_LOG_LEVEL", None)  # the backend's INFO lines go through SGLang's root logger
+    if scenario == "file":
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = s.file_dir
+    if not probe:
+        return env
+    cuda = _cuda_home()
+    if cuda:
+        env["CUDA_HOME"] = cuda
+        if not os.path.exists(os.path.join(cuda, "lib64", "libcudart.so")):
+            versioned = sorted(glob.glob(os.path.join(cuda, "lib64", "libcudart.so.*")))
+            if versioned:  # the JIT links -lcudart: give it an unversioned name
+                os.makedirs("/tmp/cudart-link", exist_ok=True)
+                link = "/tmp/cudart-link/libcudart.so"
+                if os.path.islink(link) or os.path.exists(link):
+                    os.remove(link)
+                os.symlink(versioned[0], link)
+                env["LIBRARY_PATH"] = "/tmp/cudart-link" + (
+                    os.pathsep + env["LIBRARY_PATH"] if env.get("LIBRARY_PATH") else "")
+    if shutil.which("ninja", path=env.get("PATH")) is None:
+        # tvm-ffi's JIT runs `ninja` from PATH: the pip package's binary, bundled or installed
+        cands = [os.path.join(s.site, "ninja", "data", "bin")]
+        try:
+            import ninja  # type: ignore
+
+            cands.append(getattr(ninja, "BIN_DIR", os.path.join(os.path.dirname(ninja.__file__),
+                                                                "data", "bin")))
+        except ImportError:
+            pass
+        for nb in cands:
+            if os.access(os.path.join(nb, "ninja"), os.X_OK):
+                env["PATH"] = env.get("PATH", "") + os.pathsep + nb
+                break
+    return env
+
+
+def env_diff(env: dict) -> dict:
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+# ---- prompts and requests ----------------------------------------------------------------------
+
+
+def make_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = 32000) -> list[list[int]]:
+    """``n`` prompts of random token ids (3..vocab-1: no BOS/EOS ids), lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def prefix_pages(prompt_len: int, page: int) -> int:
+    """Pages SGLang can reuse for a prompt: it matches at most len-1 tokens, page-aligned."""
+    return max(prompt_len - 1, 0) // page
+
+
+def generate(port: int, ids: list[int], max_new_tokens: int, timeout: float = 120.0) -> dict:
+    """One streamed greedy ``/generate``: output ids, logprobs, meta_info, TTFT and latency."""
+    body = json.dumps({
+        "input_ids": ids, "stream": True, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                            "ignore_eos": True},
+    })
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft = None
+    last: Optional[dict] = None
+    try:
+        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/generate -> HTTP {resp.status}: {resp.read()[:500]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"/generate error: {chunk['error']}")
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - t0
+            last = chunk
+    finally:
+        conn.close()
+    latency = time.perf_counter() - t0
+    if last is None:
+        raise RuntimeError("/generate returned no chunk")
+    meta = last.get("meta_info", {})
+    logprobs = [lp[0] if isinstance(lp, (list, tuple)) else lp
+                for lp in meta.get("output_token_logprobs") or []]
+    return {"output_ids": list(last.get("output_ids") or []), "logprobs": logprobs,
+            "cached_tokens": int(meta.get("cached_tokens") or 0),
+            "details": meta.get("cached_tokens_details") or {},
+            "prompt_tokens": int(meta.get("prompt_tokens") or len(ids)),
+            "ttft_s": ttft if ttft is not None else latency, "latency_s": latency}
+
+
+def http_call(port: int, method: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path)
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as e:
+        return -1, f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def flush_cache(port: int, timeout: float = 20.0) -> None:
+    """``/flush_cache`` (refused while requests run: retried until it succeeds)."""
+    t0 = time.monotonic()
+    while True:
+        st, text = http_call(port, "POST", "/flush_cache")
+        if st == 200:
+            return
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"/flush_cache kept failing: {st} {text[:200]}")
+        time.sleep(0.5)
+
+
+def drop_page_cache(paths: list[str]) -> int:
+    """Write back and drop the page cache of ``paths`` (so L3 reads hit the drive)."""
+    os.sync()
+    n = 0
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+# ---- server ------------------------------------------------------------------------------------
+
+
+class Server:
+    """One SGLang server in its own process group (same session): always stopped by its pgid."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: str):
+        self.cmd, self.env, self.log_path = cmd, env, log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.t_launch = 0.0
+
+    def __enter__(self) -> "Server":
+        self._log = open(self.log_path, "w")
+        self.t_launch = time.monotonic()
+        kw: dict = {"process_group": 0} if sys.version_info >= (3, 11) else \
+            {"preexec_fn": os.setpgrp}
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd="/tmp", **kw)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, port: int, timeout: float) -> float:
+        """Seconds from launch to ``/health`` 200; RuntimeError when it dies or times out."""
+        while time.monotonic() - self.t_launch < timeout:
+            if not self.alive():
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready")
+            if http_call(port, "GET", "/health", timeout=5)[0] == 200:
+                return time.monotonic() - self.t_launch
+            time.sleep(1.0)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if p is not None:
+            # children left in the group after the leader exited (the scheduler holds the
+            # GPU memory the next launch sizes its pools from): gone within a bounded wait
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10.0:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.2)
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def log_text(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def log_tail(path: str, lines: int = 80) -> list[str]:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return [f"<no log: {e}>"]
+
+
+# ---- observables: has the backend written every prompt page? ---------------------------------
+
+
+def thaw_pages_written(log_path: str) -> int:
+    """The backend's running total from its last ``batch_set_v1`` INFO summary line."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return 0
+    m = THAW_TOTALS.findall(text)
+    return int(m[-1]) if m else 0
+
+
+def file_pages_written(directory: str) -> int:
+    """Pages of SGLang's file backend: one ``<key>_<model>_<rank>_<size>.bin`` per page
+    (written to ``.bin.tmp.*`` first, then renamed)."""
+    try:
+        return sum(1 for n in os.listdir(directory) if n.endswith(".bin"))
+    except OSError:
+        return 0
+
+
+def wait_written(observe: Callable[[], int], needed: int, timeout: float,
+                 settle: float = 2.0) -> tuple[int, float]:
+    """Wait until ``observe() >= needed`` and unchanged for ``settle`` s; (count, seconds)."""
+    t0 = time.monotonic()
+    last, since = -1, t0
+    while True:
+        n = observe()
+        now = time.monotonic()
+        if n != last:
+            last, since = n, now
+        if n >= needed and now - since >= settle:
+            return n, now - t0
+        if now - t0 > timeout:
+            raise RuntimeError(f"only {n} of {needed} pages written after {timeout:.0f} s")
+        time.sleep(0.25)
+
+
+# ---- passes and results ------------------------------------------------------------------------
+
+
+def run_pass(port: int, prompts: list[list[int]], max_new: int,
+             timeout: float = 120.0) -> list[dict]:
+    """The prompts one at a time (see the module docstring)."""
+    return [generate(port, p, max_new, timeout) for p in prompts]
+
+
+def summarize(scenario: str, backend: str, name: str, res: list[dict], page: int,
+              reference: Optional[list[dict]] = None, ref_name: Optional[str] = None) -> dict:
+    """One result row: sums over the prompts, TTFT/latency means, identity vs ``reference``."""
+    det = [r["details"] for r in res]
+    row: dict[str, Any] = {
+        "scenario": scenario, "backend": backend, "pass": name, "prompts": len(res),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in res),
+        "output_tokens": sum(len(r["output_ids"]) for r in res),
+        "reusable_tokens": sum(prefix_pages(r["prompt_tokens"], page) * page for r in res),
+        "cached_tokens": sum(r["cached_tokens"] for r in res),
+        "cached_device": sum(int(d.get("device", 0)) for d in det),
+        "cached_host": sum(int(d.get("host", 0)) for d in det),
+        "cached_storage": sum(int(d.get("storage", 0)) for d in det),
+        "cached_tokens_per_request": [r["cached_tokens"] for r in res],
+        "storage_tokens_per_request": [int(d.get("storage", 0)) for d in det],
+        "storage_backend": next((d["storage_backend"] for d in det if "storage_backend" in d),
+                                None),
+        "ttft_ms_mean": 1e3 * statistics.fmean(r["ttft_s"] for r in res),
+        "ttft_ms_median": 1e3 * statistics.median(r["ttft_s"] for r in res),
+        "ttft_ms_per_request": [round(1e3 * r["ttft_s"], 2) for r in res],
+        "latency_ms_mean": 1e3 * statistics.fmean(r["latency_s"] for r in res),
+        "latency_ms_median": 1e3 * statistics.median(r["latency_s"] for r in res),
+    }
+    if reference is not None:
+        row["reference"] = ref_name
+        row["tokens_identical"] = tokens_identical(res, reference)
+    return row
+
+
+def tokens_identical(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x["output_ids"] == y["output_ids"] and x["output_ids"]
+                                    for x, y in zip(a, b))
+
+
+def logprob_diff(a: list[dict], b: list[dict]) -> Optional[float]:
+    """Largest |difference| of the output-token logprobs (None when not comparable)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if len(x["logprobs"]) != len(y["logprobs"]) or not x["logprobs"]:
+            return None
+        for p, q in zip(x["logprobs"], y["logprobs"]):
+            if p is None or q is None:
+                return None
+            worst = max(worst, abs(float(p) - float(q)))
+    return worst
+
+
+def all_from_storage(res: list[dict], page: int) -> bool:
+    """Every request got its whole reusable prefix from L3 storage."""
+    return bool(res) and all(
+        int(r["details"].get("storage", 0)) == prefix_pages(r["prompt_tokens"], page) * page
+        and r["cached_tokens"] >= int(r["details"].get("storage", 0)) > 0 for r in res)
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    return num / den if num and den else None
+
+
+def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
+             skipped: dict, extra: dict) -> dict:
+    """The result object (resultlib convention): rows, ratios vs the same run, checks."""
+    def row(sc, name):
+        return next((r for r in rows if r["scenario"] == sc and r["pass"] == name), None)
+
+    def val(sc, name, key):
+        r = row(sc, name)
+        return r[key] if r else None
+
+    # medians over the prompts (one slow request does not decide a ratio)
+    ratios = {
+        "l3_hit_ttft_file_over_thaw": ratio(val("file", "l3_hit", "ttft_ms_median"),
+                                            val("thaw", "l3_hit", "ttft_ms_median")),
+        "l3_hit_latency_file_over_thaw": ratio(val("file", "l3_hit", "latency_ms_median"),
+                                               val("thaw", "l3_hit", "latency_ms_median")),
+        "thaw_ttft_miss_over_l3_hit": ratio(val("thaw", "miss", "ttft_ms_median"),
+                                            val("thaw", "l3_hit", "ttft_ms_median")),
+        "file_ttft_miss_over_l3_hit": ratio(val("file", "miss", "ttft_ms_median"),
+                                            val("file", "l3_hit", "ttft_ms_median")),
+    }
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    ran = [sc for sc in SCENARIOS if sc in scenarios]
+    ok = bool(ran) and all(scenarios[sc].get("ok") for sc in ran) and \
+        all(v for v in checks.values() if isinstance(v, bool))
+    return resultlib.result(
+        NAME, rows=rows, ratios=ratios, goals={"l3_hit_ttft_file_over_thaw": 1.0},
+        directory=s.work if os.path.isdir(s.work) else None,
+        checks=checks, scenarios=scenarios, skipped=skipped, ok=ok,
+        settings={"prompts": s.prompts, "prompt_len": [s.min_len, s.max_len], "seed": s.seed,
+                  "max_new_tokens": s.max_new_tokens, "page_tokens": s.page_tokens,
+                  "page_bytes": s.page_tokens * kv_bytes_per_token(MODEL_CONFIG),
+                  "max_total_tokens": s.max_total_tokens, "hicache_ratio": s.hicache_ratio,
+                  "io_backend": s.io_backend, "mem_layout": s.mem_layout,
+                  "prefetch_policy": "wait_complete", "write_policy": "write_through",
+                  "thaw_extra_config": thaw_extra_config(s, "clear")},
+        comparison=("L3-hit tokens vs the same launch's miss pass; L3-hit logprobs vs the same "
+                    "launch's device_hit pass (same cached prefix length); thaw_restart vs the "
+                    "thaw launch (dummy weights are seeded per parameter with 1234 in SGLang "
+                    "0.5.17's initialize_dummy_weights, checked by miss_after_clear == miss)"),
+        **extra)
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+def unpack_bundle(s: Settings) -> str:
+    marker = os.path.join(s.site, ".thaw-unpacked")
+    if os.path.exists(marker) and Path(marker).read_text().strip() == \
+            str(os.path.getsize(s.bundle)):
+        return "already unpacked"
+    if not os.path.isfile(s.bundle):
+        raise FileNotFoundError(f"bundle {s.bundle} not found (carry the .whl folder)")
+    t0 = time.monotonic()
+    tmp = s.site + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    subprocess.run(["tar", "-xJf", os.path.abspath(s.bundle), "-C", tmp], check=True)
+    shutil.rmtree(s.site, ignore_errors=True)
+    os.rename(tmp, s.site)
+    Path(marker).write_text(str(os.path.getsize(s.bundle)))
+    return f"unpacked in {time.monotonic() - t0:.1f} s"
+
+
+def ensure_thaw(s: Settings) -> str:
+    """``import thaw`` in the server's python; else install this tree (no index) once."""
+    probe = [s.python, "-c", "import thaw, thaw.host, thaw.tier; print(thaw.__file__)"]
+    r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
+    if r.returncode == 0:
+        return f"thaw importable: {r.stdout.strip()}"
+    inst = subprocess.run([s.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                           "--no-index", "-q", "."], cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
+    if r.returncode != 0:
+        raise RuntimeError(f"thaw not importable after pip install (rc {inst.returncode}): "
+                           f"{inst.stderr[-800:]} {r.stderr[-800:]}")
+    return f"installed thaw: {r.stdout.strip()}"
+
+
+def write_model(s: Settings) -> None:
+    os.makedirs(s.model_dir, exist_ok=True)
+    Path(s.model_dir, "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+
+
+class Run:
+    def __init__(self, s: Settings):
+        self.s = s
+        self.t0 = time.monotonic()
+        self.rows: list[dict] = []
+        self.checks: dict[str, Any] = {}
+        self.scenarios: dict[str, dict] = {}
+        self.skipped: dict[str, str] = {}
+        self.results: dict[tuple, list[dict]] = {}
+        self.launches = 0
+        self.prompts = make_prompts(s.seed, s.prompts, s.min_len, s.max_len)
+        # warms the prefill/extend kernels before the timed miss pass (JIT on a fresh machine)
+        self.warmup = make_prompts(s.seed + 1000, 1, s.min_len, s.max_len)
+
+    def left(self) -> float:
+        return self.s.budget_s - (time.monotonic() - self.t0)
+
+    def needed_pages(self, prompts) -> int:
+        return sum(prefix_pages(len(p), self.s.page_tokens) for p in prompts)
+
+    def _row(self, sc, backend, name, res, ref=None):
+        ref_res = self.results.get(ref) if ref else None
+        r = summarize(sc, backend, name, res, self.s.page_tokens, ref_res,
+                      f"{ref[0]}/{ref[1]}" if ref else None)
+        self.results[(sc, name)] = res
+        self.rows.append(r)
+        return r
+
+    def _launch(self, scenario: str) -> Server:
+        s = self.s
+        log = os.path.join(s.log_dir or s.out, f"sglang-{scenario}.log")
+        srv = Server(server_args(s, scenario), server_env(s, scenario), log)
+        return srv
+
+    def _ready_timeout(self) -> float:
+        t = self.s.first_ready_s if self.launches == 0 else self.s.ready_s
+        return max(30.0, min(t, self.left() - 45.0))
+
+    def l3_scenario(self, scenario: str) -> None:
+        """thaw or file: miss, device_hit, written, flush, l3_hit."""
+        s, page = self.s, self.s.page_tokens
+        port = port_of(s, scenario)
+        info: dict[str, Any] = {"ok": False}
+        self.scenarios[scenario] = info
+        backend = "file" if scenario == "file" else "thaw"
+        store = s.file_dir if backend == "file" else s.thaw_dir
+        shutil.rmtree(store, ignore_errors=True)
+        os.makedirs(store, exist_ok=True)
+        srv = self._launch(scenario)
+        info["log"] = os.path.basename(srv.log_path)
+        try:
+            with srv:
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
+                self.launches += 1
+                t = time.monotonic()
+                run_pass(port, self.warmup, s.max_new_tokens,
+                         timeout=max(60.0, self.left() - 60))
+                info["warmup_s"] = round(time.monotonic() - t, 2)
+                miss = run_pass(port, self.prompts, s.max_new_tokens)
+                r_miss = self._row(scenario, backend, "miss", miss,
+                                   ("thaw", "miss") if scenario == "file" else None)
+                dev = run_pass(port, self.prompts, s.max_new_tokens)
+                self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
+                needed = self.needed_pages(self.prompts + self.warmup)
+                observe = (lambda: file_pages_written(store)) if backend == "file" else \
+                    (lambda: thaw_pages_written(srv.log_path))
+                info["pages_needed"] = needed
+                info["pages_written"], wait = wait_written(
+                    observe, needed, max(5.0, min(60.0, self.left() - 40)))
+                info["write_wait_s"] = round(wait, 2)
+                flush_cache(port)
+                files = glob.glob(os.path.join(store, "*"))
+                info["page_cache_dropped_files"] = drop_page_cache(files)
+                # untimed: the first L3 hit of a process pays one-time costs (host->device
+                # transfer kernels); the warmup prompt's pages are in L3 too
+                w = run_pass(port, self.warmup, s.max_new_tokens)
+                info["warmup_l3_storage_tokens"] = int(w[0]["details"].get("storage", 0))
+                l3 = run_pass(port, self.prompts, s.max_new_tokens)
+                self._row(scenario, backend, "l3_hit", l3, (scenario, "miss"))
+                ck = {
+                    "miss_was_miss": all(r["cached_tokens"] == 0 for r in miss),
+                    "device_hit_from_device": all(
+                        r["cached_tokens"] == prefix_pages(r["prompt_tokens"], page) * page
+                        for r in dev),
+                    "l3_all_from_storage": all_from_storage(l3, page),
+                    "tokens_identical": tokens_identical(l3, miss),
+                    "logprobs_identical_vs_device_hit": logprob_diff(l3, dev) == 0.0,
+                }
+                info["l3_logprob_max_abs_diff_vs_device_hit"] = logprob_diff(l3, dev)
+                info["l3_logprob_max_abs_diff_vs_miss"] = logprob_diff(l3, miss)
+                if scenario == "file":
+                    info["miss_tokens_equal_thaw_launch"] = r_miss.get("tokens_identical")
+                if backend == "thaw":
+                    text = srv.log_text()
+                    info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
+                    info["backend_summary_lines"] = len(re.findall(
+                        r"thaw HiCache backend: batch_(?:set|get)_v1 ", text))
+                    m = re.search(r"thaw HiCache backend: (hicache-\S+), page (\d+) B.*"
+                                  r"O_DIRECT=(\S+), cold_start=(\w+)", text)
+                    if m:
+                        info["store"] = {"name": m.group(1), "page_bytes": int(m.group(2)),
+                                         "o_direct": m.group(3).rstrip(","),
+                                         "cold_start": m.group(4)}
+                    ck["no_backend_errors"] = info["backend_errors_logged"] == 0
+                info["checks"] = ck
+                for k, v in ck.items():
+                    self.checks[f"{scenario}.{k}"] = v
+                info["ok"] = all(ck.values())
+        except Exception as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+        if not info["ok"]:
+            info["log_tail"] = log_tail(srv.log_path)
+
+    def restart_scenario(self) -> None:
+        """thaw_restart: cold_start=load on the first launch's slabs; the first request hits."""
+        s, page, sc = self.s, self.s.page_tokens, "thaw_restart"
+        port = port_of(s, sc)
+        info: dict[str, Any] = {"ok": False}
+        self.scenarios[sc] = info
+        srv = self._launch(sc)
+        info["log"] = os.path.basename(srv.log_path)
+        try:
+            with srv:
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
+                self.launches += 1
+                l3 = run_pass(port, self.prompts, s.max_new_tokens)
+                self._row(sc, "thaw", "l3_restart", l3, ("thaw", "miss"))
+                flush_cache(port)
+                st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
+                info["clear_http"] = [st, text.strip()[:200]]
+                flush_cache(port)
+                fresh = run_pass(port, self.prompts, s.max_new_tokens)
+                self._row(sc, "thaw", "miss_after_clear", fresh, ("thaw", "miss"))
+                dev_a = self.results.get(("thaw", "device_hit"), [])
+                ck = {
+                    "first_request_from_storage": int(l3[0]["details"].get("storage", 0)) > 0,
+                    "l3_all_from_storage": all_from_storage(l3, page),
+                    "tokens_identical": tokens_identical(l3, self.results[("thaw", "miss")]),
+                    "clear_then_miss": st == 200 and all(r["cached_tokens"] == 0
+                                                         for r in fresh),
+                    "cross_launch_deterministic": tokens_identical(
+                        fresh, self.results[("thaw", "miss")]),
+                }
+                # across processes bitwise-equal logprobs need deterministic kernel choices
+                # too: recorded, not a check (the tokens are)
+                info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
+                    logprob_diff(l3, dev_a)
+                text = srv.log_text()
+                info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
+                ck["no_backend_errors"] = info["backend_errors_logged"] == 0
+                info["checks"] = ck
+                for k, v in ck.items():
+                    self.checks[f"{sc}.{k}"] = v
+                info["ok"] = all(ck.values())
+        except Exception as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+        if not info["ok"]:
+            info["log_tail"] = log_tail(srv.log_path)
+
+    def run(self) -> dict:
+        s = self.s
+        extra: dict[str, Any] = {}
+        os.makedirs(s.out, exist_ok=True)
+        os.makedirs(s.log_dir or s.out, exist_ok=True)
+        os.makedirs(s.work, exist_ok=True)
+        try:
+            extra["bundle"] = unpack_bundle(s)
+            extra["thaw"] = ensure_thaw(s)
+            write_model(s)
+        except Exception as e:
+            extra["setup_error"] = f"{type(e).__name__}: {e}"
+            return assemble(s, self.rows, self.checks, self.scenarios, self.skipped, extra)
+        extra["fio"] = shutil.which("fio") or "not installed (not needed)"
+        env = server_env(s, "thaw")
+        extra["jit_env"] = {"CUDA_HOME": env.get("CUDA_HOME"),
+                            "LIBRARY_PATH": env.get("LIBRARY_PATH"),
+                            "ninja": shutil.which("ninja", path=env.get("PATH")),
+                            "c++": shutil.which("c++", path=env.get("PATH"))}
+        self.l3_scenario("thaw")
+        if not self.scenarios["thaw"].get("ok") and ("thaw", "miss") not in self.results:
+            self.skipped["thaw_restart"] = "the thaw launch produced no pages to restart from"
+        elif self.left() < 110:
+            self.skipped["thaw_restart"] = f"time: {self.left():.0f} s left"
+        else:
+            self.restart_scenario()
+        if s.skip_file:
+            self.skipped["file"] = "--skip-file"
+        elif self.left() < 130:
+            self.skipped["file"] = f"time: {self.left():.0f} s left (budget {s.budget_s:.0f} s)"
+        else:
+            self.l3_scenario("file")
+        extra["total_s"] = round(time.monotonic() - self.t0, 1)
+        return assemble(s, self.rows, self.checks, self.scenarios, self.skipped, extra)
+
+
+COLUMNS = ["scenario", "pass", "prompts", "prompt_tokens", "cached_tokens", "cached_storage",
+           "ttft_ms_median", "latency_ms_median", "tokens_identical"]
+
+
+def report(res: dict) -> None:
+    resultlib.print_table(res.get("rows", []), COLUMNS)
+    for k, v in sorted(res.get("ratios", {}).items()):
+        print(f"  {k}: {v:.3f}")
+    for sc, info in res.get("scenarios", {}).items():
+        print(f"  {sc}: ok={info.get('ok')} ready={info.get('ready_s')} s "
+              f"{info.get('error', '')}")
+    for sc, why in res.get("skipped", {}).items():
+        print(f"  {sc}: skipped ({why})")
+    print(f"ok={res.get('ok')}")
+
+
+def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
+    d = Settings()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default=d.bundle)
+    ap.add_argument("--site", default=d.site)
+    ap.add_argument("--work", default=d.work, help="L3 directories (thaw slabs, file backend)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or d.out,
+                    help="result JSON and server logs (default $OUT)")
+    ap.add_argument("--log-dir", default="", help="server logs (default: --out)")
+    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--prompts", type=int, default=d.prompts)
+    ap.add_argument("--budget-s", type=float, default=d.budget_s)
+    ap.add_argument("--io-backend", default=d.io_backend, choices=["kernel", "direct"])
+    ap.add_argument("--mem-layout", default=d.mem_layout,
+                    choices=["page_first", "layer_first", "page_first_direct"])
+    ap.add_argument("--skip-file", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="print the server command lines")
+    a = ap.parse_args(argv)
+    if a.prompts < 1:
+        ap.error(f"--prompts must be >= 1, got {a.prompts}")
+    s = Settings(bundle=a.bundle, site=a.site, work=a.work, out=a.out, log_dir=a.log_dir,
+                 port=a.port,
+                 prompts=a.prompts, budget_s=a.budget_s, io_backend=a.io_backend,
+                 mem_layout=a.mem_layout, skip_file=a.skip_file)
+    return s, a
+
+
+def main(argv=None) -> int:
+    s, a = parse_args(argv)
+    if a.dry_run:
+        for sc in SCENARIOS:
+            env = env_diff(server_env(s, sc, probe=False))
+            print(f"# {sc}")
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " \\\n  "
+                  + shlex.join(server_args(s, sc)))
+        return 0
+    s.out = os.path.abspath(s.out)
+    s.log_dir = os.path.abspath(s.log_dir or s.out)
+    s.bundle = os.path.abspath(s.bundle)
+    res = Run(s).run()
+    path = resultlib.write(res, s.out)
+    report(res)
+    print(f"wrote {path}")
+    return 0 if res.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

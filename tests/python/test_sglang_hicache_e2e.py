@@ -1,0 +1,480 @@
+"""The CPU pieces of scripts/sglang_hicache_e2e.py (the real-server run needs a GPU).
+
+The server command lines go through SGLang's own CLI parser (``ServerArgs.add_cli_args``), the
+thaw extra config through HiRadixCache's own extra-config parser and the ``dynamic`` backend
+factory into a ``ThawStorage`` attached to a real ``MHATokenToKVPoolHost`` of the script's model
+geometry; the write observable parses log lines the backend really emits; the client parses a
+stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``).
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+sglang = pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("sglang_hicache_e2e",
+                                               REPO / "scripts" / "sglang_hicache_e2e.py")
+e2e = importlib.util.module_from_spec(_spec)
+sys.modules["sglang_hicache_e2e"] = e2e
+_spec.loader.exec_module(e2e)
+
+
+def _settings(tmp_path, **kw):
+    return e2e.Settings(work=str(tmp_path / "work"), out=str(tmp_path / "out"),
+                        site=str(tmp_path / "site"), **kw)
+
+
+def _parse(cmd):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return p.parse_args(cmd[3:])
+
+
+def test_page_is_one_mib_for_the_model():
+    assert e2e.kv_bytes_per_token(e2e.MODEL_CONFIG) == 16384
+    assert e2e.page_tokens_for(e2e.MODEL_CONFIG) == 64
+    with pytest.raises(ValueError, match="1000"):
+        e2e.page_tokens_for(e2e.MODEL_CONFIG, 1000)
+
+
+@pytest.mark.parametrize("scenario", e2e.SCENARIOS)
+def test_server_args_parse_with_sglangs_parser(tmp_path, scenario):
+    s = _settings(tmp_path)
+    a = _parse(e2e.server_args(s, scenario))
+    assert a.enable_hierarchical_cache and not a.disable_radix_cache
+    assert a.page_size == 64 and a.hicache_write_policy == "write_through"
+    assert a.hicache_storage_prefetch_policy == "wait_complete"
+    assert a.hicache_mem_layout == "page_first" and a.hicache_io_backend == "kernel"
+    assert a.load_format == "dummy" and a.skip_tokenizer_init
+    assert a.attention_backend == "triton" and a.sampling_backend == "pytorch"
+    assert a.max_total_tokens == 65536 and a.hicache_ratio == 2.0
+    assert a.cuda_graph_backend_decode == "disabled"
+    assert a.cuda_graph_backend_prefill == "disabled"
+    if scenario == "file":
+        assert a.hicache_storage_backend == "file"
+        assert a.hicache_storage_backend_extra_config is None
+    else:
+        assert a.hicache_storage_backend == "dynamic"
+        extra = json.loads(a.hicache_storage_backend_extra_config)
+        assert extra["cold_start"] == ("clear" if scenario == "thaw" else "load")
+    with pytest.raises(ValueError, match="nope"):
+        e2e.server_args(s, "nope")
+
+
+@pytest.mark.parametrize("scenario", ["thaw", "thaw_restart"])
+def test_extra_config_reaches_thaw_through_sglang(tmp_path, scenario):
+    """HiRadixCache's parser -> HiCacheStorageConfig -> the dynamic factory -> ThawStorage,
+    attached to a host pool of the script's model: 1 MiB pages in the configured directory."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    from thaw.integrations.sglang.hicache import ThawStorage
+
+    s = _settings(tmp_path)
+    a = _parse(e2e.server_args(s, scenario))
+    extra, threshold, _, pass_prefix = HiRadixCache._parse_storage_backend_extra_config(
+        None, a.hicache_storage_backend_extra_config)
+    assert threshold == 256 and pass_prefix is False   # SGLang's defaults: 4 pages of 64
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, is_mla_model=False,
+                               enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name=s.model_dir, extra_config=extra)
+    b = StorageBackendFactory.create_backend(a.hicache_storage_backend, cfg, None)
+    try:
+        assert isinstance(b, ThawStorage) and b.interface_v1
+        assert b.settings.dirs == (s.thaw_dir,)
+        assert b.settings.budget_bytes == s.thaw_budget_bytes
+        assert b.settings.cold_start == extra["cold_start"]
+        m = e2e.MODEL_CONFIG
+        dev = MHATokenToKVPool(size=256, page_size=a.page_size, dtype=torch.bfloat16,
+                               head_num=m["num_key_value_heads"], head_dim=m["head_dim"],
+                               layer_num=m["num_hidden_layers"], device="cpu",
+                               enable_memory_saver=False, enable_alt_stream=False)
+        host = MHATokenToKVPoolHost(dev, a.hicache_ratio, 0, a.page_size, a.hicache_mem_layout,
+                                    pin_memory=False, device="cpu")
+        os.makedirs(s.thaw_dir)
+        b.register_mem_pool_host(host)
+        assert b.thaw_stats()["page_bytes"] == 1 << 20
+        assert all(p.startswith(s.thaw_dir + "/") and os.path.exists(p) for p in b.slab_paths)
+    finally:
+        b.close()
+
+
+def test_file_backend_directory_reaches_sglang(tmp_path, monkeypatch):
+    from sglang.srt.environ import envs
+
+    s = _settings(tmp_path)
+    env = e2e.server_env(s, "file", base={"PATH": "/usr/bin", "THAW_LOG_LEVEL": "DEBUG"},
+                         probe=False)
+    assert env["PYTHONPATH"] == s.site and env["HF_HUB_OFFLINE"] == "1"
+    assert env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert "THAW_LOG_LEVEL" not in env   # thaw's INFO lines must go through SGLang's logger
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+                       env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"])
+    assert envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get() == s.file_dir
+    thaw_env = e2e.server_env(s, "thaw", base={"PYTHONPATH": "/x"}, probe=False)
+    assert thaw_env["PYTHONPATH"] == s.site + os.pathsep + "/x"
+    assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR" not in thaw_env
+
+
+def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
+    """The counter the script waits on comes from the INFO line batch_set_v1 really logs."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    page = 16
+    dev = MHATokenToKVPool(size=256, page_size=page, dtype=torch.bfloat16, head_num=2,
+                           head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False,
+                           enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev, 2.0, 0, page, "page_first", pin_memory=False,
+                                device="cpu")
+    extra = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
+             "class_name": "ThawStorage", "interface_v1": 1, "dirs": [str(tmp_path)],
+             "budget_bytes": 8 << 20, "cold_start": "clear"}
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                               is_page_first_layout=True, model_name="m", extra_config=extra)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    b.register_mem_pool_host(host)
+    log = tmp_path / "server.log"
+    try:
+        with caplog.at_level(logging.INFO, logger="thaw.sglang.hicache"):
+            keys = get_hash_str(list(range(5 * page)), None, page_size=page)
+            idx = host.alloc(5 * page)
+            assert all(b.batch_set_v1(keys[:3], idx[:3 * page]))
+            assert all(b.batch_set_v1(keys, idx))        # 3 already stored, 2 new
+            assert all(b.batch_get_v1(keys, idx))
+        lines = [r.getMessage() for r in caplog.records if "batch_" in r.getMessage()]
+        assert len(lines) == 3                           # one summary line per batch
+        log.write_text("".join(f"[2026-01-01 00:00:00 TP0] {m}\n" for m in lines))
+        assert e2e.thaw_pages_written(str(log)) == 5
+        assert not e2e.THAW_ERRORS.search(log.read_text())
+    finally:
+        b.close()
+    assert e2e.thaw_pages_written(str(tmp_path / "absent.log")) == 0
+
+
+def test_file_observable_counts_final_files_only(tmp_path):
+    (tmp_path / "a_m_0_1.bin").write_bytes(b"x")
+    (tmp_path / "b_m_0_1.bin.tmp.1.2.abc").write_bytes(b"x")
+    assert e2e.file_pages_written(str(tmp_path)) == 1
+    assert e2e.file_pages_written(str(tmp_path / "none")) == 0
+
+
+def test_wait_written_needs_count_and_settle():
+    seq = iter([1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3])
+    n, _ = e2e.wait_written(lambda: next(seq), 3, timeout=10, settle=0.5)
+    assert n == 3
+    with pytest.raises(RuntimeError, match="only 1 of 9"):
+        e2e.wait_written(lambda: 1, 9, timeout=0.3, settle=0.1)
+
+
+class _FakeSGLang(http.server.BaseHTTPRequestHandler):
+    """Streams like SGLang's /generate for input_ids requests (cumulative output_ids)."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["sampling_params"]["max_new_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        out = []
+        for i in range(n):
+            out.append(100 + i)
+            chunk = {"output_ids": list(out), "meta_info": {
+                "prompt_tokens": len(body["input_ids"]), "cached_tokens": 128,
+                "cached_tokens_details": {"device": 0, "host": 0, "storage": 128,
+                                          "storage_backend": "ThawStorage"},
+                "output_token_logprobs": [[-0.5 * (j + 1), 100 + j, None]
+                                          for j in range(i + 1)]}}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *a):
+        pass
+
+
+def test_generate_parses_the_stream():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = e2e.generate(srv.server_address[1], list(range(200)), 4)
+    finally:
+        srv.shutdown()
+    assert r["output_ids"] == [100, 101, 102, 103]
+    assert r["logprobs"] == [-0.5, -1.0, -1.5, -2.0]
+    assert r["cached_tokens"] == 128 and r["details"]["storage"] == 128
+    assert r["prompt_tokens"] == 200 and 0 < r["ttft_s"] <= r["latency_s"]
+
+
+def _res(ids, cached=0, storage=0, plen=200, ttft=0.01, lp=None):
+    """One request's result as generate() returns it."""
+    det = {"device": cached - storage, "host": 0, "storage": storage} if cached else {}
+    return {"output_ids": ids, "logprobs": lp if lp is not None else [-1.0] * len(ids),
+            "cached_tokens": cached, "details": det, "prompt_tokens": plen, "ttft_s": ttft,
+            "latency_s": 2 * ttft}
+
+
+def test_comparisons():
+    a = [_res([1, 2]), _res([3, 4])]
+    assert e2e.tokens_identical(a, [_res([1, 2]), _res([3, 4])])
+    assert not e2e.tokens_identical(a, [_res([1, 2]), _res([3, 5])])
+    assert not e2e.tokens_identical(a, a[:1])
+    assert not e2e.tokens_identical([_res([])], [_res([])])      # empty outputs prove nothing
+    assert e2e.logprob_diff(a, a) == 0.0
+    assert e2e.logprob_diff(a, [_res([1, 2], lp=[-1.0, -1.25]), a[1]]) == 0.25
+    assert e2e.logprob_diff(a, [_res([1, 2], lp=[-1.0]), a[1]]) is None
+    # 200-token prompts, 64-token pages: 3 reusable pages (199 tokens matchable)
+    assert e2e.prefix_pages(200, 64) == 3 and e2e.prefix_pages(193, 64) == 3
+    assert e2e.prefix_pages(192, 64) == 2
+    assert e2e.all_from_storage([_res([1], 192, 192)], 64)
+    assert not e2e.all_from_storage([_res([1], 192, 128)], 64)   # part recomputed
+    assert not e2e.all_from_storage([_res([1], 192, 0)], 64)     # from device, not L3
+    assert not e2e.all_from_storage([], 64)
+
+
+def test_assemble_rows_ratios_checks_and_write(tmp_path):
+    s = _settings(tmp_path)
+    rows, res = [], {}
+
+    def add(sc, name, rr, ref=None):
+        res[(sc, name)] = rr
+        rows.append(e2e.summarize(sc, "thaw" if sc != "file" else "file", name, rr, 64,
+                                  res.get(ref), ref and "/".join(ref)))
+
+    add("thaw", "miss", [_res([1, 2], ttft=0.040)])
+    add("thaw", "l3_hit", [_res([1, 2], 192, 192, ttft=0.010)], ("thaw", "miss"))
+    add("file", "miss", [_res([1, 2], ttft=0.040)], ("thaw", "miss"))
+    add("file", "l3_hit", [_res([1, 2], 192, 192, ttft=0.030)], ("file", "miss"))
+    l3 = rows[1]
+    assert l3["tokens_identical"] is True and l3["cached_storage"] == 192
+    assert l3["reusable_tokens"] == 192 and l3["storage_tokens_per_request"] == [192]
+    checks = {"thaw.tokens_identical": True, "file.tokens_identical": True}
+    scen = {"thaw": {"ok": True}, "file": {"ok": True}}
+    out = e2e.assemble(s, rows, checks, scen, {"thaw_restart": "time"}, {"total_s": 1.0})
+    assert out["name"] == "sglang-hicache-e2e" and out["ok"] is True
+    assert out["ratios"]["l3_hit_ttft_file_over_thaw"] == pytest.approx(3.0)
+    assert out["ratios"]["thaw_ttft_miss_over_l3_hit"] == pytest.approx(4.0)
+    assert out["goals"] == {"l3_hit_ttft_file_over_thaw": 1.0}
+    assert out["settings"]["page_bytes"] == 1 << 20
+    assert out["skipped"] == {"thaw_restart": "time"}
+    bad = e2e.assemble(s, rows, {**checks, "file.tokens_identical": False}, scen, {}, {})
+    assert bad["ok"] is False
+    assert e2e.assemble(s, [], {}, {}, {}, {})["ok"] is False    # nothing ran: not ok
+    p = e2e.resultlib.write(out, tmp_path / "o")
+    assert p.name.startswith("sglang-hicache-e2e-") and json.loads(p.read_text())["ok"]
+
+
+def test_server_stops_its_whole_process_group(tmp_path):
+    """A child that ignores SIGTERM is still gone after stop() (SIGKILL to the group)."""
+    script = "trap '' TERM; sleep 60 & echo $! > %s; wait" % (tmp_path / "child")
+    srv = e2e.Server(["sh", "-c", script], dict(os.environ), str(tmp_path / "s.log"))
+    with srv:
+        for _ in range(100):
+            if (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip():
+                break
+            time.sleep(0.02)
+        child = int((tmp_path / "child").read_text())
+        assert os.getpgid(child) == srv.proc.pid
+        t0 = time.monotonic()
+    assert srv.proc.poll() is not None and time.monotonic() - t0 < 30
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the group's child survived stop()")
+
+
+def test_wait_ready_reports_a_dead_server(tmp_path):
+    srv = e2e.Server(["sh", "-c", "exit 3"], dict(os.environ), str(tmp_path / "s.log"))
+    with srv:
+        with pytest.raises(RuntimeError, match="exited with 3"):
+            srv.wait_ready(1, timeout=10)
+
+
+def test_dry_run_prints_every_command(capsys):
+    assert e2e.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for sc in e2e.SCENARIOS:
+        assert f"# {sc}\n" in out
+    assert out.count("-m sglang.launch_server") == 3
+    assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=" in out
+    assert '"cold_start":"load"' in out and '"cold_start":"clear"' in out
+
+
+def test_dry_run_runs_as_a_script():
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "sglang_hicache_e2e.py"),
+                        "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--hicache-storage-backend dynamic" in r.stdout
+
+
+# ---- the whole orchestration against a stand-in server ----------------------------------------
+
+_FAKE_LAUNCH_SERVER = r'''
+"""Stand-in for `python -m sglang.launch_server` (test only): the same CLI, the HTTP endpoints
+the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
+test (thaw: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
+log lines the real thaw backend writes."""
+import argparse, hashlib, json, os, sys, http.server
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int)
+ap.add_argument("--page-size", type=int)
+ap.add_argument("--hicache-storage-backend")
+ap.add_argument("--hicache-storage-backend-extra-config")
+a, _ = ap.parse_known_args()
+page = a.page_size
+backend = a.hicache_storage_backend
+if backend == "dynamic":
+    extra = json.loads(a.hicache_storage_backend_extra_config)
+    db = os.path.join(extra["dirs"][0], "fake.json")
+    stored = set()
+    if extra["cold_start"] == "load" and os.path.exists(db):
+        with open(db) as f:
+            stored = set(json.load(f))
+else:
+    fdir = os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
+    os.makedirs(fdir, exist_ok=True)
+    stored = {n[:-4] for n in os.listdir(fdir) if n.endswith(".bin")}
+device = set()
+total = [0]
+
+def save():  # atomic: the e2e script may stop this server at any moment
+    with open(db + ".tmp", "w") as f:
+        json.dump(sorted(stored), f)
+    os.replace(db + ".tmp", db)
+
+def keys(ids):
+    n = (len(ids) - 1) // page
+    return [hashlib.sha256(json.dumps(ids[:(i + 1) * page]).encode()).hexdigest()[:16] for i in range(n)]
+
+def store(ks):
+    new = [k for k in ks if k not in stored]
+    stored.update(new)
+    total[0] += len(new)
+    if backend == "dynamic":
+        save()
+        print(f"[t TP0] thaw HiCache backend: batch_set_v1 {len(ks)} pages: {len(new)} written, "
+              f"0 already stored, 0 failed, 1.0 MiB in 1.0 ms; totals: {total[0]} pages written, 0 pages read", flush=True)
+    else:
+        for k in new:
+            open(os.path.join(fdir, k + "_m_0_1.bin"), "wb").close()
+
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *x): pass
+    def _send(self, code, text=""):
+        self.send_response(code); self.end_headers(); self.wfile.write(text.encode())
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404)
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else {}
+        if self.path == "/flush_cache":
+            device.clear(); return self._send(200)
+        if self.path == "/hicache/storage-backend/clear":
+            stored.clear()
+            if backend == "dynamic":
+                save()
+            return self._send(200)
+        ids = body["input_ids"]; ks = keys(ids)
+        suffix = "_m_0_1" if backend == "file" else ""
+        if ks and all(k in device for k in ks):
+            det = {"device": len(ks) * page, "host": 0, "storage": 0}
+        elif ks and all(k + suffix in stored for k in ks):
+            det = {"device": 0, "host": 0, "storage": len(ks) * page}
+        else:
+            det = {}
+        cached = sum(v for v in det.values())
+        if det:
+            det["storage_backend"] = "ThawStorage" if backend == "dynamic" else "HiCacheFile"
+        seed = int(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8], 16)
+        out = [(seed >> i) % 1000 + 3 for i in range(body["sampling_params"]["max_new_tokens"])]
+        self.send_response(200); self.end_headers()
+        for i in range(len(out)):
+            chunk = {"output_ids": out[:i + 1], "meta_info": {
+                "prompt_tokens": len(ids), "cached_tokens": cached, "cached_tokens_details": det or None,
+                "output_token_logprobs": [[-0.01 * t, t, None] for t in out[:i + 1]]}}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        device.update(ks)
+        store([k + suffix for k in ks])
+
+print("fake sglang up", flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
+'''
+
+
+def _free_port_base():
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def test_whole_run_against_a_stand_in_server(tmp_path):
+    """Run.run end to end (bundle unpack, three launches, passes, waits on the real observables,
+    flush, restart, clear, JSON) with `sglang.launch_server` replaced by a stand-in."""
+    import tarfile
+
+    fake = tmp_path / "fakesite"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(_FAKE_LAUNCH_SERVER)
+    bundle = tmp_path / "bundle.tar.xz"
+    with tarfile.open(bundle, "w:xz") as t:
+        t.add(fake, arcname=".")
+    s = e2e.Settings(bundle=str(bundle), site=str(tmp_path / "site"), work=str(tmp_path / "w"),
+                     out=str(tmp_path / "out"), model_dir=str(tmp_path / "model"),
+                     port=_free_port_base(), prompts=2, min_len=300, max_len=400,
+                     budget_s=300, first_ready_s=30, ready_s=30)
+    res = e2e.Run(s).run()
+    assert res["bundle"].startswith("unpacked")
+    assert res["ok"] is True, json.dumps({k: res.get(k) for k in ("checks", "scenarios")},
+                                         indent=1)[:4000]
+    assert set(res["scenarios"]) == {"thaw", "thaw_restart", "file"} and not res["skipped"]
+    passes = [(r["scenario"], r["pass"]) for r in res["rows"]]
+    assert passes == [("thaw", "miss"), ("thaw", "device_hit"), ("thaw", "l3_hit"),
+                      ("thaw_restart", "l3_restart"), ("thaw_restart", "miss_after_clear"),
+                      ("file", "miss"), ("file", "device_hit"), ("file", "l3_hit")]
+    assert res["checks"]["thaw_restart.first_request_from_storage"] is True
+    assert res["scenarios"]["thaw"]["pages_written"] >= res["scenarios"]["thaw"]["pages_needed"]
+    assert "l3_hit_ttft_file_over_thaw" in res["ratios"]
+    for sc in e2e.SCENARIOS:
+        assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")
+    assert e2e.unpack_bundle(s) == "already unpacked"
