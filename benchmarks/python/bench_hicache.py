@@ -108,6 +108,8 @@ def main() -> int:
                     help="bytes written/read per repetition and backend (default 1 GiB)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
+    ap.add_argument("--read-threads", type=int, default=0,
+                    help="thaw backend's read_threads (default: the backend's own default)")
     args = ap.parse_args()
     if args.quick:
         args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
@@ -196,6 +198,8 @@ def run(args, geom, scratch, thaw_dir, file_dir):
         extra_thaw = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
                       "class_name": "ThawStorage", "interface_v1": 1, "dirs": [thaw_dir],
                       "budget_bytes": budget, "cold_start": "clear"}
+        if args.read_threads:
+            extra_thaw["read_threads"] = args.read_threads
         controllers["thaw"] = ccm.HiCacheController(
             alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
             io_backend="direct", storage_backend="dynamic", model_name="bench",
