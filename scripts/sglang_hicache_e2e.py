@@ -339,23 +339,6 @@ def flush_cache(port: int, timeout: float = 20.0) -> None:
         time.sleep(0.5)
 
 
-def drop_page_cache(paths: list[str]) -> int:
-    """Write back and drop the page cache of ``paths`` (so L3 reads hit the drive)."""
-    os.sync()
-    n = 0
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n += 1
-        finally:
-            os.close(fd)
-    return n
-
-
 # ---- server ------------------------------------------------------------------------------------
 
 
@@ -652,6 +635,13 @@ class Run:
         self.rows.append(r)
         return r
 
+    def _record_checks(self, scenario: str, info: dict, ck: dict) -> None:
+        """A scenario's checks go into its info and the run's check list; ok = all passed."""
+        info["checks"] = ck
+        for k, v in ck.items():
+            self.checks[f"{scenario}.{k}"] = v
+        info["ok"] = all(ck.values())
+
     def _launch(self, scenario: str) -> Server:
         s = self.s
         log = os.path.join(s.log_dir or s.out, f"sglang-{scenario}.log")
@@ -696,7 +686,7 @@ class Run:
                 info["write_wait_s"] = round(wait, 2)
                 flush_cache(port)
                 files = glob.glob(os.path.join(store, "*"))
-                info["page_cache_dropped_files"] = drop_page_cache(files)
+                info["page_cache_dropped_files"] = resultlib.drop_page_cache(files)
                 # untimed: the first L3 hit of a process pays one-time costs (host->device
                 # transfer kernels); the warmup prompt's pages are in L3 too
                 w = run_pass(port, self.warmup, s.max_new_tokens)
@@ -728,10 +718,7 @@ class Run:
                                          "o_direct": m.group(3).rstrip(","),
                                          "cold_start": m.group(4)}
                     ck["no_backend_errors"] = info["backend_errors_logged"] == 0
-                info["checks"] = ck
-                for k, v in ck.items():
-                    self.checks[f"{scenario}.{k}"] = v
-                info["ok"] = all(ck.values())
+                self._record_checks(scenario, info, ck)
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"
         if not info["ok"]:
@@ -774,10 +761,7 @@ class Run:
                 text = srv.log_text()
                 info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
                 ck["no_backend_errors"] = info["backend_errors_logged"] == 0
-                info["checks"] = ck
-                for k, v in ck.items():
-                    self.checks[f"{sc}.{k}"] = v
-                info["ok"] = all(ck.values())
+                self._record_checks(sc, info, ck)
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"
         if not info["ok"]:

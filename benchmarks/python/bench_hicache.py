@@ -46,19 +46,6 @@ import resultlib  # noqa: E402
 MiB = 1 << 20
 
 
-def drop_cache(paths):
-    os.sync()
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def fio_read_limit(scratch, nbytes):
     """Bytes/s of a cold O_DIRECT sequential read (libaio, queue depth 16) of a file fio just
     wrote with O_DIRECT in the scratch directory, or why it was not measured."""
@@ -73,7 +60,7 @@ def fio_read_limit(scratch, nbytes):
                            capture_output=True, text=True, timeout=300)
         if w.returncode != 0:
             return f"fio write failed: {w.stderr.strip()[-200:]}"
-        drop_cache([path])
+        resultlib.drop_page_cache([path])
         r = subprocess.run([fio, "--name=read", "--readonly", "--rw=read", "--ioengine=libaio",
                             "--iodepth=16", *common], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
@@ -235,7 +222,7 @@ def run(args, geom, scratch, thaw_dir, file_dir):
         tokens, hashes = keys_for(rep)
         last = (tokens, hashes)
         for name, cc in controllers.items():
-            drop_cache(files_under(scratch))
+            resultlib.drop_page_cache(files_under(scratch))
             t0 = time.perf_counter()
             if not do_set(cc, hashes):
                 raise SystemExit(f"{name}: set failed in rep {rep}")
@@ -249,7 +236,7 @@ def run(args, geom, scratch, thaw_dir, file_dir):
         for name, cc in controllers.items():
             for i in range(n):
                 host.get_data_page(int(dst[i * P])).zero_()
-            drop_cache(files_under(scratch))
+            resultlib.drop_page_cache(files_under(scratch))
             t0 = time.perf_counter()
             ok = do_get(cc, tokens, hashes)
             t1 = time.perf_counter()
