@@ -471,3 +471,63 @@ def test_get_stats_counts_v2_batches(tmp_path):
         assert m.backup_pgs == [3] and m.prefetch_pgs == [3]
     finally:
         th.close()
+
+
+def test_hybrid_cache_controller_round_trip(tmp_path, monkeypatch):
+    """SGLang's real HybridCacheController (as its hybrid Mamba stack builds it, on the
+    HostPoolGroup): attach registers every entry through register_mem_host_pool_v2; a backup
+    writes KV through batch_set_v1 and the Mamba state through batch_set_v2; a prefetch asks
+    batch_exists_v2, reads KV back through batch_get_v1 and the state through batch_get_v2.
+    Test seam as in test_sglang_hicache.py: torch.cpu stands in for the device module."""
+    import threading
+    import time
+
+    import sglang.srt.managers.cache_controller as ccm
+    import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller as hcm
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    monkeypatch.setattr(ccm, "device_module", torch.cpu)
+    monkeypatch.setattr(hcm, "device_module", torch.cpu)
+    s = Stack()
+    s.fill(8)
+    kv_dev = s.entries[0].device_pool
+    alloc = PagedTokenToKVPoolAllocator(kv_dev.size, PAGE, torch.bfloat16, "cpu", kv_dev, False)
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        cc = hcm.HybridCacheController(
+            alloc, s.group, PAGE, tp_group=None, load_cache_event=threading.Event(),
+            io_backend="direct", prefetch_threshold=PAGE, storage_backend="dynamic",
+            model_name="org/hybrid-model", storage_backend_extra_config=_extra(tmp_path))
+    try:
+        assert isinstance(cc.storage_backend, ThawStorage)
+        assert sorted(cc.storage_backend._extra) == ["mamba", "swa"]
+        n = 4
+        tokens, keys = list(range(n * PAGE)), _keys(n)
+        idx, m = s.kv.alloc(n * PAGE), s.mamba.alloc(1)
+        want_kv, want_m = _pages(s.kv, idx, n), _pages(s.mamba, m, 1)[0]
+        cc.write_storage(idx, tokens, hash_value=keys, extra_pools=[
+            PoolTransfer(PoolName.MAMBA, host_indices=m, keys=keys[-1:], hit_policy=TRAILING)])
+        op = cc.ack_backup_queue.get(timeout=20)
+        assert op.completed_tokens == n * PAGE
+        assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: 1}
+
+        s.zero()
+        m2 = s.mamba.alloc(1)
+        cc.prefetch("req", tokens, extra_pools=[
+            PoolTransfer(PoolName.MAMBA, host_indices=m2, keys=keys[-1:], hit_policy=TRAILING)])
+        op = cc.prefetch_hit_queue.get(timeout=20)
+        assert op.storage_hit_count == n * PAGE
+        got_idx = s.kv.alloc(n * PAGE)
+        op.host_indices = got_idx
+        cc.prefetch_buffer.put(op)
+        t = time.monotonic()
+        while not (op.completed_tokens >= n * PAGE and op.pool_transfers_done) \
+                and time.monotonic() - t < 20:
+            time.sleep(0.01)
+        assert op.completed_tokens == n * PAGE and op.pool_transfers_done
+        assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: 1}
+        for i, page in enumerate(_pages(s.kv, got_idx, n)):
+            assert torch.equal(page, want_kv[i]), f"KV page {i} differs"
+        assert torch.equal(_pages(s.mamba, m2, 1)[0], want_m), "Mamba state differs"
+    finally:
+        cc.detach_storage_backend()
