@@ -495,8 +495,9 @@ def test_concurrent_set_get_exists(tmp_path):
     assert not errors
 
 
-def test_v2_multi_pool_calls_answer_nothing_stored(tmp_path):
-    """Hybrid models call the v2 API; thaw stores no v2 pages and must not raise."""
+def test_v2_pool_without_budget_answers_nothing_stored(tmp_path):
+    """A v2 pool registered next to a plain (non-group) host pool has no disk budget: its
+    calls answer "nothing stored" and never raise (stored v2 pools: test_sglang_hicache_v2)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
 
     _, host = _mha_host("page_first")

@@ -32,11 +32,38 @@ Extra-config keys (besides SGLang's ``backend_name``, ``module_path``, ``class_n
 ``read_threads``   I/O threads per drive for reads (default 8)
 ``write_threads``  I/O threads per drive for writes (default 2)
 ``name``           file-name prefix (default ``"hicache"``)
+``extra_pool_      bytes of ``budget_bytes`` set aside for the v2 extra pools (int >= 0 and
+budget_bytes``     < ``budget_bytes``); default: derived from page sizes, see below
 =================  =====================================================================
 
 Slab files are per rank and per model: ``<dir>/<name>-<model>-<geometry hash>-tp<r>of<n>-
 pp<r>of<n>-cp<r>of<n>.kind0.slab``, so ranks never share a slab, and a key (SGLang's content
 hash of the token ids) can only ever resolve to a page of the same model, layout and geometry.
+
+Hybrid models (SGLang's v2 multi-pool API): SGLang's ``HybridCacheController`` registers its
+``HostPoolGroup`` as the v1 host pool, then every entry of the group with
+``register_mem_host_pool_v2`` (``kv``, and ``mamba`` / ``swa`` / ``indexer`` / ... pools). KV
+transfers (pool name ``kv``) go through the KV slab store above (zero-copy ``batch_*_v1``), so v1
+and v2 share one KV key space. Every other pool gets its own :class:`~thaw.tier.DiskStore`:
+slab files ``<dir>/<name>-<model>-<pool geometry hash>-<pool>-tp..-pp..-cp...kind0.slab`` in the
+same directories, with the same rank suffixes, cold start and direct-I/O mode as the KV store,
+its page size the byte size of the pool's flat data page. Pages are copied through the pool's
+flat-data-page API (``get_data_page(i, flat=True)`` / ``set_from_flat_data_page``), exactly
+the bytes SGLang's own file backend (``HiCacheFile``) stores, with the same per-key results and
+the same ``batch_exists_v2`` hit policies (``all_pages``, ``trailing_pages``).
+
+Budget split: ``budget_bytes`` is the whole of this rank's disk, never exceeded. The extra pools
+together get ``E = extra_pool_budget_bytes`` when given; by default
+``E = budget_bytes * min(1/2, P / (K + P))`` with ``K`` the KV page bytes and ``P`` the sum of
+the extra pools' page bytes, i.e. room for as many pages of every extra pool as of KV pages (an
+``all_pages`` pool such as SWA or a DSA indexer needs one page per KV page, so it never limits
+the hit length before KV does; a ``trailing_pages`` pool such as Mamba needs fewer), capped at
+half the disk so huge state pages (Mamba) cannot starve KV. The KV store gets
+``budget_bytes - E``; pool ``i`` gets ``E * p_i / P``. The extra pools are the entries of the
+host pool group registered with :meth:`ThawStorage.register_mem_pool_host`; a pool registered
+through ``register_mem_host_pool_v2`` that is not among them gets no budget: its transfers are
+refused (``False``, logged). Without extra pools (a plain host pool) the KV store gets all of
+``budget_bytes`` as before and ``extra_pool_budget_bytes`` is unused.
 
 Errors inside the backend never reach the scheduler: a failed read is a miss, a failed write
 is ``False``, an exists query that fails is 0 hits; each is logged on the ``thaw.sglang``
@@ -77,7 +104,7 @@ _SGLANG_KEYS = frozenset({
 })
 _THAW_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
-    "read_threads", "write_threads", "name",
+    "read_threads", "write_threads", "name", "extra_pool_budget_bytes",
 })
 _KIND = "kv"
 _MiB = 1 << 20
@@ -98,6 +125,7 @@ class ThawStorageSettings:
     read_threads: int = 8
     write_threads: int = 2
     name: str = "hicache"
+    extra_pool_budget_bytes: Optional[int] = None
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "ThawStorageSettings":
@@ -151,8 +179,14 @@ class ThawStorageSettings:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
             raise ValueError(f"thaw HiCache backend: 'name' must be 1-64 characters of "
                              f"[A-Za-z0-9._-], got {name!r}")
+        extra_budget = extra.get("extra_pool_budget_bytes")
+        if extra_budget is not None and (
+                isinstance(extra_budget, bool) or not isinstance(extra_budget, int)
+                or not 0 <= extra_budget < budget):
+            raise ValueError(f"thaw HiCache backend: 'extra_pool_budget_bytes' must be an int in "
+                             f"[0, budget_bytes={budget}), got {extra_budget!r}")
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
-                   name=name, **ints)
+                   name=name, extra_pool_budget_bytes=extra_budget, **ints)
 
 
 def _slug(text: str, limit: int = 40) -> str:
@@ -253,6 +287,68 @@ def _ranges(pieces: list) -> list:
     return out
 
 
+# ---- v2 extra pools ------------------------------------------------------------------------------
+
+
+_CONFLICT = object()  # a pool name registered twice with different pools
+
+
+def _pool_key(name: Any) -> str:
+    """A pool name as its plain string (SGLang passes ``PoolName`` members or strings)."""
+    return str(getattr(name, "value", name))
+
+
+def _flat_page(pool: Any) -> tuple:
+    """(dtype, elements, bytes) of the pool's flat data page (what SGLang stores per key)."""
+    page = pool.get_dummy_flat_data_page()
+    if not isinstance(page, torch.Tensor) or page.numel() == 0:
+        raise ValueError(f"get_dummy_flat_data_page() gave {type(page).__name__} "
+                         f"of {getattr(page, 'numel', lambda: '?')()} elements")
+    return page.dtype, int(page.numel()), int(page.numel() * page.element_size())
+
+
+def _pool_identity(pool: Any, page_bytes: int) -> str:
+    """What must match for a stored page to be valid for this pool (goes into the file name)."""
+    parts = ["v2", type(pool).__name__, str(getattr(pool, "layout", "?")),
+             str(getattr(pool, "page_size", "?")), str(page_bytes)]
+    for attr in ("dtype", "layer_num", "start_layer", "head_num", "head_dim", "kv_cache_dim",
+                 "kv_lora_rank", "num_mamba_layers", "conv_state_shapes",
+                 "temporal_state_shape", "conv_dtype", "temporal_dtype"):
+        if hasattr(pool, attr):
+            parts.append(f"{attr}={getattr(pool, attr)}")
+    return "|".join(parts)
+
+
+@dataclass
+class _ExtraPool:
+    """One registered v2 pool other than ``kv`` and its own slab store."""
+
+    name: str
+    pool: Any
+    page_tokens: int          # host indices per page (the pool's page_size)
+    page_bytes: int           # bytes of one flat data page
+    page_dtype: Any
+    page_numel: int
+    identity: str
+    store: Optional[_tier.DiskStore] = None
+    store_name: str = ""
+    budget: int = 0
+    refused: Optional[str] = None   # why its transfers are refused (None: usable)
+    set_pages: int = 0
+    set_dedup: int = 0
+    set_failed: int = 0
+    get_pages: int = 0
+    get_misses: int = 0
+
+    def stats(self) -> dict:
+        return {"store": self.store.stats() if self.store is not None else None,
+                "name": self.store_name, "page_bytes": self.page_bytes,
+                "budget_bytes": self.budget, "refused": self.refused,
+                "set_pages": self.set_pages, "set_dedup": self.set_dedup,
+                "set_failed": self.set_failed, "get_pages": self.get_pages,
+                "get_misses": self.get_misses}
+
+
 # ---- the backend -------------------------------------------------------------------------------
 
 
@@ -318,6 +414,7 @@ class _Counters:
     get_misses: int = 0
     exists_queries: int = 0
     errors: int = 0
+    v2_refused: int = 0
     # drained by get_stats() (SGLang's StorageMetrics)
     prefetch_pgs: list = field(default_factory=list)
     backup_pgs: list = field(default_factory=list)
@@ -360,6 +457,13 @@ class ThawStorage(HiCacheStorage):
         self._c = _Counters()
         self._clock = threading.Lock()
         self._closed = False
+        # v2 extra pools (see the module docstring): name -> _ExtraPool, the planned page bytes
+        # of the host pool group's extra entries, the KV store's share of the budget.
+        self._extra: dict = {}
+        self._plan: Optional[dict] = None
+        self._extra_budget = 0
+        self._kv_budget = self.settings.budget_bytes
+        self._kv_v2_pool: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -373,12 +477,18 @@ class ThawStorage(HiCacheStorage):
         name = (f"{self.settings.name}-{_slug(cfg.model_name or 'model')}-{digest}"
                 f"-tp{cfg.tp_rank}of{cfg.tp_size}-pp{cfg.pp_rank}of{cfg.pp_size}"
                 f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+        plan, extra_budget = self._plan_extra_pools(mem_pool_host, geom.blob_bytes)
         with self._state.exclusive():
             if self._store is not None:
                 self._store.close()
             self._geom = geom
             self._store_name = name
+            self._plan, self._extra_budget = plan, extra_budget
+            self._kv_budget = self.settings.budget_bytes - extra_budget
             self._store = self._open(self.settings.cold_start)
+            for ep in self._extra.values():  # pools registered before the KV pool
+                if ep.store is None and ep.refused is None:
+                    self._open_extra(ep)
         logger.info("thaw HiCache backend: %s, page %d B (%d tokens, %s), slabs %s, "
                     "O_DIRECT=%s, cold_start=%s, staging %d pages x 2", name, geom.blob_bytes,
                     geom.page_tokens, mem_pool_host.layout,
@@ -387,7 +497,7 @@ class ThawStorage(HiCacheStorage):
 
     def _open(self, cold_start: str) -> _tier.DiskStore:
         s = self.settings
-        store = _tier.DiskStore(list(s.dirs), s.budget_bytes, {_KIND: self._geom.blob_bytes},
+        store = _tier.DiskStore(list(s.dirs), self._kv_budget, {_KIND: self._geom.blob_bytes},
                                 name=self._store_name, cold_start=cold_start,
                                 direct_io=s.direct_io, read_threads=s.read_threads,
                                 write_threads=s.write_threads)
@@ -409,6 +519,10 @@ class ThawStorage(HiCacheStorage):
                 store, self._store = self._store, None
                 self._set_bufs, self._get_bufs = [], []
                 store.close()
+            for ep in self._extra.values():
+                if ep.store is not None:
+                    ep_store, ep.store = ep.store, None
+                    ep_store.close()
 
     def clear(self) -> bool:
         """Drop every page of this rank (SGLang's ``/clear_hicache_storage``): the store drops
@@ -419,7 +533,11 @@ class ThawStorage(HiCacheStorage):
                 if self._store is None:
                     return not self._closed
                 self._store.clear()
-            logger.info("thaw HiCache backend: cleared %s", self._store_name)
+                for ep in self._extra.values():
+                    if ep.store is not None:
+                        ep.store.clear()
+            logger.info("thaw HiCache backend: cleared %s (and %d extra pools)",
+                        self._store_name, sum(1 for e in self._extra.values() if e.store))
             return True
         except Exception as e:  # never raise into the scheduler
             self._error("clear", e)
@@ -627,36 +745,295 @@ class ThawStorage(HiCacheStorage):
             self._error("batch_exists", e)
             return 0
 
-    # -- v2: multi-pool transfers (hybrid / Mamba / sidecar pools) ---------------------------
-    # Not stored by this backend: the calls answer "nothing stored" instead of raising (the
-    # base class raises NotImplementedError into SGLang's threads), so a hybrid model runs with
-    # its L3 prefix hits at 0 rather than crashing.
+    # -- v2: multi-pool transfers (hybrid / Mamba / SWA / DSA indexer pools) ----------------
+
+    def _plan_extra_pools(self, mem_pool_host: Any, kv_page_bytes: int) -> tuple:
+        """The extra pools of SGLang's host pool group (name -> page bytes) and their budget."""
+        plan: dict = {}
+        for entry in getattr(mem_pool_host, "entries", None) or []:
+            key = _pool_key(entry.name)
+            if key == _KIND:
+                continue
+            try:
+                plan[key] = _flat_page(entry.host_pool)[2]
+            except Exception as e:
+                logger.error("thaw HiCache backend: extra pool %r has no usable flat data page "
+                             "(%s: %s); it gets no disk budget", key, type(e).__name__, e)
+        if not plan:
+            return plan, 0
+        given = self.settings.extra_pool_budget_bytes
+        if given is not None:
+            return plan, given
+        total = sum(plan.values())
+        share = min(0.5, total / (kv_page_bytes + total))
+        return plan, int(self.settings.budget_bytes * share)
+
+    def _open_extra(self, ep: "_ExtraPool") -> None:
+        """Open ``ep``'s slab files (caller holds the state lock exclusively)."""
+        cfg, s = self.storage_config, self.settings
+        if ep.name not in (self._plan or {}):
+            ep.refused = ("not an entry of the host pool group registered with "
+                          "register_mem_pool_host, so it has no disk budget")
+            logger.error("thaw HiCache backend: extra pool %r %s; its pages are not stored",
+                         ep.name, ep.refused)
+            return
+        total = sum(self._plan.values())
+        ep.budget = self._extra_budget * self._plan[ep.name] // total
+        digest = hashlib.sha256(f"{cfg.model_name}|{ep.identity}".encode()).hexdigest()[:12]
+        ep.store_name = (f"{s.name}-{_slug(cfg.model_name or 'model')}-{digest}-"
+                         f"{_slug(ep.name, 24)}-tp{cfg.tp_rank}of{cfg.tp_size}"
+                         f"-pp{cfg.pp_rank}of{cfg.pp_size}"
+                         f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+        try:
+            if ep.budget <= 0:
+                raise ValueError(f"budget {ep.budget} B")
+            ep.store = _tier.DiskStore(list(s.dirs), ep.budget, {_KIND: ep.page_bytes},
+                                       name=ep.store_name, cold_start=s.cold_start,
+                                       direct_io=s.direct_io, read_threads=s.read_threads,
+                                       write_threads=s.write_threads)
+        except Exception as e:
+            ep.refused = f"its slab store could not be opened ({type(e).__name__}: {e})"
+            logger.error("thaw HiCache backend: extra pool %r: %s; its pages are not stored",
+                         ep.name, ep.refused)
+            return
+        logger.info("thaw HiCache backend: extra pool %r: %s, page %d B, budget %d B "
+                    "(%d slots), slabs %s", ep.name, ep.store_name, ep.page_bytes, ep.budget,
+                    ep.store.stats()["kinds"][_KIND]["slots_total"],
+                    [ep.store.slab_path(_KIND, d) for d in range(len(s.dirs))])
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Register one pool of SGLang's host pool group (HybridCacheController calls this for
+        every entry after :meth:`register_mem_pool_host`). ``kv`` is the KV pool already known
+        from the v1 registration; any other pool gets its own slab store. Never raises: a pool
+        that cannot be stored is logged and its transfers answer ``False``."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        logger.warning("thaw HiCache backend: extra host pool %r registered; thaw does not "
-                       "store v2 (multi-pool) pages, so requests needing it get no L3 hits",
-                       str(host_pool_name))
+        key = _pool_key(host_pool_name)
+        with self._state.exclusive():
+            if key == _KIND:
+                if self._kv_v2_pool is not None and self._kv_v2_pool is not host_pool:
+                    logger.error("thaw HiCache backend: pool 'kv' registered twice with "
+                                 "different pools; v2 KV transfers are refused")
+                    self._kv_v2_pool = _CONFLICT
+                elif self._kv_v2_pool is None:
+                    self._kv_v2_pool = host_pool
+                return
+            old = self._extra.get(key)
+            if old is not None:
+                if old.pool is host_pool:
+                    logger.info("thaw HiCache backend: extra pool %r registered again (same "
+                                "pool); unchanged", key)
+                    return
+                old.refused = "registered twice with different pools"
+                logger.error("thaw HiCache backend: extra pool %r %s; its transfers are "
+                             "refused", key, old.refused)
+                return
+            try:
+                dtype, numel, page_bytes = _flat_page(host_pool)
+                page_tokens = int(getattr(host_pool, "page_size", 1) or 1)
+                ep = _ExtraPool(key, host_pool, page_tokens, page_bytes, dtype, numel,
+                                _pool_identity(host_pool, page_bytes))
+            except Exception as e:
+                ep = _ExtraPool(key, host_pool, 1, 0, torch.uint8, 0, "")
+                ep.refused = f"has no usable flat data page ({type(e).__name__}: {e})"
+                logger.error("thaw HiCache backend: extra pool %r %s; its pages are not "
+                             "stored", key, ep.refused)
+            self._extra[key] = ep
+            if ep.refused is None and self._geom is not None and not self._closed:
+                self._open_extra(ep)
 
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None):
-        """No v2 pages are stored: a prefix of 0 unless no extra pool is asked for."""
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    def _refuse(self, op: str, name: str, why: str) -> None:
+        with self._clock:
+            self._c.v2_refused += 1
+            n = self._c.v2_refused
+        if n <= 10 or n % 1000 == 0:
+            logger.error("thaw HiCache backend: %s for pool %r refused: %s [#%d]",
+                         op, name, why, n)
 
-        if pool_transfers:
-            return PoolTransferResult(0, {})
-        hits = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(hits, {"kv": hits} if hits else {})
+    def _extra_for(self, op: str, name: str) -> Optional["_ExtraPool"]:
+        """The usable extra pool ``name`` (caller holds the state lock), or None (logged)."""
+        ep = self._extra.get(name)
+        if ep is None:
+            self._refuse(op, name, f"no such pool registered (registered: "
+                                   f"{sorted(self._extra)})")
+            return None
+        if ep.refused is not None or ep.store is None:
+            self._refuse(op, name, ep.refused or "the backend is closed")
+            return None
+        return ep
 
-    def batch_get_v2(self, transfers: list,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        """Every page of every transfer is a miss (v2 pages are not stored)."""
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
+    def _kv_v2_ok(self, op: str) -> bool:
+        """KV transfers go through the v1 store; the v2 'kv' pool must be the v1 pool's KV."""
+        p = self._kv_v2_pool
+        if p is None:
+            return True
+        if p is _CONFLICT:
+            self._refuse(op, _KIND, "registered twice with different pools")
+            return False
+        mine = getattr(self.mem_pool_host, "kv_buffer", None)
+        theirs = getattr(p, "kv_buffer", None)
+        if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+                and mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape):
+            self._refuse(op, _KIND, "the v2 'kv' pool is not the KV buffer of the host pool "
+                                    "registered with register_mem_pool_host")
+            return False
+        return True
+
+    def _host_pages(self, op: str, name: str, t: Any, page_tokens: int) -> Optional[list]:
+        """First host index of each page of transfer ``t`` (HiCacheFile's check), or None."""
+        n = len(t.keys or [])
+        idx = t.host_indices
+        if idx is None or idx.numel() != n * page_tokens:
+            logger.error("thaw HiCache backend: %s indices length mismatch for %s: expected "
+                         "%d, got %d", op, name, n * page_tokens,
+                         idx.numel() if idx is not None else 0)
+            return None
+        return idx.reshape(-1)[::page_tokens].to("cpu").tolist()
+
+    def _set_extra(self, ep: "_ExtraPool", keys: List[str], pages: list) -> List[bool]:
+        store = ep.store
+        results = [bool(x) for x in store.batch_exists(keys, _KIND)]
+        todo = [i for i in range(len(keys)) if not results[i]]
+        if todo:
+            datas = []
+            for i in todo:
+                d = ep.pool.get_data_page(pages[i], flat=True).detach()
+                d = d.to("cpu").contiguous().view(torch.uint8).reshape(-1)
+                if d.numel() != ep.page_bytes:
+                    raise ValueError(f"page {pages[i]} of pool {ep.name!r} has {d.numel()} "
+                                     f"bytes, {ep.page_bytes} expected")
+                datas.append(d.numpy())
+            for i, ok in zip(todo, store.batch_put([keys[i] for i in todo], datas, _KIND)):
+                results[i] = bool(ok)
+        with self._clock:
+            written = sum(1 for i in todo if results[i])
+            ep.set_pages += written
+            ep.set_dedup += len(keys) - len(todo)
+            ep.set_failed += sum(1 for r in results if not r)
+        return results
+
+    def _get_extra(self, ep: "_ExtraPool", keys: List[str], pages: list) -> List[bool]:
+        store, n = ep.store, len(keys)
+        results = [False] * n
+        if n == 0:
+            return results
+        # One typed flat page per key (set_from_flat_data_page reshapes it in the pool's
+        # dtype); the store reads the raw bytes straight into each row.
+        rows = torch.empty((n, ep.page_numel), dtype=ep.page_dtype)
+        outs = [rows[i].view(torch.uint8).numpy() for i in range(n)]
+        for i, ln in enumerate(store.batch_get_into(keys, outs, _KIND)):
+            if ln is None:
+                continue
+            if ln != ep.page_bytes:
+                logger.warning("thaw HiCache backend: pool %r page %s has %d bytes, %d "
+                               "expected; dropped", ep.name, keys[i], ln, ep.page_bytes)
+                store.delete(keys[i], _KIND)
+                continue
+            ep.pool.set_from_flat_data_page(pages[i], rows[i])
+            results[i] = True
+        with self._clock:
+            hits = sum(results)
+            ep.get_pages += hits
+            ep.get_misses += n - hits
+        return results
+
+    def _batch_v2(self, op: str, transfers: list) -> dict:
+        t0 = time.perf_counter()
+        results: dict = {}
+        moved = nbytes = 0
+        for t in transfers or []:
+            keys = list(t.keys or [])
+            name = _pool_key(t.name)
+            try:
+                if name == _KIND:
+                    if not self._kv_v2_ok(op):
+                        results[t.name] = [False] * len(keys)
+                        continue
+                    if t.host_indices is None:
+                        raise ValueError("a 'kv' transfer without host_indices")
+                    fn = self.batch_set_v1 if op == "batch_set_v2" else self.batch_get_v1
+                    results[t.name] = fn(keys, t.host_indices)
+                    continue
+                with self._state.shared():
+                    ep = self._extra_for(op, name)
+                    pages = None if ep is None else self._host_pages(op, name, t, ep.page_tokens)
+                    if pages is None:
+                        results[t.name] = [False] * len(keys)
+                        continue
+                    fn = self._set_extra if op == "batch_set_v2" else self._get_extra
+                    r = fn(ep, keys, pages)
+                results[t.name] = r
+                moved += sum(r)
+                nbytes += sum(r) * ep.page_bytes
+            except Exception as e:
+                self._error(f"{op}[{name}]", e)
+                results[t.name] = [False] * len(keys)
+        dt = time.perf_counter() - t0
+        if moved:
+            with self._clock:
+                c = self._c
+                pgs, bw = ((c.backup_pgs, c.backup_bandwidth) if op == "batch_set_v2"
+                           else (c.prefetch_pgs, c.prefetch_bandwidth))
+                pgs.append(moved)
+                if dt > 0:
+                    bw.append(nbytes / dt / 1e9)
+        return results
 
     def batch_set_v2(self, transfers: list,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        """Every page of every transfer is refused (v2 pages are not stored)."""
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
+        """Write each transfer's pages (``host_indices`` of its pool, one page per key): pool
+        name -> one bool per key (True: on disk after the call, already there counts). ``kv``
+        goes through :meth:`batch_set_v1`; an unknown or refused pool, or a length mismatch,
+        is all ``False`` (logged); errors never raise."""
+        return self._batch_v2("batch_set_v2", transfers)
+
+    def batch_get_v2(self, transfers: list,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        """Read each transfer's pages into its pool at ``host_indices``: pool name -> one bool
+        per key (False: absent, failed verification, refused pool or any error)."""
+        return self._batch_v2("batch_get_v2", transfers)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[list] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None):
+        """The usable prefix over the KV pages and every transfer's pool, with HiCacheFile's
+        hit policies: ``all_pages`` needs every page of the KV prefix, ``trailing_pages`` the
+        last ``len(transfer.keys)`` pages of a (possibly shorter) prefix. Index look-ups only."""
+        from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName,
+                                                          PoolTransferResult)
+
+        try:
+            with self._state.shared():
+                if self._store is None:
+                    return PoolTransferResult(0, {})
+                kv_found = self._store.batch_exists(keys, _KIND) if keys else []
+                kv_pages = next((i for i, f in enumerate(kv_found) if not f), len(keys))
+                hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+                final = kv_pages
+                for t in pool_transfers or []:
+                    if final == 0:
+                        break
+                    name = _pool_key(t.name)
+                    if name == _KIND:
+                        have = kv_found[:kv_pages]
+                    else:
+                        ep = self._extra.get(name)
+                        usable = ep is not None and ep.refused is None and ep.store is not None
+                        have = (ep.store.batch_exists(keys[:kv_pages], _KIND) if usable
+                                else [False] * kv_pages)
+                    if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                        boundary = next((i for i in range(kv_pages) if not have[i]), kv_pages)
+                    else:
+                        trailing = max(1, len(t.keys) if t.keys else 1)
+                        boundary = next((n for n in range(kv_pages, 0, -1)
+                                         if all(have[max(0, n - trailing):n])), 0)
+                    if boundary:
+                        hit_count[t.name] = boundary
+                    final = min(final, boundary)
+            with self._clock:
+                self._c.exists_queries += 1
+            return PoolTransferResult(final, hit_count)
+        except Exception as e:
+            self._error("batch_exists_v2", e)
+            return PoolTransferResult(0, {})
 
     # -- v0: tensors (SGLang's generic path and the draft-pool piggyback) --------------------
     # A flat page of SGLang's MHA/MLA host pools has the same bytes as thaw's gathered page
@@ -735,11 +1112,14 @@ class ThawStorage(HiCacheStorage):
             c = self._c
             d = {k: getattr(c, k) for k in ("set_pages", "set_bytes", "set_dedup", "set_failed",
                                             "get_pages", "get_bytes", "get_misses",
-                                            "exists_queries", "errors")}
+                                            "exists_queries", "errors", "v2_refused")}
         with self._state.shared():
             d["store"] = self._store.stats() if self._store is not None else None
             d["name"] = self._store_name
             d["page_bytes"] = self._geom.blob_bytes if self._geom else None
+            d["budget_bytes"] = self._kv_budget
+            with self._clock:
+                d["extra_pools"] = {k: ep.stats() for k, ep in self._extra.items()}
         return d
 
     @property
