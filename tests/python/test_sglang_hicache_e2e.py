@@ -350,7 +350,7 @@ _FAKE_LAUNCH_SERVER = r'''
 the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
 test (thaw: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
 log lines the real thaw backend writes."""
-import argparse, hashlib, json, os, sys, http.server
+import argparse, hashlib, json, os, sys, threading, http.server
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int)
@@ -374,16 +374,23 @@ else:
 device = set()
 total = [0]
 
+save_lock = threading.RLock()  # handlers run on threads (ThreadingHTTPServer)
+
 def save():  # atomic: the e2e script may stop this server at any moment
-    with open(db + ".tmp", "w") as f:
-        json.dump(sorted(stored), f)
-    os.replace(db + ".tmp", db)
+    with save_lock:
+        with open(db + ".tmp", "w") as f:
+            json.dump(sorted(stored), f)
+        os.replace(db + ".tmp", db)
 
 def keys(ids):
     n = (len(ids) - 1) // page
     return [hashlib.sha256(json.dumps(ids[:(i + 1) * page]).encode()).hexdigest()[:16] for i in range(n)]
 
 def store(ks):
+    with save_lock:
+        _store(ks)
+
+def _store(ks):
     new = [k for k in ks if k not in stored]
     stored.update(new)
     total[0] += len(new)
@@ -407,9 +414,10 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path == "/flush_cache":
             device.clear(); return self._send(200)
         if self.path == "/hicache/storage-backend/clear":
-            stored.clear()
-            if backend == "dynamic":
-                save()
+            with save_lock:
+                stored.clear()
+                if backend == "dynamic":
+                    save()
             return self._send(200)
         ids = body["input_ids"]; ks = keys(ids)
         suffix = "_m_0_1" if backend == "file" else ""
