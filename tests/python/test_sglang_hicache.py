@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import hicache_cases
+
 pytestmark = pytest.mark.sglang
 
 sglang = pytest.importorskip("sglang")
@@ -39,12 +41,7 @@ BLOB = 2 * LAYERS * PAGE * HEADS * DIM * 2   # bytes of one MHA bf16 page: 32 Ki
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def _extra(d, **kw):
-    e = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
-         "class_name": "ThawStorage", "interface_v1": 1, "dirs": [str(d)],
-         "budget_bytes": 16 << 20}
-    e.update(kw)
-    return e
+_extra = hicache_cases.extra_config
 
 
 def _mha_host(layout, tokens=512):

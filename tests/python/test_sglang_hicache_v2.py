@@ -17,6 +17,8 @@ import types
 
 import pytest
 
+import hicache_cases
+
 pytestmark = pytest.mark.sglang
 
 sglang = pytest.importorskip("sglang")
@@ -110,12 +112,7 @@ def _config(extra, model="org/hybrid-model"):
         model_name=model, extra_config=dict(extra))
 
 
-def _extra(d, **kw):
-    e = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
-         "class_name": "ThawStorage", "interface_v1": 1, "dirs": [str(d)],
-         "budget_bytes": 16 << 20}
-    e.update(kw)
-    return e
+_extra = hicache_cases.extra_config
 
 
 def _thaw(stack, d, **kw) -> ThawStorage:
