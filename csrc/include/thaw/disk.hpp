@@ -415,9 +415,12 @@ class Store {
   // until no I/O is in progress (new I/O waits while a clear is pending).
   void gate_enter();
   void gate_leave();
-  struct GateGuard {
-    Store* s;
+  struct GateGuard {  // holds the gate for its scope
+    explicit GateGuard(Store* store) : s(store) { s->gate_enter(); }
     ~GateGuard() { s->gate_leave(); }
+    GateGuard(const GateGuard&) = delete;
+    GateGuard& operator=(const GateGuard&) = delete;
+    Store* s;
   };
   KindState& kind_state(unsigned kind);
   const KindState& kind_state(unsigned kind) const;

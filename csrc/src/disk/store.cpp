@@ -447,8 +447,7 @@ void Store::write_loop(unsigned drive) {
     }
     q.not_full.notify_all();
     write_queue_depth_ -= batch.size();
-    gate_enter();  // no clear() while this batch does slot I/O
-    GateGuard gate{this};
+    GateGuard gate{this};  // no clear() while this batch does slot I/O
     {
       // Jobs allocated before a clear() own no slot any more: acknowledge them, write nothing.
       std::lock_guard lk(mu_);
@@ -615,8 +614,7 @@ void Store::read_loop(unsigned drive) {
   AlignedBuffer scratch;
   ReadJob j;
   while (next_read(drive, j)) {
-    gate_enter();  // no clear() while this read does slot I/O
-    GateGuard gate{this};
+    GateGuard gate{this};  // no clear() while this read does slot I/O
     if (!current_epoch(j)) {  // looked up before a clear(): the entry is gone, a miss
       complete_read(j, std::nullopt);
       continue;
@@ -662,8 +660,7 @@ void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
       }
       cv.notify_all();
       {
-        gate_enter();  // verify_read uses the slab id, which clear() changes
-        GateGuard gate{this};
+        GateGuard gate{this};  // verify_read uses the slab id, which clear() changes
         std::optional<size_t> r;
         if (st.got >= 0 && current_epoch(st.job)) {
           const SlabFile& s = *kinds_[st.job.kind].slabs[drive];
@@ -686,8 +683,7 @@ void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
   while (next_read(drive, j)) {
     Staged st{std::move(j), nullptr, -1};
     {
-      gate_enter();  // no clear() while this read does slot I/O
-      GateGuard gate{this};
+      GateGuard gate{this};  // no clear() while this read does slot I/O
       if (current_epoch(st.job)) {
         const SlabFile& s = *kinds_[st.job.kind].slabs[drive];
         if (st.job.item.dst_is_slot) {
