@@ -1,6 +1,6 @@
-# thaw — the two commands a fresh machine needs:
+# vitrify — the two commands a fresh machine needs:
 #   make test   set everything up, build, run the C++ and Python tests
-#   make demo   set everything up, then run thaw's main job (see README)
+#   make demo   set everything up, then run vitrify's main job (see README)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPP_BUILD ?= build/cpp
@@ -22,20 +22,20 @@ build-python: setup
 
 build-cpp: setup
 	cmake -S . -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
-	  -DTHAW_BUILD_TESTS=ON -DTHAW_BUILD_BENCHMARKS=ON -DPython_EXECUTABLE=$(abspath $(PY))
+	  -DVITRIFY_BUILD_TESTS=ON -DVITRIFY_BUILD_BENCHMARKS=ON -DPython_EXECUTABLE=$(abspath $(PY))
 	cmake --build $(CPP_BUILD) -j $(JOBS)
 
 test-cpp: build-cpp
 	cd $(CPP_BUILD) && ctest -LE gpu --output-on-failure -j $(JOBS)
 
 test-python: build-python build-cpp
-	THAW_TEST_FAKE_LIBCUDA=$(abspath $(CPP_BUILD))/tests/cpp/libthaw_fake_cuda.so \
+	VITRIFY_TEST_FAKE_LIBCUDA=$(abspath $(CPP_BUILD))/tests/cpp/libvitrify_fake_cuda.so \
 	  $(PY) -m pytest
 
 test: test-cpp test-python
 
 demo: build-python
-	$(VENV)/bin/thaw demo
+	$(VENV)/bin/vitrify demo
 
 gpu-suite:
 	bash scripts/gpu-suite.sh

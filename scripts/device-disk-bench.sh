@@ -5,25 +5,25 @@
 #   bash scripts/device-disk-bench.sh OUTDIR [TAG]
 #
 # Results: OUTDIR/disk-TAG-<date>.json and OUTDIR/hicache-TAG-<date>.json (TAG default: the
-# host name). Needs thaw importable (installs it from this tree when it is not).
+# host name). Needs vitrify importable (installs it from this tree when it is not).
 # fio: from PATH, else from .whl/fio-bundle.tar.xz (a fio binary plus lib/ holding its shared
 # libraries, carried from a machine that has fio). SGLang (bench_hicache): importable, else
 # unpacked from .whl/sglang-site.tar.xz (see shared/sglang-on-gpu). What is missing is skipped
-# with a line saying so. THAW_BENCH_QUICK=1 runs both with --quick; the exit code is that of the last benchmark that failed, else 0.
+# with a line saying so. VITRIFY_BENCH_QUICK=1 runs both with --quick; the exit code is that of the last benchmark that failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=$(realpath -m "${1:?usage: device-disk-bench.sh OUTDIR [TAG]}")
 TAG=${2:-$(hostname -s)}
 PY=${PYTHON:-python3}
-SCRATCH=${THAW_BENCH_DIR:-/tmp/thaw-disk-bench}
+SCRATCH=${VITRIFY_BENCH_DIR:-/tmp/vitrify-disk-bench}
 WORK=$(mktemp -d)
 mkdir -p "$OUTDIR" "$SCRATCH"
 RC=0
 QUICK=()
-[ "${THAW_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
+[ "${VITRIFY_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
 
-if ! (cd /tmp && "$PY" -c "import thaw.tier") 2>/dev/null; then
-  echo "== installing thaw from this tree"
+if ! (cd /tmp && "$PY" -c "import vitrify.tier") 2>/dev/null; then
+  echo "== installing vitrify from this tree"
   "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . || exit 2
 fi
 

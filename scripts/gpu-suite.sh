@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU proof loop: on a machine with a CUDA GPU (no internet, no package index needed),
-# build thaw in place, run every GPU test (ctest -L gpu, pytest -m gpu) and every GPU benchmark,
+# build vitrify in place, run every GPU test (ctest -L gpu, pytest -m gpu) and every GPU benchmark,
 # and write one JSON summary into OUTDIR (argument; else $OUT; else build/gpu-suite).
 #
 #   bash scripts/gpu-suite.sh [OUTDIR]
@@ -40,28 +40,28 @@ GPU_BENCHMARKS=(
 )
 
 # Result files name the commit: the GPU machine's copy of the tree may lack a usable .git,
-# so pass THAW_GIT_SHA=<commit> when calling from elsewhere.
-if [ -z "${THAW_GIT_SHA:-}" ] && sha=$(git rev-parse HEAD 2>/dev/null) && [ ${#sha} = 40 ]; then
-  export THAW_GIT_SHA=$sha
+# so pass VITRIFY_GIT_SHA=<commit> when calling from elsewhere.
+if [ -z "${VITRIFY_GIT_SHA:-}" ] && sha=$(git rev-parse HEAD 2>/dev/null) && [ ${#sha} = 40 ]; then
+  export VITRIFY_GIT_SHA=$sha
 fi
 step nvidia-smi nvidia-smi
 step build-python "$PY" -m pip install --no-build-isolation --no-deps --no-index -q .
 GTEST_ARG=()
-[ -d .device/googletest ] && GTEST_ARG=(-DTHAW_GTEST_SOURCE_DIR="$PWD/.device/googletest")
+[ -d .device/googletest ] && GTEST_ARG=(-DVITRIFY_GTEST_SOURCE_DIR="$PWD/.device/googletest")
 step configure-cpp cmake -S . -B build/gpu-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DTHAW_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PY")" "${GTEST_ARG[@]}"
+  -DVITRIFY_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PY")" "${GTEST_ARG[@]}"
 step build-cpp cmake --build build/gpu-cpp -j "$(nproc)"
-# Run from outside the source tree so `import thaw` finds the installed build.
-step doctor bash -c "cd /tmp && '$PY' -m thaw doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m thaw doctor --dir '$PWD/$WORK'"
+# Run from outside the source tree so `import vitrify` finds the installed build.
+step doctor bash -c "cd /tmp && '$PY' -m vitrify doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m vitrify doctor --dir '$PWD/$WORK'"
 step ctest-gpu bash -c "cd build/gpu-cpp && ctest -L gpu --output-on-failure --timeout 300 --output-junit '$PWD/$WORK/ctest-gpu.xml'"
 step pytest-gpu "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
   --junitxml="$WORK/pytest-gpu.xml" tests/python
 for b in "${GPU_BENCHMARKS[@]}"; do
   step "bench:$(basename "$b" .py)" "$PY" "$b" --out "$WORK/bench"
 done
-# Opt-in (THAW_SGLANG_E2E=1): thaw's HiCache backend in a real SGLang server, from the carried
+# Opt-in (VITRIFY_SGLANG_E2E=1): vitrify's HiCache backend in a real SGLang server, from the carried
 # bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.
-if [ "${THAW_SGLANG_E2E:-0}" = 1 ]; then
+if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
   if [ -f .whl/sglang-site.tar.xz ]; then
     step sglang-e2e "$PY" scripts/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
       --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"

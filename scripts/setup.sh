@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare a fresh Linux machine for building and testing thaw (no GPU needed):
+# Prepare a fresh Linux machine for building and testing vitrify (no GPU needed):
 # system packages (apt, when run as root or with sudo), then a virtual environment in .venv.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
@@ -32,7 +32,7 @@ if [ -z "$cuda_h" ] && command -v nvcc >/dev/null; then
   [ -f "$d/include/cudaTypedefs.h" ] && cuda_h="$d/include"
 fi
 if [ -z "$cuda_h" ]; then
-  echo "setup: the CUDA driver API headers (cuda.h, cudaTypedefs.h) are needed to build thaw;" >&2
+  echo "setup: the CUDA driver API headers (cuda.h, cudaTypedefs.h) are needed to build vitrify;" >&2
   echo "       install a CUDA toolkit >= 12.4 (no GPU needed) or set CUDA_HOME" >&2
   exit 1
 fi
@@ -46,9 +46,9 @@ fi
 "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
 
 # SGLang for the `sglang`-marked tests (list and reasons: requirements-sglang-test.txt).
-# THAW_SGLANG_TESTS=0 skips it (those tests then skip, saying sglang is not installed).
-if [ "${THAW_SGLANG_TESTS:-1}" != 0 ]; then
-  echo "setup: SGLang test environment (requirements-sglang-test.txt; THAW_SGLANG_TESTS=0 skips)"
+# VITRIFY_SGLANG_TESTS=0 skips it (those tests then skip, saying sglang is not installed).
+if [ "${VITRIFY_SGLANG_TESTS:-1}" != 0 ]; then
+  echo "setup: SGLang test environment (requirements-sglang-test.txt; VITRIFY_SGLANG_TESTS=0 skips)"
   sg_pin=$(grep -E '^sglang==' requirements-sglang-test.txt)
   grep -vE '^sglang==' requirements-sglang-test.txt > "$VENV/sglang-deps.txt"
   # pip's resolver lists sglang's GPU requirements as missing: expected, they are left out.
@@ -56,7 +56,7 @@ if [ "${THAW_SGLANG_TESTS:-1}" != 0 ]; then
   if ! { "$VENV/bin/python" -m pip install -q -r "$VENV/sglang-deps.txt" &&
          "$VENV/bin/python" -m pip install -q --no-deps "$sg_pin"; } >"$log" 2>&1; then
     cat "$log" >&2
-    echo "setup: installing the SGLang test environment failed (THAW_SGLANG_TESTS=0 skips it)" >&2
+    echo "setup: installing the SGLang test environment failed (VITRIFY_SGLANG_TESTS=0 skips it)" >&2
     exit 1
   fi
   grep -vE "^sglang [0-9.]+ requires|dependency resolver|is ignored: it is neither" "$log" || true

@@ -1,4 +1,4 @@
-"""thaw's HiCache L3 backend in a REAL SGLang 0.5.17 server on a GPU machine, end to end.
+"""vitrify's HiCache L3 backend in a REAL SGLang 0.5.17 server on a GPU machine, end to end.
 
     python3 scripts/sglang_hicache_e2e.py [--bundle .whl/sglang-site.tar.xz] [--out DIR]
     python3 scripts/sglang_hicache_e2e.py --dry-run      # print the server command lines only
@@ -13,19 +13,19 @@ Scenarios, each one server launch (own process group, always stopped), radix cac
 hierarchical cache on (``write_through``, prefetch policy ``wait_complete`` so an L3 hit is
 waited for instead of recomputed), ``--page-size 64`` (16 KiB of KV per token -> 1 MiB pages):
 
-  thaw          thaw backend (``dynamic``, ``interface_v1``), ``cold_start="clear"``. Passes:
+  vitrify       vitrify backend (``dynamic``, ``interface_v1``), ``cold_start="clear"``. Passes:
                 ``miss`` (fresh), ``device_hit`` (same prompts again: prefix on the GPU), wait
                 until the backend has written every prompt page (its INFO summary lines in the
                 server log), ``/flush_cache`` (drops the radix tree and the host pool but not
                 the L3 storage, read in 0.5.17's HiRadixCache.reset), drop the page cache of the
                 L3 files, one untimed L3 warm-up request, then ``l3_hit`` (prefix must come
                 from L3). A warm-up prompt before ``miss`` takes the JIT/Triton compiles.
-  thaw_restart  a second launch, ``cold_start="load"`` on the same slabs: ``l3_restart`` (the
+  vitrify_restart  a second launch, ``cold_start="load"`` on the same slabs: ``l3_restart`` (the
                 FIRST request of the new process must hit L3), then flush + clear the storage
                 (``/hicache/storage-backend/clear``) and ``miss_after_clear``: a fresh miss that
                 must equal the first launch's ``miss`` tokens (cross-launch determinism, which
                 makes the cross-launch comparison of ``l3_restart`` meaningful).
-  file          SGLang's own ``file`` backend, same prompts and flow as ``thaw``: the same-run
+  file          SGLang's own ``file`` backend, same prompts and flow as ``vitrify``: the same-run
                 baseline for L3-hit latency (dropped, and said so, when time runs short).
 
 Checks (JSON ``checks``): per scenario, output tokens of the L3 pass equal the miss pass; the
@@ -77,8 +77,8 @@ MODEL_CONFIG: dict[str, Any] = {
     "torch_dtype": "bfloat16", "dtype": "bfloat16",
 }
 
-THAW_TOTALS = re.compile(r"thaw HiCache backend: batch_set_v1 .*totals: (\d+) pages written")
-THAW_ERRORS = re.compile(r"thaw HiCache backend: \S+ failed .*treated as a miss")
+VITRIFY_TOTALS = re.compile(r"vitrify HiCache backend: batch_set_v1 .*totals: (\d+) pages written")
+VITRIFY_ERRORS = re.compile(r"vitrify HiCache backend: \S+ failed .*treated as a miss")
 
 
 def kv_bytes_per_token(cfg: dict) -> int:
@@ -102,7 +102,7 @@ class Settings:
     bundle: str = ".whl/sglang-site.tar.xz"
     site: str = "/tmp/sgsite"
     model_dir: str = "/tmp/qwen3-tiny-hicache"
-    work: str = "/tmp/thaw-sglang-e2e"       # L3 directories (thaw slabs, file backend files)
+    work: str = "/tmp/vitrify-sglang-e2e"       # L3 directories (vitrify slabs, file backend files)
     out: str = "build/sglang-hicache-e2e"
     log_dir: str = ""                        # server logs (default: out)
     port: int = 30021
@@ -119,7 +119,7 @@ class Settings:
     hicache_ratio: float = 2.0               # host pool = 2 x device pool (~2.1 GB pinned)
     io_backend: str = "kernel"
     mem_layout: str = "page_first"
-    thaw_budget_bytes: int = 1 << 30
+    vitrify_budget_bytes: int = 1 << 30
     skip_file: bool = False
 
     @property
@@ -127,30 +127,30 @@ class Settings:
         return page_tokens_for(MODEL_CONFIG)
 
     @property
-    def thaw_dir(self) -> str:
-        return os.path.join(self.work, "thaw")
+    def vitrify_dir(self) -> str:
+        return os.path.join(self.work, "vitrify")
 
     @property
     def file_dir(self) -> str:
         return os.path.join(self.work, "file")
 
 
-def thaw_extra_config(s: Settings, cold_start: str) -> dict:
-    """The ``--hicache-storage-backend-extra-config`` of the thaw scenarios."""
+def vitrify_extra_config(s: Settings, cold_start: str) -> dict:
+    """The ``--hicache-storage-backend-extra-config`` of the vitrify scenarios."""
     return {
-        "backend_name": "thaw",
-        "module_path": "thaw.integrations.sglang.hicache",
-        "class_name": "ThawStorage",
+        "backend_name": "vitrify",
+        "module_path": "vitrify.integrations.sglang.hicache",
+        "class_name": "VitrifyStorage",
         "interface_v1": 1,
-        "dirs": [s.thaw_dir],
-        "budget_bytes": s.thaw_budget_bytes,
+        "dirs": [s.vitrify_dir],
+        "budget_bytes": s.vitrify_budget_bytes,
         "cold_start": cold_start,
         "direct_io": "auto",
         "staging_bytes": 64 * MiB,
     }
 
 
-SCENARIOS = ("thaw", "thaw_restart", "file")
+SCENARIOS = ("vitrify", "vitrify_restart", "file")
 
 
 def port_of(s: Settings, scenario: str) -> int:
@@ -179,10 +179,10 @@ def server_args(s: Settings, scenario: str) -> list[str]:
     if scenario == "file":
         cmd += ["--hicache-storage-backend", "file"]
     else:
-        cold = "clear" if scenario == "thaw" else "load"
+        cold = "clear" if scenario == "vitrify" else "load"
         cmd += ["--hicache-storage-backend", "dynamic",
                 "--hicache-storage-backend-extra-config",
-                json.dumps(thaw_extra_config(s, cold), separators=(",", ":"))]
+                json.dumps(vitrify_extra_config(s, cold), separators=(",", ":"))]
     return cmd
 
 
@@ -215,7 +215,7 @@ def server_env(s: Settings, scenario: str, base: Optional[dict] = None,
         "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1",
         "TVM_FFI_CACHE_DIR": "/tmp/tvm-ffi-cache",
     })
-    env.pop("THAW_LOG_LEVEL", None)  # the backend's INFO lines go through SGLang's root logger
+    env.pop("VITRIFY_LOG_LEVEL", None)  # the backend's INFO lines go through SGLang's root logger
     if scenario == "file":
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = s.file_dir
     if not probe:
@@ -420,13 +420,13 @@ def log_tail(path: str, lines: int = 80) -> list[str]:
 # ---- observables: has the backend written every prompt page? ---------------------------------
 
 
-def thaw_pages_written(log_path: str) -> int:
+def vitrify_pages_written(log_path: str) -> int:
     """The backend's running total from its last ``batch_set_v1`` INFO summary line."""
     try:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
         return 0
-    m = THAW_TOTALS.findall(text)
+    m = VITRIFY_TOTALS.findall(text)
     return int(m[-1]) if m else 0
 
 
@@ -535,12 +535,12 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
 
     # medians over the prompts (one slow request does not decide a ratio)
     ratios = {
-        "l3_hit_ttft_file_over_thaw": ratio(val("file", "l3_hit", "ttft_ms_median"),
-                                            val("thaw", "l3_hit", "ttft_ms_median")),
-        "l3_hit_latency_file_over_thaw": ratio(val("file", "l3_hit", "latency_ms_median"),
-                                               val("thaw", "l3_hit", "latency_ms_median")),
-        "thaw_ttft_miss_over_l3_hit": ratio(val("thaw", "miss", "ttft_ms_median"),
-                                            val("thaw", "l3_hit", "ttft_ms_median")),
+        "l3_hit_ttft_file_over_vitrify": ratio(val("file", "l3_hit", "ttft_ms_median"),
+                                            val("vitrify", "l3_hit", "ttft_ms_median")),
+        "l3_hit_latency_file_over_vitrify": ratio(val("file", "l3_hit", "latency_ms_median"),
+                                               val("vitrify", "l3_hit", "latency_ms_median")),
+        "vitrify_ttft_miss_over_l3_hit": ratio(val("vitrify", "miss", "ttft_ms_median"),
+                                            val("vitrify", "l3_hit", "ttft_ms_median")),
         "file_ttft_miss_over_l3_hit": ratio(val("file", "miss", "ttft_ms_median"),
                                             val("file", "l3_hit", "ttft_ms_median")),
     }
@@ -549,7 +549,7 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
     ok = bool(ran) and all(scenarios[sc].get("ok") for sc in ran) and \
         all(v for v in checks.values() if isinstance(v, bool))
     return resultlib.result(
-        NAME, rows=rows, ratios=ratios, goals={"l3_hit_ttft_file_over_thaw": 1.0},
+        NAME, rows=rows, ratios=ratios, goals={"l3_hit_ttft_file_over_vitrify": 1.0},
         directory=s.work if os.path.isdir(s.work) else None,
         checks=checks, scenarios=scenarios, skipped=skipped, ok=ok,
         settings={"prompts": s.prompts, "prompt_len": [s.min_len, s.max_len], "seed": s.seed,
@@ -558,10 +558,10 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
                   "max_total_tokens": s.max_total_tokens, "hicache_ratio": s.hicache_ratio,
                   "io_backend": s.io_backend, "mem_layout": s.mem_layout,
                   "prefetch_policy": "wait_complete", "write_policy": "write_through",
-                  "thaw_extra_config": thaw_extra_config(s, "clear")},
+                  "vitrify_extra_config": vitrify_extra_config(s, "clear")},
         comparison=("L3-hit tokens vs the same launch's miss pass; L3-hit logprobs vs the same "
-                    "launch's device_hit pass (same cached prefix length); thaw_restart vs the "
-                    "thaw launch (dummy weights are seeded per parameter with 1234 in SGLang "
+                    "launch's device_hit pass (same cached prefix length); vitrify_restart vs the "
+                    "vitrify launch (dummy weights are seeded per parameter with 1234 in SGLang "
                     "0.5.17's initialize_dummy_weights, checked by miss_after_clear == miss)"),
         **extra)
 
@@ -570,7 +570,7 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
 
 
 def unpack_bundle(s: Settings) -> str:
-    marker = os.path.join(s.site, ".thaw-unpacked")
+    marker = os.path.join(s.site, ".vitrify-unpacked")
     if os.path.exists(marker) and Path(marker).read_text().strip() == \
             str(os.path.getsize(s.bundle)):
         return "already unpacked"
@@ -587,19 +587,19 @@ def unpack_bundle(s: Settings) -> str:
     return f"unpacked in {time.monotonic() - t0:.1f} s"
 
 
-def ensure_thaw(s: Settings) -> str:
-    """``import thaw`` in the server's python; else install this tree (no index) once."""
-    probe = [s.python, "-c", "import thaw, thaw.host, thaw.tier; print(thaw.__file__)"]
+def ensure_vitrify(s: Settings) -> str:
+    """``import vitrify`` in the server's python; else install this tree (no index) once."""
+    probe = [s.python, "-c", "import vitrify, vitrify.host, vitrify.tier; print(vitrify.__file__)"]
     r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
     if r.returncode == 0:
-        return f"thaw importable: {r.stdout.strip()}"
+        return f"vitrify importable: {r.stdout.strip()}"
     inst = subprocess.run([s.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
                            "--no-index", "-q", "."], cwd=REPO, capture_output=True, text=True)
     r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
     if r.returncode != 0:
-        raise RuntimeError(f"thaw not importable after pip install (rc {inst.returncode}): "
+        raise RuntimeError(f"vitrify not importable after pip install (rc {inst.returncode}): "
                            f"{inst.stderr[-800:]} {r.stderr[-800:]}")
-    return f"installed thaw: {r.stdout.strip()}"
+    return f"installed vitrify: {r.stdout.strip()}"
 
 
 def write_model(s: Settings) -> None:
@@ -653,13 +653,13 @@ class Run:
         return max(30.0, min(t, self.left() - 45.0))
 
     def l3_scenario(self, scenario: str) -> None:
-        """thaw or file: miss, device_hit, written, flush, l3_hit."""
+        """vitrify or file: miss, device_hit, written, flush, l3_hit."""
         s, page = self.s, self.s.page_tokens
         port = port_of(s, scenario)
         info: dict[str, Any] = {"ok": False}
         self.scenarios[scenario] = info
-        backend = "file" if scenario == "file" else "thaw"
-        store = s.file_dir if backend == "file" else s.thaw_dir
+        backend = "file" if scenario == "file" else "vitrify"
+        store = s.file_dir if backend == "file" else s.vitrify_dir
         shutil.rmtree(store, ignore_errors=True)
         os.makedirs(store, exist_ok=True)
         srv = self._launch(scenario)
@@ -674,12 +674,12 @@ class Run:
                 info["warmup_s"] = round(time.monotonic() - t, 2)
                 miss = run_pass(port, self.prompts, s.max_new_tokens)
                 r_miss = self._row(scenario, backend, "miss", miss,
-                                   ("thaw", "miss") if scenario == "file" else None)
+                                   ("vitrify", "miss") if scenario == "file" else None)
                 dev = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
                 needed = self.needed_pages(self.prompts + self.warmup)
                 observe = (lambda: file_pages_written(store)) if backend == "file" else \
-                    (lambda: thaw_pages_written(srv.log_path))
+                    (lambda: vitrify_pages_written(srv.log_path))
                 info["pages_needed"] = needed
                 info["pages_written"], wait = wait_written(
                     observe, needed, max(5.0, min(60.0, self.left() - 40)))
@@ -705,13 +705,13 @@ class Run:
                 info["l3_logprob_max_abs_diff_vs_device_hit"] = logprob_diff(l3, dev)
                 info["l3_logprob_max_abs_diff_vs_miss"] = logprob_diff(l3, miss)
                 if scenario == "file":
-                    info["miss_tokens_equal_thaw_launch"] = r_miss.get("tokens_identical")
-                if backend == "thaw":
+                    info["miss_tokens_equal_vitrify_launch"] = r_miss.get("tokens_identical")
+                if backend == "vitrify":
                     text = srv.log_text()
-                    info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
+                    info["backend_errors_logged"] = len(VITRIFY_ERRORS.findall(text))
                     info["backend_summary_lines"] = len(re.findall(
-                        r"thaw HiCache backend: batch_(?:set|get)_v1 ", text))
-                    m = re.search(r"thaw HiCache backend: (hicache-\S+), page (\d+) B.*"
+                        r"vitrify HiCache backend: batch_(?:set|get)_v1 ", text))
+                    m = re.search(r"vitrify HiCache backend: (hicache-\S+), page (\d+) B.*"
                                   r"O_DIRECT=(\S+), cold_start=(\w+)", text)
                     if m:
                         info["store"] = {"name": m.group(1), "page_bytes": int(m.group(2)),
@@ -725,8 +725,8 @@ class Run:
             info["log_tail"] = log_tail(srv.log_path)
 
     def restart_scenario(self) -> None:
-        """thaw_restart: cold_start=load on the first launch's slabs; the first request hits."""
-        s, page, sc = self.s, self.s.page_tokens, "thaw_restart"
+        """vitrify_restart: cold_start=load on the first launch's slabs; the first request hits."""
+        s, page, sc = self.s, self.s.page_tokens, "vitrify_restart"
         port = port_of(s, sc)
         info: dict[str, Any] = {"ok": False}
         self.scenarios[sc] = info
@@ -737,29 +737,29 @@ class Run:
                 info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
                 self.launches += 1
                 l3 = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(sc, "thaw", "l3_restart", l3, ("thaw", "miss"))
+                self._row(sc, "vitrify", "l3_restart", l3, ("vitrify", "miss"))
                 flush_cache(port)
                 st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
                 info["clear_http"] = [st, text.strip()[:200]]
                 flush_cache(port)
                 fresh = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(sc, "thaw", "miss_after_clear", fresh, ("thaw", "miss"))
-                dev_a = self.results.get(("thaw", "device_hit"), [])
+                self._row(sc, "vitrify", "miss_after_clear", fresh, ("vitrify", "miss"))
+                dev_a = self.results.get(("vitrify", "device_hit"), [])
                 ck = {
                     "first_request_from_storage": int(l3[0]["details"].get("storage", 0)) > 0,
                     "l3_all_from_storage": all_from_storage(l3, page),
-                    "tokens_identical": tokens_identical(l3, self.results[("thaw", "miss")]),
+                    "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")]),
                     "clear_then_miss": st == 200 and all(r["cached_tokens"] == 0
                                                          for r in fresh),
                     "cross_launch_deterministic": tokens_identical(
-                        fresh, self.results[("thaw", "miss")]),
+                        fresh, self.results[("vitrify", "miss")]),
                 }
                 # across processes bitwise-equal logprobs need deterministic kernel choices
                 # too: recorded, not a check (the tokens are)
                 info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
                     logprob_diff(l3, dev_a)
                 text = srv.log_text()
-                info["backend_errors_logged"] = len(THAW_ERRORS.findall(text))
+                info["backend_errors_logged"] = len(VITRIFY_ERRORS.findall(text))
                 ck["no_backend_errors"] = info["backend_errors_logged"] == 0
                 self._record_checks(sc, info, ck)
         except Exception as e:
@@ -775,22 +775,22 @@ class Run:
         os.makedirs(s.work, exist_ok=True)
         try:
             extra["bundle"] = unpack_bundle(s)
-            extra["thaw"] = ensure_thaw(s)
+            extra["vitrify"] = ensure_vitrify(s)
             write_model(s)
         except Exception as e:
             extra["setup_error"] = f"{type(e).__name__}: {e}"
             return assemble(s, self.rows, self.checks, self.scenarios, self.skipped, extra)
         extra["fio"] = shutil.which("fio") or "not installed (not needed)"
-        env = server_env(s, "thaw")
+        env = server_env(s, "vitrify")
         extra["jit_env"] = {"CUDA_HOME": env.get("CUDA_HOME"),
                             "LIBRARY_PATH": env.get("LIBRARY_PATH"),
                             "ninja": shutil.which("ninja", path=env.get("PATH")),
                             "c++": shutil.which("c++", path=env.get("PATH"))}
-        self.l3_scenario("thaw")
-        if not self.scenarios["thaw"].get("ok") and ("thaw", "miss") not in self.results:
-            self.skipped["thaw_restart"] = "the thaw launch produced no pages to restart from"
+        self.l3_scenario("vitrify")
+        if not self.scenarios["vitrify"].get("ok") and ("vitrify", "miss") not in self.results:
+            self.skipped["vitrify_restart"] = "the vitrify launch produced no pages to restart from"
         elif self.left() < 110:
-            self.skipped["thaw_restart"] = f"time: {self.left():.0f} s left"
+            self.skipped["vitrify_restart"] = f"time: {self.left():.0f} s left"
         else:
             self.restart_scenario()
         if s.skip_file:
@@ -824,7 +824,7 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default=d.bundle)
     ap.add_argument("--site", default=d.site)
-    ap.add_argument("--work", default=d.work, help="L3 directories (thaw slabs, file backend)")
+    ap.add_argument("--work", default=d.work, help="L3 directories (vitrify slabs, file backend)")
     ap.add_argument("--out", default=os.environ.get("OUT") or d.out,
                     help="result JSON and server logs (default $OUT)")
     ap.add_argument("--log-dir", default="", help="server logs (default: --out)")

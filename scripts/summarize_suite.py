@@ -1,4 +1,4 @@
-"""Fold JUnit XML files (ctest, pytest), benchmark result JSONs and `thaw doctor --json` into
+"""Fold JUnit XML files (ctest, pytest), benchmark result JSONs and `vitrify doctor --json` into
 the GPU suite's one summary JSON (benchmarks/README.md describes the convention)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // The disk tier's slot path: one O_DIRECT transfer per slot (SlabFile) and the Store's
-// put/get with background I/O threads. Directory: THAW_BENCH_DIR (default /tmp; use the drive
+// put/get with background I/O threads. Directory: VITRIFY_BENCH_DIR (default /tmp; use the drive
 // you care about, not tmpfs). Bytes/s are reported per benchmark.
 #include <benchmark/benchmark.h>
 #include <unistd.h>
@@ -9,15 +9,15 @@
 #include <filesystem>
 #include <string>
 
-#include "thaw/disk.hpp"
+#include "vitrify/disk.hpp"
 
-using namespace thaw::disk;
+using namespace vitrify::disk;
 
 namespace {
 
 std::string bench_dir() {
-  const char* d = std::getenv("THAW_BENCH_DIR");
-  std::string tmpl = std::string(d && *d ? d : "/tmp") + "/thaw-bench-disk-XXXXXX";
+  const char* d = std::getenv("VITRIFY_BENCH_DIR");
+  std::string tmpl = std::string(d && *d ? d : "/tmp") + "/vitrify-bench-disk-XXXXXX";
   if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
   return tmpl;
 }
@@ -36,7 +36,7 @@ void BM_SlabWrite(benchmark::State& st) {
   {
     SlabFile f(dir + "/w.slab", SlabGeometry{0, slot_bytes_for(page), kSlots, 1}, ColdStart::kClear,
                DirectIo::kAuto);
-    thaw::AlignedBuffer buf(slot_bytes_for(page));
+    vitrify::AlignedBuffer buf(slot_bytes_for(page));
     std::memset(buf.data() + 64, 0x5A, page);
     uint64_t i = 0;
     for (auto _ : st) {
@@ -56,7 +56,7 @@ void BM_SlabRead(benchmark::State& st) {
   {
     SlabFile f(dir + "/r.slab", SlabGeometry{0, slot_bytes_for(page), kSlots, 1}, ColdStart::kClear,
                DirectIo::kAuto);
-    thaw::AlignedBuffer buf(slot_bytes_for(page));
+    vitrify::AlignedBuffer buf(slot_bytes_for(page));
     std::memset(buf.data() + 64, 0x5A, page);
     for (uint64_t i = 0; i < kSlots; ++i) f.write_aligned(i, key_of(i), buf.data(), page, 0);
     f.sync();
@@ -116,7 +116,7 @@ void BM_SlabScan(benchmark::State& st) {
     const SlabGeometry g{0, 64 * 1024, slots, 1};
     {
       SlabFile f(dir + "/s.slab", g, ColdStart::kClear, DirectIo::kAuto);
-      thaw::AlignedBuffer buf(kBlock);
+      vitrify::AlignedBuffer buf(kBlock);
       for (uint64_t i = 0; i < slots; ++i) f.write_aligned(i, key_of(i), buf.data(), 16, 0);
       f.sync();
     }
@@ -132,7 +132,7 @@ void BM_SlabScan(benchmark::State& st) {
 
 // Reads at queue depth 1 (one read thread), 32 gets per submission into slot buffers, with the
 // payload CRC on the reading thread (range(1) = 0) or on a second stage overlapping the next
-// read (1). THAW_BENCH_DIR=/dev/shm shows the software ceiling.
+// read (1). VITRIFY_BENCH_DIR=/dev/shm shows the software ceiling.
 void BM_StoreReadQd1(benchmark::State& st) {
   const size_t page = static_cast<size_t>(st.range(0));
   constexpr unsigned kBatch = 32;

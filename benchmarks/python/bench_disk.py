@@ -1,8 +1,8 @@
-"""Disk tier throughput: thaw's slab store vs fio (O_DIRECT) vs a naive one-file-per-page store.
+"""Disk tier throughput: vitrify's slab store vs fio (O_DIRECT) vs a naive one-file-per-page store.
 
 For each page size and queue depth, in the same run and on the same directory:
 
-* ``thaw``: ``DiskStore`` with ``depth`` write and read threads (so at most ``depth`` I/Os in
+* ``vitrify``: ``DiskStore`` with ``depth`` write and read threads (so at most ``depth`` I/Os in
   flight), zero-copy slot buffers (``put_buffers_async`` / ``get_buffers_async``, two
   submissions of max(32, 2*depth) pages in flight so group commit can fill its batches).
   Every put is acknowledged only after its slot write and an fdatasync (group commit of up to
@@ -17,15 +17,15 @@ For each page size and queue depth, in the same run and on the same directory:
   cache must), ``depth`` threads; reads open/read/close each file after dropping its pages from
   the page cache (``posix_fadvise(DONTNEED)``) so they come from the disk too.
 
-A fourth column runs the thaw measurement on /dev/shm (no disk) to show the store's own
-software ceiling. Ratios: thaw/fio (goal >= 0.90) and thaw/naive (goal >= 3.0) per direction and configuration,
+A fourth column runs the vitrify measurement on /dev/shm (no disk) to show the store's own
+software ceiling. Ratios: vitrify/fio (goal >= 0.90) and vitrify/naive (goal >= 3.0) per direction and configuration,
 plus the geometric means.
 
 Ceiling analysis, from the same run: ``drive_ceiling_MBps`` per (op, page size) is the best rate
 any fio variant (psync, libaio, plain or with group-commit fdatasync) reached at any depth
-measured; ``naive_headroom`` = ceiling / naive is the largest thaw/naive ratio any store could
+measured; ``naive_headroom`` = ceiling / naive is the largest vitrify/naive ratio any store could
 reach in that config on this drive (below 3 the 3x goal is out of reach here, whatever the
-store does), and ``vs_ceiling`` = thaw / ceiling. Every contender runs ``--repeat`` times per
+store does), and ``vs_ceiling`` = vitrify / ceiling. Every contender runs ``--repeat`` times per
 config, interleaved; rates and ratios are best-of-N, with medians alongside.
 
 A ``load`` section times cold start ``load`` of ``--load-slots`` live entries with one header
@@ -54,13 +54,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import resultlib  # noqa: E402
 
-from thaw import tier  # noqa: E402
+from vitrify import tier  # noqa: E402
 
 MiB = 1 << 20
 MAX_BATCH = 32  # DiskStore's default group commit: writes per fdatasync per write thread
 
 
-def bench_thaw(d: str, page: int, depth: int, total: int) -> tuple[float, float, dict]:
+def bench_vitrify(d: str, page: int, depth: int, total: int) -> tuple[float, float, dict]:
     n = max(4 * depth, total // page)
     budget = 4096 + int(n * 1.2 + 8 * depth) * tier.slot_bytes_for(page)
     with tier.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
@@ -89,7 +89,7 @@ def bench_thaw(d: str, page: int, depth: int, total: int) -> tuple[float, float,
                 done += sum(p.wait())
         tw = time.perf_counter() - t0
         if done != n:
-            raise RuntimeError(f"thaw store acknowledged {done} of {n} writes: {s.stats()}")
+            raise RuntimeError(f"vitrify store acknowledged {done} of {n} writes: {s.stats()}")
         # read
         t0 = time.perf_counter()
         pending = [None, None]
@@ -105,14 +105,14 @@ def bench_thaw(d: str, page: int, depth: int, total: int) -> tuple[float, float,
                 hits += sum(1 for r in p.wait() if r == page)
         tr = time.perf_counter() - t0
         if hits != n:
-            raise RuntimeError(f"thaw store read back {hits} of {n} pages")
+            raise RuntimeError(f"vitrify store read back {hits} of {n} pages")
         st = s.stats()
     return n * page / tw, n * page / tr, {"pages": n, "direct_io": st["direct_io"]}
 
 
 def fio_run(path: str, rw: str, page: int, depth: int, total: int, engine: str,
             fdatasync: int = 0) -> float:
-    cmd = ["fio", "--name=thaw-bench", f"--filename={path}", f"--rw={rw}", f"--bs={page}",
+    cmd = ["fio", "--name=vitrify-bench", f"--filename={path}", f"--rw={rw}", f"--bs={page}",
            "--direct=1", f"--ioengine={engine}", "--output-format=json", "--end_fsync=0",
            "--invalidate=1", "--group_reporting", f"--fdatasync={fdatasync}"]
     if engine == "libaio":
@@ -226,7 +226,7 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-CONTENDERS = ["thaw", "psync", "libaio", "naive"]
+CONTENDERS = ["vitrify", "psync", "libaio", "naive"]
 
 
 def measure_config(work: str, page: int, depth: int, total: int, repeat: int) -> dict:
@@ -239,8 +239,8 @@ def measure_config(work: str, page: int, depth: int, total: int, repeat: int) ->
     for rep in range(repeat):
         order = CONTENDERS[rep % 4:] + CONTENDERS[:rep % 4]
         for who in order:
-            if who == "thaw":
-                w, r, info = bench_thaw(work, page, depth, total)
+            if who == "vitrify":
+                w, r, info = bench_vitrify(work, page, depth, total)
             elif who == "naive":
                 w, r = bench_naive(work, page, depth, total)
             else:
@@ -256,7 +256,7 @@ def measure_config(work: str, page: int, depth: int, total: int, repeat: int) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="directory for the result JSON")
-    ap.add_argument("--dir", default=os.environ.get("THAW_BENCH_DIR") or tempfile.gettempdir(),
+    ap.add_argument("--dir", default=os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir(),
                     help="filesystem to measure (not tmpfs)")
     ap.add_argument("--sizes-mib", default="1,4")
     ap.add_argument("--depths", default="1,4,16")
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     total = a.total_mib * MiB
     if a.quick:
         depths, total = [4], 128 * MiB
-    work = tempfile.mkdtemp(prefix="thaw-bench-disk-", dir=a.dir)
-    shm = tempfile.mkdtemp(prefix="thaw-bench-disk-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    work = tempfile.mkdtemp(prefix="vitrify-bench-disk-", dir=a.dir)
+    shm = tempfile.mkdtemp(prefix="vitrify-bench-disk-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     rows, ratios = [], {}
     measured: dict[tuple[int, int], dict] = {}
     tmpfs: dict[tuple[int, int], tuple[float, float]] = {}
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 # the store's own ceiling (no disk): the same run on tmpfs, for diagnosis
                 sw = sr = float("nan")
                 if shm:
-                    sw, sr, _ = bench_thaw(shm, page, depth, min(total, 256 * MiB))
+                    sw, sr, _ = bench_vitrify(shm, page, depth, min(total, 256 * MiB))
                 tmpfs[page, depth] = (sw, sr)
                 print(f"  {page // MiB}MiB_qd{depth}: done ({time.perf_counter() - t_start:.0f} s)",
                       flush=True)
@@ -328,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             tm, fm, fam, nvm = (med(smp[n][op]) for n in CONTENDERS)
             c = ceiling[op, page]
             row = {"page_mib": page // MiB, "depth": depth, "op": op,
-                   "thaw_MBps": t / 1e6, "fio_MBps": f / 1e6, "fio_libaio_MBps": fa / 1e6,
-                   "naive_MBps": nv / 1e6, "thaw_median_MBps": tm / 1e6,
+                   "vitrify_MBps": t / 1e6, "fio_MBps": f / 1e6, "fio_libaio_MBps": fa / 1e6,
+                   "naive_MBps": nv / 1e6, "vitrify_median_MBps": tm / 1e6,
                    "fio_median_MBps": fm / 1e6, "fio_libaio_median_MBps": fam / 1e6,
-                   "naive_median_MBps": nvm / 1e6, "thaw_tmpfs_MBps": sh / 1e6,
+                   "naive_median_MBps": nvm / 1e6, "vitrify_tmpfs_MBps": sh / 1e6,
                    "drive_ceiling_MBps": c / 1e6,
                    "vs_fio": t / f, "vs_fio_libaio": t / fa, "vs_naive": t / nv,
                    "vs_fio_median": tm / fm, "vs_naive_median": tm / nvm,
@@ -361,11 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"load_{label}_parallel_speedup"] = l["speedup"]
     goals = {k: (0.90 if k.endswith("vs_fio") else 3.0) for k in ratios
              if k.endswith("vs_fio") or k.endswith("vs_naive")}
-    resultlib.print_table(rows, ["page_mib", "depth", "op", "thaw_MBps", "thaw_median_MBps",
+    resultlib.print_table(rows, ["page_mib", "depth", "op", "vitrify_MBps", "vitrify_median_MBps",
                                  "fio_MBps", "fio_libaio_MBps", "naive_MBps",
                                  "drive_ceiling_MBps", "vs_fio", "vs_naive", "naive_headroom",
                                  "vs_ceiling", "vs_fio_libaio", "fio_sync_MBps",
-                                 "thaw_tmpfs_MBps"])
+                                 "vitrify_tmpfs_MBps"])
     for k in sorted(ratios):
         if "geomean" in k or k.startswith("load_"):
             print(f"{k}: {ratios[k]:.3f} (goal {goals.get(k, '-')})")
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         res = resultlib.result(
             "disk", rows=rows, ratios=ratios, goals=goals, directory=a.dir,
-            method={"thaw": "DiskStore, depth write/read threads, zero-copy slot buffers, "
+            method={"vitrify": "DiskStore, depth write/read threads, zero-copy slot buffers, "
                             "fdatasync per batch of <= 32 writes per thread (max_batch default), CRC32C verify",
                     "fio": "psync, direct=1, numjobs=depth threads each over its own "
                            "contiguous 1/depth of the file (the store's I/O model: depth "
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "durability-equivalent write baseline (reported, no goal)",
                     "naive": "one file per page, buffered write+fsync, depth threads; reads "
                              "after posix_fadvise(DONTNEED)",
-                    "thaw_tmpfs": "the thaw measurement on /dev/shm: the store's own ceiling "
+                    "vitrify_tmpfs": "the vitrify measurement on /dev/shm: the store's own ceiling "
                                   "without a disk (diagnostic, not a baseline)",
                     "drive_ceiling_MBps": "per (op, page size): the best rate ANY fio variant "
                                           "reached in this run at ANY depth measured (psync and "
@@ -401,14 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                                           "what this drive delivers to a good O_DIRECT client. "
                                           "Write ceilings usually come from fio_sync, fio's "
                                           "second pass over its file (blocks already written); "
-                                          "thaw's measurement, like fio's first pass, writes "
+                                          "vitrify's measurement, like fio's first pass, writes "
                                           "into a freshly preallocated file",
                     "naive_headroom": "drive_ceiling / naive for the config: the largest "
                                       "vs_naive ratio any store could reach on this drive. "
                                       "Where it is < 3, the 3x vs_naive goal is unreachable "
                                       "here because the naive store already runs near the "
                                       "drive's rate, not because the store is slow",
-                    "vs_ceiling": "thaw / drive_ceiling: the share of the drive's best "
+                    "vs_ceiling": "vitrify / drive_ceiling: the share of the drive's best "
                                   "measured rate the store reaches in this config",
                     "repeat": "each config: every contender measured `repeat` times, "
                               "interleaved (all four per repeat, order rotated); *_MBps and "

@@ -7,7 +7,7 @@ topology templates and, as the baseline, with one executable per graph; replay a
 round-robin (parameter switches) and compare outputs with FREEZE's byte for byte.
 
 Rows: graphs rebuilt per second (templates vs none), bytes per graph on disk, capture time vs
-rebuild time per graph, replay cost per launch (thaw with switches vs torch's own replay).
+rebuild time per graph, replay cost per launch (vitrify with switches vs torch's own replay).
 
     python benchmarks/python/bench_graphs.py --out DIR [--quick] [--graphs N]
 """
@@ -32,7 +32,7 @@ LAYERS = 4
 
 
 def freeze(work: Path, n_graphs: int) -> dict:
-    import thaw.graphs as tg
+    import vitrify.graphs as tg
 
     tg.record_modules()
     import torch
@@ -113,7 +113,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
 
 
 def thaw(work: Path) -> dict:
-    import thaw.graphs as tg
+    import vitrify.graphs as tg
 
     meta = json.loads((work / "meta.json").read_text())
     arena = tg.FixedArena(BASE, meta["size"])
@@ -151,16 +151,16 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for the result JSON")
     ap.add_argument("--quick", action="store_true", help="fewer graphs (64)")
     ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 256, the size of the best published comparison)")
-    ap.add_argument("--thaw", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
+    ap.add_argument("--vitrify", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
     args = ap.parse_args()
     if args.thaw:
         print(json.dumps(thaw(Path(args.thaw))))
         return 0
     n = args.graphs or (64 if args.quick else 256)
-    with tempfile.TemporaryDirectory(prefix="thaw-bench-graphs-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vitrify-bench-graphs-") as tmp:
         work = Path(tmp)
         fz = freeze(work, n)
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--thaw", str(work)],
+        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--vitrify", str(work)],
                            capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
@@ -180,14 +180,14 @@ def main() -> int:
         {"metric": "rebuild per graph, no templates", "value": th["rebuild_s_none"] / g * 1e3, "unit": "ms"},
         {"metric": "graphs rebuilt/s, templates", "value": g / th["rebuild_s_templates"], "unit": "1/s"},
         {"metric": "graphs rebuilt/s, no templates", "value": g / th["rebuild_s_none"], "unit": "1/s"},
-        {"metric": "replay round-robin (thaw, switching)", "value": th["replay_s"] * 1e6, "unit": "us"},
+        {"metric": "replay round-robin (vitrify, switching)", "value": th["replay_s"] * 1e6, "unit": "us"},
         {"metric": "replay round-robin (torch)", "value": fz["torch_replay_s"] * 1e6, "unit": "us"},
         {"metric": "outputs equal to FREEZE", "value": g - len(th.get("mismatch", [])), "unit": "graphs"},
     ]
     ratios = {
         "rebuild_speedup_templates_vs_none": th["rebuild_s_none"] / th["rebuild_s_templates"],
         "capture_time_over_rebuild_time": (fz["capture_s"] + fz["instantiate_s"]) / th["rebuild_s_templates"],
-        "replay_thaw_over_torch": th["replay_s"] / fz["torch_replay_s"],
+        "replay_vitrify_over_torch": th["replay_s"] / fz["torch_replay_s"],
         "graphs_rebuilt_per_s_templates": g / th["rebuild_s_templates"],
     }
     goals = {"graphs_rebuilt_per_s_templates": 1000.0, "capture_time_over_rebuild_time": 1.0,

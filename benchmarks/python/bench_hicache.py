@@ -1,8 +1,8 @@
-"""HiCache L3 backends, same pages, same run: thaw's ThawStorage vs SGLang's HiCacheFile.
+"""HiCache L3 backends, same pages, same run: vitrify's VitrifyStorage vs SGLang's HiCacheFile.
 
 Both backends are driven through SGLang's own cache-controller code (the pinned release): the
 page I/O functions a real ``HiCacheController`` picks for them (``_page_set_zero_copy`` /
-``_page_get_zero_copy`` for thaw with ``interface_v1``, ``_generic_page_set`` /
+``_page_get_zero_copy`` for vitrify with ``interface_v1``, ``_generic_page_set`` /
 ``_generic_page_get`` for ``file``), in batches of SGLang's ``STORAGE_BATCH_SIZE`` pages, on a
 real ``MHATokenToKVPoolHost`` filled with random bytes. Reported per backend and operation:
 GB/s and pages/s (best of ``--reps``); every get is checked byte for byte.
@@ -10,9 +10,9 @@ GB/s and pages/s (best of ``--reps``); every get is checked byte for byte.
 Fairness (the page cache would otherwise serve the file backend's reads from RAM):
   * before every timed get, all written files of both backends are flushed (``os.sync``) and
     dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``, so both read from
-    the drive (thaw reads with O_DIRECT anyway);
+    the drive (vitrify reads with O_DIRECT anyway);
   * SGLang's file backend acknowledges a set without any fsync (its pages may still be in RAM),
-    thaw only after ``fdatasync``: the ``set`` rows time each as it is; the ``file set + sync``
+    vitrify only after ``fdatasync``: the ``set`` rows time each as it is; the ``file set + sync``
     row adds the ``os.sync`` that makes the file backend's pages durable too.
   * each set repetition writes new keys (both backends skip keys they already hold).
 The ``drive (fio)`` row is the drive itself: fio writes a fresh file with O_DIRECT, its pages
@@ -20,7 +20,7 @@ are dropped, and fio reads it back cold (O_DIRECT, libaio, queue depth 16, 1 MiB
 same run. (Virtual drives may cache recently read data below the guest; reps are best-of.)
 Two ratios put the get goal in proportion to the drive: ``get_file_headroom`` = drive / file
 get, the most any backend reading from this drive could beat the file backend by, and
-``get_thaw_vs_drive`` = thaw get / drive, the share of the drive thaw's gets use.
+``get_vitrify_vs_drive`` = vitrify get / drive, the share of the drive vitrify's gets use.
 
   python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
 """
@@ -83,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for the result JSON")
     ap.add_argument("--dir", default=None, help="scratch directory on the drive to test "
-                    "(default: a temporary directory under THAW_TEST_DIR or /var/tmp)")
+                    "(default: a temporary directory under VITRIFY_TEST_DIR or /var/tmp)")
     ap.add_argument("--layout", default="layer_first",
                     choices=["layer_first", "page_first", "page_first_direct"])
     ap.add_argument("--geometry", action="append", default=None,
@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
     ap.add_argument("--read-threads", type=int, default=0,
-                    help="thaw backend's read_threads (default: the backend's own default)")
+                    help="vitrify backend's read_threads (default: the backend's own default)")
     args = ap.parse_args()
     if args.quick:
         args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
@@ -115,29 +115,29 @@ def main() -> int:
     if not torch.cuda.is_available():
         ccm.device_module = torch.cpu  # the controller's streams/events: no device here
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
-    base = args.dir or os.environ.get("THAW_TEST_DIR") or "/var/tmp"
+    base = args.dir or os.environ.get("VITRIFY_TEST_DIR") or "/var/tmp"
     scratch = tempfile.mkdtemp(prefix="bench-hicache-", dir=base)
-    thaw_dir, file_dir = os.path.join(scratch, "thaw"), os.path.join(scratch, "file")
-    os.makedirs(thaw_dir)
+    vitrify_dir, file_dir = os.path.join(scratch, "vitrify"), os.path.join(scratch, "file")
+    os.makedirs(vitrify_dir)
     os.makedirs(file_dir)
     rows, ratios, goals, configs = [], {}, {}, []
     try:
         for geom in geoms:
-            for d in (thaw_dir, file_dir):
+            for d in (vitrify_dir, file_dir):
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
-            r, q, cfg = run(args, geom, scratch, thaw_dir, file_dir)
+            r, q, cfg = run(args, geom, scratch, vitrify_dir, file_dir)
             gc.collect()  # the previous geometry's host pool, before SGLang sizes the next one
             rows += r
             ratios.update(q)
             configs.append(cfg)
-            goals[f"get_thaw_vs_file@{cfg['page']}"] = 3.0
+            goals[f"get_vitrify_vs_file@{cfg['page']}"] = 3.0
         res = resultlib.result(
-            "hicache", rows=rows, ratios=ratios, goals=goals, directory=thaw_dir,
+            "hicache", rows=rows, ratios=ratios, goals=goals, directory=vitrify_dir,
             config={"layout": args.layout, "reps": args.reps, "bytes_per_rep": args.bytes_per_rep,
                     "geometries": configs, "sglang": __import__("sglang").__version__},
             method=("Both backends driven by SGLang's HiCacheController page I/O functions on a "
-                    "real MHATokenToKVPoolHost (thaw: _page_set/_page_get_zero_copy, file: "
+                    "real MHATokenToKVPoolHost (vitrify: _page_set/_page_get_zero_copy, file: "
                     "_generic_page_set/_generic_page_get), batches of STORAGE_BATCH_SIZE pages. "
                     "Before each timed get every file of both backends is os.sync'ed and dropped "
                     "from the page cache with posix_fadvise(DONTNEED), so both read from the "
@@ -152,7 +152,7 @@ def main() -> int:
     return 0
 
 
-def run(args, geom, scratch, thaw_dir, file_dir):
+def run(args, geom, scratch, vitrify_dir, file_dir):
     import torch
 
     import sglang.srt.managers.cache_controller as ccm
@@ -182,15 +182,15 @@ def run(args, geom, scratch, thaw_dir, file_dir):
     budget = (args.reps + 1) * n * (page_bytes + 8192) + (64 << 20)
     controllers = {}
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        extra_thaw = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
-                      "class_name": "ThawStorage", "interface_v1": 1, "dirs": [thaw_dir],
+        extra_vitrify = {"backend_name": "vitrify", "module_path": "vitrify.integrations.sglang.hicache",
+                      "class_name": "VitrifyStorage", "interface_v1": 1, "dirs": [vitrify_dir],
                       "budget_bytes": budget, "cold_start": "clear"}
         if args.read_threads:
-            extra_thaw["read_threads"] = args.read_threads
-        controllers["thaw"] = ccm.HiCacheController(
+            extra_vitrify["read_threads"] = args.read_threads
+        controllers["vitrify"] = ccm.HiCacheController(
             alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
             io_backend="direct", storage_backend="dynamic", model_name="bench",
-            storage_backend_extra_config=extra_thaw)
+            storage_backend_extra_config=extra_vitrify)
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
         controllers["file"] = ccm.HiCacheController(
             alloc, host, P, tp_group=None, load_cache_event=threading.Event(),
@@ -247,7 +247,7 @@ def run(args, geom, scratch, thaw_dir, file_dir):
                     raise SystemExit(f"{name}: page {i} read back wrong")
             results[name]["get"].append(t1 - t0)
 
-    direct = controllers["thaw"].storage_backend.thaw_stats()["store"]["direct_io"]
+    direct = controllers["vitrify"].storage_backend.vitrify_stats()["store"]["direct_io"]
     drive = fio_read_limit(scratch, args.bytes_per_rep)
     for cc in controllers.values():
         cc.detach_storage_backend()
@@ -265,11 +265,11 @@ def run(args, geom, scratch, thaw_dir, file_dir):
         return total / best
 
     r = {}
-    r["thaw_set"] = add("thaw", "set", results["thaw"]["set"], "acknowledged after fdatasync")
+    r["vitrify_set"] = add("vitrify", "set", results["vitrify"]["set"], "acknowledged after fdatasync")
     r["file_set"] = add("file", "set", results["file"]["set"], "SGLang HiCacheFile, no fsync")
     r["file_set_sync"] = add("file", "set + sync", results["file"]["sync"],
                              "plus os.sync() to make it durable")
-    r["thaw_get"] = add("thaw", "get", results["thaw"]["get"],
+    r["vitrify_get"] = add("vitrify", "get", results["vitrify"]["get"],
                         "cold: O_DIRECT" if direct else "cold: buffered (no O_DIRECT here)")
     r["file_get"] = add("file", "get", results["file"]["get"], "cold: page cache dropped")
     if isinstance(drive, float):
@@ -278,18 +278,18 @@ def run(args, geom, scratch, thaw_dir, file_dir):
                      "best_s": "", "median_s": "",
                      "note": "drive: fio cold O_DIRECT read, libaio QD16, 1 MiB, fresh file"})
     ratios = {
-        f"get_thaw_vs_file@{page}": round(r["thaw_get"] / r["file_get"], 3),
-        f"set_thaw_vs_file@{page}": round(r["thaw_set"] / r["file_set"], 3),
-        f"set_thaw_vs_file_durable@{page}": round(r["thaw_set"] / r["file_set_sync"], 3),
+        f"get_vitrify_vs_file@{page}": round(r["vitrify_get"] / r["file_get"], 3),
+        f"set_vitrify_vs_file@{page}": round(r["vitrify_set"] / r["file_set"], 3),
+        f"set_vitrify_vs_file_durable@{page}": round(r["vitrify_set"] / r["file_set_sync"], 3),
     }
     if isinstance(drive, float):
         # What the drive allows: no backend reading pages from this drive can beat the file
-        # backend by more than drive / file, and thaw_get / drive says how much of it thaw uses.
+        # backend by more than drive / file, and vitrify_get / drive says how much of it vitrify uses.
         ratios[f"get_file_headroom@{page}"] = round(drive / r["file_get"], 3)
-        ratios[f"get_thaw_vs_drive@{page}"] = round(r["thaw_get"] / drive, 3)
+        ratios[f"get_vitrify_vs_drive@{page}"] = round(r["vitrify_get"] / drive, 3)
     cfg = {"page": page, "page_tokens": P, "layers": layers, "kv_heads": heads,
            "head_dim": head_dim, "dtype": "bfloat16", "page_bytes": page_bytes, "pages": n,
-           "batch_pages": B, "thaw_direct_io": direct,
+           "batch_pages": B, "vitrify_direct_io": direct,
            "drive_read_limit": drive if isinstance(drive, float) else None,
            "drive_read_limit_note": None if isinstance(drive, float) else drive}
     return rows, ratios, cfg

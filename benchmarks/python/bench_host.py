@@ -1,4 +1,4 @@
-"""Benchmark of the host tier (thaw.host), every figure against a baseline from the same run.
+"""Benchmark of the host tier (vitrify.host), every figure against a baseline from the same run.
 
   registration  cuMemHostRegister s/GiB of a multi-slab pool: serial vs parallel threads
                 (and hugetlbfs-backed when /dev/hugepages has free huge pages)
@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import resultlib  # noqa: E402
 
-import thaw  # noqa: E402
-from thaw import _native, host  # noqa: E402
+import vitrify  # noqa: E402
+from vitrify import _native, host  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -213,7 +213,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI / smoke)")
     ap.add_argument("--note", default="", help="free text stored in the result (machine load...)")
     a = ap.parse_args()
-    gpu = thaw.cuda_available()
+    gpu = vitrify.cuda_available()
     rows: list[dict] = []
     ratios: dict[str, float] = {}
     skipped: dict[str, str] = {}
@@ -224,7 +224,7 @@ def main() -> int:
         bench_transfers((2 if a.quick else 4) * GiB, (512 * MiB if a.quick else GiB), reps, rows,
                         ratios)
     else:
-        why = f"no CUDA GPU: {thaw.cuda_unavailable_reason()}"
+        why = f"no CUDA GPU: {vitrify.cuda_unavailable_reason()}"
         skipped["registration"] = why
         skipped["transfer"] = why
     bench_gather(16 if a.quick else 64, reps, rows, ratios)

@@ -8,7 +8,7 @@
 
     python benchmarks/python/bench_region.py --out DIR [--quick]
 
-Needs a CUDA GPU (or THAW_LIBCUDA_PATH pointing at the test fake, which only checks that the
+Needs a CUDA GPU (or VITRIFY_LIBCUDA_PATH pointing at the test fake, which only checks that the
 script runs: its times mean nothing). The torch rows are skipped when torch is not importable.
 Runs in well under 60 s on an H200.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import resultlib  # noqa: E402
 
-import thaw  # noqa: E402
-from thaw.region import Region  # noqa: E402
+import vitrify  # noqa: E402
+from vitrify.region import Region  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -89,7 +89,7 @@ def torch_rows(quick: bool, rows: list, ratios: dict) -> str | None:
         return "torch is not importable"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    from thaw.integrations.torch import region_allocations
+    from vitrify.integrations.torch import region_allocations
 
     torch.cuda.init()
     n = 500 if quick else 5000
@@ -105,7 +105,7 @@ def torch_rows(quick: bool, rows: list, ratios: dict) -> str | None:
         with region_allocations(r):
             steady()
             routed = min(timed(steady) for _ in range(3)) / n
-        r._thaw_torch_pool = None
+        r._vitrify_torch_pool = None
         gc.collect()
         torch.cuda.empty_cache()
     rows.append({"bench": "torch 1 MiB alloc+free (cached)", "case": "default allocator",
@@ -138,7 +138,7 @@ def torch_rows(quick: bool, rows: list, ratios: dict) -> str | None:
                 best_region = min(best_region, time.perf_counter() - t0)
                 assert all(r.contains(t.data_ptr()) for t in ts)
                 del ts
-            r._thaw_torch_pool = None
+            r._vitrify_torch_pool = None
             gc.collect()
             torch.cuda.empty_cache()
     rows.append({"bench": "torch fresh 64 MiB segment", "case": "default allocator (cudaMalloc)",
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="directory for the result JSON")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = ap.parse_args(argv)
-    if not thaw.cuda_available():
-        print(f"bench_region needs a CUDA driver: {thaw.cuda_unavailable_reason()}", file=sys.stderr)
+    if not vitrify.cuda_available():
+        print(f"bench_region needs a CUDA driver: {vitrify.cuda_unavailable_reason()}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     rows: list[dict] = []

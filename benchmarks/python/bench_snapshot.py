@@ -23,8 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resultlib  # noqa: E402
 
-import thaw  # noqa: E402
-from thaw import _native, snapshot  # noqa: E402
+import vitrify  # noqa: E402
+from vitrify import _native, snapshot  # noqa: E402
 
 GiB = 1 << 30
 
@@ -48,14 +48,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--size-gib", type=float, default=4.0)
     ap.add_argument("--dir", default=None, help="directory for the span file (default: a temp "
-                    "dir under $THAW_BENCH_DIR, else the repository's build/)")
+                    "dir under $VITRIFY_BENCH_DIR, else the repository's build/)")
     ap.add_argument("--quick", action="store_true", help="2 GiB instead of --size-gib")
     args = ap.parse_args()
-    if not thaw.cuda_available():
-        print(f"no GPU: {thaw.cuda_unavailable_reason()}")
+    if not vitrify.cuda_available():
+        print(f"no GPU: {vitrify.cuda_unavailable_reason()}")
         return 2
     size = int((2.0 if args.quick else args.size_gib) * GiB) // (2 << 20) * (2 << 20)
-    root = args.dir or os.environ.get("THAW_BENCH_DIR") or os.path.join(resultlib.REPO, "build")
+    root = args.dir or os.environ.get("VITRIFY_BENCH_DIR") or os.path.join(resultlib.REPO, "build")
     os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-snapshot-", dir=root)
     probe = _native.probe_direct_io(work)

@@ -1,4 +1,4 @@
-"""thaw's result-file convention (see benchmarks/README.md), shared by every benchmark and the
+"""vitrify's result-file convention (see benchmarks/README.md), shared by every benchmark and the
 GPU suite: one JSON object with date, git_sha, machine, and tests and/or rows/ratios/goals."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_sha() -> str:
-    """THAW_GIT_SHA when set (the GPU machine's copy of the tree may have no usable .git), else
+    """VITRIFY_GIT_SHA when set (the GPU machine's copy of the tree may have no usable .git), else
     `git rev-parse HEAD`; "unknown" when neither gives a commit id."""
-    env = os.environ.get("THAW_GIT_SHA", "").strip()
+    env = os.environ.get("VITRIFY_GIT_SHA", "").strip()
     if env:
         return env
     try:
@@ -43,23 +43,23 @@ def machine(directory: str | None = None) -> dict[str, Any]:
     """GPU name, driver, CUDA, torch, CPU (and the filesystem of `directory`)."""
     m: dict[str, Any] = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
-        import thaw
-        from thaw import _native
+        import vitrify
+        from vitrify import _native
 
-        m["thaw"] = thaw.__version__
-        if thaw.cuda_available():
+        m["vitrify"] = vitrify.__version__
+        if vitrify.cuda_available():
             info = _native.device_info(0)
             m["gpu"] = info["name"]
             m["sm"] = info["sm"]
             m["driver"] = _native.driver_version()
         else:
             m["gpu"] = None
-            m["gpu_reason"] = thaw.cuda_unavailable_reason()
+            m["gpu_reason"] = vitrify.cuda_unavailable_reason()
         if directory:
             p = _native.probe_direct_io(directory)
             m["filesystem"] = {"path": directory, "type": p["fs_type"], "o_direct": p["supported"]}
     except Exception as e:  # a result file is still worth writing
-        m["thaw_error"] = f"{type(e).__name__}: {e}"
+        m["vitrify_error"] = f"{type(e).__name__}: {e}"
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -6,15 +6,15 @@
 #include <system_error>
 
 #include "bind.hpp"
-#include "thaw/build_info.hpp"
-#include "thaw/crc32c.hpp"
-#include "thaw/error.hpp"
-#include "thaw/fs.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/build_info.hpp"
+#include "vitrify/crc32c.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/fs.hpp"
+#include "vitrify/log.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 namespace {
 
 PyObject* g_cuda_error = nullptr;
@@ -91,16 +91,16 @@ void set_log_sink(nb::object callable, int level) {
 
 void bind_common(nb::module_& m) {
   g_cuda_error = PyErr_NewExceptionWithDoc(
-      "thaw.CudaError",
+      "vitrify.CudaError",
       "A CUDA driver call failed. Attributes: code (CUresult), result_name, call, where.",
       PyExc_RuntimeError, nullptr);
   PyObject* oom_bases = PyTuple_Pack(2, g_cuda_error, PyExc_MemoryError);
   g_cuda_oom = PyErr_NewExceptionWithDoc(
-      "thaw.CudaOutOfMemoryError", "The CUDA driver returned CUDA_ERROR_OUT_OF_MEMORY.",
+      "vitrify.CudaOutOfMemoryError", "The CUDA driver returned CUDA_ERROR_OUT_OF_MEMORY.",
       oom_bases, nullptr);
   Py_DECREF(oom_bases);
   g_unavailable = PyErr_NewExceptionWithDoc(
-      "thaw.CudaUnavailableError",
+      "vitrify.CudaUnavailableError",
       "The CUDA driver could not be loaded or initialised on this machine.", PyExc_RuntimeError,
       nullptr);
   m.attr("CudaError") = nb::handle(g_cuda_error);
@@ -158,9 +158,9 @@ void bind_common(nb::module_& m) {
     if (kind == "unavailable") throw DriverUnavailable("no driver");
     if (kind == "space") throw OutOfSpace("region full");
     if (kind == "os") detail::throw_errno(ENOENT, "open(\"/nonexistent\")", __FILE__, __LINE__);
-    if (kind == "value") THAW_EXPECT(false, "bad value");
+    if (kind == "value") VITRIFY_EXPECT(false, "bad value");
     throw std::runtime_error("unknown kind " + kind);
   });
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

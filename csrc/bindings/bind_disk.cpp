@@ -7,12 +7,12 @@
 #include <cstring>
 
 #include "bind.hpp"
-#include "thaw/disk.hpp"
-#include "thaw/error.hpp"
+#include "vitrify/disk.hpp"
+#include "vitrify/error.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 namespace {
 
 using disk::Key;
@@ -33,7 +33,7 @@ struct PyTicket {
 };
 
 Key to_key(const nb::bytes& b) {
-  THAW_EXPECT(b.size() == disk::kKeyBytes,
+  VITRIFY_EXPECT(b.size() == disk::kKeyBytes,
               "disk keys are " + std::to_string(disk::kKeyBytes) + " bytes, got " +
                   std::to_string(b.size()));
   Key k;
@@ -55,7 +55,7 @@ std::vector<int64_t> wait(const disk::Ticket& t) {
 
 disk::Ticket submit_copy(disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
                          const std::vector<RoArray>& datas) {
-  THAW_EXPECT(keys.size() == datas.size(), "got " + std::to_string(keys.size()) + " keys and " +
+  VITRIFY_EXPECT(keys.size() == datas.size(), "got " + std::to_string(keys.size()) + " keys and " +
                                                std::to_string(datas.size()) + " payloads");
   std::vector<Key> ks = to_keys(keys);
   std::vector<const void*> srcs;
@@ -71,12 +71,12 @@ disk::Ticket submit_copy(disk::Store& s, unsigned kind, const std::vector<nb::by
 std::vector<disk::PutItem> put_items(unsigned kind, const std::vector<nb::bytes>& keys,
                                      const std::vector<SlotBuffer*>& bufs,
                                      const std::vector<size_t>& lens) {
-  THAW_EXPECT(keys.size() == bufs.size() && keys.size() == lens.size(),
+  VITRIFY_EXPECT(keys.size() == bufs.size() && keys.size() == lens.size(),
               "keys, buffers and lengths differ in count");
   std::vector<disk::PutItem> items;
   for (size_t i = 0; i < keys.size(); ++i) {
-    THAW_EXPECT(bufs[i] != nullptr, "buffer " + std::to_string(i) + " is None");
-    THAW_EXPECT(bufs[i]->kind == kind, "buffer " + std::to_string(i) + " belongs to kind " +
+    VITRIFY_EXPECT(bufs[i] != nullptr, "buffer " + std::to_string(i) + " is None");
+    VITRIFY_EXPECT(bufs[i]->kind == kind, "buffer " + std::to_string(i) + " belongs to kind " +
                                            std::to_string(bufs[i]->kind) + ", not " +
                                            std::to_string(kind));
     items.push_back(disk::PutItem{to_key(keys[i]), bufs[i]->buf, lens[i]});
@@ -98,13 +98,13 @@ nb::dict stats_dict(const disk::StoreStats& s) {
     kinds.append(kd);
   }
   d["kinds"] = kinds;
-#define THAW_STAT(f) d[#f] = s.f
-  THAW_STAT(spills); THAW_STAT(spill_bytes); THAW_STAT(reloads); THAW_STAT(reload_bytes);
-  THAW_STAT(misses); THAW_STAT(verify_failures); THAW_STAT(dedup_hits); THAW_STAT(gc_runs);
-  THAW_STAT(gc_reclaims); THAW_STAT(deletes); THAW_STAT(write_errors); THAW_STAT(put_failures);
-  THAW_STAT(loaded_entries); THAW_STAT(clears); THAW_STAT(in_flight_writes); THAW_STAT(in_flight_reads);
-  THAW_STAT(write_queue_depth); THAW_STAT(read_queue_depth); THAW_STAT(direct_io);
-#undef THAW_STAT
+#define VITRIFY_STAT(f) d[#f] = s.f
+  VITRIFY_STAT(spills); VITRIFY_STAT(spill_bytes); VITRIFY_STAT(reloads); VITRIFY_STAT(reload_bytes);
+  VITRIFY_STAT(misses); VITRIFY_STAT(verify_failures); VITRIFY_STAT(dedup_hits); VITRIFY_STAT(gc_runs);
+  VITRIFY_STAT(gc_reclaims); VITRIFY_STAT(deletes); VITRIFY_STAT(write_errors); VITRIFY_STAT(put_failures);
+  VITRIFY_STAT(loaded_entries); VITRIFY_STAT(clears); VITRIFY_STAT(in_flight_writes); VITRIFY_STAT(in_flight_reads);
+  VITRIFY_STAT(write_queue_depth); VITRIFY_STAT(read_queue_depth); VITRIFY_STAT(direct_io);
+#undef VITRIFY_STAT
   return d;
 }
 
@@ -146,7 +146,7 @@ void bind_disk(nb::module_& m) {
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
              double gc_low, unsigned load_threads) {
-            THAW_EXPECT(page_bytes.size() == shares.size(),
+            VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
             c.dirs = std::move(dirs);
@@ -249,7 +249,7 @@ void bind_disk(nb::module_& m) {
       .def("get_into",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
               std::vector<RwArray> outs) {
-             THAW_EXPECT(keys.size() == outs.size(), "keys and outputs differ in count");
+             VITRIFY_EXPECT(keys.size() == outs.size(), "keys and outputs differ in count");
              std::vector<disk::GetItem> items;
              for (size_t i = 0; i < keys.size(); ++i)
                items.push_back(disk::GetItem{to_key(keys[i]), static_cast<uint8_t*>(outs[i].data()),
@@ -260,11 +260,11 @@ void bind_disk(nb::module_& m) {
       .def("get_buffers_async",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
               const std::vector<SlotBuffer*>& bufs) {
-             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             VITRIFY_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
              std::vector<disk::GetItem> items;
              PyTicket t;
              for (size_t i = 0; i < keys.size(); ++i) {
-               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+               VITRIFY_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
                            "buffer " + std::to_string(i) + " is None or of another kind");
                t.keep.push_back(bufs[i]->buf);
                items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
@@ -277,11 +277,11 @@ void bind_disk(nb::module_& m) {
       .def("get_buffers",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
               const std::vector<SlotBuffer*>& bufs) {
-             THAW_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
+             VITRIFY_EXPECT(keys.size() == bufs.size(), "keys and buffers differ in count");
              std::vector<disk::GetItem> items;
              std::vector<disk::SlotBufferPtr> keep;
              for (size_t i = 0; i < keys.size(); ++i) {
-               THAW_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
+               VITRIFY_EXPECT(bufs[i] != nullptr && bufs[i]->kind == kind,
                            "buffer " + std::to_string(i) + " is None or of another kind");
                keep.push_back(bufs[i]->buf);
                items.push_back(disk::GetItem{to_key(keys[i]), bufs[i]->buf->data(),
@@ -319,4 +319,4 @@ void bind_disk(nb::module_& m) {
       });
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

@@ -2,12 +2,12 @@
 #include <nanobind/stl/string.h>
 
 #include "bind.hpp"
-#include "thaw/device_memory.hpp"
-#include "thaw/driver.hpp"
+#include "vitrify/device_memory.hpp"
+#include "vitrify/driver.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 
 void bind_driver(nb::module_& m) {
   m.def("cuda_available", [] {
@@ -81,4 +81,4 @@ void bind_driver(nb::module_& m) {
       });
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

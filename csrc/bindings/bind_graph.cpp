@@ -6,15 +6,15 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
-#include "thaw/graph.hpp"
-#include "thaw/graph_cuda.hpp"
+#include "vitrify/graph.hpp"
+#include "vitrify/graph_cuda.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 namespace {
 
-using namespace thaw::graph;
+using namespace vitrify::graph;
 
 nb::bytes to_bytes(const std::vector<uint8_t>& v) {
   return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
@@ -32,7 +32,7 @@ Graph parse(const nb::bytes& b) {
 nb::tuple dim(const Dim3& d) { return nb::make_tuple(d.x, d.y, d.z); }
 Dim3 to_dim(nb::handle h) {
   nb::tuple t = nb::cast<nb::tuple>(h);
-  THAW_EXPECT(t.size() == 3, "a dimension is (x, y, z)");
+  VITRIFY_EXPECT(t.size() == 3, "a dimension is (x, y, z)");
   return {nb::cast<uint32_t>(t[0]), nb::cast<uint32_t>(t[1]), nb::cast<uint32_t>(t[2])};
 }
 
@@ -151,7 +151,7 @@ Graph build(const nb::dict& in) {
     } else if (kind == "empty") {
       n.kind = NodeKind::empty;
     } else {
-      THAW_EXPECT(false, "unknown node kind '" + kind + "'");
+      VITRIFY_EXPECT(false, "unknown node kind '" + kind + "'");
     }
     g.nodes.push_back(std::move(n));
   }
@@ -247,7 +247,7 @@ void bind_graph(nb::module_& m) {
   });
   m.def("graph_recorded_module", [](const std::string& hex) {
     auto mod = ModuleRecorder::instance().registry().get(hash_from_hex(hex));
-    THAW_EXPECT(mod != nullptr, "no recorded module " + hex);
+    VITRIFY_EXPECT(mod != nullptr, "no recorded module " + hex);
     nb::dict d;
     d["hash"] = hex;
     d["kind"] = binary_kind_name(mod->kind);
@@ -338,4 +338,4 @@ void bind_graph(nb::module_& m) {
         nb::arg("arena").none());
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

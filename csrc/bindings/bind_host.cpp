@@ -1,5 +1,5 @@
 // The host tier: HostPool, layouts, gather/scatter, host<->GPU page transfers. Argument
-// conversion and GIL release only; python/thaw/host.py is the public API.
+// conversion and GIL release only; python/vitrify/host.py is the public API.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "bind.hpp"
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 namespace {
 
 using host::HostPool;
@@ -345,4 +345,4 @@ void bind_host(nb::module_& m) {
       nb::arg("nbytes"));
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

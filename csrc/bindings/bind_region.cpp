@@ -5,11 +5,11 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
-#include "thaw/region.hpp"
+#include "vitrify/region.hpp"
 
 namespace nb = nanobind;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 
 void bind_region(nb::module_& m) {
   nb::exception<AddressUnavailable>(m, "RegionAddressError", PyExc_RuntimeError);
@@ -109,12 +109,12 @@ void bind_region(nb::module_& m) {
   // The C ABI, callable from Python for tests (torch calls the exported symbols directly).
   m.def("_region_abi_malloc", [](int64_t size, int device) {
     nb::gil_scoped_release nogil;
-    return reinterpret_cast<uint64_t>(thaw_region_malloc(size, device, nullptr));
+    return reinterpret_cast<uint64_t>(vitrify_region_malloc(size, device, nullptr));
   });
   m.def("_region_abi_free", [](uint64_t p, int64_t size, int device) {
     nb::gil_scoped_release nogil;
-    thaw_region_free(reinterpret_cast<void*>(p), size, device, nullptr);
+    vitrify_region_free(reinterpret_cast<void*>(p), size, device, nullptr);
   });
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

@@ -11,12 +11,12 @@
 #include <string>
 
 #include "bind.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/snapshot.hpp"
 
 namespace nb = nanobind;
-using namespace thaw::snapshot;
+using namespace vitrify::snapshot;
 
-namespace thaw::bindings {
+namespace vitrify::bindings {
 namespace {
 
 PyObject* g_span_file_error = nullptr;
@@ -64,7 +64,7 @@ Progress to_progress(nb::object cb) {
     try {
       (*holder)(done, total);
     } catch (nb::python_error& e) {
-      e.discard_as_unraisable("thaw span progress callback");
+      e.discard_as_unraisable("vitrify span progress callback");
     }
   };
 }
@@ -102,7 +102,7 @@ struct PyScratchSpan {
 
 void bind_snapshot(nb::module_& m) {
   g_span_file_error = PyErr_NewExceptionWithDoc(
-      "thaw.snapshot.SpanFileError",
+      "vitrify.snapshot.SpanFileError",
       "A span file is corrupt, truncated, or not a span file; the message names the part.",
       PyExc_RuntimeError, nullptr);
   m.attr("SpanFileError") = nb::handle(g_span_file_error);
@@ -137,11 +137,11 @@ void bind_snapshot(nb::module_& m) {
       .def_prop_ro("holes", [](const HostBackend& b) { return to_pairs(b.holes()); })
       .def_prop_ro("bytes_to_device", &HostBackend::bytes_to_device)
       .def("read", [](HostBackend& b, size_t off, size_t n) {
-        THAW_EXPECT(off <= b.size() && n <= b.size() - off, "read beyond the HostBackend");
+        VITRIFY_EXPECT(off <= b.size() && n <= b.size() - off, "read beyond the HostBackend");
         return nb::bytes(reinterpret_cast<const char*>(b.data() + off), n);
       }, nb::arg("offset"), nb::arg("nbytes"))
       .def("write", [](HostBackend& b, size_t off, nb::bytes data) {
-        THAW_EXPECT(off <= b.size() && data.size() <= b.size() - off, "write beyond the HostBackend");
+        VITRIFY_EXPECT(off <= b.size() && data.size() <= b.size() - off, "write beyond the HostBackend");
         std::memcpy(b.data() + off, data.c_str(), data.size());
       }, nb::arg("offset"), nb::arg("data"));
 
@@ -272,4 +272,4 @@ void bind_snapshot(nb::module_& m) {
      "Seconds of the fastest single pinned cuMemcpyHtoD of nbytes to dst (a benchmark baseline).");
 }
 
-}  // namespace thaw::bindings
+}  // namespace vitrify::bindings

@@ -1,12 +1,12 @@
 #include "bind.hpp"
 
 NB_MODULE(_native, m) {
-  m.doc() = "thaw's private native module; use the `thaw` package instead.";
-  thaw::bindings::bind_common(m);
-  thaw::bindings::bind_driver(m);
-  thaw::bindings::bind_disk(m);
-  thaw::bindings::bind_region(m);
-  thaw::bindings::bind_snapshot(m);
-  thaw::bindings::bind_host(m);
-  thaw::bindings::bind_graph(m);
+  m.doc() = "vitrify's private native module; use the `vitrify` package instead.";
+  vitrify::bindings::bind_common(m);
+  vitrify::bindings::bind_driver(m);
+  vitrify::bindings::bind_disk(m);
+  vitrify::bindings::bind_region(m);
+  vitrify::bindings::bind_snapshot(m);
+  vitrify::bindings::bind_host(m);
+  vitrify::bindings::bind_graph(m);
 }

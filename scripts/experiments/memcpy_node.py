@@ -10,15 +10,15 @@ import tempfile
 from pathlib import Path
 
 tmp = Path(tempfile.mkdtemp())
-arch = str(tmp / "a.thaw")
-p = subprocess.run([sys.executable, "-m", "thaw.integrations.demo", "freeze", arch],
+arch = str(tmp / "a.vitrify")
+p = subprocess.run([sys.executable, "-m", "vitrify.integrations.demo", "freeze", arch],
                    capture_output=True, text=True)
 assert p.returncode == 0, p.stderr[-3000:]
 
-import thaw  # noqa: E402
-import thaw.graphs as tg  # noqa: E402
-from thaw import Region, _native  # noqa: E402
-from thaw import archive as ar  # noqa: E402
+import vitrify  # noqa: E402
+import vitrify.graphs as tg  # noqa: E402
+from vitrify import Region, _native  # noqa: E402
+from vitrify import archive as ar  # noqa: E402
 
 a = ar.open_archive(arch)
 st, reg = a.state(0), a.manifest["region"]

@@ -1,4 +1,4 @@
-// A fake libcuda with enough of the graph, module and context API to run thaw's graph capture
+// A fake libcuda with enough of the graph, module and context API to run vitrify's graph capture
 // (csrc/src/graph/capture.cpp) and rebuild (rebuild.cpp) logic on a machine without a GPU.
 // Graphs, nodes, executables, modules and events are plain host objects; a launch appends the
 // executable's effective node parameters, as text, to a log the tests read (fake_graph_*).

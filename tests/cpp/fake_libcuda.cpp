@@ -130,7 +130,7 @@ CUresult fake_device_get(CUdevice* d, int ordinal) {
 }
 CUresult fake_device_get_name(char* name, int len, CUdevice d) {
   if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
-  std::snprintf(name, size_t(len), "thaw fake device %d", d);
+  std::snprintf(name, size_t(len), "vitrify fake device %d", d);
   return CUDA_SUCCESS;
 }
 CUresult fake_device_get_uuid(CUuuid* u, CUdevice d) {
@@ -232,7 +232,7 @@ CUresult fake_mem_create(CUmemGenericAllocationHandle* h, size_t size, const CUm
   Vmm& v = vmm();
   std::lock_guard<std::mutex> lk(v.mu);
   if (v.physical + size > device_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
-  const int fd = ::memfd_create("thaw-fake-cuda", MFD_CLOEXEC);
+  const int fd = ::memfd_create("vitrify-fake-cuda", MFD_CLOEXEC);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   if (::ftruncate(fd, off_t(size)) != 0) {
     ::close(fd);

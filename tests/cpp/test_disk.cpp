@@ -1,4 +1,4 @@
-// Slab files and the disk Store on a real filesystem (ext4 here; THAW_TEST_DIR to choose).
+// Slab files and the disk Store on a real filesystem (ext4 here; VITRIFY_TEST_DIR to choose).
 // Invariant numbers refer to csrc/src/disk/DESIGN.md.
 #include <fcntl.h>
 #include <signal.h>
@@ -18,21 +18,21 @@
 
 #include <gtest/gtest.h>
 
-#include "thaw/disk.hpp"
-#include "thaw/error.hpp"
-#include "thaw/fs.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/disk.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/fs.hpp"
+#include "vitrify/log.hpp"
 
 namespace fs = std::filesystem;
-using namespace thaw::disk;
+using namespace vitrify::disk;
 
 namespace {
 
 struct TempDir {
   std::string path;
   TempDir() {
-    const char* base = std::getenv("THAW_TEST_DIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/thaw-disk-test-XXXXXX";
+    const char* base = std::getenv("VITRIFY_TEST_DIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/vitrify-disk-test-XXXXXX";
     if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
     path = tmpl;
   }
@@ -150,9 +150,9 @@ TEST(Slab, RoundTripManySizesDirectAndBuffered) {
     const std::string path = d.path + (mode == DirectIo::kOff ? "/b.slab" : "/a.slab");
     SlabFile f(path, geo(3 * 4096, 8), ColdStart::kClear, mode);
     // auto: O_DIRECT exactly where the probe says the filesystem accepts it (ext4: yes)
-    EXPECT_EQ(f.direct(), mode == DirectIo::kAuto && thaw::fs::probe_direct_io(d.path).supported);
+    EXPECT_EQ(f.direct(), mode == DirectIo::kAuto && vitrify::fs::probe_direct_io(d.path).supported);
     EXPECT_EQ(fs::file_size(path), 4096u + 8 * 3 * 4096);
-    thaw::AlignedBuffer buf(3 * 4096), back(3 * 4096);
+    vitrify::AlignedBuffer buf(3 * 4096), back(3 * 4096);
     const size_t sizes[] = {0, 1, 63, 64, 4031, 4032, 4033, 8000, 3 * 4096 - 64};
     uint64_t slot = 0;
     for (size_t n : sizes) {
@@ -178,7 +178,7 @@ TEST(Slab, VerifyOnReadMisses) {
   const std::string path = d.path + "/v.slab";
   const uint64_t sb = 2 * 4096;
   SlabFile f(path, geo(sb, 4), ColdStart::kClear, DirectIo::kAuto);
-  thaw::AlignedBuffer buf(sb), back(sb);
+  vitrify::AlignedBuffer buf(sb), back(sb);
   fill(5, buf.data() + 64, 5000);
   f.write_aligned(1, key_of(5), buf.data(), 5000, 9);
   ASSERT_TRUE(f.read_into(1, key_of(5), back.data(), sb));
@@ -201,7 +201,7 @@ TEST(Slab, VerifyOnReadMisses) {
     ASSERT_TRUE(f.read_into(1, key_of(5), back.data(), sb));
   }
   // Torn write: the new header with the old tail.
-  thaw::AlignedBuffer other(sb);
+  vitrify::AlignedBuffer other(sb);
   fill(7, other.data() + 64, 5000);
   f.write_aligned(3, key_of(7), other.data(), 5000, 10);
   poke(path, base, other.data(), 4096);  // first block of key 7 over slot 1 ...
@@ -212,7 +212,7 @@ TEST(Slab, VerifyOnReadMisses) {
 TEST(Slab, ClearMakesOldSlotsInertAndLoadKeepsThem) {
   TempDir d;
   const std::string path = d.path + "/c.slab";
-  thaw::AlignedBuffer buf(4096), back(4096);
+  vitrify::AlignedBuffer buf(4096), back(4096);
   fill(1, buf.data() + 64, 100);
   uint32_t first_id;
   {
@@ -249,7 +249,7 @@ TEST(Slab, ClearMakesOldSlotsInertAndLoadKeepsThem) {
 
 TEST(Slab, ForeignSlabBytesNeverVerify) {
   TempDir d;
-  thaw::AlignedBuffer buf(4096), back(4096);
+  vitrify::AlignedBuffer buf(4096), back(4096);
   SlabFile a(d.path + "/a.slab", geo(4096, 2), ColdStart::kClear, DirectIo::kAuto);
   SlabFile b(d.path + "/b.slab", geo(4096, 2), ColdStart::kClear, DirectIo::kAuto);
   fill(1, buf.data() + 64, 10);
@@ -289,7 +289,7 @@ TEST(Store, RoundTripDedupDeleteAcrossDrives) {
   EXPECT_EQ(st.kinds[0].entries, 23u);
   EXPECT_EQ(st.kinds[0].slots_used, 23u);
   EXPECT_EQ(st.kinds[0].slots_total, 32u);
-  EXPECT_EQ(st.direct_io, thaw::fs::probe_direct_io(d1.path).supported);
+  EXPECT_EQ(st.direct_io, vitrify::fs::probe_direct_io(d1.path).supported);
   // Zero-copy read into a slot buffer.
   auto sb = s.make_buffer(0);
   GetItem g{key_of(5), sb->data(), sb->size(), true};
@@ -358,7 +358,7 @@ TEST(Store, SmallCallerBuffersAreNeverReusedForLargerCopies) {
   const size_t page = 3 * 4096;
   Store s(store_cfg({d.path}, page, 16));
   {  // a caller buffer that only fits a small payload, released to the store
-    auto small = std::make_shared<thaw::AlignedBuffer>(4096);
+    auto small = std::make_shared<vitrify::AlignedBuffer>(4096);
     fill(1, small->data() + 64, 100);
     std::vector<PutItem> items{PutItem{key_of(1), std::move(small), 100}};
     EXPECT_EQ(s.submit_put(0, std::move(items))->wait()[0], static_cast<int64_t>(PutResult::kStored));
@@ -639,8 +639,8 @@ TEST(Store, BudgetSplitsAcrossKindsAndDrives) {
   // kind 0: 3/4 of the budget = 1.5 * (4096 + 30*4096) per drive -> 45 slots + change
   EXPECT_EQ(st.kinds[0].slots_total, 2u * ((3 * (4096 + 30 * 4096) / 2 - 4096) / 4096));
   EXPECT_EQ(st.kinds[1].slots_total, 2u * (((4096 + 30 * 4096) / 2 - 4096) / 8192));
-  EXPECT_TRUE(fs::exists(d1.path + "/thaw.kind1.slab"));
-  EXPECT_TRUE(fs::exists(d2.path + "/thaw.kind0.slab"));
+  EXPECT_TRUE(fs::exists(d1.path + "/vitrify.kind1.slab"));
+  EXPECT_TRUE(fs::exists(d2.path + "/vitrify.kind0.slab"));
 }
 
 // Crash between data write and index entry: kill a child at random points, then load.
@@ -711,7 +711,7 @@ TEST(Slab, ParallelScanEqualsSerialScanForSmallAndLargeSlots) {
     std::set<uint64_t> written;
     {
       SlabFile f(path, geo(slot_bytes, count), ColdStart::kClear, DirectIo::kAuto);
-      thaw::AlignedBuffer b(kBlock);
+      vitrify::AlignedBuffer b(kBlock);
       for (uint64_t s = 0; s < count; s += 1 + s % 3) {
         const size_t n = 1 + s % 200;
         fill(s, b.data() + kSlotHeaderBytes, n);
@@ -942,10 +942,10 @@ struct LogCapture {
   std::vector<std::pair<int, std::string>> lines;
   LogCapture() {
     g_log = &lines;
-    thaw::log::set_sink(&capture, thaw::log::kDebug);
+    vitrify::log::set_sink(&capture, vitrify::log::kDebug);
   }
   ~LogCapture() {
-    thaw::log::set_sink(nullptr, thaw::log::kWarning);
+    vitrify::log::set_sink(nullptr, vitrify::log::kWarning);
     g_log = nullptr;
   }
   int count(int level, const std::string& part) const {
@@ -962,15 +962,15 @@ TEST(Store, LoadOnFirstStartLogsInfoAndAnUnusableFileWarns) {
   {
     LogCapture log;
     Store s(store_cfg({d.path}, 4000, 8, ColdStart::kLoad));
-    EXPECT_EQ(log.count(thaw::log::kInfo, path + " is new"), 1);
-    EXPECT_EQ(log.count(thaw::log::kWarning, path), 0);
+    EXPECT_EQ(log.count(vitrify::log::kInfo, path + " is new"), 1);
+    EXPECT_EQ(log.count(vitrify::log::kWarning, path), 0);
   }
   const uint8_t junk = 0x11;
   poke(path, 3, &junk, 1);  // the file header no longer verifies
   {
     LogCapture log;
     Store s(store_cfg({d.path}, 4000, 8, ColdStart::kLoad));
-    EXPECT_EQ(log.count(thaw::log::kWarning, path + " has no valid slab header"), 1);
-    EXPECT_EQ(log.count(thaw::log::kInfo, path + " is new"), 0);
+    EXPECT_EQ(log.count(vitrify::log::kWarning, path + " has no valid slab header"), 1);
+    EXPECT_EQ(log.count(vitrify::log::kInfo, path + " is new"), 0);
   }
 }

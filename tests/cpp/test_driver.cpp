@@ -6,9 +6,9 @@
 #include <string>
 
 #include "driver/loader.hpp"
-#include "thaw/driver.hpp"
+#include "vitrify/driver.hpp"
 
-using thaw::driver::load_table;
+using vitrify::driver::load_table;
 
 namespace {
 struct Env {
@@ -32,7 +32,7 @@ TEST(DriverSeam, LibraryWithoutGetProcAddress) {
 }
 
 TEST(DriverSeam, FakeDriverLoadsEveryEntry) {
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   ASSERT_TRUE(r.ok) << r.reason;
   EXPECT_EQ(r.table.driver_version, 13000);
   EXPECT_NE(r.table.cuMemMap, nullptr);
@@ -45,7 +45,7 @@ TEST(DriverSeam, FakeDriverLoadsEveryEntry) {
 
 TEST(DriverSeam, EntriesNewerThanTheDriverAreAbsent) {
   Env v("FAKE_CUDA_VERSION", "12040");
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   ASSERT_TRUE(r.ok) << r.reason;
   EXPECT_EQ(r.table.driver_version, 12040);
   EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);        // 13.0 ABI
@@ -55,7 +55,7 @@ TEST(DriverSeam, EntriesNewerThanTheDriverAreAbsent) {
 
 TEST(DriverSeam, Driver128HasOnlyTheOldBatchAbi) {
   Env v("FAKE_CUDA_VERSION", "12080");
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   ASSERT_TRUE(r.ok) << r.reason;
   EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);
   EXPECT_NE(r.table.cuMemcpyBatchAsync_v12080, nullptr);
@@ -63,7 +63,7 @@ TEST(DriverSeam, Driver128HasOnlyTheOldBatchAbi) {
 
 TEST(DriverSeam, MissingRequiredEntryIsNamed) {
   Env m("FAKE_CUDA_MISSING", "cuMemMap,cuMemSetAccess");
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.reason.find("cuMemMap (ABI 10020)"), std::string::npos) << r.reason;
   EXPECT_NE(r.reason.find("cuMemSetAccess"), std::string::npos) << r.reason;
@@ -71,14 +71,14 @@ TEST(DriverSeam, MissingRequiredEntryIsNamed) {
 
 TEST(DriverSeam, MissingOptionalEntryIsFine) {
   Env m("FAKE_CUDA_MISSING", "cuMemcpyBatchAsync");
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   ASSERT_TRUE(r.ok) << r.reason;
   EXPECT_EQ(r.table.cuMemcpyBatchAsync, nullptr);
 }
 
 TEST(DriverSeam, InitFailureNamesTheResult) {
   Env i("FAKE_CUDA_INIT", "100");  // CUDA_ERROR_NO_DEVICE
-  const auto r = load_table(THAW_FAKE_CUDA_PATH);
+  const auto r = load_table(VITRIFY_FAKE_CUDA_PATH);
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.reason.find("cuInit(0) failed: CUDA_ERROR_NO_DEVICE (100)"), std::string::npos)
       << r.reason;
@@ -86,12 +86,12 @@ TEST(DriverSeam, InitFailureNamesTheResult) {
 
 TEST(DriverSeam, ResultNamesWithoutADriverFallBackToNumbers) {
   // In this process the global table may or may not be loaded; either way a name comes back.
-  const std::string n = thaw::driver::result_name(1);
+  const std::string n = vitrify::driver::result_name(1);
   EXPECT_TRUE(n == "CUDA_ERROR_INVALID_VALUE" || n == "CUresult 1") << n;
 }
 
 TEST(DriverSeam, ReserveAlignmentHonoursHints) {
-  using thaw::driver::reserve_alignment;
+  using vitrify::driver::reserve_alignment;
   EXPECT_EQ(reserve_alignment(0), 0u);
   EXPECT_EQ(reserve_alignment(0x600000000000ull), 1ull << 30);  // capped at 1 GiB
   EXPECT_EQ(reserve_alignment(0x7f0000200000ull), 2ull << 20);  // lowest set bit

@@ -4,19 +4,19 @@
 #include <cstring>
 #include <vector>
 
-#include "thaw/device_memory.hpp"
-#include "thaw/driver.hpp"
+#include "vitrify/device_memory.hpp"
+#include "vitrify/driver.hpp"
 
 #define REQUIRE_GPU()                                                                  \
   do {                                                                                 \
-    if (!thaw::driver::available())                                                    \
-      GTEST_SKIP() << "no CUDA driver: " << thaw::driver::unavailable_reason();       \
+    if (!vitrify::driver::available())                                                    \
+      GTEST_SKIP() << "no CUDA driver: " << vitrify::driver::unavailable_reason();       \
   } while (0)
 
 TEST(DriverGpu, DeviceInfo) {
   REQUIRE_GPU();
-  ASSERT_GE(thaw::driver::device_count(), 1);
-  const auto i = thaw::driver::device_info(0);
+  ASSERT_GE(vitrify::driver::device_count(), 1);
+  const auto i = vitrify::driver::device_info(0);
   EXPECT_FALSE(i.name.empty());
   EXPECT_GE(i.sm_major, 7);
   EXPECT_GT(i.total_bytes, size_t(1) << 30);
@@ -24,7 +24,7 @@ TEST(DriverGpu, DeviceInfo) {
     EXPECT_GT(i.granularity_min, 0u);
     EXPECT_EQ(i.granularity_min & (i.granularity_min - 1), 0u) << "power of two";
   }
-  EXPECT_THROW(thaw::driver::device_info(thaw::driver::device_count()), std::invalid_argument);
+  EXPECT_THROW(vitrify::driver::device_info(vitrify::driver::device_count()), std::invalid_argument);
 }
 
 TEST(DriverGpu, AllocCopyFreeThroughTheTable) {
@@ -33,7 +33,7 @@ TEST(DriverGpu, AllocCopyFreeThroughTheTable) {
   std::vector<uint8_t> src(n), back(n);
   for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
   {
-    thaw::DeviceBuffer b(n, 0);
+    vitrify::DeviceBuffer b(n, 0);
     EXPECT_NE(b.ptr(), 0u);
     b.copy_from_host(src.data(), n);
     b.copy_to_host(back.data(), n);
@@ -45,22 +45,22 @@ TEST(DriverGpu, AllocCopyFreeThroughTheTable) {
   }
   // Free returned the memory: a driver error here would mean the free did not happen.
   size_t free_b = 0, total_b = 0;
-  thaw::driver::ContextGuard ctx(0);
-  THAW_CU(thaw::driver::cu().cuMemGetInfo(&free_b, &total_b));
+  vitrify::driver::ContextGuard ctx(0);
+  VITRIFY_CU(vitrify::driver::cu().cuMemGetInfo(&free_b, &total_b));
   EXPECT_GT(free_b, 0u);
 }
 
 TEST(DriverGpu, ErrorsCarryTheResultName) {
   REQUIRE_GPU();
-  thaw::driver::ContextGuard ctx(0);
+  vitrify::driver::ContextGuard ctx(0);
   try {
     // A copy from an address nobody mapped fails synchronously with a driver error.
     std::vector<uint8_t> dst(16);
-    THAW_CU(thaw::driver::cu().cuMemcpyDtoH(dst.data(), CUdeviceptr(0x10), 16));
+    VITRIFY_CU(vitrify::driver::cu().cuMemcpyDtoH(dst.data(), CUdeviceptr(0x10), 16));
     FAIL() << "no throw";
-  } catch (const thaw::CudaError& e) {
+  } catch (const vitrify::CudaError& e) {
     EXPECT_NE(e.name().find("CUDA_ERROR_"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("cuMemcpyDtoH"), std::string::npos) << e.what();
   }
-  THAW_CU(thaw::driver::cu().cuCtxSynchronize());  // context still healthy
+  VITRIFY_CU(vitrify::driver::cu().cuCtxSynchronize());  // context still healthy
 }

@@ -5,12 +5,12 @@
 #include <cstdlib>
 #include <string>
 
-#include "thaw/fs.hpp"
+#include "vitrify/fs.hpp"
 
 TEST(Fs, ProbeReportsTypeAndAnAnswer) {
-  char tmpl[] = "/tmp/thaw-fs-XXXXXX";
+  char tmpl[] = "/tmp/vitrify-fs-XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
-  const thaw::fs::DirectIoProbe p = thaw::fs::probe_direct_io(tmpl);
+  const vitrify::fs::DirectIoProbe p = vitrify::fs::probe_direct_io(tmpl);
   EXPECT_FALSE(p.fs_type.empty());
   EXPECT_GT(p.block_size, 0u);
   EXPECT_TRUE(p.supported || !p.reason.empty()) << "unsupported must say why";
@@ -20,7 +20,7 @@ TEST(Fs, ProbeReportsTypeAndAnAnswer) {
 
 TEST(Fs, MissingDirectoryIsSystemError) {
   try {
-    thaw::fs::probe_direct_io("/nonexistent/thaw/dir");
+    vitrify::fs::probe_direct_io("/nonexistent/vitrify/dir");
     FAIL() << "no throw";
   } catch (const std::system_error& e) {
     EXPECT_EQ(e.code().value(), ENOENT);
@@ -28,7 +28,7 @@ TEST(Fs, MissingDirectoryIsSystemError) {
 }
 
 TEST(Fs, Names) {
-  EXPECT_EQ(thaw::fs::fs_type_name(0xEF53), "ext4");
-  EXPECT_EQ(thaw::fs::fs_type_name(0x01021994), "tmpfs");
-  EXPECT_EQ(thaw::fs::fs_type_name(0x1234), "0x1234");
+  EXPECT_EQ(vitrify::fs::fs_type_name(0xEF53), "ext4");
+  EXPECT_EQ(vitrify::fs::fs_type_name(0x01021994), "tmpfs");
+  EXPECT_EQ(vitrify::fs::fs_type_name(0x1234), "0x1234");
 }

@@ -9,12 +9,12 @@
 #include <stdexcept>
 #include <thread>
 #include <algorithm>
-#include "thaw/crc32c.hpp"
+#include "vitrify/crc32c.hpp"
 
-#include "thaw/driver.hpp"
-#include "thaw/graph.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/graph.hpp"
 
-using namespace thaw::graph;
+using namespace vitrify::graph;
 
 namespace {
 
@@ -40,7 +40,7 @@ Node axpy_node(uint64_t x, uint64_t y, uint32_t grid) {
   Node n;
   n.kind = NodeKind::kernel;
   n.kernel.module = module_hash('a');
-  n.kernel.name = "thaw_axpy";
+  n.kernel.name = "vitrify_axpy";
   n.kernel.grid = {grid, 1, 1};
   n.kernel.block = {256, 1, 1};
   n.kernel.params.assign(28, 0);
@@ -61,7 +61,7 @@ Graph sample_graph(uint64_t base = kBase, uint32_t grid = 4) {
   Node span;  // struct {float* data; int n;} by value, then float
   span.kind = NodeKind::kernel;
   span.kernel.module = module_hash('b');
-  span.kernel.name = "thaw_add_span";
+  span.kernel.name = "vitrify_add_span";
   span.kernel.grid = {grid, 2, 1};
   span.kernel.block = {128, 1, 1};
   span.kernel.shared_mem = 1024;
@@ -108,18 +108,18 @@ std::vector<uint8_t> read_file(const std::string& path) {
 }
 
 std::string fixture(const char* name) {
-  const std::string dir = THAW_GRAPH_FIXTURES;
+  const std::string dir = VITRIFY_GRAPH_FIXTURES;
   return dir.empty() ? std::string() : dir + "/" + name;
 }
 
 #define REQUIRE_FIXTURES()                                                          \
   do {                                                                              \
-    if (std::string(THAW_GRAPH_FIXTURES).empty())                                   \
+    if (std::string(VITRIFY_GRAPH_FIXTURES).empty())                                   \
       GTEST_SKIP() << "nvcc was not found at configure time: no compiled fixtures"; \
   } while (0)
 
-const std::set<std::string> kFixtureKernels = {"thaw_add_span", "thaw_axpy", "thaw_helper_apply",
-                                               "_Z10thaw_scaleIfEvPT_S0_i"};
+const std::set<std::string> kFixtureKernels = {"vitrify_add_span", "vitrify_axpy", "vitrify_helper_apply",
+                                               "_Z13vitrify_scaleIfEvPT_S0_i"};
 
 }  // namespace
 
@@ -168,7 +168,7 @@ TEST(GraphFormat, RoundTripIsExact) {
   const Graph g = sample_graph();
   EXPECT_EQ(g.relocations.size(), 5u);  // x, y, span.data, memcpy src, memset dst
   const std::vector<uint8_t> bytes = serialize(g);
-  EXPECT_EQ(std::memcmp(bytes.data(), "THAWGRPH", 8), 0);
+  EXPECT_EQ(std::memcmp(bytes.data(), "VTRFGRPH", 8), 0);
   const Graph back = deserialize(bytes.data(), bytes.size());
   EXPECT_EQ(back, g);
   EXPECT_EQ(serialize(back), bytes) << "serialization is deterministic";
@@ -206,7 +206,7 @@ TEST(GraphFormat, RejectsBadMagicVersionAndChecksums) {
   expect_error(bad_magic, "bad magic");
   auto bad_version = good;
   bad_version[8] = 2;  // version 2, header CRC refreshed so only the version is wrong
-  const uint32_t crc = thaw::crc32c(bad_version.data(), 28);
+  const uint32_t crc = vitrify::crc32c(bad_version.data(), 28);
   std::memcpy(bad_version.data() + 28, &crc, 4);
   expect_error(bad_version, "version 2 is not supported");
   auto bad_header = good;
@@ -452,7 +452,7 @@ TEST(KernelNames, TruncatedOrCorruptElfNeverCrashes) {
   size_t errors = 0;
   for (size_t n = 0; n < cubin.size(); n += 7) {
     try {
-      kernel_code_hash(cubin.data(), n, "thaw_axpy");
+      kernel_code_hash(cubin.data(), n, "vitrify_axpy");
     } catch (const std::invalid_argument&) {
     }
     try {
@@ -472,7 +472,7 @@ TEST(KernelNames, TruncatedOrCorruptElfNeverCrashes) {
     } catch (const std::invalid_argument&) {
     }
     try {
-      kernel_code_hash(b.data(), b.size(), "thaw_axpy");
+      kernel_code_hash(b.data(), b.size(), "vitrify_axpy");
     } catch (const std::invalid_argument&) {
     }
   }
@@ -503,15 +503,15 @@ TEST(ModuleRegistry, DedupesAndIndexesKernels) {
   ASSERT_TRUE(m);
   EXPECT_EQ(m->bytes, cubin);
   EXPECT_EQ(m->kind, BinaryKind::elf);
-  auto both = reg.modules_with_kernel("thaw_axpy");
+  auto both = reg.modules_with_kernel("vitrify_axpy");
   std::vector<Hash> expect = {h1, h2};
   std::sort(expect.begin(), expect.end());
   EXPECT_EQ(both, expect);
-  EXPECT_TRUE(reg.modules_with_kernel("thaw_helper").empty());
+  EXPECT_TRUE(reg.modules_with_kernel("vitrify_helper").empty());
   EXPECT_EQ(reg.get(module_hash('q')), nullptr);
   reg.clear();
   EXPECT_EQ(reg.size(), 0u);
-  EXPECT_TRUE(reg.modules_with_kernel("thaw_axpy").empty());
+  EXPECT_TRUE(reg.modules_with_kernel("vitrify_axpy").empty());
 }
 
 TEST(ModuleRegistry, ConcurrentAddsAreSafe) {
@@ -530,7 +530,7 @@ TEST(ModuleRegistry, ConcurrentAddsAreSafe) {
 }
 
 // ------------------------------------------------------- GraphSet and the recorder, no driver
-#include "thaw/graph_cuda.hpp"
+#include "vitrify/graph_cuda.hpp"
 
 TEST(GraphSetCpu, AddNamesAMissingModule) {
   GraphSet set(0);
@@ -539,7 +539,7 @@ TEST(GraphSetCpu, AddNamesAMissingModule) {
     set.add(g);
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("thaw_axpy"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("vitrify_axpy"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(to_hex(module_hash('a'))), std::string::npos) << e.what();
   }
 }
@@ -572,11 +572,11 @@ TEST(GraphSetCpu, TemplatesAndLifecycleWithoutADriver) {
   EXPECT_THROW(set.start(1), std::invalid_argument);
   EXPECT_THROW(set.add(sample_graph()), std::invalid_argument) << "add after start";
   EXPECT_THROW(set.wait(3), std::invalid_argument);
-  if (thaw::driver::available()) GTEST_SKIP() << "a driver is present: the build would succeed";
+  if (vitrify::driver::available()) GTEST_SKIP() << "a driver is present: the build would succeed";
   // Without a driver each build fails, and waiting (or launching) reports why.
-  EXPECT_THROW(set.wait(1), thaw::DriverUnavailable);
-  EXPECT_THROW(set.launch(2, 0), thaw::DriverUnavailable);
-  EXPECT_THROW(set.wait_all(), thaw::DriverUnavailable);
+  EXPECT_THROW(set.wait(1), vitrify::DriverUnavailable);
+  EXPECT_THROW(set.launch(2, 0), vitrify::DriverUnavailable);
+  EXPECT_THROW(set.wait_all(), vitrify::DriverUnavailable);
   const RebuildStats st = set.stats();
   EXPECT_EQ(st.graphs, 3u);
   EXPECT_EQ(st.templates, 2u);
@@ -584,16 +584,16 @@ TEST(GraphSetCpu, TemplatesAndLifecycleWithoutADriver) {
 }
 
 TEST(ModuleRecorderCpu, UnloadableCuptiIsAClearError) {
-  ::setenv("THAW_CUPTI_PATH", "/nonexistent/libcupti.so.13", 1);
+  ::setenv("VITRIFY_CUPTI_PATH", "/nonexistent/libcupti.so.13", 1);
   try {
     ModuleRecorder::instance().start();
     FAIL() << "no error";
-  } catch (const thaw::Error& e) {
+  } catch (const vitrify::Error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/libcupti.so.13"), std::string::npos)
         << e.what();
-    EXPECT_NE(std::string(e.what()).find("THAW_CUPTI_PATH"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("VITRIFY_CUPTI_PATH"), std::string::npos) << e.what();
   }
-  ::unsetenv("THAW_CUPTI_PATH");
+  ::unsetenv("VITRIFY_CUPTI_PATH");
   EXPECT_FALSE(ModuleRecorder::instance().active());
 }
 
@@ -603,13 +603,13 @@ TEST(KernelNames, CodeHashIdentifiesTheSameMachineCodeAcrossBinaries) {
   const auto b = read_file(fixture("graph_kernels2.cubin"));
   ASSERT_FALSE(b.empty());
   ASSERT_NE(sha256(a.data(), a.size()), sha256(b.data(), b.size()));
-  const std::string scale = "_Z10thaw_scaleIfEvPT_S0_i";
+  const std::string scale = "_Z13vitrify_scaleIfEvPT_S0_i";
   const Hash ha = kernel_code_hash(a.data(), a.size(), scale);
   EXPECT_NE(ha, Hash{});
   EXPECT_EQ(ha, kernel_code_hash(b.data(), b.size(), scale));
-  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "thaw_axpy"), ha);
-  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "thaw_axpy"), Hash{});
-  EXPECT_EQ(kernel_code_hash(b.data(), b.size(), "thaw_axpy"), Hash{}) << "not in b";
+  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "vitrify_axpy"), ha);
+  EXPECT_NE(kernel_code_hash(a.data(), a.size(), "vitrify_axpy"), Hash{});
+  EXPECT_EQ(kernel_code_hash(b.data(), b.size(), "vitrify_axpy"), Hash{}) << "not in b";
   const auto ptx = read_file(fixture("graph_kernels.ptx"));
   EXPECT_EQ(kernel_code_hash(ptx.data(), ptx.size(), scale), Hash{}) << "PTX has no machine code";
 }

@@ -9,22 +9,22 @@
 #include <cstring>
 #include <string>
 
-#include "thaw/driver.hpp"
-#include "thaw/graph.hpp"
-#include "thaw/graph_cuda.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/graph.hpp"
+#include "vitrify/graph_cuda.hpp"
 
-using namespace thaw::graph;
+using namespace vitrify::graph;
 
 namespace {
 
 // Before anything loads the driver: this test binary runs against the fake.
 const int kUseFake = [] {
-  ::setenv("THAW_LIBCUDA_PATH", THAW_FAKE_GRAPH_CUDA_PATH, 1);
+  ::setenv("VITRIFY_LIBCUDA_PATH", VITRIFY_FAKE_GRAPH_CUDA_PATH, 1);
   return 0;
 }();
 
 void* fake() {
-  static void* h = ::dlopen(THAW_FAKE_GRAPH_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  static void* h = ::dlopen(VITRIFY_FAKE_GRAPH_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
   return h;
 }
 template <typename F>
@@ -40,10 +40,10 @@ CUgraph last_graph() { return hook<CUgraph (*)()>("fake_graph_last")(); }
 
 const std::string kImageA =
     ".version 8.0\n.target sm_90\n"
-    ".visible .entry thaw_axpy ( // params 0:4 8:8 16:8 24:4\n"
-    ".visible .entry thaw_add_span ( // params 0:16 16:4\n";
-const std::string kImageB =  // also defines thaw_axpy, next to another kernel
-    ".version 8.0\n.entry thaw_axpy ( // params 0:4 8:8 16:8 24:4\n.entry other ( // params 0:8\n";
+    ".visible .entry vitrify_axpy ( // params 0:4 8:8 16:8 24:4\n"
+    ".visible .entry vitrify_add_span ( // params 0:16 16:4\n";
+const std::string kImageB =  // also defines vitrify_axpy, next to another kernel
+    ".version 8.0\n.entry vitrify_axpy ( // params 0:4 8:8 16:8 24:4\n.entry other ( // params 0:8\n";
 const std::string kImageA2 = kImageA + "// same kernels, other bytes\n";
 
 Hash hash_of(const std::string& s) { return sha256(s.data(), s.size()); }
@@ -65,7 +65,7 @@ Graph pipeline(uint64_t base, uint32_t n, uint32_t memset_value = 7) {
   axpy.kind = NodeKind::kernel;
   KernelNode& k = axpy.kernel;
   k.module = hash_of(kImageA);
-  k.name = "thaw_axpy";
+  k.name = "vitrify_axpy";
   k.grid = {(n + 255) / 256, 1, 1};
   k.block = {256, 1, 1};
   k.params.assign(28, 0);
@@ -79,7 +79,7 @@ Graph pipeline(uint64_t base, uint32_t n, uint32_t memset_value = 7) {
   span.kind = NodeKind::kernel;
   KernelNode& s = span.kernel;
   s.module = hash_of(kImageA);
-  s.name = "thaw_add_span";
+  s.name = "vitrify_add_span";
   s.grid = {(n + 127) / 128, 1, 1};
   s.block = {128, 1, 1};
   s.shared_mem = 2048;
@@ -147,13 +147,13 @@ void expect_nothing_alive() {
 }  // namespace
 
 TEST(GraphFake, DriverIsTheFake) {
-  ASSERT_TRUE(thaw::driver::available()) << thaw::driver::unavailable_reason();
+  ASSERT_TRUE(vitrify::driver::available()) << vitrify::driver::unavailable_reason();
   ASSERT_NE(fake(), nullptr) << ::dlerror();
-  EXPECT_EQ(thaw::driver::table().library_path, THAW_FAKE_GRAPH_CUDA_PATH);
+  EXPECT_EQ(vitrify::driver::table().library_path, VITRIFY_FAKE_GRAPH_CUDA_PATH);
 }
 
 TEST(GraphFake, RebuildLaunchAndCaptureBackIsTheSameGraph) {
-  ASSERT_TRUE(thaw::driver::available()) << thaw::driver::unavailable_reason();
+  ASSERT_TRUE(vitrify::driver::available()) << vitrify::driver::unavailable_reason();
   const Graph g = pipeline(kBase, 1000);
   ModuleRegistry reg;
   reg.add(kImageA.data(), kImageA.size());
@@ -186,7 +186,7 @@ TEST(GraphFake, RebuildLaunchAndCaptureBackIsTheSameGraph) {
 }
 
 TEST(GraphFake, TemplateMembersSwitchOnlyTheNodesThatDiffer) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   std::vector<Graph> gs = {pipeline(kBase, 256), pipeline(kBase, 1000), pipeline(kBase, 4096, 9)};
   {
     GraphSet set(0);
@@ -213,7 +213,7 @@ TEST(GraphFake, TemplateMembersSwitchOnlyTheNodesThatDiffer) {
 }
 
 TEST(GraphFake, WithoutTemplatesEveryGraphHasItsOwnExecutable) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   {
     GraphSet set(0, /*share_templates=*/false);
     set.add_module(kImageA.data(), kImageA.size());
@@ -228,7 +228,7 @@ TEST(GraphFake, WithoutTemplatesEveryGraphHasItsOwnExecutable) {
 }
 
 TEST(GraphFake, RelocatedGraphLaunchesWithTheNewAddresses) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   const uint64_t other = 0x7d0000000000ull;
   Graph g = pipeline(kBase, 512);
   relocate(g, other);
@@ -243,7 +243,7 @@ TEST(GraphFake, RelocatedGraphLaunchesWithTheNewAddresses) {
 }
 
 TEST(GraphFake, SameNamedKernelsAreTellApartByTheirModule) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   ModuleRegistry reg;
   reg.add(kImageA.data(), kImageA.size());
   reg.add(kImageB.data(), kImageB.size());
@@ -253,20 +253,20 @@ TEST(GraphFake, SameNamedKernelsAreTellApartByTheirModule) {
   set.start(1);
   set.wait_all();
   const Graph back = capture_graph(last_graph(), reg, CaptureOptions{});
-  EXPECT_EQ(back.nodes[3].kernel.module, hash_of(kImageA)) << "thaw_axpy is in A and in B";
+  EXPECT_EQ(back.nodes[3].kernel.module, hash_of(kImageA)) << "vitrify_axpy is in A and in B";
   // A second binary with A's very kernels but other bytes cannot be told apart: FREEZE error.
   reg.add(kImageA2.data(), kImageA2.size());
   try {
     capture_graph(last_graph(), reg, CaptureOptions{});
     FAIL() << "no FreezeError for an ambiguous kernel";
   } catch (const FreezeError& e) {
-    EXPECT_NE(std::string(e.what()).find("'thaw_axpy' is defined by 2 different recorded binaries"),
+    EXPECT_NE(std::string(e.what()).find("'vitrify_axpy' is defined by 2 different recorded binaries"),
               std::string::npos) << e.what();
   }
 }
 
 TEST(GraphFake, FreezeErrorsNameTheKernelOrTheKind) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   GraphSet set(0);
   set.add_module(kImageA.data(), kImageA.size());
   set.add(pipeline(kBase, 64));
@@ -277,16 +277,16 @@ TEST(GraphFake, FreezeErrorsNameTheKernelOrTheKind) {
     capture_graph(last_graph(), empty, CaptureOptions{});
     FAIL() << "no FreezeError";
   } catch (const FreezeError& e) {
-    EXPECT_NE(std::string(e.what()).find("graph node 3 of 7: the binary of kernel 'thaw_axpy' was not recorded"),
+    EXPECT_NE(std::string(e.what()).find("graph node 3 of 7: the binary of kernel 'vitrify_axpy' was not recorded"),
               std::string::npos) << e.what();
   }
-  const auto& d = thaw::driver::cu();
+  const auto& d = vitrify::driver::cu();
   CUgraph parent = nullptr, child = nullptr;
-  THAW_CU(d.cuGraphCreate(&parent, 0));
-  THAW_CU(d.cuGraphCreate(&child, 0));
+  VITRIFY_CU(d.cuGraphCreate(&parent, 0));
+  VITRIFY_CU(d.cuGraphCreate(&child, 0));
   CUgraphNode n = nullptr;
-  THAW_CU(d.cuGraphAddEmptyNode(&n, parent, nullptr, 0));
-  THAW_CU(d.cuGraphAddChildGraphNode(&n, parent, &n, 1, child));
+  VITRIFY_CU(d.cuGraphAddEmptyNode(&n, parent, nullptr, 0));
+  VITRIFY_CU(d.cuGraphAddChildGraphNode(&n, parent, &n, 1, child));
   try {
     capture_graph(parent, empty, CaptureOptions{});
     FAIL() << "no FreezeError";
@@ -299,7 +299,7 @@ TEST(GraphFake, FreezeErrorsNameTheKernelOrTheKind) {
 }
 
 TEST(GraphFake, BuildErrorsReachEveryWaiterWithTheNodeNamed) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   Graph g = pipeline(kBase, 64);
   g.nodes[4].kernel.name = "not_in_the_module";
   g.nodes[4].kernel.attributes.clear();
@@ -314,20 +314,20 @@ TEST(GraphFake, BuildErrorsReachEveryWaiterWithTheNodeNamed) {
       try {
         set.wait(id);
         FAIL() << "no error for graph " << id;
-      } catch (const thaw::CudaError& e) {
+      } catch (const vitrify::CudaError& e) {
         const std::string m = e.what();
         EXPECT_NE(m.find("rebuilding graph 0 node 4 (kernel 'not_in_the_module')"), std::string::npos) << m;
         EXPECT_NE(m.find("CUDA_ERROR_NOT_FOUND"), std::string::npos) << m;
       }
     }
-    EXPECT_THROW(set.launch(1, 0), thaw::CudaError);
+    EXPECT_THROW(set.launch(1, 0), vitrify::CudaError);
     EXPECT_EQ(set.stats().built_templates, 0u);
   }
   expect_nothing_alive();
 }
 
 TEST(GraphFake, ManyTemplatesOnFourBuildThreadsWaitedInAnyOrder) {
-  ASSERT_TRUE(thaw::driver::available());
+  ASSERT_TRUE(vitrify::driver::available());
   std::vector<Graph> gs;
   for (uint32_t t = 0; t < 24; ++t)
     for (uint32_t n : {64u, 640u, 6400u}) {

@@ -9,18 +9,18 @@
 #include <vector>
 
 #include "graph/cuda_util.hpp"
-#include "thaw/device_memory.hpp"
-#include "thaw/driver.hpp"
-#include "thaw/graph.hpp"
-#include "thaw/graph_cuda.hpp"
+#include "vitrify/device_memory.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/graph.hpp"
+#include "vitrify/graph_cuda.hpp"
 
-using namespace thaw;
-using namespace thaw::graph;
+using namespace vitrify;
+using namespace vitrify::graph;
 
 #define REQUIRE_GPU()                                                                     \
   do {                                                                                    \
     if (!driver::available()) GTEST_SKIP() << "no CUDA driver: " << driver::unavailable_reason(); \
-    if (std::string(THAW_GRAPH_FIXTURES).empty())                                         \
+    if (std::string(VITRIFY_GRAPH_FIXTURES).empty())                                         \
       GTEST_SKIP() << "nvcc was not found at configure time: no fixture cubin";           \
   } while (0)
 
@@ -32,19 +32,19 @@ constexpr size_t kRegion = 2 << 20;  // one 2 MiB buffer plays the region
 constexpr size_t kX = 0, kY = 64 << 10, kZ = 128 << 10;
 
 std::vector<uint8_t> cubin() {
-  std::ifstream f(std::string(THAW_GRAPH_FIXTURES) + "/graph_kernels.cubin", std::ios::binary);
+  std::ifstream f(std::string(VITRIFY_GRAPH_FIXTURES) + "/graph_kernels.cubin", std::ios::binary);
   return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
 struct ModuleOwner {
   CUmodule m = nullptr;
   explicit ModuleOwner(const std::vector<uint8_t>& image) {
-    THAW_CU(CU_NEED(cuModuleLoadData)(&m, image.data()));
+    VITRIFY_CU(CU_NEED(cuModuleLoadData)(&m, image.data()));
   }
   ~ModuleOwner() { CU_NEED(cuModuleUnload)(m); }
   CUfunction fn(const char* name) const {
     CUfunction f = nullptr;
-    THAW_CU(CU_NEED(cuModuleGetFunction)(&f, m, name));
+    VITRIFY_CU(CU_NEED(cuModuleGetFunction)(&f, m, name));
     return f;
   }
 };
@@ -53,16 +53,16 @@ struct GraphOwner {
   CUgraph g = nullptr;
   CUgraphExec exec = nullptr;
   std::vector<CUevent> events;
-  GraphOwner() { THAW_CU(CU_NEED(cuGraphCreate)(&g, 0)); }
+  GraphOwner() { VITRIFY_CU(CU_NEED(cuGraphCreate)(&g, 0)); }
   ~GraphOwner() {
     if (exec) CU_NEED(cuGraphExecDestroy)(exec);
     CU_NEED(cuGraphDestroy)(g);
     for (CUevent e : events) driver::cu().cuEventDestroy(e);
   }
   void run() {
-    if (!exec) THAW_CU(CU_NEED(cuGraphInstantiateWithFlags)(&exec, g, 0));
-    THAW_CU(CU_NEED(cuGraphLaunch)(exec, nullptr));
-    THAW_CU(driver::cu().cuCtxSynchronize());
+    if (!exec) VITRIFY_CU(CU_NEED(cuGraphInstantiateWithFlags)(&exec, g, 0));
+    VITRIFY_CU(CU_NEED(cuGraphLaunch)(exec, nullptr));
+    VITRIFY_CU(driver::cu().cuCtxSynchronize());
   }
 };
 
@@ -75,7 +75,7 @@ CUgraphNode add_kernel(CUgraph g, CUfunction f, std::vector<void*> args, unsigne
   p.blockDimX = 256; p.blockDimY = 1; p.blockDimZ = 1;
   p.kernelParams = args.data();
   CUgraphNode n = nullptr;
-  THAW_CU(CU_NEED(cuGraphAddKernelNode)(&n, g, deps.data(), deps.size(), &p));
+  VITRIFY_CU(CU_NEED(cuGraphAddKernelNode)(&n, g, deps.data(), deps.size(), &p));
   return n;
 }
 
@@ -89,7 +89,7 @@ struct Span {
 // So z[i] = 3 * (2 x[i] + 1 + 0.5) + 1 for i < n, and 1.0 for n <= i < kN.
 void build_pipeline(GraphOwner& G, const ModuleOwner& mod, CUdeviceptr base, int n) {
   CUcontext ctx = nullptr;
-  THAW_CU(driver::cu().cuCtxGetCurrent(&ctx));
+  VITRIFY_CU(driver::cu().cuCtxGetCurrent(&ctx));
   CUDA_MEMSET_NODE_PARAMS ms;
   std::memset(&ms, 0, sizeof ms);
   ms.dst = base + kY;
@@ -98,20 +98,20 @@ void build_pipeline(GraphOwner& G, const ModuleOwner& mod, CUdeviceptr base, int
   ms.width = kN;  // copies and memsets keep their size across a template; kernels vary
   ms.height = 1;
   CUgraphNode set = nullptr, rec = nullptr, wait = nullptr, cp = nullptr, end = nullptr;
-  THAW_CU(CU_NEED(cuGraphAddMemsetNode)(&set, G.g, nullptr, 0, &ms, ctx));
+  VITRIFY_CU(CU_NEED(cuGraphAddMemsetNode)(&set, G.g, nullptr, 0, &ms, ctx));
   CUevent e = nullptr;
-  THAW_CU(driver::cu().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+  VITRIFY_CU(driver::cu().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
   G.events.push_back(e);
-  THAW_CU(CU_NEED(cuGraphAddEventRecordNode)(&rec, G.g, &set, 1, e));
-  THAW_CU(CU_NEED(cuGraphAddEventWaitNode)(&wait, G.g, &rec, 1, e));
+  VITRIFY_CU(CU_NEED(cuGraphAddEventRecordNode)(&rec, G.g, &set, 1, e));
+  VITRIFY_CU(CU_NEED(cuGraphAddEventWaitNode)(&wait, G.g, &rec, 1, e));
   float a = 2.0f, v = 0.5f;
   CUdeviceptr x = base + kX, y = base + kY;
   int count = n;
   Span span{reinterpret_cast<float*>(y), n};
   const unsigned grid = (n + 255) / 256;
-  CUgraphNode k1 = add_kernel(G.g, mod.fn("thaw_axpy"), {&a, &x, &y, &count}, grid, {wait});
-  CUgraphNode k2 = add_kernel(G.g, mod.fn("thaw_add_span"), {&span, &v}, grid, {k1});
-  CUgraphNode k3 = add_kernel(G.g, mod.fn("thaw_helper_apply"), {&y, &count}, grid, {k2});
+  CUgraphNode k1 = add_kernel(G.g, mod.fn("vitrify_axpy"), {&a, &x, &y, &count}, grid, {wait});
+  CUgraphNode k2 = add_kernel(G.g, mod.fn("vitrify_add_span"), {&span, &v}, grid, {k1});
+  CUgraphNode k3 = add_kernel(G.g, mod.fn("vitrify_helper_apply"), {&y, &count}, grid, {k2});
   CUDA_MEMCPY3D c;
   std::memset(&c, 0, sizeof c);
   c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
@@ -121,8 +121,8 @@ void build_pipeline(GraphOwner& G, const ModuleOwner& mod, CUdeviceptr base, int
   c.WidthInBytes = size_t(kN) * 4;
   c.Height = 1;
   c.Depth = 1;
-  THAW_CU(CU_NEED(cuGraphAddMemcpyNode)(&cp, G.g, &k3, 1, &c, ctx));
-  THAW_CU(CU_NEED(cuGraphAddEmptyNode)(&end, G.g, &cp, 1));
+  VITRIFY_CU(CU_NEED(cuGraphAddMemcpyNode)(&cp, G.g, &k3, 1, &c, ctx));
+  VITRIFY_CU(CU_NEED(cuGraphAddEmptyNode)(&end, G.g, &cp, 1));
 }
 
 std::vector<float> inputs() {
@@ -210,7 +210,7 @@ TEST(GraphGpu, WalkSerializeRebuildReplayMatchesTheOriginal) {
   set.start(1);
   set.wait(id);
   set.launch(id, 0);
-  THAW_CU(driver::cu().cuCtxSynchronize());
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
   EXPECT_EQ(read_z(buf), original) << "rebuilt graph output differs from the original's";
   EXPECT_EQ(set.stats().modules_loaded, 1u);
 }
@@ -235,7 +235,7 @@ TEST(GraphGpu, RelocatedGraphWritesOnlyTheNewRegion) {
   set.add(d);
   set.start(1);
   set.launch(0, 0);
-  THAW_CU(driver::cu().cuCtxSynchronize());
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
   expect_pipeline_output(b, kN, "relocated graph, new region");
   const auto untouched = read_z(a);
   for (int i = 0; i < kN; ++i) ASSERT_EQ(untouched[i], -777.0f) << "old region written at " << i;
@@ -265,7 +265,7 @@ TEST(GraphGpu, BatchSizesShareOneTemplateAndSwitchWithoutSync) {
   // Launch all three back to back on one stream, twice, with no synchronisation in between.
   for (int round = 0; round < 2; ++round)
     for (size_t i = 0; i < 3; ++i) set.launch(i, 0);
-  THAW_CU(driver::cu().cuCtxSynchronize());
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
   for (size_t i = 0; i < 3; ++i) expect_pipeline_output(*bufs[i], sizes[i], "template member");
   EXPECT_GE(set.stats().parameter_switches, 5u);
 }
@@ -283,12 +283,12 @@ TEST(GraphGpu, FreezeNamesAMissingBinaryAndAnUnsupportedNode) {
     capture_graph(G.g, empty, CaptureOptions{});
     FAIL() << "no FreezeError for a kernel whose binary was not recorded";
   } catch (const FreezeError& e) {
-    EXPECT_NE(std::string(e.what()).find("thaw_axpy"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("vitrify_axpy"), std::string::npos) << e.what();
   }
   GraphOwner child, parent;
   CUgraphNode n = nullptr;
-  THAW_CU(CU_NEED(cuGraphAddEmptyNode)(&n, child.g, nullptr, 0));
-  THAW_CU(CU_NEED(cuGraphAddChildGraphNode)(&n, parent.g, nullptr, 0, child.g));
+  VITRIFY_CU(CU_NEED(cuGraphAddEmptyNode)(&n, child.g, nullptr, 0));
+  VITRIFY_CU(CU_NEED(cuGraphAddChildGraphNode)(&n, parent.g, nullptr, 0, child.g));
   try {
     capture_graph(parent.g, empty, CaptureOptions{});
     FAIL() << "no FreezeError for a child-graph node";
@@ -318,13 +318,13 @@ TEST(GraphGpu, CuptiRecordsModulesLoadedAfterStart) {
   const size_t before = r.modules_seen();
   {
     ModuleOwner mod(image);
-    mod.fn("thaw_axpy");  // lazy loading: make sure the module is really loaded
+    mod.fn("vitrify_axpy");  // lazy loading: make sure the module is really loaded
   }
   EXPECT_GT(r.modules_seen(), before) << "no CUPTI module-loaded callback via " << r.library_path();
   bool found = false;
   for (const Hash& h : r.registry().hashes()) {
     auto m = r.registry().get(h);
-    for (const auto& k : m->kernels) found = found || k == "thaw_axpy";
+    for (const auto& k : m->kernels) found = found || k == "vitrify_axpy";
   }
-  EXPECT_TRUE(found) << r.registry().size() << " modules recorded, none defines thaw_axpy";
+  EXPECT_TRUE(found) << r.registry().size() << " modules recorded, none defines vitrify_axpy";
 }

@@ -13,13 +13,13 @@
 #include <string>
 #include <vector>
 
-#include "thaw/aligned.hpp"
-#include "thaw/driver.hpp"
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/aligned.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
 
-using namespace thaw::host;
-using thaw::round_up;
+using namespace vitrify::host;
+using vitrify::round_up;
 
 namespace {
 
@@ -87,7 +87,7 @@ TEST(SlabPlan, CeilingEdge) {
   expect_plan_ok(p, 5 * 8192, 8192, 8192, 4096);
   const std::string e = what_of([] { plan_slabs(5 * 8192, 8192, 8191, 4096); });
   EXPECT_NE(e.find("does not fit under the single-registration ceiling"), std::string::npos) << e;
-  EXPECT_NE(e.find("THAW_MAX_SLAB_GB"), std::string::npos) << e;
+  EXPECT_NE(e.find("VITRIFY_MAX_SLAB_GB"), std::string::npos) << e;
 }
 
 TEST(SlabPlan, PageNotDividingTheCeiling) {
@@ -192,10 +192,10 @@ TEST(HostPool, SegmentsNeverStraddleRandomized) {  // invariant 3
 }
 
 TEST(HostPool, RegistrationOnWithoutDriverSaysWhy) {
-  if (thaw::driver::available()) GTEST_SKIP() << "a driver is present (covered by the GPU tests)";
+  if (vitrify::driver::available()) GTEST_SKIP() << "a driver is present (covered by the GPU tests)";
   HostPoolOptions o;
   o.registration = Registration::On;
-  EXPECT_THROW(HostPool(4096, 4096, o), thaw::DriverUnavailable);
+  EXPECT_THROW(HostPool(4096, 4096, o), vitrify::DriverUnavailable);
 }
 
 // ---- hugetlbfs ----------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ TEST(Hugetlbfs, CapacityCheckMessage) {
   try {
     check_hugetlbfs_capacity("/mnt/huge", 30 * MiB, cap);
     FAIL() << "no throw";
-  } catch (const thaw::OutOfSpace& e) {
+  } catch (const vitrify::OutOfSpace& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("\"/mnt/huge\""), std::string::npos) << m;
     EXPECT_NE(m.find("20.00 MiB"), std::string::npos) << "free: " << m;
@@ -223,7 +223,7 @@ TEST(Hugetlbfs, CapacityCheckMessage) {
 }
 
 TEST(Hugetlbfs, FreePagesFromSysfsWhenTheMountHasNoSizeLimit) {
-  char dir[] = "/tmp/thaw-sysfs-XXXXXX";
+  char dir[] = "/tmp/vitrify-sysfs-XXXXXX";
   ASSERT_NE(::mkdtemp(dir), nullptr);
   const std::string sub = std::string(dir) + "/hugepages-2048kB";
   ASSERT_EQ(::mkdir(sub.c_str(), 0700), 0);
@@ -256,7 +256,7 @@ TEST(Hugetlbfs, PoolChecksCapacityBeforeMapping) {
   };
   // 7 pages of 1 MiB under a 2 MiB ceiling with 2 MiB huge pages: slabs of 2,2,2,1 pages each
   // map 2 MiB = 4 huge pages, but only 3 are free.
-  EXPECT_THROW(HostPool(7 * MiB, MiB, o), thaw::OutOfSpace);
+  EXPECT_THROW(HostPool(7 * MiB, MiB, o), vitrify::OutOfSpace);
   EXPECT_EQ(calls, 1);
   o.statfs = [](const std::string&) { return FsCapacity{0x01021994 /* tmpfs */, 4096, 1u << 30}; };
   EXPECT_THROW(HostPool(MiB, MiB, o), std::invalid_argument);
@@ -265,7 +265,7 @@ TEST(Hugetlbfs, PoolChecksCapacityBeforeMapping) {
 TEST(Hugetlbfs, FileBackedSlabsWithAFakeMount) {
   // A fake statfs that calls /tmp hugetlbfs with 4 KiB "huge" pages exercises the file-backed
   // path (create, unlink, ftruncate, MAP_SHARED) on any machine.
-  char dir[] = "/tmp/thaw-hugetlbfs-XXXXXX";
+  char dir[] = "/tmp/vitrify-hugetlbfs-XXXXXX";
   ASSERT_NE(::mkdtemp(dir), nullptr);
   {
     HostPoolOptions o;
@@ -289,7 +289,7 @@ TEST(Registration, RefusesAboveTheCeilingBeforeTheDriver) {  // invariant 2
   const std::string e = what_of([&] { HostRegistration r(buf.data(), 8192, 0, 4096); });
   EXPECT_NE(e.find("refusing to register"), std::string::npos) << e;
   EXPECT_NE(e.find("single-registration ceiling"), std::string::npos) << e;
-  EXPECT_NE(e.find("THAW_MAX_SLAB_GB"), std::string::npos) << e;
+  EXPECT_NE(e.find("VITRIFY_MAX_SLAB_GB"), std::string::npos) << e;
   EXPECT_THROW(HostRegistration(buf.data(), 8192, 0, 4096), std::invalid_argument);
 }
 

@@ -9,20 +9,20 @@
 #include <cstring>
 #include <vector>
 
-#include "thaw/device_memory.hpp"
-#include "thaw/driver.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/device_memory.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/host.hpp"
 
-using namespace thaw::host;
+using namespace vitrify::host;
 
-// THAW_TEST_REQUIRE_GPU=1 (set when ctest runs these on the host-emulated fake driver) turns the
+// VITRIFY_TEST_REQUIRE_GPU=1 (set when ctest runs these on the host-emulated fake driver) turns the
 // skip into a failure, so a driver that did not load cannot pass silently.
 #define REQUIRE_GPU()                                                                  \
   do {                                                                                 \
-    if (!thaw::driver::available()) {                                                  \
-      if (std::getenv("THAW_TEST_REQUIRE_GPU") != nullptr)                             \
-        FAIL() << "THAW_TEST_REQUIRE_GPU is set but: " << thaw::driver::unavailable_reason(); \
-      GTEST_SKIP() << "no CUDA driver: " << thaw::driver::unavailable_reason();       \
+    if (!vitrify::driver::available()) {                                                  \
+      if (std::getenv("VITRIFY_TEST_REQUIRE_GPU") != nullptr)                             \
+        FAIL() << "VITRIFY_TEST_REQUIRE_GPU is set but: " << vitrify::driver::unavailable_reason(); \
+      GTEST_SKIP() << "no CUDA driver: " << vitrify::driver::unavailable_reason();       \
     }                                                                                  \
   } while (0)
 
@@ -41,9 +41,9 @@ void fill_page(HostPool& pool, size_t page, uint8_t salt) {
 
 // True when the driver considers [p, p+n) registered host memory (pinned and mapped).
 bool is_registered(void* p) {
-  thaw::driver::ContextGuard ctx(0);
+  vitrify::driver::ContextGuard ctx(0);
   CUdeviceptr dp = 0;
-  return thaw::driver::cu().cuMemHostGetDevicePointer(&dp, p, 0) == CUDA_SUCCESS;
+  return vitrify::driver::cu().cuMemHostGetDevicePointer(&dp, p, 0) == CUDA_SUCCESS;
 }
 
 HostPoolOptions small_ceiling(size_t ceiling, bool parallel = true) {
@@ -109,7 +109,7 @@ void transfer_round_trip(TransferPath path) {
   const size_t pb = pool.page_bytes();
   for (size_t p = 0; p < pool.num_pages(); ++p) fill_page(pool, p, 1);
   Stream stream(0);
-  thaw::DeviceBuffer dev(pool.num_pages() * pb, 0);
+  vitrify::DeviceBuffer dev(pool.num_pages() * pb, 0);
   dev.fill(0);
 
   // H2D: pages [3, 33) cross 6 slab boundaries, plus two single pages placed after them.
@@ -163,15 +163,15 @@ TEST(HostPoolGpu, LoopTransfersAcrossSlabsAreByteExact) {
 TEST(HostPoolGpu, BatchRefusesTheLegacyStreamAutoFallsBack) {
   REQUIRE_GPU();
   HostPool pool(4 * MiB, MiB, small_ceiling(2 * MiB));
-  thaw::DeviceBuffer dev(4 * MiB, 0);
+  vitrify::DeviceBuffer dev(4 * MiB, 0);
   const std::vector<PageRun> runs = {{0, 4, dev.ptr()}};
   if (batch_copy_available())
     EXPECT_THROW(transfer(pool, Direction::HostToDevice, runs, nullptr, TransferPath::Batch),
                  std::invalid_argument);
   const auto st = transfer(pool, Direction::HostToDevice, runs, nullptr, TransferPath::Auto);
   EXPECT_EQ(st.path, TransferPath::Loop);
-  thaw::driver::ContextGuard ctx(0);
-  THAW_CU(thaw::driver::cu().cuCtxSynchronize());
+  vitrify::driver::ContextGuard ctx(0);
+  VITRIFY_CU(vitrify::driver::cu().cuCtxSynchronize());
 }
 
 TEST(HostPoolGpu, RegistrationTimingSerialVsParallel) {

@@ -6,15 +6,15 @@
 #include <set>
 #include <string>
 
-#include "thaw/region.hpp"
+#include "vitrify/region.hpp"
 
-using thaw::region::candidate_bases;
-using thaw::region::kGiB;
-using thaw::region::kMiB;
-using thaw::region::kTiB;
-using thaw::region::Layout;
-using thaw::region::round_up;
-using thaw::region::Span;
+using vitrify::region::candidate_bases;
+using vitrify::region::kGiB;
+using vitrify::region::kMiB;
+using vitrify::region::kTiB;
+using vitrify::region::Layout;
+using vitrify::region::round_up;
+using vitrify::region::Span;
 
 namespace {
 constexpr uint64_t G = 2 * kMiB;
@@ -48,13 +48,13 @@ TEST(RegionRounding, RoundUp) {
 TEST(RegionSearch, CandidatesAreDeterministicDisjointAndInsideTheWindow) {  // R2
   const auto a = candidate_bases(64 * kGiB);
   EXPECT_EQ(a, candidate_bases(64 * kGiB));
-  ASSERT_EQ(a.size(), size_t(thaw::region::kSearchMaxCandidates));
-  EXPECT_EQ(a[0], thaw::region::kSearchFirst);
+  ASSERT_EQ(a.size(), size_t(vitrify::region::kSearchMaxCandidates));
+  EXPECT_EQ(a[0], vitrify::region::kSearchFirst);
   for (size_t i = 1; i < a.size(); ++i) EXPECT_EQ(a[i] - a[i - 1], kTiB);
   const auto big = candidate_bases(3 * kTiB + 1);  // step rounds up to 4 TiB
   ASSERT_GE(big.size(), 2u);
   EXPECT_EQ(big[1] - big[0], 4 * kTiB);
-  for (uint64_t b : big) EXPECT_LE(b + 3 * kTiB + 1, thaw::region::kSearchLimit);
+  for (uint64_t b : big) EXPECT_LE(b + 3 * kTiB + 1, vitrify::region::kSearchLimit);
   EXPECT_TRUE(candidate_bases(0).empty());
   EXPECT_TRUE(candidate_bases(64 * kTiB).empty());  // larger than the whole window
   EXPECT_EQ(candidate_bases(31 * kTiB).size(), 1u);
@@ -115,7 +115,7 @@ TEST(RegionLayout, OutOfSpaceNamesTheNumbers) {  // R5
   try {
     l.plan_allocate(G + 1);
     FAIL() << "no throw";
-  } catch (const thaw::OutOfSpace& e) {
+  } catch (const vitrify::OutOfSpace& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("allocation of " + std::to_string(G + 1) + " bytes"), std::string::npos) << m;
     EXPECT_NE(m.find("rounded to " + std::to_string(2 * G)), std::string::npos) << m;
@@ -124,8 +124,8 @@ TEST(RegionLayout, OutOfSpaceNamesTheNumbers) {  // R5
   }
   EXPECT_EQ(l.cursor(), 3 * G);  // nothing moved
   EXPECT_EQ(alloc(l, G), 3 * G);  // exactly full is fine
-  EXPECT_THROW(l.plan_allocate(1), thaw::OutOfSpace);
-  EXPECT_THROW(l.plan_allocate(UINT64_MAX), thaw::OutOfSpace);
+  EXPECT_THROW(l.plan_allocate(1), vitrify::OutOfSpace);
+  EXPECT_THROW(l.plan_allocate(UINT64_MAX), vitrify::OutOfSpace);
 }
 
 TEST(RegionLayout, PreallocationMakesLaterAllocationsABump) {  // R7
@@ -231,7 +231,7 @@ TEST(RegionLayout, RandomSequencesKeepTheInvariants) {
         } else {
           l.set_offset(std::min<uint64_t>(l.size(), l.cursor() + (rng() % 3) * G));
         }
-      } catch (const thaw::OutOfSpace&) {
+      } catch (const vitrify::OutOfSpace&) {
       }
       const auto chunks = l.mapped_chunks();
       for (size_t i = 1; i < chunks.size(); ++i) ASSERT_LE(chunks[i - 1].end(), chunks[i].offset);

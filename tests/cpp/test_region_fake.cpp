@@ -10,18 +10,18 @@
 #include <thread>
 #include <vector>
 
-#include "thaw/region.hpp"
+#include "vitrify/region.hpp"
 
-using thaw::Region;
-using thaw::region::kGiB;
-using thaw::region::kMiB;
+using vitrify::Region;
+using vitrify::region::kGiB;
+using vitrify::region::kMiB;
 
 namespace {
 constexpr uint64_t G = 2 * kMiB;
 
 // Before anything loads the driver: this binary runs on the fake with one device.
 const bool kFakeDriver = [] {
-  ::setenv("THAW_LIBCUDA_PATH", THAW_FAKE_CUDA_PATH, 1);
+  ::setenv("VITRIFY_LIBCUDA_PATH", VITRIFY_FAKE_CUDA_PATH, 1);
   ::setenv("FAKE_CUDA_DEVICES", "1", 1);
   return true;
 }();
@@ -37,7 +37,7 @@ struct Counts {
   bool operator==(const Counts&) const = default;
 };
 Counts counts() {
-  void* h = ::dlopen(THAW_FAKE_CUDA_PATH, RTLD_NOW);
+  void* h = ::dlopen(VITRIFY_FAKE_CUDA_PATH, RTLD_NOW);
   EXPECT_NE(h, nullptr);
   auto f = reinterpret_cast<void (*)(uint64_t*)>(::dlsym(h, "fake_cuda_counts"));
   uint64_t v[5] = {};
@@ -60,7 +60,7 @@ TEST(RegionFake, ExactBaseAndRoundedSize) {  // R2, R3
   EXPECT_EQ(r.base(), base);
   EXPECT_EQ(r.size(), 12 * kMiB);
   EXPECT_EQ(r.granularity(), G);
-  EXPECT_EQ(r.describe(), thaw::region::format_range(base, base + 12 * kMiB) + " on device 0");
+  EXPECT_EQ(r.describe(), vitrify::region::format_range(base, base + 12 * kMiB) + " on device 0");
 }
 
 TEST(RegionFake, TakenBaseIsAClearErrorAndLeavesNothingBehind) {  // R2
@@ -70,9 +70,9 @@ TEST(RegionFake, TakenBaseIsAClearErrorAndLeavesNothingBehind) {  // R2
   try {
     Region b(base + 512 * kMiB, 1 * kGiB, 0);  // overlaps a: the fake returns another address
     FAIL() << "no throw";
-  } catch (const thaw::AddressUnavailable& e) {
+  } catch (const vitrify::AddressUnavailable& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find(thaw::region::format_range(base + 512 * kMiB, base + 512 * kMiB + kGiB)),
+    EXPECT_NE(m.find(vitrify::region::format_range(base + 512 * kMiB, base + 512 * kMiB + kGiB)),
               std::string::npos) << m;
     EXPECT_NE(m.find("the driver returned [0x"), std::string::npos) << m;
   }
@@ -88,9 +88,9 @@ TEST(RegionFake, ArgumentsAreValidated) {
 
 TEST(RegionFake, SearchTakesTheFirstFreeCandidate) {  // R2
   Region a(std::nullopt, kGiB, 0);
-  EXPECT_EQ(a.base(), thaw::region::kSearchFirst);
+  EXPECT_EQ(a.base(), vitrify::region::kSearchFirst);
   Region b(std::nullopt, kGiB, 0);  // the first candidate is taken by a
-  EXPECT_EQ(b.base(), thaw::region::kSearchFirst + thaw::region::kTiB);
+  EXPECT_EQ(b.base(), vitrify::region::kSearchFirst + vitrify::region::kTiB);
 }
 
 TEST(RegionFake, AllocateWriteReadFree) {  // R1, R6
@@ -126,7 +126,7 @@ TEST(RegionFake, OutOfSpaceIsNotAFallback) {  // R5
   Region r(free_base(), 8 * kMiB, 0);
   r.allocate(6 * kMiB);
   const Counts before = counts();
-  EXPECT_THROW(r.allocate(4 * kMiB), thaw::OutOfSpace);
+  EXPECT_THROW(r.allocate(4 * kMiB), vitrify::OutOfSpace);
   EXPECT_EQ(counts(), before);  // no cuMemAlloc happened
   EXPECT_EQ(r.offset(), 6 * kMiB);
 }
@@ -155,7 +155,7 @@ TEST(RegionFake, FailedMapUnwindsCleanly) {  // R9
   const Counts before = counts();
   for (const char* entry : {"cuMemCreate", "cuMemMap", "cuMemSetAccess"}) {
     Env fail("FAKE_CUDA_FAIL", entry);
-    EXPECT_THROW(r.allocate(G), thaw::CudaError) << entry;
+    EXPECT_THROW(r.allocate(G), vitrify::CudaError) << entry;
     EXPECT_EQ(counts(), before) << entry;
     EXPECT_EQ(r.offset(), 0u) << entry;
   }
@@ -167,7 +167,7 @@ TEST(RegionFake, PreallocateIsAllOrNothing) {  // R7, R9
   const Counts before = counts();
   {
     Env mem("FAKE_CUDA_DEVICE_MEMORY", std::to_string(before.physical + 5 * G).c_str());
-    EXPECT_THROW(r.preallocate(8 * G, 2 * G), thaw::CudaOutOfMemory);  // the 3rd chunk fails
+    EXPECT_THROW(r.preallocate(8 * G, 2 * G), vitrify::CudaOutOfMemory);  // the 3rd chunk fails
     EXPECT_EQ(counts(), before);
     EXPECT_EQ(r.stats().layout.mapped_bytes, 0u);
   }
@@ -196,7 +196,7 @@ TEST(RegionFake, ClosedRegionRefusesWork) {
   r.close();
   r.close();  // idempotent
   EXPECT_TRUE(r.closed());
-  EXPECT_THROW(r.allocate(G), thaw::Error);
+  EXPECT_THROW(r.allocate(G), vitrify::Error);
   EXPECT_EQ(r.stats().layout.mapped_bytes, 0u);
 }
 
@@ -223,26 +223,26 @@ TEST(RegionFake, ThreadsGetDistinctAddresses) {  // R1 under concurrency
 
 TEST(RegionFake, CAbiRoutesToTheActiveRegion) {  // R11
   Region r(free_base(), kGiB, 0);
-  EXPECT_EQ(thaw_region_malloc(G, 0, nullptr), nullptr);  // nothing active
-  EXPECT_NE(thaw::region::last_abi_error().find("no active region for device 0"), std::string::npos);
-  thaw::region::set_active(&r, 0);
-  void* p = thaw_region_malloc(3 * kMiB, 0, nullptr);
+  EXPECT_EQ(vitrify_region_malloc(G, 0, nullptr), nullptr);  // nothing active
+  EXPECT_NE(vitrify::region::last_abi_error().find("no active region for device 0"), std::string::npos);
+  vitrify::region::set_active(&r, 0);
+  void* p = vitrify_region_malloc(3 * kMiB, 0, nullptr);
   EXPECT_EQ(reinterpret_cast<uint64_t>(p), r.base());
-  EXPECT_EQ(thaw::region::last_abi_error(), "");
-  thaw::region::set_active(nullptr, 0);
-  thaw_region_free(p, 3 * kMiB, 0, nullptr);  // found by address, not by the active region
+  EXPECT_EQ(vitrify::region::last_abi_error(), "");
+  vitrify::region::set_active(nullptr, 0);
+  vitrify_region_free(p, 3 * kMiB, 0, nullptr);  // found by address, not by the active region
   EXPECT_EQ(r.stats().layout.live_allocations, 0u);
-  thaw_region_free(p, 3 * kMiB, 0, nullptr);  // unknown now: logged, no crash
-  EXPECT_NE(thaw::region::last_abi_error().find("belongs to no live region"), std::string::npos);
-  thaw::region::set_active(&r, 0);
-  EXPECT_EQ(thaw_region_malloc(2 * kGiB, 0, nullptr), nullptr);  // full: no fallback
-  EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
-  void* q = thaw_region_malloc(G, 0, nullptr);
-  EXPECT_EQ(thaw::region::last_abi_error(), "");  // a successful malloc clears it
-  EXPECT_NE(thaw_region_malloc(2 * kGiB, 0, nullptr), q);
-  thaw_region_free(q, G, 0, nullptr);  // a successful free keeps the reason of the failure
-  EXPECT_NE(thaw::region::last_abi_error().find("region full"), std::string::npos);
+  vitrify_region_free(p, 3 * kMiB, 0, nullptr);  // unknown now: logged, no crash
+  EXPECT_NE(vitrify::region::last_abi_error().find("belongs to no live region"), std::string::npos);
+  vitrify::region::set_active(&r, 0);
+  EXPECT_EQ(vitrify_region_malloc(2 * kGiB, 0, nullptr), nullptr);  // full: no fallback
+  EXPECT_NE(vitrify::region::last_abi_error().find("region full"), std::string::npos);
+  void* q = vitrify_region_malloc(G, 0, nullptr);
+  EXPECT_EQ(vitrify::region::last_abi_error(), "");  // a successful malloc clears it
+  EXPECT_NE(vitrify_region_malloc(2 * kGiB, 0, nullptr), q);
+  vitrify_region_free(q, G, 0, nullptr);  // a successful free keeps the reason of the failure
+  EXPECT_NE(vitrify::region::last_abi_error().find("region full"), std::string::npos);
   r.close();  // leaves the registry: the device has no active region any more
-  EXPECT_EQ(thaw::region::active(0), nullptr);
-  EXPECT_THROW(thaw::region::set_active(&r, 0), std::invalid_argument);
+  EXPECT_EQ(vitrify::region::active(0), nullptr);
+  EXPECT_THROW(vitrify::region::set_active(&r, 0), std::invalid_argument);
 }

@@ -5,22 +5,22 @@
 #include <cstring>
 #include <vector>
 
-#include "thaw/driver.hpp"
-#include "thaw/region.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/region.hpp"
 
 #define REQUIRE_GPU()                                                                  \
   do {                                                                                 \
-    if (!thaw::driver::available())                                                    \
-      GTEST_SKIP() << "no CUDA driver: " << thaw::driver::unavailable_reason();       \
+    if (!vitrify::driver::available())                                                    \
+      GTEST_SKIP() << "no CUDA driver: " << vitrify::driver::unavailable_reason();       \
   } while (0)
 
-using thaw::Region;
-using thaw::region::kGiB;
-using thaw::region::kMiB;
+using vitrify::Region;
+using vitrify::region::kGiB;
+using vitrify::region::kMiB;
 
 TEST(RegionGpu, ExactBaseHonouredOrAClearError) {  // R2
   REQUIRE_GPU();
-  const uint64_t base = thaw::region::candidate_bases(4 * kGiB).at(0);
+  const uint64_t base = vitrify::region::candidate_bases(4 * kGiB).at(0);
   try {
     Region r(base, 4 * kGiB, 0);
     EXPECT_EQ(r.base(), base);
@@ -28,12 +28,12 @@ TEST(RegionGpu, ExactBaseHonouredOrAClearError) {  // R2
     try {
       Region again(base, 4 * kGiB, 0);
       FAIL() << "a second reservation of " << r.describe() << " succeeded at " << again.base();
-    } catch (const thaw::AddressUnavailable& e) {
-      EXPECT_NE(std::string(e.what()).find(thaw::region::format_range(base, base + 4 * kGiB)),
+    } catch (const vitrify::AddressUnavailable& e) {
+      EXPECT_NE(std::string(e.what()).find(vitrify::region::format_range(base, base + 4 * kGiB)),
                 std::string::npos) << e.what();
     }
-  } catch (const thaw::AddressUnavailable& e) {
-    EXPECT_NE(std::string(e.what()).find(thaw::region::format_range(base, base + 4 * kGiB)),
+  } catch (const vitrify::AddressUnavailable& e) {
+    EXPECT_NE(std::string(e.what()).find(vitrify::region::format_range(base, base + 4 * kGiB)),
               std::string::npos) << e.what();
   }
 }
@@ -50,9 +50,9 @@ TEST(RegionGpu, AllocateCopyFreeNeverReuses) {  // R1, R6
   r.free(a);
   // Freed memory is unmapped: a raw copy from it fails, and the context stays healthy.
   {
-    thaw::driver::ContextGuard ctx(0);
-    EXPECT_NE(thaw::driver::cu().cuMemcpyDtoH(back.data(), a, 4096), CUDA_SUCCESS);
-    EXPECT_EQ(thaw::driver::cu().cuCtxSynchronize(), CUDA_SUCCESS);
+    vitrify::driver::ContextGuard ctx(0);
+    EXPECT_NE(vitrify::driver::cu().cuMemcpyDtoH(back.data(), a, 4096), CUDA_SUCCESS);
+    EXPECT_EQ(vitrify::driver::cu().cuCtxSynchronize(), CUDA_SUCCESS);
   }
   const uint64_t b = r.allocate(64 * kMiB);
   EXPECT_EQ(b, a + 64 * kMiB);
@@ -68,5 +68,5 @@ TEST(RegionGpu, PreallocatedBumpAndOutOfSpace) {  // R5, R7
   EXPECT_EQ(r.stats().layout.chunks_created, before);
   const uint32_t v = 0xC0FFEE;
   r.write(ptrs.back() + 32 * kMiB - 4, &v, 4);
-  EXPECT_THROW(r.allocate(2 * kGiB), thaw::OutOfSpace);
+  EXPECT_THROW(r.allocate(2 * kGiB), vitrify::OutOfSpace);
 }

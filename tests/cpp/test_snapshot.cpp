@@ -9,11 +9,11 @@
 #include <random>
 #include <vector>
 
-#include "thaw/crc32c.hpp"
-#include "thaw/fs.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/crc32c.hpp"
+#include "vitrify/fs.hpp"
+#include "vitrify/snapshot.hpp"
 
-using namespace thaw::snapshot;
+using namespace vitrify::snapshot;
 namespace fsys = std::filesystem;
 
 namespace {
@@ -27,7 +27,7 @@ void fill_pattern(HostBackend& be, uint32_t seed) {
 struct TempDir {
   fsys::path p;
   TempDir() {
-    char t[] = "/tmp/thaw-snapshot-test-XXXXXX";
+    char t[] = "/tmp/vitrify-snapshot-test-XXXXXX";
     p = ::mkdtemp(t);
   }
   ~TempDir() { fsys::remove_all(p); }
@@ -112,7 +112,7 @@ TEST(Restore, CeilingAboveTheUnmappedEndOfTheTargetIsAnError) {
   HostBackend src(4 * kG, {});
   const Snapshot s = dump(src, src.base(), 0, 4 * kG, kG);
   HostBackend dst(4 * kG, {{3 * kG, 4 * kG}});
-  EXPECT_THROW(restore(dst, s, dst.base(), 4 * kG), thaw::CudaError);
+  EXPECT_THROW(restore(dst, s, dst.base(), 4 * kG), vitrify::CudaError);
   EXPECT_NO_THROW(restore(dst, s, dst.base(), 3 * kG));
 }
 
@@ -275,7 +275,7 @@ TEST(SpanFile, EmptySpanAndAllHoles) {
 
 TEST(SpanFile, DirectIoWhereTheFilesystemAllowsIt) {
   TempDir t;
-  const auto probe = thaw::fs::probe_direct_io(t.p.string());
+  const auto probe = vitrify::fs::probe_direct_io(t.p.string());
   if (!probe.supported) GTEST_SKIP() << "no O_DIRECT in /tmp: " << probe.reason;
   HostBackend src(6 * kG + 4096 * 3, {{kG, 2 * kG}});
   fill_pattern(src, 7);
@@ -301,7 +301,7 @@ TEST(SpanFile, FileCrcMatchesInMemoryCrc) {
     std::ofstream f(t.file("f.bin"), std::ios::binary);
     f.write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   }
-  EXPECT_EQ(file_crc32c(t.file("f.bin")), thaw::crc32c(bytes.data(), bytes.size()));
+  EXPECT_EQ(file_crc32c(t.file("f.bin")), vitrify::crc32c(bytes.data(), bytes.size()));
   { std::ofstream f(t.file("empty.bin")); }
   EXPECT_EQ(file_crc32c(t.file("empty.bin")), 0u);
   EXPECT_THROW(file_crc32c(t.file("nope.bin")), std::system_error);

@@ -9,15 +9,15 @@
 #include <random>
 #include <vector>
 
-#include "thaw/driver.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/snapshot.hpp"
 
-using namespace thaw::snapshot;
+using namespace vitrify::snapshot;
 
 #define REQUIRE_GPU()                                                                  \
   do {                                                                                 \
-    if (!thaw::driver::available())                                                    \
-      GTEST_SKIP() << "no CUDA driver: " << thaw::driver::unavailable_reason();       \
+    if (!vitrify::driver::available())                                                    \
+      GTEST_SKIP() << "no CUDA driver: " << vitrify::driver::unavailable_reason();       \
   } while (0)
 
 namespace {
@@ -32,25 +32,25 @@ std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
 // Writes `host` to the mapped granules of the span (holes skipped).
 void write_mapped(const ScratchSpan& s, const std::vector<bool>& mapped,
                   const std::vector<uint8_t>& host) {
-  thaw::driver::ContextGuard ctx(s.device());
+  vitrify::driver::ContextGuard ctx(s.device());
   const uint64_t g = s.granularity();
   for (size_t i = 0; i < mapped.size(); ++i)
-    if (mapped[i]) THAW_CU(thaw::driver::cu().cuMemcpyHtoD(s.base() + i * g, host.data() + i * g, g));
+    if (mapped[i]) VITRIFY_CU(vitrify::driver::cu().cuMemcpyHtoD(s.base() + i * g, host.data() + i * g, g));
 }
 
 std::vector<uint8_t> read_granule(const ScratchSpan& s, size_t i) {
-  thaw::driver::ContextGuard ctx(s.device());
+  vitrify::driver::ContextGuard ctx(s.device());
   std::vector<uint8_t> out(s.granularity());
-  THAW_CU(thaw::driver::cu().cuMemcpyDtoH(out.data(), s.base() + i * s.granularity(), out.size()));
+  VITRIFY_CU(vitrify::driver::cu().cuMemcpyDtoH(out.data(), s.base() + i * s.granularity(), out.size()));
   return out;
 }
 
 void expect_context_healthy(const ScratchSpan& s, size_t mapped_granule) {
-  thaw::driver::ContextGuard ctx(s.device());
-  ASSERT_EQ(thaw::driver::cu().cuCtxSynchronize(), CUDA_SUCCESS)
+  vitrify::driver::ContextGuard ctx(s.device());
+  ASSERT_EQ(vitrify::driver::cu().cuCtxSynchronize(), CUDA_SUCCESS)
       << "the context is broken after copies over a hole";
   std::vector<uint8_t> tmp(4096);
-  ASSERT_EQ(thaw::driver::cu().cuMemcpyDtoH(tmp.data(),
+  ASSERT_EQ(vitrify::driver::cu().cuMemcpyDtoH(tmp.data(),
                                             s.base() + mapped_granule * s.granularity(), 4096),
             CUDA_SUCCESS)
       << "a copy after the failed trial copies did not succeed";
@@ -120,8 +120,8 @@ TEST(SnapshotGpu, RestoreIsClampedBelowTheCeiling) {
   EXPECT_EQ(st.bytes_dropped, s.size() - ceiling);
   std::vector<uint8_t> back(s.size());
   {
-    thaw::driver::ContextGuard ctx(0);
-    THAW_CU(thaw::driver::cu().cuMemcpyDtoH(back.data(), s.base(), s.size()));
+    vitrify::driver::ContextGuard ctx(0);
+    VITRIFY_CU(vitrify::driver::cu().cuMemcpyDtoH(back.data(), s.base(), s.size()));
   }
   EXPECT_EQ(std::memcmp(back.data(), a.data(), ceiling), 0) << "below the ceiling: the snapshot";
   EXPECT_EQ(std::memcmp(back.data() + ceiling, b.data() + ceiling, s.size() - ceiling), 0)
@@ -136,7 +136,7 @@ TEST(SnapshotGpu, SpanFileRoundTripWithHoles) {
   const auto host = pattern(s.size(), 41);
   write_mapped(s, mapped, host);
   auto be = make_driver_backend(0);
-  const auto dir = std::filesystem::temp_directory_path() / ("thaw-gpu-span-" + std::to_string(::getpid()));
+  const auto dir = std::filesystem::temp_directory_path() / ("vitrify-gpu-span-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "s.span").string();
   FileOptions opt;

@@ -74,7 +74,7 @@ def _cases(torch, out_skipped):
 
 
 def freeze(case: str, out: Path, base: int) -> dict:
-    import thaw.graphs as tg
+    import vitrify.graphs as tg
 
     if case != "missing":
         tg.record_modules()
@@ -142,7 +142,7 @@ def freeze(case: str, out: Path, base: int) -> dict:
         result["outputs"][name] = {"offset": off, "nbytes": n}
     (out / "arena.bin").write_bytes(image)
     t0 = time.perf_counter()
-    from thaw import archive as ar
+    from vitrify import archive as ar
 
     fp = ar.Fingerprint.current(engine="graph_worker", engine_version="1", model=case)
     with ar.ArchiveWriter(out / "archive", fp, ar.Region(base=arena.base, size=arena.size,
@@ -155,7 +155,7 @@ def freeze(case: str, out: Path, base: int) -> dict:
 
 
 def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
-    import thaw.graphs as tg
+    import vitrify.graphs as tg
 
     meta = json.loads((out / "freeze.json").read_text())
     if only is not None:  # one graph alone (a fault in one graph cannot hide the others)
@@ -164,7 +164,7 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     arena = tg.FixedArena(base, meta["size"])
     arena.write(0, (out / "arena.bin").read_bytes())
     t1 = time.perf_counter()
-    from thaw import archive as ar
+    from vitrify import archive as ar
 
     # The archive must match this machine (GPU, driver, CUDA, torch) and be intact.
     archive = ar.open_archive(out / "archive", expect=ar.Fingerprint.current(

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-import thaw
-from thaw import _native
-from thaw.region import Region, RegionAddressError, candidate_bases
+import vitrify
+from vitrify import _native
+from vitrify.region import Region, RegionAddressError, candidate_bases
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -66,8 +66,8 @@ def case_data_roundtrip():
         data = os.urandom(6 * MiB + 5)
         r.write(p, data)
         assert r.read(p, len(data)) == data
-        r.write(p + 100, b"thaw")
-        assert r.read(p + 98, 8) == data[98:100] + b"thaw" + data[104:106]
+        r.write(p + 100, b"vtrf")
+        assert r.read(p + 98, 8) == data[98:100] + b"vtrf" + data[104:106]
         with pytest.raises(ValueError, match="runs past the end"):
             r.read(p + 8 * MiB - 1, 2)
 
@@ -134,7 +134,7 @@ def case_oom_is_memory_error():  # R5
         r.allocate(48 * MiB)
         with pytest.raises(MemoryError) as e:
             r.allocate(32 * MiB)
-        assert not isinstance(e.value, thaw.CudaError), "a region-full error is not a driver OOM"
+        assert not isinstance(e.value, vitrify.CudaError), "a region-full error is not a driver OOM"
         msg = str(e.value)
         assert "region full" in msg and str(32 * MiB) in msg and str(16 * MiB) in msg, msg
         assert r.offset == 48 * MiB
@@ -169,28 +169,28 @@ def case_close_releases():
 
 
 def case_c_abi():  # R11, through the exported symbols like torch calls them
-    from thaw.integrations.torch import activated, active_base
+    from vitrify.integrations.torch import activated, active_base
 
     lib = ctypes.CDLL(_native.__file__)
-    lib.thaw_region_malloc.restype = ctypes.c_void_p
-    lib.thaw_region_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    lib.thaw_region_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    assert lib.thaw_region_malloc(MiB, 0, None) is None
+    lib.vitrify_region_malloc.restype = ctypes.c_void_p
+    lib.vitrify_region_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.vitrify_region_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert lib.vitrify_region_malloc(MiB, 0, None) is None
     assert "no active region for device 0" in _native.region_last_abi_error()
     with Region(GiB) as r, Region(GiB) as r2:
         with activated(r):
             assert active_base(0) == r.base
-            p = lib.thaw_region_malloc(MiB, 0, None)
+            p = lib.vitrify_region_malloc(MiB, 0, None)
             with activated(r2):
-                q = lib.thaw_region_malloc(MiB, 0, None)
+                q = lib.vitrify_region_malloc(MiB, 0, None)
             assert active_base(0) == r.base
         assert active_base(0) is None
         assert (p, q) == (r.base, r2.base)
-        lib.thaw_region_free(p, MiB, 0, None)  # found by address after the context
-        lib.thaw_region_free(q, MiB, 0, None)
+        lib.vitrify_region_free(p, MiB, 0, None)  # found by address after the context
+        lib.vitrify_region_free(q, MiB, 0, None)
         assert r.stats()["live_allocations"] == 0 and r2.stats()["live_allocations"] == 0
         with activated(r):
-            assert lib.thaw_region_malloc(2 * GiB, 0, None) is None
+            assert lib.vitrify_region_malloc(2 * GiB, 0, None) is None
             assert "region full" in _native.region_last_abi_error()
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of the thaw archive: round trip, every corruption and mismatch class, path escapes,
+"""CPU tests of the vitrify archive: round trip, every corruption and mismatch class, path escapes,
 atomicity under a crash, and the inspect/verify CLI."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import textwrap
 
 import pytest
 
-from thaw import archive, cli, snapshot
-from thaw.archive import (ArchiveCorrupt, ArchiveMismatch, ArchiveWriter, Fingerprint, Region,
+from vitrify import archive, cli, snapshot
+from vitrify.archive import (ArchiveCorrupt, ArchiveMismatch, ArchiveWriter, Fingerprint, Region,
                           UnsafePath)
-from thaw.snapshot import HostBackend
+from vitrify.snapshot import HostBackend
 
 G = 64 << 10
 FP = Fingerprint(gpu="NVIDIA H200", sm="9.0", driver="580.159.04", cuda="13.0", torch="2.11.0",
@@ -49,7 +49,7 @@ def build(path, *, ranks=(0, 1), warmup=True, weights=False):
 
 @pytest.fixture
 def arch(tmp_path):
-    p = tmp_path / "a.thaw"
+    p = tmp_path / "a.vitrify"
     spans = build(p)
     return p, spans
 
@@ -62,8 +62,8 @@ def test_round_trip(arch):
     assert a.state(1) == {"pool_bytes": 124}
     assert a.spans(0) == {"warmup": "rank0/region/warmup.span"}
     m = json.loads((p / "manifest.json").read_text())
-    assert m["format"] == "thaw-archive" and m["version"] == 1
-    assert set(m) == {"format", "version", "created", "thaw_version", "fingerprint", "region",
+    assert m["format"] == "vitrify-archive" and m["version"] == 1
+    assert set(m) == {"format", "version", "created", "vitrify_version", "fingerprint", "region",
                       "files", "checksum"}
     assert m["region"]["checkpoints"] == {"weights": 0x40000000, "warmup": 0x48000000}
     for rel, e in m["files"].items():
@@ -92,7 +92,7 @@ def test_checkpoint_drift_names_both_offsets(arch):
 
 
 def test_weights_span_is_just_another_span(tmp_path):
-    p = tmp_path / "w.thaw"
+    p = tmp_path / "w.vitrify"
     build(p, ranks=(0,), weights=True)
     a = archive.open_archive(p)
     assert set(a.spans(0)) == {"warmup", "weights"}
@@ -100,7 +100,7 @@ def test_weights_span_is_just_another_span(tmp_path):
 
 
 def test_archive_without_dump_falls_back_to_rerunning_warmup(tmp_path):
-    p = tmp_path / "nodump.thaw"
+    p = tmp_path / "nodump.vitrify"
     build(p, ranks=(0,), warmup=False)
     plan = snapshot.plan_restore(archive.open_archive(p), 0)
     assert plan.action == "rerun-warmup" and "no warmup-gap dump" in plan.reason
@@ -200,7 +200,7 @@ def test_manifest_size_edit_is_detected(arch):
 
 def test_manifest_not_json(arch):
     p, _ = arch
-    (p / "manifest.json").write_text('{"format": "thaw-archive", ')
+    (p / "manifest.json").write_text('{"format": "vitrify-archive", ')
     with pytest.raises(ArchiveCorrupt, match="not valid JSON"):
         archive.open_archive(p)
 
@@ -297,7 +297,7 @@ def test_symlink_inside_archive_is_refused(arch, tmp_path):
 
 
 def test_writer_rejects_unsafe_relpaths(tmp_path):
-    with ArchiveWriter(tmp_path / "x.thaw", FP, REGION) as w:
+    with ArchiveWriter(tmp_path / "x.vitrify", FP, REGION) as w:
         for bad in ["../x", "/abs", "a/../b", "a//b"]:
             with pytest.raises(ValueError):
                 w.write_bytes(bad, b"")
@@ -309,14 +309,14 @@ def test_writer_rejects_unsafe_relpaths(tmp_path):
 
 def test_exception_inside_writer_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
-        with ArchiveWriter(tmp_path / "e.thaw", FP, REGION) as w:
+        with ArchiveWriter(tmp_path / "e.vitrify", FP, REGION) as w:
             w.write_bytes("rank0/state.json", b"{}")
             raise RuntimeError("engine crashed")
     assert os.listdir(tmp_path) == []
 
 
 def test_failed_rename_leaves_no_archive(tmp_path, monkeypatch):
-    w = ArchiveWriter(tmp_path / "r.thaw", FP, REGION)
+    w = ArchiveWriter(tmp_path / "r.vitrify", FP, REGION)
     w.write_bytes("rank0/state.json", b"{}")
 
     def boom(a, b):
@@ -325,13 +325,13 @@ def test_failed_rename_leaves_no_archive(tmp_path, monkeypatch):
     monkeypatch.setattr(archive.os, "rename", boom)
     with pytest.raises(OSError):
         w.commit()
-    assert not (tmp_path / "r.thaw").exists()
+    assert not (tmp_path / "r.vitrify").exists()
 
 
 _CHILD = textwrap.dedent("""
     import os, signal, sys
-    from thaw import archive
-    from thaw.archive import ArchiveWriter, Fingerprint, Region
+    from vitrify import archive
+    from vitrify.archive import ArchiveWriter, Fingerprint, Region
     path, mode = sys.argv[1], sys.argv[2]
     w = ArchiveWriter(path, Fingerprint(gpu="x"), Region(0, 1 << 30, 2 << 20))
     if mode == "commit":  # die at the last step: everything written and fsynced, not renamed
@@ -348,7 +348,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["files", "files-later", "commit"])
 def test_killed_writer_leaves_no_visible_archive(tmp_path, mode):
-    path = tmp_path / "k.thaw"
+    path = tmp_path / "k.vitrify"
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), mode],
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -365,7 +365,7 @@ def test_killed_writer_leaves_no_visible_archive(tmp_path, mode):
             child.kill()
     assert not path.exists(), "a half-written archive became visible"
     stale = list(archive.iter_stale_temporaries(tmp_path))
-    assert len(stale) == 1 and ".k.thaw.tmp-" in stale[0]
+    assert len(stale) == 1 and ".k.vitrify.tmp-" in stale[0]
     with pytest.raises(FileNotFoundError):
         archive.open_archive(path)
     if mode == "commit":  # died just before the rename: the temporary is complete
@@ -376,7 +376,7 @@ def test_killed_writer_leaves_no_visible_archive(tmp_path, mode):
 
 
 def test_overwrite(tmp_path):
-    p = tmp_path / "o.thaw"
+    p = tmp_path / "o.vitrify"
     build(p, ranks=(0,))
     with pytest.raises(FileExistsError):
         ArchiveWriter(p, FP, REGION)
@@ -384,7 +384,7 @@ def test_overwrite(tmp_path):
         w.write_state(3, {"new": True})
     a = archive.open_archive(p)
     assert a.ranks == [3] and a.state(3) == {"new": True}
-    assert sorted(os.listdir(tmp_path)) == ["o.thaw"]
+    assert sorted(os.listdir(tmp_path)) == ["o.vitrify"]
 
 
 def test_write_shared_replaces_atomically(tmp_path):
@@ -418,10 +418,10 @@ def test_cli_inspect_and_verify(arch, capsys):
 
 def test_cli_entry_point_exit_codes(arch):
     p, _ = arch
-    ok = subprocess.run([sys.executable, "-m", "thaw", "verify", str(p)], capture_output=True)
+    ok = subprocess.run([sys.executable, "-m", "vitrify", "verify", str(p)], capture_output=True)
     assert ok.returncode == 0, ok.stderr
     os.truncate(p / "rank0/state.json", 1)
-    bad = subprocess.run([sys.executable, "-m", "thaw", "verify", str(p)], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "vitrify", "verify", str(p)], capture_output=True,
                          text=True)
     assert bad.returncode == 1 and "truncated" in bad.stdout
 
@@ -430,8 +430,8 @@ def test_cli_entry_point_exit_codes(arch):
 
 _RANK_CHILD = textwrap.dedent("""
     import sys
-    from thaw.archive import RankWriter
-    from thaw.snapshot import HostBackend
+    from vitrify.archive import RankWriter
+    from vitrify.snapshot import HostBackend
     temp, rank = sys.argv[1], int(sys.argv[2])
     w = RankWriter(temp, rank)
     be = HostBackend(4 << 16, [(1 << 16, 2 << 16)])
@@ -447,7 +447,7 @@ _RANK_CHILD = textwrap.dedent("""
 
 
 def test_rank_processes_write_into_one_archive(tmp_path):
-    p = tmp_path / "multi.thaw"
+    p = tmp_path / "multi.vitrify"
     w = ArchiveWriter(p, FP, REGION)
     w.write_state(0, {"rank": 0})
     for rank in (1, 2):
@@ -477,7 +477,7 @@ def test_current_fingerprint_names_engine_and_model():
     assert (fp.engine, fp.engine_version, fp.model) == ("sglang", "0.5.17", "qwen3@1")
     for v in fp.to_dict().values():
         assert v is None or isinstance(v, str)
-    import thaw
+    import vitrify
 
-    if not thaw.cuda_available():
+    if not vitrify.cuda_available():
         assert fp.gpu is None and fp.sm is None

@@ -1,7 +1,7 @@
-"""thaw.tier.DiskStore on a real filesystem (ext4 on CI; THAW_TEST_DIR chooses the directory).
+"""vitrify.tier.DiskStore on a real filesystem (ext4 on CI; VITRIFY_TEST_DIR chooses the directory).
 
 Invariant numbers refer to csrc/src/disk/DESIGN.md. The fault-injection trials run a small number
-by default and >= 1e5 with ``-m long`` (or THAW_LONG_TESTS=1).
+by default and >= 1e5 with ``-m long`` (or VITRIFY_LONG_TESTS=1).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thaw import config, tier
-from thaw.tier import DiskStore, make_key
+from vitrify import config, tier
+from vitrify.tier import DiskStore, make_key
 
-BASE = os.environ.get("THAW_TEST_DIR") or tempfile.gettempdir()
+BASE = os.environ.get("VITRIFY_TEST_DIR") or tempfile.gettempdir()
 
 
 @pytest.fixture
 def d():
-    path = tempfile.mkdtemp(prefix="thaw-disk-py-", dir=BASE)
+    path = tempfile.mkdtemp(prefix="vitrify-disk-py-", dir=BASE)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -123,7 +123,7 @@ def test_kinds_budget_split_and_names(d):
         with DiskStore([d, d2], 8 << 20, {"k": (4096 - 64, 3), "v": (8192 - 64, 1)}) as s:
             st_ = s.stats()["kinds"]
             assert st_["k"]["slots_total"] > st_["v"]["slots_total"] * 2
-            assert os.path.exists(os.path.join(d2, "thaw.kind1.slab"))
+            assert os.path.exists(os.path.join(d2, "vitrify.kind1.slab"))
             assert s.put("x", b"k-bytes", kind="k") and s.put("x", b"v-bytes", kind="v")
             assert s.get("x", kind="k") == b"k-bytes" and s.get("x", kind="v") == b"v-bytes"
             with pytest.raises(ValueError, match="name one"):
@@ -431,7 +431,7 @@ def test_fault_injection_trials_long(d):
 
 CHILD = textwrap.dedent("""
     import hashlib, sys
-    from thaw.tier import DiskStore
+    from vitrify.tier import DiskStore
     d, page, start, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     def content(i, n):
         seed = hashlib.sha256(i.to_bytes(8, "little")).digest()
@@ -504,5 +504,5 @@ def test_stats_and_prometheus(d):
         reg = prom.CollectorRegistry()
         reg.register(s.prometheus_collector())
         text = prom.generate_latest(reg).decode()
-        assert 'thaw_disk_spills_total{store="metrics"} 1.0' in text
-        assert 'thaw_disk_slots_used{kind="default",store="metrics"} 1.0' in text
+        assert 'vitrify_disk_spills_total{store="metrics"} 1.0' in text
+        assert 'vitrify_disk_slots_used{kind="default",store="metrics"} 1.0' in text

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-import thaw
-from thaw import _native, config
+import vitrify
+from vitrify import _native, config
 
-FAKE = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
+FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
 
 
 def run_py(code: str, **env) -> subprocess.CompletedProcess:
@@ -24,22 +24,22 @@ def run_py(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_version_and_build_info():
-    info = thaw.build_info()
-    assert thaw.__version__ == info["version"]
+    info = vitrify.build_info()
+    assert vitrify.__version__ == info["version"]
     assert info["cuda_headers"] >= 12040
     assert info["build_type"]
 
 
 def test_cuda_available_gives_a_reason_when_false():
-    if thaw.cuda_available():
-        assert thaw.cuda_unavailable_reason() == ""
+    if vitrify.cuda_available():
+        assert vitrify.cuda_unavailable_reason() == ""
     else:
-        assert thaw.cuda_unavailable_reason() != ""
+        assert vitrify.cuda_unavailable_reason() != ""
 
 
 def test_missing_driver_path_is_reported():
-    r = run_py("import thaw; print(thaw.cuda_available()); print(thaw.cuda_unavailable_reason())",
-               THAW_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
+    r = run_py("import vitrify; print(vitrify.cuda_available()); print(vitrify.cuda_unavailable_reason())",
+               VITRIFY_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     assert out[0] == "False"
@@ -47,19 +47,19 @@ def test_missing_driver_path_is_reported():
 
 
 def test_driver_calls_without_driver_raise_unavailable():
-    r = run_py("import thaw\n"
-               "from thaw import _native\n"
+    r = run_py("import vitrify\n"
+               "from vitrify import _native\n"
                "try:\n    _native.device_count()\n"
-               "except thaw.CudaUnavailableError as e:\n    print('unavailable', e)\n",
-               THAW_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
+               "except vitrify.CudaUnavailableError as e:\n    print('unavailable', e)\n",
+               VITRIFY_LIBCUDA_PATH="/nonexistent/libcuda.so.1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("unavailable CUDA driver unavailable: dlopen")
 
 
-@pytest.mark.skipif(not FAKE, reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
 def test_fake_driver_loads_and_doctor_reports_no_devices():
-    r = run_py("import json, thaw; from thaw import doctor\n"
-               "print(json.dumps(doctor.collect('.')['driver']))", THAW_LIBCUDA_PATH=FAKE)
+    r = run_py("import json, vitrify; from vitrify import doctor\n"
+               "print(json.dumps(doctor.collect('.')['driver']))", VITRIFY_LIBCUDA_PATH=FAKE)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["available"] is True
@@ -67,25 +67,25 @@ def test_fake_driver_loads_and_doctor_reports_no_devices():
     assert d["devices"] == []
 
 
-@pytest.mark.skipif(not FAKE, reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
 def test_fake_driver_init_failure_is_a_reason():
-    r = run_py("import thaw; print(thaw.cuda_unavailable_reason())", THAW_LIBCUDA_PATH=FAKE,
+    r = run_py("import vitrify; print(vitrify.cuda_unavailable_reason())", VITRIFY_LIBCUDA_PATH=FAKE,
                FAKE_CUDA_INIT="100")
     assert r.returncode == 0, r.stderr
     assert "cuInit(0) failed: CUDA_ERROR_NO_DEVICE (100)" in r.stdout
 
 
 def test_error_mapping():
-    with pytest.raises(thaw.CudaError) as e:
+    with pytest.raises(vitrify.CudaError) as e:
         _native._raise_for_test("cuda")
     assert isinstance(e.value, RuntimeError)
     assert e.value.code == 1 and e.value.result_name == "CUDA_ERROR_INVALID_VALUE"
     assert e.value.call == "cuTest(x)"
     with pytest.raises(MemoryError) as e:
         _native._raise_for_test("cuda_oom")
-    assert isinstance(e.value, thaw.CudaOutOfMemoryError)
-    assert isinstance(e.value, thaw.CudaError)
-    with pytest.raises(thaw.CudaUnavailableError):
+    assert isinstance(e.value, vitrify.CudaOutOfMemoryError)
+    assert isinstance(e.value, vitrify.CudaError)
+    with pytest.raises(vitrify.CudaUnavailableError):
         _native._raise_for_test("unavailable")
     with pytest.raises(MemoryError, match="region full"):
         _native._raise_for_test("space")
@@ -111,50 +111,50 @@ def test_probe_direct_io(tmp_path):
 
 
 def test_logging_is_quiet_by_default_and_native_messages_arrive(caplog):
-    r = run_py("import thaw; from thaw import _native; _native._log(30, 'native says hi')")
+    r = run_py("import vitrify; from vitrify import _native; _native._log(30, 'native says hi')")
     assert r.returncode == 0
     assert r.stderr == "" and r.stdout == ""
-    r = run_py("import thaw; from thaw import _native; _native._log(30, 'native says hi')",
-               THAW_LOG_LEVEL="INFO")
-    assert "thaw.native WARNING: native says hi" in r.stderr
-    with caplog.at_level(logging.WARNING, logger="thaw"):
+    r = run_py("import vitrify; from vitrify import _native; _native._log(30, 'native says hi')",
+               VITRIFY_LOG_LEVEL="INFO")
+    assert "vitrify.native WARNING: native says hi" in r.stderr
+    with caplog.at_level(logging.WARNING, logger="vitrify"):
         _native._log(30, "into caplog")
-    assert any(rec.name == "thaw.native" and rec.message == "into caplog"
+    assert any(rec.name == "vitrify.native" and rec.message == "into caplog"
                for rec in caplog.records)
 
 
 def test_config_validation():
     s = config.from_environ({})
     assert s.direct_io == "auto" and s.max_slab_gb == 480.0 and s.warmup_restore is True
-    s = config.from_environ({"THAW_DIRECT_IO": "OFF", "THAW_MAX_SLAB_GB": "0.5",
-                             "THAW_WARMUP_RESTORE": "0", "THAW_LOG_LEVEL": "debug"})
+    s = config.from_environ({"VITRIFY_DIRECT_IO": "OFF", "VITRIFY_MAX_SLAB_GB": "0.5",
+                             "VITRIFY_WARMUP_RESTORE": "0", "VITRIFY_LOG_LEVEL": "debug"})
     assert (s.direct_io, s.max_slab_gb, s.warmup_restore, s.log_level) == ("off", 0.5, False, 10)
-    for env, name in [({"THAW_DIRECT_IO": "maybe"}, "THAW_DIRECT_IO"),
-                      ({"THAW_MAX_SLAB_GB": "-1"}, "THAW_MAX_SLAB_GB"),
-                      ({"THAW_MAX_SLAB_GB": "lots"}, "THAW_MAX_SLAB_GB"),
-                      ({"THAW_MAX_SLAB_GB": "nan"}, "THAW_MAX_SLAB_GB"),
-                      ({"THAW_WARMUP_RESTORE": "2"}, "THAW_WARMUP_RESTORE"),
-                      ({"THAW_LOG_LEVEL": "loud"}, "THAW_LOG_LEVEL")]:
+    for env, name in [({"VITRIFY_DIRECT_IO": "maybe"}, "VITRIFY_DIRECT_IO"),
+                      ({"VITRIFY_MAX_SLAB_GB": "-1"}, "VITRIFY_MAX_SLAB_GB"),
+                      ({"VITRIFY_MAX_SLAB_GB": "lots"}, "VITRIFY_MAX_SLAB_GB"),
+                      ({"VITRIFY_MAX_SLAB_GB": "nan"}, "VITRIFY_MAX_SLAB_GB"),
+                      ({"VITRIFY_WARMUP_RESTORE": "2"}, "VITRIFY_WARMUP_RESTORE"),
+                      ({"VITRIFY_LOG_LEVEL": "loud"}, "VITRIFY_LOG_LEVEL")]:
         with pytest.raises(ValueError, match=name):
             config.from_environ(env)
     with config.override(direct_io="off") as s:
         assert config.settings().direct_io == "off"
-    assert config.settings().direct_io != "off" or os.environ.get("THAW_DIRECT_IO") == "off"
+    assert config.settings().direct_io != "off" or os.environ.get("VITRIFY_DIRECT_IO") == "off"
 
 
 def test_bad_log_level_env_fails_import_with_the_name():
-    r = run_py("import thaw", THAW_LOG_LEVEL="loud")
+    r = run_py("import vitrify", VITRIFY_LOG_LEVEL="loud")
     assert r.returncode != 0
-    assert "THAW_LOG_LEVEL" in r.stderr
+    assert "VITRIFY_LOG_LEVEL" in r.stderr
 
 
 def test_doctor_json_is_valid_and_complete(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "thaw", "doctor", "--json", "--dir", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "vitrify", "doctor", "--json", "--dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert set(rep) == {"thaw", "driver", "directory", "hugepages", "packages"}
-    assert rep["thaw"]["version"] == thaw.__version__
+    assert set(rep) == {"vitrify", "driver", "directory", "hugepages", "packages"}
+    assert rep["vitrify"]["version"] == vitrify.__version__
     assert rep["directory"]["path"] == str(tmp_path)
     assert isinstance(rep["directory"]["o_direct"], bool)
     assert "hugetlbfs_mounts" in rep["hugepages"]
@@ -163,18 +163,18 @@ def test_doctor_json_is_valid_and_complete(tmp_path):
 
 
 def test_doctor_text_and_broken_sections_do_not_crash(tmp_path):
-    from thaw import doctor
+    from vitrify import doctor
 
     rep = doctor.collect(str(tmp_path / "missing"))
     assert "error" in rep["directory"] and "FileNotFoundError" in rep["directory"]["error"]
     text = doctor.render(rep)
     assert "directory  : FileNotFoundError" in text
-    assert text.startswith("thaw       : ")
+    assert text.startswith("vitrify    : ")
 
 
 @pytest.mark.gpu
 def test_gpu_doctor_reports_device_and_granularity():
-    from thaw import doctor
+    from vitrify import doctor
 
     d = doctor.collect(".")["driver"]
     assert d["available"], d
@@ -198,9 +198,9 @@ def test_gpu_device_buffer_roundtrip():
 
 
 def test_demo_runs_and_says_what_was_skipped():
-    r = subprocess.run([sys.executable, "-m", "thaw", "demo"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "vitrify", "demo"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[ok]      doctor: reported" in r.stdout
-    if not thaw.cuda_available():
+    if not vitrify.cuda_available():
         assert "[skipped] freeze -> thaw" in r.stdout and "no GPU here" in r.stdout

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import thaw
-import thaw.graphs as tg
-from thaw import _native
+import vitrify
+import vitrify.graphs as tg
+from vitrify import _native
 
 BASE = 0x7F0000000000
 SIZE = 1 << 30
@@ -210,7 +210,7 @@ def make_store(n=3):
 def test_store_save_writes_index_graphs_and_only_used_modules(tmp_path):
     store, mod = make_store()
     index = store.save(tmp_path)
-    assert index["format"] == "thaw-graphs" and index["version"] == 1
+    assert index["format"] == "vitrify-graphs" and index["version"] == 1
     assert [g["name"] for g in index["graphs"]] == ["bs0", "bs1", "bs2"]
     assert len(index["templates"]) == 1 and index["templates"][0]["graphs"] == ["bs0", "bs1", "bs2"]
     assert list(index["modules"]) == [mod]
@@ -231,11 +231,11 @@ def test_load_without_a_gpu_reports_the_driver_at_wait(tmp_path):
     graphs = tg.load(tmp_path, region_base=BASE + (1 << 40))
     assert graphs.names == ["bs0", "bs1", "bs2"]
     assert graphs.template_of("bs0") == graphs.template_of("bs2")
-    if thaw.cuda_available():
+    if vitrify.cuda_available():
         pytest.skip("a GPU is present; the build would run for real")
-    with pytest.raises(thaw.CudaUnavailableError):
+    with pytest.raises(vitrify.CudaUnavailableError):
         graphs.wait("bs1")
-    with pytest.raises(thaw.CudaUnavailableError):
+    with pytest.raises(vitrify.CudaUnavailableError):
         graphs.replay("bs0", stream=0)
     with pytest.raises(KeyError, match="no graph 'nope'"):
         graphs.wait("nope")

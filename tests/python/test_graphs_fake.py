@@ -1,5 +1,5 @@
 """The Python graph API end to end on CPU, against the fake driver with graph entry points
-(tests/cpp/fake_graph_cuda.cpp, built next to THAW_TEST_FAKE_LIBCUDA by `make test`):
+(tests/cpp/fake_graph_cuda.cpp, built next to VITRIFY_TEST_FAKE_LIBCUDA by `make test`):
 GraphStore.add -> save -> load at another base -> replay (the fake logs each launch) ->
 add_cuda_graph of the rebuilt graph. Runs in a subprocess: the driver is chosen once per process."""
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-FAKE = Path(os.environ.get("THAW_TEST_FAKE_LIBCUDA", "/nonexistent")).with_name(
-    "libthaw_fake_graph_cuda.so")
+FAKE = Path(os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA", "/nonexistent")).with_name(
+    "libvitrify_fake_graph_cuda.so")
 
 SCRIPT = r'''
 import ctypes, json, struct, sys
 from pathlib import Path
-import thaw
-import thaw.graphs as tg
-from thaw import _native
+import vitrify
+import vitrify.graphs as tg
+from vitrify import _native
 
 fake = ctypes.CDLL(sys.argv[1])
 fake.fake_graph_launch.restype = ctypes.c_char_p
@@ -30,7 +30,7 @@ fake.fake_graph_last.restype = ctypes.c_void_p
 out = Path(sys.argv[2])
 BASE, BASE2, SIZE = 0x7E0000000000, 0x7D0000000000, 1 << 30
 IMAGE = b".version 8.0\n.entry scale ( // params 0:8 8:4\n"
-assert thaw.cuda_available(), thaw.cuda_unavailable_reason()
+assert vitrify.cuda_available(), vitrify.cuda_unavailable_reason()
 mod = _native.graph_add_recorded_module(IMAGE)
 
 def graph(n, value):
@@ -65,7 +65,7 @@ def run(tmp_path_factory):
     if not FAKE.exists():
         pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
     d = tmp_path_factory.mktemp("fakegraphs")
-    env = dict(os.environ, THAW_LIBCUDA_PATH=str(FAKE))
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE))
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(FAKE), str(d)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -98,8 +98,8 @@ def test_index_and_walk_of_the_rebuilt_graph(run):
 ARCHIVE_SCRIPT = r'''
 import json, struct, sys
 from pathlib import Path
-import thaw.graphs as tg
-from thaw import _native, archive as ar
+import vitrify.graphs as tg
+from vitrify import _native, archive as ar
 
 out = Path(sys.argv[1])
 BASE, SIZE = 0x7E0000000000, 1 << 30
@@ -143,7 +143,7 @@ def test_graphs_round_trip_through_an_archive(tmp_path):
     the file, before any driver call; a rank without graphs is a KeyError."""
     if not FAKE.exists():
         pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
-    env = dict(os.environ, THAW_LIBCUDA_PATH=str(FAKE))
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE))
     p = subprocess.run([sys.executable, "-c", ARCHIVE_SCRIPT, str(tmp_path)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""thaw.host: slab planning, segments (hypothesis), hugetlbfs checks, views, gather/scatter on
+"""vitrify.host: slab planning, segments (hypothesis), hugetlbfs checks, views, gather/scatter on
 any machine; host<->GPU page copies under the `gpu` marker. Invariants: csrc/src/host/DESIGN.md."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import thaw
-from thaw import config, host
+import vitrify
+from vitrify import config, host
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -24,7 +24,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # ---- planning ---------------------------------------------------------------------------------
 
 
-def test_plan_defaults_to_thaw_max_slab_gb():
+def test_plan_defaults_to_vitrify_max_slab_gb():
     assert host.default_max_slab_bytes() == int(config.settings().max_slab_gb * GiB)
     with config.override(max_slab_gb=0.5):
         assert host.default_max_slab_bytes() == GiB // 2
@@ -128,19 +128,19 @@ def test_slab_tensor_is_a_zero_copy_torch_view():
 
 
 def test_register_on_without_gpu_raises_unavailable():
-    if thaw.cuda_available():
+    if vitrify.cuda_available():
         pytest.skip("a GPU is present (covered by the gpu tests)")
-    with pytest.raises(thaw.CudaUnavailableError):
+    with pytest.raises(vitrify.CudaUnavailableError):
         host.HostPool(4096, 4096, register=True)
 
 
-@pytest.mark.skipif(not os.environ.get("THAW_TEST_FAKE_LIBCUDA"),
-                    reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+@pytest.mark.skipif(not os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA"),
+                    reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
 def test_auto_registration_with_a_driver_but_no_device_stays_unregistered():
-    code = ("import thaw\nfrom thaw import host\n"
-            "assert thaw.cuda_available(), thaw.cuda_unavailable_reason()\n"
+    code = ("import vitrify\nfrom vitrify import host\n"
+            "assert vitrify.cuda_available(), vitrify.cuda_unavailable_reason()\n"
             "p = host.HostPool(8192, 4096)\nprint(p.registered, p.registration()['registered'])\n")
-    env = dict(os.environ, THAW_LIBCUDA_PATH=os.environ["THAW_TEST_FAKE_LIBCUDA"])
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=os.environ["VITRIFY_TEST_FAKE_LIBCUDA"])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -157,7 +157,7 @@ def test_registration_guard_refuses_above_the_ceiling():
     with pytest.raises(ValueError, match="refusing to register .* single-registration ceiling"):
         host.HostRegistration(buf, max_bytes=4096)
     with config.override(max_slab_gb=4096 / GiB):
-        with pytest.raises(ValueError, match="THAW_MAX_SLAB_GB"):
+        with pytest.raises(ValueError, match="VITRIFY_MAX_SLAB_GB"):
             host.HostRegistration(buf)
 
 
@@ -429,20 +429,20 @@ def test_gather_from_a_pool_slab():
 
 
 def _emulated_driver() -> str | None:
-    fake = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
+    fake = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
     if not fake:
         return None
-    p = os.path.join(os.path.dirname(fake), "libthaw_fake_cuda_host.so")
+    p = os.path.join(os.path.dirname(fake), "libvitrify_fake_cuda_host.so")
     return p if os.path.exists(p) else None
 
 
 @pytest.mark.skipif(_emulated_driver() is None,
-                    reason="THAW_TEST_FAKE_LIBCUDA not set or libthaw_fake_cuda_host.so not built")
+                    reason="VITRIFY_TEST_FAKE_LIBCUDA not set or libvitrify_fake_cuda_host.so not built")
 @pytest.mark.parametrize("abi", ["13000", "12080"])
 def test_gpu_tests_pass_on_the_host_emulated_driver(abi):
     """The gpu tests below, on tests/cpp/fake_libcuda_host.cpp: it refuses batch copies whose
     host range straddles two registrations, so the byte-exact checks have teeth on CPU."""
-    env = dict(os.environ, THAW_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_VERSION=abi)
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_VERSION=abi)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
                         "no:cacheprovider", __file__], capture_output=True, text=True, env=env,
                        timeout=300)
@@ -467,7 +467,7 @@ def test_gpu_transfers_across_slabs_byte_exact(path):
         for s in range(pool.num_slabs):
             sl = pool.slabs()[s]
             pool.slab_array(s)[:] = data[sl["first_page"] * page:(sl["first_page"] + sl["pages"]) * page]
-        dev = thaw._native.DeviceBuffer(32 * page, 0)
+        dev = vitrify._native.DeviceBuffer(32 * page, 0)
         stream = host.Stream(0)
         runs = [(3, 30, dev.ptr), (39, 1, dev.ptr + 30 * page), (0, 1, dev.ptr + 31 * page)]
         st = pool.to_device(runs, stream, path=path)
@@ -504,7 +504,7 @@ def test_gpu_registration_serial_vs_parallel_recorded():
 
 
 def _torch_has_cuda() -> bool:
-    # torch has its own CUDA runtime (not thaw's driver seam): a CPU-only torch, or a CUDA
+    # torch has its own CUDA runtime (not vitrify's driver seam): a CPU-only torch, or a CUDA
     # build on a machine without a GPU (e.g. under the host-emulated driver), cannot run this.
     if not HAVE_TORCH:
         return False

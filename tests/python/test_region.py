@@ -1,6 +1,6 @@
 """The region allocator on any machine: pure functions and argument checks in-process, and the
 shared behaviour cases (region_cases.py) each in a fresh process on the fake driver
-(THAW_TEST_FAKE_LIBCUDA, set by `make test`)."""
+(VITRIFY_TEST_FAKE_LIBCUDA, set by `make test`)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import region_cases
-import thaw
-from thaw.region import SEARCH_FIRST, SEARCH_LIMIT, Region, candidate_bases
+import vitrify
+from vitrify.region import SEARCH_FIRST, SEARCH_LIMIT, Region, candidate_bases
 
-FAKE = os.environ.get("THAW_TEST_FAKE_LIBCUDA")
-needs_fake = pytest.mark.skipif(not FAKE, reason="THAW_TEST_FAKE_LIBCUDA not set (make test sets it)")
+FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
+needs_fake = pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
 HERE = Path(__file__).resolve().parent
 TiB = 1 << 40
 
 
 def run_on_fake(code: str, **env) -> subprocess.CompletedProcess:
-    e = dict(os.environ, THAW_LIBCUDA_PATH=FAKE, FAKE_CUDA_DEVICES="1",
+    e = dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE, FAKE_CUDA_DEVICES="1",
              PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     e.update(env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
@@ -80,9 +80,9 @@ def test_arguments_are_checked_before_the_driver(kwargs, exc, text):
 @needs_fake
 def test_driver_side_argument_errors_name_the_value():
     r = run_on_fake(
-        "import thaw\n"
+        "import vitrify\n"
         "for kw in (dict(base=0x600000001000), dict(device=3)):\n"
-        "    try:\n        thaw.Region(1 << 30, **kw)\n"
+        "    try:\n        vitrify.Region(1 << 30, **kw)\n"
         "    except ValueError as e:\n        print(e)\n")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -92,25 +92,25 @@ def test_driver_side_argument_errors_name_the_value():
 
 def test_region_without_driver_is_unavailable_error():
     r = subprocess.run([sys.executable, "-c",
-                        "import thaw\ntry:\n    thaw.Region(1 << 30)\n"
-                        "except thaw.CudaUnavailableError as e:\n    print('unavailable')\n"],
+                        "import vitrify\ntry:\n    vitrify.Region(1 << 30)\n"
+                        "except vitrify.CudaUnavailableError as e:\n    print('unavailable')\n"],
                        capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, THAW_LIBCUDA_PATH="/nonexistent/libcuda.so.1"))
+                       env=dict(os.environ, VITRIFY_LIBCUDA_PATH="/nonexistent/libcuda.so.1"))
     assert r.stdout.strip() == "unavailable", r.stdout + r.stderr
 
 
 def test_c_abi_is_exported_from_the_extension():
     import ctypes
 
-    lib = ctypes.CDLL(thaw._native.__file__)
-    assert lib.thaw_region_malloc and lib.thaw_region_free
+    lib = ctypes.CDLL(vitrify._native.__file__)
+    assert lib.vitrify_region_malloc and lib.vitrify_region_free
 
 
 def test_torch_integration_imports_without_torch_and_says_what_is_missing():
     """In a process where torch cannot be imported (sys.modules blocks it, installed or not)."""
     code = ("import sys\nsys.modules['torch'] = None\n"
-            "import thaw\nfrom thaw.integrations import torch as tt\n"
-            "assert tt.library_path() == thaw._native.__file__\n"
+            "import vitrify\nfrom vitrify.integrations import torch as tt\n"
+            "assert tt.library_path() == vitrify._native.__file__\n"
             "try:\n    tt.pluggable_allocator()\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -134,17 +134,17 @@ def test_benchmark_runs_on_the_fake_driver(tmp_path):
 
 @needs_fake
 def test_torch_integration_wiring_with_a_stub_torch():
-    """thaw.integrations.torch against tests/python/stubs/torch (the names it uses, no more): the
-    pluggable allocator is thaw's C pair, allocations inside the context come from the region,
+    """vitrify.integrations.torch against tests/python/stubs/torch (the names it uses, no more): the
+    pluggable allocator is vitrify's C pair, allocations inside the context come from the region,
     a full region is MemoryError with the region's reason, capture uses the region's pool."""
     code = f"""
 import sys, types
 sys.path.insert(0, {str(HERE / 'stubs')!r})
-import torch, thaw
-from thaw.integrations import torch as tt
+import torch, vitrify
+from vitrify.integrations import torch as tt
 assert torch.__version__.endswith('stub'), torch.__file__
-with thaw.Region(64 << 20) as r:
-    assert tt.pluggable_allocator().args == (thaw._native.__file__, 'thaw_region_malloc', 'thaw_region_free')
+with vitrify.Region(64 << 20) as r:
+    assert tt.pluggable_allocator().args == (vitrify._native.__file__, 'vitrify_region_malloc', 'vitrify_region_free')
     pool = tt.mem_pool(r)
     assert tt.mem_pool(r) is pool and tt.pool_id(r) == pool.id
     with tt.region_allocations(r):

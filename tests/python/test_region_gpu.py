@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import region_cases
-from thaw.region import Region
+from vitrify.region import Region
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -87,7 +87,7 @@ def torch_region():
     r = Region(4 * GiB)
     yield torch, r
     torch.cuda.synchronize()
-    r._thaw_torch_pool = None  # drop the pool (its segments go back) before the region goes
+    r._vitrify_torch_pool = None  # drop the pool (its segments go back) before the region goes
     gc.collect()
     torch.cuda.empty_cache()
     r.close()
@@ -100,7 +100,7 @@ def _inside(r: Region, t) -> bool:
 @needs_torch
 def test_torch_tensors_inside_context_live_in_region(torch_region):
     torch, r = torch_region
-    from thaw.integrations.torch import region_allocations
+    from vitrify.integrations.torch import region_allocations
 
     before = torch.empty(1 << 20, device="cuda")
     with region_allocations(r):
@@ -117,7 +117,7 @@ def test_torch_tensors_inside_context_live_in_region(torch_region):
 @needs_torch
 def test_torch_matmul_on_region_tensors_is_correct(torch_region):
     torch, r = torch_region
-    from thaw.integrations.torch import region_allocations
+    from vitrify.integrations.torch import region_allocations
 
     g = torch.Generator().manual_seed(0)
     a_cpu = torch.randn(512, 384, generator=g, dtype=torch.float64)
@@ -133,7 +133,7 @@ def test_torch_matmul_on_region_tensors_is_correct(torch_region):
 @needs_torch
 def test_torch_cuda_graph_with_pool_in_region_replays(torch_region):
     torch, r = torch_region
-    from thaw.integrations.torch import graph_capture, region_allocations
+    from vitrify.integrations.torch import graph_capture, region_allocations
 
     g = torch.Generator().manual_seed(1)
     with region_allocations(r):
@@ -158,11 +158,11 @@ def test_torch_cuda_graph_with_pool_in_region_replays(torch_region):
 @needs_torch
 def test_torch_oom_inside_region_is_memory_error(torch_region):
     torch, _ = torch_region
-    from thaw.integrations.torch import region_allocations
+    from vitrify.integrations.torch import region_allocations
 
     with Region(64 * MiB) as small:
         with pytest.raises(MemoryError, match="region full"):
             with region_allocations(small):
                 torch.empty(128 * MiB, dtype=torch.uint8, device="cuda")
-        small._thaw_torch_pool = None
+        small._vitrify_torch_pool = None
         gc.collect()

@@ -1,4 +1,4 @@
-"""ThawStorage, the HiCache L3 backend, driven by unmodified SGLang (the pinned release) on CPU.
+"""VitrifyStorage, the HiCache L3 backend, driven by unmodified SGLang (the pinned release) on CPU.
 
 Everything here uses SGLang's own objects: the storage backend factory (``dynamic`` backend,
 extra config naming our module and class), real host KV pools (``MHATokenToKVPoolHost`` /
@@ -32,8 +32,8 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from thaw import tier  # noqa: E402
-from thaw.integrations.sglang.hicache import ThawStorage, ThawStorageSettings  # noqa: E402
+from vitrify import tier  # noqa: E402
+from vitrify.integrations.sglang.hicache import VitrifyStorage, VitrifyStorageSettings  # noqa: E402
 
 PAGE = 16            # tokens per page
 LAYERS, HEADS, DIM = 4, 2, 64
@@ -72,7 +72,7 @@ def _config(extra, *, tp_rank=0, tp_size=1, model="org/tiny-model", mla=False):
         is_page_first_layout=False, model_name=model, extra_config=dict(extra))
 
 
-def _backend(host, extra, **kw) -> ThawStorage:
+def _backend(host, extra, **kw) -> VitrifyStorage:
     """What SGLang does at attach: factory create, then register the host pool."""
     b = StorageBackendFactory.create_backend("dynamic", _config(extra, **kw), host)
     b.register_mem_pool_host(host)
@@ -135,7 +135,7 @@ def test_controller_backup_then_prefetch_v1(tmp_path, controller_factory, layout
     count, batch_get_v1 into freshly allocated host pages) brings back the same bytes."""
     dev, host = _mha_host(layout)
     cc = controller_factory(dev, host, _extra(tmp_path))
-    assert isinstance(cc.storage_backend, ThawStorage)
+    assert isinstance(cc.storage_backend, VitrifyStorage)
     assert cc.page_set_func.__name__ == "_page_set_zero_copy"
     assert cc.page_get_func.__name__ == "_page_get_zero_copy"
 
@@ -174,7 +174,7 @@ def test_controller_prefetch_stops_at_first_missing_page(tmp_path, controller_fa
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gathered_page_is_sglang_flat_page(tmp_path, layout):
-    """thaw's gathered page has exactly the bytes of SGLang's flat data page, so the v0 calls
+    """vitrify's gathered page has exactly the bytes of SGLang's flat data page, so the v0 calls
     (tensors) and the v1 calls (host indices) share one key space."""
     _, host = _mha_host(layout)
     _fill_random(host, 3)
@@ -229,7 +229,7 @@ def test_exists_is_a_prefix_count_and_set_dedups(tmp_path):
         assert b.batch_exists(keys) == 2
         assert b.exists(keys[1]) and not b.exists(keys[2])
         assert b.batch_set_v1(keys, idx) == [True] * 4
-        s = b.thaw_stats()
+        s = b.vitrify_stats()
         assert s["set_pages"] == 4 and s["set_dedup"] == 2
         assert s["store"]["kinds"]["kv"]["entries"] == 4
         assert b.batch_exists(keys) == 4
@@ -256,7 +256,7 @@ def test_restart_cold_start_load_hits_clear_misses(tmp_path):
         assert b2.batch_get_v1(keys, dst) == [True] * 5
         for i, page in enumerate(_pages(host, dst, 5)):
             assert torch.equal(page, want[i])
-        assert b2.thaw_stats()["store"]["loaded_entries"] == 5
+        assert b2.vitrify_stats()["store"]["loaded_entries"] == 5
     finally:
         b2.close()
 
@@ -292,7 +292,7 @@ def test_clear_drops_everything_also_for_a_restart(tmp_path):
 
 
 def _slot_of(path, key, slot_bytes):
-    """File offset of the slot whose header holds ``key`` (thaw's 32-byte key) in a slab."""
+    """File offset of the slot whose header holds ``key`` (vitrify's 32-byte key) in a slab."""
     k = tier.make_key(key)
     data = open(path, "rb").read()
     off = 4096
@@ -311,7 +311,7 @@ def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path):
     _, keys = _keys(4)
     b = _backend(host, _extra(tmp_path))
     assert b.batch_set_v1(keys, idx) == [True] * 4
-    path, slot = b.slab_paths[0], b.thaw_stats()["store"]["kinds"]["kv"]["slot_bytes"]
+    path, slot = b.slab_paths[0], b.vitrify_stats()["store"]["kinds"]["kv"]["slot_bytes"]
     b.close()
 
     off = _slot_of(path, keys[2], slot) + tier.SLOT_HEADER_BYTES + 1000  # inside the payload
@@ -331,7 +331,7 @@ def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path):
             assert torch.equal(got[i], want[i])
         assert not torch.equal(got[2], want[2])  # the bad page was not scattered
         assert b2.batch_exists(keys) == 2        # and it left the index
-        assert b2.thaw_stats()["store"]["verify_failures"] == 1
+        assert b2.vitrify_stats()["store"]["verify_failures"] == 1
     finally:
         b2.close()
 
@@ -342,7 +342,7 @@ def test_full_budget_gc_keeps_writing_and_evicts_oldest(tmp_path):
     slot = tier.slot_bytes_for(BLOB)
     b = _backend(host, _extra(tmp_path, budget_bytes=4096 + 40 * slot))
     try:
-        assert b.thaw_stats()["store"]["kinds"]["kv"]["slots_total"] == 40
+        assert b.vitrify_stats()["store"]["kinds"]["kv"]["slots_total"] == 40
         batches = []
         for salt in range(12):   # 12 batches x 8 pages = 96 pages into 40 slots
             idx = host.alloc(8 * PAGE)
@@ -350,7 +350,7 @@ def test_full_budget_gc_keeps_writing_and_evicts_oldest(tmp_path):
             assert b.batch_set_v1(keys, idx) == [True] * 8, f"batch {salt} refused"
             host.free(idx)
             batches.append(keys)
-        s = b.thaw_stats()["store"]
+        s = b.vitrify_stats()["store"]
         assert s["gc_reclaims"] > 0 and s["kinds"]["kv"]["slots_used"] <= 40
         assert b.batch_exists(batches[0]) == 0          # oldest evicted
         assert b.batch_exists(batches[-1]) == 8         # newest kept
@@ -387,7 +387,7 @@ def test_errors_are_misses_and_never_raise(tmp_path, caplog):
     assert b.batch_set_v1(keys, idx + 1) == [False, False]         # not page aligned
     assert b.batch_set(keys, None) is False
     assert b.batch_get(keys, [None, None]) == [None, None]
-    assert b.thaw_stats()["errors"] == 5
+    assert b.vitrify_stats()["errors"] == 5
     assert "treated as a miss" in caplog.text
     b.close()
     assert b.batch_set_v1(keys, idx) == [False, False]
@@ -440,7 +440,7 @@ def test_config_errors_name_the_value(tmp_path, bad, match):
 
 
 def test_config_defaults_and_budget_gb(tmp_path):
-    s = ThawStorageSettings.from_extra_config({"dirs": str(tmp_path), "budget_gb": 2})
+    s = VitrifyStorageSettings.from_extra_config({"dirs": str(tmp_path), "budget_gb": 2})
     assert s.dirs == (str(tmp_path),) and s.budget_bytes == 2_000_000_000
     assert s.cold_start == "load" and s.direct_io is None
 
@@ -531,7 +531,7 @@ def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout)
         assert b.batch_set_v1(keys[:4:2], torch.cat([src[0:PAGE], src[2 * PAGE:3 * PAGE]])) \
             == [True, True]
         assert b.batch_set_v1(keys, src) == [True] * 10
-        assert b.thaw_stats()["set_dedup"] == 2
+        assert b.vitrify_stats()["set_dedup"] == 2
         asked = keys[:5] + ["missing"] + keys[5:]
         dst = host.alloc(11 * PAGE)
         assert b.batch_get_v1(asked, dst) == [True] * 5 + [False] + [True] * 5

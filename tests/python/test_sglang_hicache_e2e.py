@@ -1,8 +1,8 @@
 """The CPU pieces of scripts/sglang_hicache_e2e.py (the real-server run needs a GPU).
 
 The server command lines go through SGLang's own CLI parser (``ServerArgs.add_cli_args``), the
-thaw extra config through HiRadixCache's own extra-config parser and the ``dynamic`` backend
-factory into a ``ThawStorage`` attached to a real ``MHATokenToKVPoolHost`` of the script's model
+vitrify extra config through HiRadixCache's own extra-config parser and the ``dynamic`` backend
+factory into a ``VitrifyStorage`` attached to a real ``MHATokenToKVPoolHost`` of the script's model
 geometry; the write observable parses log lines the backend really emits; the client parses a
 stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``).
 """
@@ -78,14 +78,14 @@ def test_server_args_parse_with_sglangs_parser(tmp_path, scenario):
     else:
         assert a.hicache_storage_backend == "dynamic"
         extra = json.loads(a.hicache_storage_backend_extra_config)
-        assert extra["cold_start"] == ("clear" if scenario == "thaw" else "load")
+        assert extra["cold_start"] == ("clear" if scenario == "vitrify" else "load")
     with pytest.raises(ValueError, match="nope"):
         e2e.server_args(s, "nope")
 
 
-@pytest.mark.parametrize("scenario", ["thaw", "thaw_restart"])
-def test_extra_config_reaches_thaw_through_sglang(tmp_path, scenario):
-    """HiRadixCache's parser -> HiCacheStorageConfig -> the dynamic factory -> ThawStorage,
+@pytest.mark.parametrize("scenario", ["vitrify", "vitrify_restart"])
+def test_extra_config_reaches_vitrify_through_sglang(tmp_path, scenario):
+    """HiRadixCache's parser -> HiCacheStorageConfig -> the dynamic factory -> VitrifyStorage,
     attached to a host pool of the script's model: 1 MiB pages in the configured directory."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
@@ -93,7 +93,7 @@ def test_extra_config_reaches_thaw_through_sglang(tmp_path, scenario):
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    from thaw.integrations.sglang.hicache import ThawStorage
+    from vitrify.integrations.sglang.hicache import VitrifyStorage
 
     s = _settings(tmp_path)
     a = _parse(e2e.server_args(s, scenario))
@@ -106,9 +106,9 @@ def test_extra_config_reaches_thaw_through_sglang(tmp_path, scenario):
                                model_name=s.model_dir, extra_config=extra)
     b = StorageBackendFactory.create_backend(a.hicache_storage_backend, cfg, None)
     try:
-        assert isinstance(b, ThawStorage) and b.interface_v1
-        assert b.settings.dirs == (s.thaw_dir,)
-        assert b.settings.budget_bytes == s.thaw_budget_bytes
+        assert isinstance(b, VitrifyStorage) and b.interface_v1
+        assert b.settings.dirs == (s.vitrify_dir,)
+        assert b.settings.budget_bytes == s.vitrify_budget_bytes
         assert b.settings.cold_start == extra["cold_start"]
         m = e2e.MODEL_CONFIG
         dev = MHATokenToKVPool(size=256, page_size=a.page_size, dtype=torch.bfloat16,
@@ -117,10 +117,10 @@ def test_extra_config_reaches_thaw_through_sglang(tmp_path, scenario):
                                enable_memory_saver=False, enable_alt_stream=False)
         host = MHATokenToKVPoolHost(dev, a.hicache_ratio, 0, a.page_size, a.hicache_mem_layout,
                                     pin_memory=False, device="cpu")
-        os.makedirs(s.thaw_dir)
+        os.makedirs(s.vitrify_dir)
         b.register_mem_pool_host(host)
-        assert b.thaw_stats()["page_bytes"] == 1 << 20
-        assert all(p.startswith(s.thaw_dir + "/") and os.path.exists(p) for p in b.slab_paths)
+        assert b.vitrify_stats()["page_bytes"] == 1 << 20
+        assert all(p.startswith(s.vitrify_dir + "/") and os.path.exists(p) for p in b.slab_paths)
     finally:
         b.close()
 
@@ -129,17 +129,17 @@ def test_file_backend_directory_reaches_sglang(tmp_path, monkeypatch):
     from sglang.srt.environ import envs
 
     s = _settings(tmp_path)
-    env = e2e.server_env(s, "file", base={"PATH": "/usr/bin", "THAW_LOG_LEVEL": "DEBUG"},
+    env = e2e.server_env(s, "file", base={"PATH": "/usr/bin", "VITRIFY_LOG_LEVEL": "DEBUG"},
                          probe=False)
     assert env["PYTHONPATH"] == s.site and env["HF_HUB_OFFLINE"] == "1"
     assert env["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
-    assert "THAW_LOG_LEVEL" not in env   # thaw's INFO lines must go through SGLang's logger
+    assert "VITRIFY_LOG_LEVEL" not in env   # vitrify's INFO lines must go through SGLang's logger
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
                        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"])
     assert envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get() == s.file_dir
-    thaw_env = e2e.server_env(s, "thaw", base={"PYTHONPATH": "/x"}, probe=False)
-    assert thaw_env["PYTHONPATH"] == s.site + os.pathsep + "/x"
-    assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR" not in thaw_env
+    vitrify_env = e2e.server_env(s, "vitrify", base={"PYTHONPATH": "/x"}, probe=False)
+    assert vitrify_env["PYTHONPATH"] == s.site + os.pathsep + "/x"
+    assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR" not in vitrify_env
 
 
 def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
@@ -156,8 +156,8 @@ def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
                            enable_alt_stream=False)
     host = MHATokenToKVPoolHost(dev, 2.0, 0, page, "page_first", pin_memory=False,
                                 device="cpu")
-    extra = {"backend_name": "thaw", "module_path": "thaw.integrations.sglang.hicache",
-             "class_name": "ThawStorage", "interface_v1": 1, "dirs": [str(tmp_path)],
+    extra = {"backend_name": "vitrify", "module_path": "vitrify.integrations.sglang.hicache",
+             "class_name": "VitrifyStorage", "interface_v1": 1, "dirs": [str(tmp_path)],
              "budget_bytes": 8 << 20, "cold_start": "clear"}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
@@ -166,7 +166,7 @@ def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
     b.register_mem_pool_host(host)
     log = tmp_path / "server.log"
     try:
-        with caplog.at_level(logging.INFO, logger="thaw.sglang.hicache"):
+        with caplog.at_level(logging.INFO, logger="vitrify.sglang.hicache"):
             keys = get_hash_str(list(range(5 * page)), None, page_size=page)
             idx = host.alloc(5 * page)
             assert all(b.batch_set_v1(keys[:3], idx[:3 * page]))
@@ -175,11 +175,11 @@ def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
         lines = [r.getMessage() for r in caplog.records if "batch_" in r.getMessage()]
         assert len(lines) == 3                           # one summary line per batch
         log.write_text("".join(f"[2026-01-01 00:00:00 TP0] {m}\n" for m in lines))
-        assert e2e.thaw_pages_written(str(log)) == 5
-        assert not e2e.THAW_ERRORS.search(log.read_text())
+        assert e2e.vitrify_pages_written(str(log)) == 5
+        assert not e2e.VITRIFY_ERRORS.search(log.read_text())
     finally:
         b.close()
-    assert e2e.thaw_pages_written(str(tmp_path / "absent.log")) == 0
+    assert e2e.vitrify_pages_written(str(tmp_path / "absent.log")) == 0
 
 
 def test_file_observable_counts_final_files_only(tmp_path):
@@ -212,7 +212,7 @@ class _FakeSGLang(http.server.BaseHTTPRequestHandler):
             chunk = {"output_ids": list(out), "meta_info": {
                 "prompt_tokens": len(body["input_ids"]), "cached_tokens": 128,
                 "cached_tokens_details": {"device": 0, "host": 0, "storage": 128,
-                                          "storage_backend": "ThawStorage"},
+                                          "storage_backend": "VitrifyStorage"},
                 "output_token_logprobs": [[-0.5 * (j + 1), 100 + j, None]
                                           for j in range(i + 1)]}}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -269,25 +269,25 @@ def test_assemble_rows_ratios_checks_and_write(tmp_path):
 
     def add(sc, name, rr, ref=None):
         res[(sc, name)] = rr
-        rows.append(e2e.summarize(sc, "thaw" if sc != "file" else "file", name, rr, 64,
+        rows.append(e2e.summarize(sc, "vitrify" if sc != "file" else "file", name, rr, 64,
                                   res.get(ref), ref and "/".join(ref)))
 
-    add("thaw", "miss", [_res([1, 2], ttft=0.040)])
-    add("thaw", "l3_hit", [_res([1, 2], 192, 192, ttft=0.010)], ("thaw", "miss"))
-    add("file", "miss", [_res([1, 2], ttft=0.040)], ("thaw", "miss"))
+    add("vitrify", "miss", [_res([1, 2], ttft=0.040)])
+    add("vitrify", "l3_hit", [_res([1, 2], 192, 192, ttft=0.010)], ("vitrify", "miss"))
+    add("file", "miss", [_res([1, 2], ttft=0.040)], ("vitrify", "miss"))
     add("file", "l3_hit", [_res([1, 2], 192, 192, ttft=0.030)], ("file", "miss"))
     l3 = rows[1]
     assert l3["tokens_identical"] is True and l3["cached_storage"] == 192
     assert l3["reusable_tokens"] == 192 and l3["storage_tokens_per_request"] == [192]
-    checks = {"thaw.tokens_identical": True, "file.tokens_identical": True}
-    scen = {"thaw": {"ok": True}, "file": {"ok": True}}
-    out = e2e.assemble(s, rows, checks, scen, {"thaw_restart": "time"}, {"total_s": 1.0})
+    checks = {"vitrify.tokens_identical": True, "file.tokens_identical": True}
+    scen = {"vitrify": {"ok": True}, "file": {"ok": True}}
+    out = e2e.assemble(s, rows, checks, scen, {"vitrify_restart": "time"}, {"total_s": 1.0})
     assert out["name"] == "sglang-hicache-e2e" and out["ok"] is True
-    assert out["ratios"]["l3_hit_ttft_file_over_thaw"] == pytest.approx(3.0)
-    assert out["ratios"]["thaw_ttft_miss_over_l3_hit"] == pytest.approx(4.0)
-    assert out["goals"] == {"l3_hit_ttft_file_over_thaw": 1.0}
+    assert out["ratios"]["l3_hit_ttft_file_over_vitrify"] == pytest.approx(3.0)
+    assert out["ratios"]["vitrify_ttft_miss_over_l3_hit"] == pytest.approx(4.0)
+    assert out["goals"] == {"l3_hit_ttft_file_over_vitrify": 1.0}
     assert out["settings"]["page_bytes"] == 1 << 20
-    assert out["skipped"] == {"thaw_restart": "time"}
+    assert out["skipped"] == {"vitrify_restart": "time"}
     bad = e2e.assemble(s, rows, {**checks, "file.tokens_identical": False}, scen, {}, {})
     assert bad["ok"] is False
     assert e2e.assemble(s, [], {}, {}, {}, {})["ok"] is False    # nothing ran: not ok
@@ -348,8 +348,8 @@ def test_dry_run_runs_as_a_script():
 _FAKE_LAUNCH_SERVER = r'''
 """Stand-in for `python -m sglang.launch_server` (test only): the same CLI, the HTTP endpoints
 the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
-test (thaw: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
-log lines the real thaw backend writes."""
+test (vitrify: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
+log lines the real vitrify backend writes."""
 import argparse, hashlib, json, os, sys, threading, http.server
 
 ap = argparse.ArgumentParser()
@@ -396,7 +396,7 @@ def _store(ks):
     total[0] += len(new)
     if backend == "dynamic":
         save()
-        print(f"[t TP0] thaw HiCache backend: batch_set_v1 {len(ks)} pages: {len(new)} written, "
+        print(f"[t TP0] vitrify HiCache backend: batch_set_v1 {len(ks)} pages: {len(new)} written, "
               f"0 already stored, 0 failed, 1.0 MiB in 1.0 ms; totals: {total[0]} pages written, 0 pages read", flush=True)
     else:
         for k in new:
@@ -429,7 +429,7 @@ class H(http.server.BaseHTTPRequestHandler):
             det = {}
         cached = sum(v for v in det.values())
         if det:
-            det["storage_backend"] = "ThawStorage" if backend == "dynamic" else "HiCacheFile"
+            det["storage_backend"] = "VitrifyStorage" if backend == "dynamic" else "HiCacheFile"
         seed = int(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8], 16)
         out = [(seed >> i) % 1000 + 3 for i in range(body["sampling_params"]["max_new_tokens"])]
         self.send_response(200); self.end_headers()
@@ -475,14 +475,14 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
     assert res["bundle"].startswith("unpacked")
     assert res["ok"] is True, json.dumps({k: res.get(k) for k in ("checks", "scenarios")},
                                          indent=1)[:4000]
-    assert set(res["scenarios"]) == {"thaw", "thaw_restart", "file"} and not res["skipped"]
+    assert set(res["scenarios"]) == {"vitrify", "vitrify_restart", "file"} and not res["skipped"]
     passes = [(r["scenario"], r["pass"]) for r in res["rows"]]
-    assert passes == [("thaw", "miss"), ("thaw", "device_hit"), ("thaw", "l3_hit"),
-                      ("thaw_restart", "l3_restart"), ("thaw_restart", "miss_after_clear"),
+    assert passes == [("vitrify", "miss"), ("vitrify", "device_hit"), ("vitrify", "l3_hit"),
+                      ("vitrify_restart", "l3_restart"), ("vitrify_restart", "miss_after_clear"),
                       ("file", "miss"), ("file", "device_hit"), ("file", "l3_hit")]
-    assert res["checks"]["thaw_restart.first_request_from_storage"] is True
-    assert res["scenarios"]["thaw"]["pages_written"] >= res["scenarios"]["thaw"]["pages_needed"]
-    assert "l3_hit_ttft_file_over_thaw" in res["ratios"]
+    assert res["checks"]["vitrify_restart.first_request_from_storage"] is True
+    assert res["scenarios"]["vitrify"]["pages_written"] >= res["scenarios"]["vitrify"]["pages_needed"]
+    assert "l3_hit_ttft_file_over_vitrify" in res["ratios"]
     for sc in e2e.SCENARIOS:
         assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")
     assert e2e.unpack_bundle(s) == "already unpacked"

@@ -1,4 +1,4 @@
-"""ThawStorage's v2 (multi-pool) API against SGLang's own reference, HiCacheFile, on CPU.
+"""VitrifyStorage's v2 (multi-pool) API against SGLang's own reference, HiCacheFile, on CPU.
 
 The host pools are SGLang's real ones, grouped the way its hybrid pool assembler groups them
 (``HostPoolGroup`` of ``PoolEntry``): the KV pool and an SWA pool are ``MHATokenToKVPoolHost``
@@ -7,7 +7,7 @@ over CPU device pools, the Mamba pool is a real ``MambaPoolHost``. The one stand
 (``num_mamba_layers``, ``size``, ``device``, ``mamba_cache.conv`` / ``.temporal``), because
 SGLang's ``MambaPool`` needs a model's linear-state parameters; ``MambaPoolHost`` reads nothing
 else from it on the storage path. The differential tests drive HiCacheFile (in a tmp dir) and
-ThawStorage with the same v2 calls on the same pools and compare results and bytes.
+VitrifyStorage with the same v2 calls on the same pools and compare results and bytes.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
-from thaw import tier  # noqa: E402
-from thaw.integrations.sglang.hicache import ThawStorage, ThawStorageSettings  # noqa: E402
+from vitrify import tier  # noqa: E402
+from vitrify.integrations.sglang.hicache import VitrifyStorage, VitrifyStorageSettings  # noqa: E402
 
 PAGE = 16
 HEADS, DIM = 2, 64
@@ -115,7 +115,7 @@ def _config(extra, model="org/hybrid-model"):
 _extra = hicache_cases.extra_config
 
 
-def _thaw(stack, d, **kw) -> ThawStorage:
+def _vitrify(stack, d, **kw) -> VitrifyStorage:
     """What HybridCacheController.attach_storage_backend does: factory, v1 pool, v2 entries."""
     b = StorageBackendFactory.create_backend("dynamic", _config(_extra(d, **kw)), stack.group)
     b.register_mem_pool_host(stack.group)
@@ -139,7 +139,7 @@ def _xfer(name, keys, idx, policy=ALL):
 
 def _same_set(a, b, transfers):
     ra, rb = a.batch_set_v2(transfers), b.batch_set_v2(transfers)
-    assert ra == rb, f"batch_set_v2 differs: thaw {ra} file {rb}"
+    assert ra == rb, f"batch_set_v2 differs: vitrify {ra} file {rb}"
     return ra
 
 
@@ -147,7 +147,7 @@ def _same_exists(a, b, keys, transfers):
     ra, rb = a.batch_exists_v2(keys, transfers), b.batch_exists_v2(keys, transfers)
     assert isinstance(ra, PoolTransferResult)
     assert (ra.kv_hit_pages, ra.extra_pool_hit_pages) == \
-        (rb.kv_hit_pages, rb.extra_pool_hit_pages), f"exists differs: thaw {ra} file {rb}"
+        (rb.kv_hit_pages, rb.extra_pool_hit_pages), f"exists differs: vitrify {ra} file {rb}"
     return ra
 
 
@@ -160,12 +160,12 @@ def _same_get(stack, a, b, transfers, want=None):
     stack.zero()
     rb = b.batch_get_v2(transfers)
     got_b = {t.name: _pages(stack.pool(t.name), t.host_indices, len(t.keys)) for t in transfers}
-    assert ra == rb, f"batch_get_v2 differs: thaw {ra} file {rb}"
+    assert ra == rb, f"batch_get_v2 differs: vitrify {ra} file {rb}"
     for t in transfers:
         for i, ok in enumerate(ra[t.name]):
             if ok:
                 assert torch.equal(got_a[t.name][i], got_b[t.name][i]), \
-                    f"{t.name} page {i}: thaw and file read different bytes"
+                    f"{t.name} page {i}: vitrify and file read different bytes"
                 if want is not None:
                     assert torch.equal(got_a[t.name][i], want[t.name][i]), \
                         f"{t.name} page {i} differs from what was written"
@@ -176,7 +176,7 @@ def _same_get(stack, a, b, transfers, want=None):
 def test_differential_set_exists_get_against_hicachefile(tmp_path, monkeypatch, layout):
     s = Stack(layout)
     s.fill(1)
-    th = _thaw(s, tmp_path / "thaw")
+    th = _vitrify(s, tmp_path / "vitrify")
     fb = _file(s, tmp_path / "file", monkeypatch)
     try:
         n = 6
@@ -224,7 +224,7 @@ def test_differential_set_exists_get_against_hicachefile(tmp_path, monkeypatch, 
                                    _xfer(PoolName.MAMBA, keys, m_idx, TRAILING)], want)
         assert ra[PoolName.SWA] == [i in swa_have for i in range(6)]
         assert ra[PoolName.MAMBA] == [i in m_have for i in range(6)]
-        s_ = th.thaw_stats()
+        s_ = th.vitrify_stats()
         assert s_["extra_pools"]["mamba"]["get_pages"] == 3
         assert s_["extra_pools"]["swa"]["set_dedup"] == 2
     finally:
@@ -235,7 +235,7 @@ def test_mamba_layer_first_host_layout(tmp_path, monkeypatch):
     """MambaPoolHost's other layout (SGLang asserts page_first*, so page_first_direct)."""
     s = Stack("page_first", mamba_layout="page_first_direct")
     s.fill(2)
-    th, fb = _thaw(s, tmp_path / "t"), _file(s, tmp_path / "f", monkeypatch)
+    th, fb = _vitrify(s, tmp_path / "t"), _file(s, tmp_path / "f", monkeypatch)
     try:
         keys, idx = _keys(3), s.mamba.alloc(3)
         want = {PoolName.MAMBA: _pages(s.mamba, idx, 3)}
@@ -255,24 +255,24 @@ def test_restart_load_keeps_v2_pages_and_clear_drops_them(tmp_path, monkeypatch)
     want = {PoolName.SWA: _pages(s.swa, swa_idx, 4), PoolName.MAMBA: _pages(s.mamba, m_idx, 1)}
     xs = [_xfer(PoolName.KV, keys, kv_idx), _xfer(PoolName.SWA, keys, swa_idx),
           _xfer(PoolName.MAMBA, keys[-1:], m_idx, TRAILING)]
-    th = _thaw(s, tmp_path / "t")
+    th = _vitrify(s, tmp_path / "t")
     assert th.batch_set_v2(xs) == {n: [True] * len(t.keys) for n, t in
                                    zip([PoolName.KV, PoolName.SWA, PoolName.MAMBA], xs)}
-    paths = {k: ep["name"] for k, ep in th.thaw_stats()["extra_pools"].items()}
+    paths = {k: ep["name"] for k, ep in th.vitrify_stats()["extra_pools"].items()}
     th.close()
     files = sorted(p.name for p in (tmp_path / "t").iterdir())
     assert any("-swa-tp0of1-pp0of1-cp0of1" in f for f in files), files
     assert any("-mamba-tp0of1-pp0of1-cp0of1" in f for f in files), files
     assert paths["swa"] != paths["mamba"]
 
-    th2 = _thaw(s, tmp_path / "t", cold_start="load")
+    th2 = _vitrify(s, tmp_path / "t", cold_start="load")
     fb = _file(s, tmp_path / "f", monkeypatch)
     try:
         fb.batch_set_v2(xs)
         assert _same_exists(th2, fb, keys, xs[1:]).kv_hit_pages == 4
         got = _same_get(s, th2, fb, xs[1:], want)
         assert got == {PoolName.SWA: [True] * 4, PoolName.MAMBA: [True]}
-        assert th2.thaw_stats()["extra_pools"]["swa"]["store"]["loaded_entries"] == 4
+        assert th2.vitrify_stats()["extra_pools"]["swa"]["store"]["loaded_entries"] == 4
         assert th2.clear() is True and fb.clear() is True
         assert _same_exists(th2, fb, keys, xs[1:]).kv_hit_pages == 0
         assert _same_get(s, th2, fb, xs) == {PoolName.KV: [False] * 4,
@@ -282,9 +282,9 @@ def test_restart_load_keeps_v2_pages_and_clear_drops_them(tmp_path, monkeypatch)
         assert th2.batch_set_v2(xs[2:]) == {PoolName.MAMBA: [True]}
     finally:
         th2.close()
-    th3 = _thaw(s, tmp_path / "t", cold_start="load")  # cleared pages stay gone
+    th3 = _vitrify(s, tmp_path / "t", cold_start="load")  # cleared pages stay gone
     try:
-        st = th3.thaw_stats()["extra_pools"]
+        st = th3.vitrify_stats()["extra_pools"]
         assert st["swa"]["store"]["kinds"]["kv"]["entries"] == 0
         assert st["mamba"]["store"]["kinds"]["kv"]["entries"] == 1
     finally:
@@ -314,14 +314,14 @@ def test_corrupted_extra_pool_slab_is_a_miss(tmp_path):
     s.fill(4)
     keys, idx = _keys(3), s.mamba.alloc(3)
     want = _pages(s.mamba, idx, 3)
-    th = _thaw(s, tmp_path)
+    th = _vitrify(s, tmp_path)
     assert th.batch_set_v2([_xfer(PoolName.MAMBA, keys, idx)]) == {PoolName.MAMBA: [True] * 3}
-    st = th.thaw_stats()["extra_pools"]["mamba"]["store"]
+    st = th.vitrify_stats()["extra_pools"]["mamba"]["store"]
     mamba_store = next(ep for n, ep in th._extra.items() if n == "mamba").store
     path = mamba_store.slab_path("kv", 0)
     th.close()
     _flip_payload_byte(path, keys[1], st["kinds"]["kv"]["slot_bytes"])
-    th2 = _thaw(s, tmp_path, cold_start="load")
+    th2 = _vitrify(s, tmp_path, cold_start="load")
     try:
         s.zero()
         assert th2.batch_get_v2([_xfer(PoolName.MAMBA, keys, idx)]) == \
@@ -329,7 +329,7 @@ def test_corrupted_extra_pool_slab_is_a_miss(tmp_path):
         got = _pages(s.mamba, idx, 3)
         assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
         assert not torch.equal(got[1], want[1])  # the bad page was not written into the pool
-        assert th2.thaw_stats()["extra_pools"]["mamba"]["store"]["verify_failures"] == 1
+        assert th2.vitrify_stats()["extra_pools"]["mamba"]["store"]["verify_failures"] == 1
     finally:
         th2.close()
 
@@ -337,11 +337,11 @@ def test_corrupted_extra_pool_slab_is_a_miss(tmp_path):
 def test_unknown_and_twice_registered_pools_are_clean_false(tmp_path, caplog):
     s = Stack()
     s.fill(5)
-    th = _thaw(s, tmp_path)
+    th = _vitrify(s, tmp_path)
     keys, idx = _keys(2), s.mamba.alloc(2)
     try:
-        caplog.set_level(logging.INFO, logger="thaw.sglang.hicache")
-        # an unknown pool name (HiCacheFile raises KeyError here; thaw answers False)
+        caplog.set_level(logging.INFO, logger="vitrify.sglang.hicache")
+        # an unknown pool name (HiCacheFile raises KeyError here; vitrify answers False)
         r = th.batch_set_v2([_xfer(PoolName.INDEXER, keys, idx),
                              _xfer(PoolName.MAMBA, keys, idx)])
         assert r == {PoolName.INDEXER: [False, False], PoolName.MAMBA: [True, True]}
@@ -367,7 +367,7 @@ def test_unknown_and_twice_registered_pools_are_clean_false(tmp_path, caplog):
         assert th.batch_set_v2([_xfer(PoolName.SWA, keys, sw[:PAGE])]) == \
             {PoolName.SWA: [False, False]}
         assert th.batch_set_v2([_xfer(PoolName.SWA, keys, sw)]) == {PoolName.SWA: [True, True]}
-        assert th.thaw_stats()["v2_refused"] >= 4
+        assert th.vitrify_stats()["v2_refused"] >= 4
     finally:
         th.close()
     # closed: everything is a clean miss
@@ -378,7 +378,7 @@ def test_unknown_and_twice_registered_pools_are_clean_false(tmp_path, caplog):
 def test_pool_outside_the_group_gets_no_budget(tmp_path, caplog):
     """A pool that was not an entry of the registered HostPoolGroup has no disk budget."""
     s = Stack()
-    th = _thaw(s, tmp_path)
+    th = _vitrify(s, tmp_path)
     try:
         _, extra = _mha(SWA_LAYERS, "page_first")
         th.register_mem_host_pool_v2(extra, PoolName.INDEXER)
@@ -386,7 +386,7 @@ def test_pool_outside_the_group_gets_no_budget(tmp_path, caplog):
         keys = _keys(1)
         assert th.batch_set_v2([_xfer(PoolName.INDEXER, keys, extra.alloc(PAGE))]) == \
             {PoolName.INDEXER: [False]}
-        assert th.thaw_stats()["extra_pools"]["indexer"]["refused"]
+        assert th.vitrify_stats()["extra_pools"]["indexer"]["refused"]
     finally:
         th.close()
 
@@ -412,9 +412,9 @@ def test_kv_transfer_through_another_pool_is_refused(tmp_path, caplog):
 def test_budget_split_default_and_explicit(tmp_path):
     s = Stack()
     budget = 16 << 20
-    th = _thaw(s, tmp_path / "a")
+    th = _vitrify(s, tmp_path / "a")
     try:
-        st = th.thaw_stats()
+        st = th.vitrify_stats()
         ex = st["extra_pools"]
         p = SWA_BLOB + MAMBA_BLOB
         e = int(budget * min(0.5, p / (KV_BLOB + p)))
@@ -426,9 +426,9 @@ def test_budget_split_default_and_explicit(tmp_path):
             ex["mamba"]["budget_bytes"] <= budget
     finally:
         th.close()
-    th = _thaw(s, tmp_path / "b", extra_pool_budget_bytes=4 << 20)
+    th = _vitrify(s, tmp_path / "b", extra_pool_budget_bytes=4 << 20)
     try:
-        st = th.thaw_stats()
+        st = th.vitrify_stats()
         assert st["budget_bytes"] == budget - (4 << 20)
         assert st["extra_pools"]["swa"]["budget_bytes"] == \
             (4 << 20) * SWA_BLOB // (SWA_BLOB + MAMBA_BLOB)
@@ -442,8 +442,8 @@ def test_plain_pool_keeps_the_whole_budget(tmp_path):
     b = StorageBackendFactory.create_backend("dynamic", _config(_extra(tmp_path)), kv)
     b.register_mem_pool_host(kv)
     try:
-        assert b.thaw_stats()["budget_bytes"] == 16 << 20
-        assert b.thaw_stats()["extra_pools"] == {}
+        assert b.vitrify_stats()["budget_bytes"] == 16 << 20
+        assert b.vitrify_stats()["extra_pools"] == {}
     finally:
         b.close()
 
@@ -451,14 +451,14 @@ def test_plain_pool_keeps_the_whole_budget(tmp_path):
 @pytest.mark.parametrize("bad", [-1, 16 << 20, 1.5, True, "1"])
 def test_extra_pool_budget_validation(tmp_path, bad):
     with pytest.raises(ValueError, match="extra_pool_budget_bytes"):
-        ThawStorageSettings.from_extra_config(
+        VitrifyStorageSettings.from_extra_config(
             {"dirs": str(tmp_path), "budget_bytes": 16 << 20, "extra_pool_budget_bytes": bad})
 
 
 def test_get_stats_counts_v2_batches(tmp_path):
     s = Stack()
     s.fill(7)
-    th = _thaw(s, tmp_path)
+    th = _vitrify(s, tmp_path)
     try:
         keys, idx = _keys(3), s.mamba.alloc(3)
         th.get_stats()
@@ -496,7 +496,7 @@ def test_hybrid_cache_controller_round_trip(tmp_path, monkeypatch):
             io_backend="direct", prefetch_threshold=PAGE, storage_backend="dynamic",
             model_name="org/hybrid-model", storage_backend_extra_config=_extra(tmp_path))
     try:
-        assert isinstance(cc.storage_backend, ThawStorage)
+        assert isinstance(cc.storage_backend, VitrifyStorage)
         assert sorted(cc.storage_backend._extra) == ["mamba", "swa"]
         n = 4
         tokens, keys = list(range(n * PAGE)), _keys(n)

@@ -1,4 +1,4 @@
-"""CPU tests of span snapshots (thaw.snapshot) over the host-memory backend, and properties of
+"""CPU tests of span snapshots (vitrify.snapshot) over the host-memory backend, and properties of
 the interval arithmetic (hypothesis)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thaw import config, snapshot
-from thaw.snapshot import HostBackend, SpanFileError
+from vitrify import config, snapshot
+from vitrify.snapshot import HostBackend, SpanFileError
 
 G = 64 << 10  # granule used by these tests
 
@@ -211,11 +211,11 @@ def test_progress_is_reported_and_logged(tmp_path, caplog):
                           granularity=G, direct_io="off", progress=lambda d, t: seen.append((d, t)))
     assert seen[-1] == (8 * G, 8 * G) and len(seen) == 4
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
-    caplog.set_level(logging.INFO, logger="thaw")
+    caplog.set_level(logging.INFO, logger="vitrify")
     dst = HostBackend(8 * G)
     snapshot.restore_from_file(tmp_path / "p.span", dst.base, 8 * G, target=dst, direct_io="off",
                                progress=snapshot.progress_logger("restore test", every_bytes=G))
-    msgs = [r.getMessage() for r in caplog.records if r.name == "thaw.snapshot"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "vitrify.snapshot"]
     assert any("restore test" in m and "100%" in m for m in msgs), msgs
 
 
@@ -244,7 +244,7 @@ class _FakeArchive:
 
 
 def test_plan_restore(caplog):
-    caplog.set_level(logging.INFO, logger="thaw")
+    caplog.set_level(logging.INFO, logger="vitrify")
     with_dump = _FakeArchive({"rank1/region/warmup.span": {"bytes": 123, "checksum": "x"}})
     p = snapshot.plan_restore(with_dump, 1)
     assert p.action == "restore" and p.path.endswith("rank1/region/warmup.span")
@@ -253,11 +253,11 @@ def test_plan_restore(caplog):
     assert any("no warmup-gap dump" in r.getMessage() for r in caplog.records)
     with config.override(warmup_restore=False):
         p = snapshot.plan_restore(with_dump, 1)
-        assert p.action == "rerun-warmup" and "THAW_WARMUP_RESTORE=0" in p.reason
+        assert p.action == "rerun-warmup" and "VITRIFY_WARMUP_RESTORE=0" in p.reason
 
 
 def test_warmup_restore_env_parsing():
-    assert config.from_environ({"THAW_WARMUP_RESTORE": "0"}).warmup_restore is False
+    assert config.from_environ({"VITRIFY_WARMUP_RESTORE": "0"}).warmup_restore is False
     assert config.from_environ({}).warmup_restore is True
-    with pytest.raises(ValueError, match="THAW_WARMUP_RESTORE"):
-        config.from_environ({"THAW_WARMUP_RESTORE": "maybe"})
+    with pytest.raises(ValueError, match="VITRIFY_WARMUP_RESTORE"):
+        config.from_environ({"VITRIFY_WARMUP_RESTORE": "maybe"})

@@ -1,5 +1,5 @@
 """GPU tests of span snapshots through the Python API (marker `gpu`; skipped without a GPU).
-Each test maps its own VMM span (thaw.snapshot.ScratchSpan) with holes where it wants them."""
+Each test maps its own VMM span (vitrify.snapshot.ScratchSpan) with holes where it wants them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from thaw import _native, snapshot
-from thaw.snapshot import ScratchSpan
+from vitrify import _native, snapshot
+from vitrify.snapshot import ScratchSpan
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -100,7 +100,7 @@ def test_restore_never_touches_an_unmapped_tail():
 
 _PROC = textwrap.dedent("""
     import hashlib, json, os, sys
-    from thaw import snapshot
+    from vitrify import snapshot
     mode, path, hint = sys.argv[1], sys.argv[2], int(sys.argv[3])
     g = 2 << 20
     mapped = [True, True, True, False, True, True, True, True]
@@ -133,7 +133,7 @@ def test_fresh_process_restores_identical_bytes_at_the_same_addresses(tmp_path):
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     frozen = run("freeze", hint)
-    thawed = run("thaw", frozen["base"])
+    thawed = run("vitrify", frozen["base"])
     assert thawed["base"] == frozen["base"], (
         f"the driver did not give the second process the same base: "
         f"{thawed['base']:#x} vs {frozen['base']:#x}")

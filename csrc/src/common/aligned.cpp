@@ -1,16 +1,16 @@
-#include "thaw/aligned.hpp"
+#include "vitrify/aligned.hpp"
 
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <utility>
 
-#include "thaw/error.hpp"
+#include "vitrify/error.hpp"
 
-namespace thaw {
+namespace vitrify {
 
 AlignedBuffer::AlignedBuffer(size_t bytes, size_t alignment) {
-  THAW_EXPECT(alignment != 0 && (alignment & (alignment - 1)) == 0 && alignment >= sizeof(void*),
+  VITRIFY_EXPECT(alignment != 0 && (alignment & (alignment - 1)) == 0 && alignment >= sizeof(void*),
               "alignment must be a power of two >= " + std::to_string(sizeof(void*)) + ", got " +
                   std::to_string(alignment));
   const size_t n = round_up(bytes == 0 ? alignment : bytes, alignment);
@@ -39,4 +39,4 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
   return *this;
 }
 
-}  // namespace thaw
+}  // namespace vitrify

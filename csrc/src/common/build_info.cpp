@@ -1,12 +1,12 @@
-#include "thaw/build_info.hpp"
+#include "vitrify/build_info.hpp"
 
 #include <cuda.h>
 
-#include "thaw/crc32c.hpp"
+#include "vitrify/crc32c.hpp"
 
-namespace thaw {
+namespace vitrify {
 BuildInfo build_info() {
-  return BuildInfo{THAW_VERSION, THAW_GIT_SHA, THAW_BUILD_TYPE, THAW_COMPILER, CUDA_VERSION,
+  return BuildInfo{VITRIFY_VERSION, VITRIFY_GIT_SHA, VITRIFY_BUILD_TYPE, VITRIFY_COMPILER, CUDA_VERSION,
                    crc32c_hardware()};
 }
-}  // namespace thaw
+}  // namespace vitrify

@@ -1,4 +1,4 @@
-#include "thaw/crc32c.hpp"
+#include "vitrify/crc32c.hpp"
 
 #include <array>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace thaw {
+namespace vitrify {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;
@@ -130,4 +130,4 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) noexcept {
 
 bool crc32c_hardware() noexcept { return kHw; }
 
-}  // namespace thaw
+}  // namespace vitrify

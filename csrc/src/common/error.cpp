@@ -1,10 +1,10 @@
-#include "thaw/error.hpp"
+#include "vitrify/error.hpp"
 
 #include <cstring>
 
-#include "thaw/driver.hpp"
+#include "vitrify/driver.hpp"
 
-namespace thaw {
+namespace vitrify {
 
 CudaError::CudaError(int code, std::string name, std::string call, std::string where,
                      std::string detail)
@@ -41,4 +41,4 @@ void throw_invalid(const std::string& msg, const char* file, int line) {
 }
 
 }  // namespace detail
-}  // namespace thaw
+}  // namespace vitrify

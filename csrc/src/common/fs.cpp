@@ -1,4 +1,4 @@
-#include "thaw/fs.hpp"
+#include "vitrify/fs.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -9,10 +9,10 @@
 #include <cstdio>
 #include <cstring>
 
-#include "thaw/aligned.hpp"
-#include "thaw/error.hpp"
+#include "vitrify/aligned.hpp"
+#include "vitrify/error.hpp"
 
-namespace thaw::fs {
+namespace vitrify::fs {
 
 std::string fs_type_name(uint64_t magic) {
   switch (magic) {
@@ -51,7 +51,7 @@ DirectIoProbe probe_direct_io(const std::string& directory) {
   out.fs_type = fs_type_name(out.fs_magic);
   out.block_size = static_cast<uint64_t>(sfs.f_bsize);
 
-  std::string tmpl = directory + "/.thaw-odirect-probe-XXXXXX";
+  std::string tmpl = directory + "/.vitrify-odirect-probe-XXXXXX";
   const int fd0 = ::mkstemp(tmpl.data());
   if (fd0 < 0) {
     out.reason = std::string("cannot create a file there: ") + std::strerror(errno);
@@ -86,4 +86,4 @@ DirectIoProbe probe_direct_io(const std::string& directory) {
   return out;
 }
 
-}  // namespace thaw::fs
+}  // namespace vitrify::fs

@@ -1,4 +1,4 @@
-#include "thaw/log.hpp"
+#include "vitrify/log.hpp"
 
 #include <atomic>
 #include <cstdio>
@@ -6,13 +6,13 @@
 #include <cstring>
 #include <strings.h>
 
-namespace thaw::log {
+namespace vitrify::log {
 namespace {
 
 std::atomic<Sink> g_sink{nullptr};
 std::atomic<int> g_min{-1};  // -1: not read from the environment yet
 
-int env_level() noexcept { return parse_level(std::getenv("THAW_LOG_LEVEL"), kWarning); }
+int env_level() noexcept { return parse_level(std::getenv("VITRIFY_LOG_LEVEL"), kWarning); }
 
 int min_level() noexcept {
   int m = g_min.load(std::memory_order_relaxed);
@@ -53,7 +53,7 @@ void write(int level, const std::string& message) noexcept {
     s(level, message.c_str());
     return;
   }
-  std::fprintf(stderr, "thaw[%d]: %s\n", level, message.c_str());
+  std::fprintf(stderr, "vitrify[%d]: %s\n", level, message.c_str());
 }
 
-}  // namespace thaw::log
+}  // namespace vitrify::log

@@ -12,13 +12,13 @@
 #include <random>
 #include <thread>
 
-#include "thaw/crc32c.hpp"
-#include "thaw/disk.hpp"
-#include "thaw/error.hpp"
-#include "thaw/fs.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/crc32c.hpp"
+#include "vitrify/disk.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/fs.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::disk {
+namespace vitrify::disk {
 
 size_t KeyHash::operator()(const Key& k) const noexcept {
   uint64_t w[4];
@@ -95,7 +95,7 @@ DirectIo parse_direct_io(const std::string& text) {
   if (t == "auto") return DirectIo::kAuto;
   if (t == "on") return DirectIo::kOn;
   if (t == "off") return DirectIo::kOff;
-  THAW_EXPECT(false, "direct I/O mode must be auto, on or off, got \"" + text + "\"");
+  VITRIFY_EXPECT(false, "direct I/O mode must be auto, on or off, got \"" + text + "\"");
   return DirectIo::kAuto;
 }
 
@@ -103,7 +103,7 @@ ColdStart parse_cold_start(const std::string& text) {
   const std::string t = lower(text);
   if (t == "clear") return ColdStart::kClear;
   if (t == "load") return ColdStart::kLoad;
-  THAW_EXPECT(false, "cold start mode must be \"clear\" or \"load\", got \"" + text + "\"");
+  VITRIFY_EXPECT(false, "cold start mode must be \"clear\" or \"load\", got \"" + text + "\"");
   return ColdStart::kClear;
 }
 
@@ -119,11 +119,11 @@ uint64_t store_tag(const std::string& name) noexcept {
 SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
                    DirectIo dio)
     : path_(path), geo_(geometry) {
-  THAW_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
+  VITRIFY_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
                   geo_.slot_bytes <= (uint64_t{1} << 32),
               "slot_bytes must be a multiple of 4096 in (64, 4 GiB], got " +
                   std::to_string(geo_.slot_bytes));
-  THAW_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
+  VITRIFY_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
               "slot_count must be in [1, 2^32), got " + std::to_string(geo_.slot_count));
   const std::string dir = dirname_of(path);
   bool want_direct = dio != DirectIo::kOff;
@@ -132,20 +132,20 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
     if (!p.supported) {
       if (dio == DirectIo::kOn)
         throw std::system_error(EINVAL, std::generic_category(),
-                                "THAW_DIRECT_IO=on but O_DIRECT is refused in \"" + dir + "\" (" +
+                                "VITRIFY_DIRECT_IO=on but O_DIRECT is refused in \"" + dir + "\" (" +
                                     p.fs_type + "): " + p.reason);
       buffered_reason_ = "O_DIRECT refused in " + dir + " (" + p.fs_type + "): " + p.reason;
       want_direct = false;
     }
   } else {
-    buffered_reason_ = "THAW_DIRECT_IO=off";
+    buffered_reason_ = "VITRIFY_DIRECT_IO=off";
   }
   int flags = O_RDWR | O_CREAT | O_CLOEXEC;
   fd_ = ::open(path.c_str(), flags | (want_direct ? O_DIRECT : 0), 0644);
   if (fd_ < 0 && want_direct && errno == EINVAL) {
     if (dio == DirectIo::kOn)
       throw std::system_error(EINVAL, std::generic_category(),
-                              "THAW_DIRECT_IO=on but open(\"" + path + "\", O_DIRECT) is refused");
+                              "VITRIFY_DIRECT_IO=on but open(\"" + path + "\", O_DIRECT) is refused");
     buffered_reason_ = "open(O_DIRECT) refused for " + path;
     want_direct = false;
     fd_ = ::open(path.c_str(), flags, 0644);
@@ -153,14 +153,14 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
   if (fd_ < 0)
     throw std::system_error(errno, std::generic_category(), "open(\"" + path + "\")");
   direct_ = want_direct;
-  if (!direct_) log::info("thaw.disk: buffered I/O for " + path + ": " + buffered_reason_);
+  if (!direct_) log::info("vitrify.disk: buffered I/O for " + path + ": " + buffered_reason_);
 
   try {
     const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
     struct stat st{};
-    THAW_SYSCALL(::fstat(fd_, &st));
+    VITRIFY_SYSCALL(::fstat(fd_, &st));
     const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
-    if (static_cast<uint64_t>(st.st_size) > size) THAW_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)));
+    if (static_cast<uint64_t>(st.st_size) > size) VITRIFY_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)));
     const int fa = ::posix_fallocate(fd_, 0, static_cast<off_t>(size));
     if (fa != 0)
       throw std::system_error(fa, std::generic_category(),
@@ -181,9 +181,9 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
       slab_id_ = fh.slab_id;
     } else {
       if (mode == ColdStart::kLoad && fresh)
-        log::info("thaw.disk: " + path + " is new; formatted it empty");
+        log::info("vitrify.disk: " + path + " is new; formatted it empty");
       else if (mode == ColdStart::kLoad)
-        log::warning("thaw.disk: " + path + (valid ? " belongs to another store or geometry"
+        log::warning("vitrify.disk: " + path + (valid ? " belongs to another store or geometry"
                                                    : " has no valid slab header") +
                      "; starting it empty");
       // The next generation of a valid slab is id + 1, so its old slots never match again.
@@ -228,13 +228,13 @@ void SlabFile::sync() {
 
 void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
                              uint32_t seq) {
-  THAW_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
+  VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
                                           std::to_string(geo_.slot_count) + ") in " + path_);
-  THAW_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
+  VITRIFY_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
               "payload of " + std::to_string(payload_len) + " bytes does not fit a slot of " +
                   std::to_string(geo_.slot_bytes) + " bytes (max " +
                   std::to_string(geo_.slot_bytes - kSlotHeaderBytes) + ")");
-  THAW_EXPECT(is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock),
+  VITRIFY_EXPECT(is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock),
               "slot buffer must be 4096-byte aligned");
   SlotHeader h{};
   h.magic = kSlotMagic;
@@ -254,7 +254,7 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
 }
 
 void SlabFile::invalidate(uint64_t slot) {
-  THAW_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
+  VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
   AlignedBuffer zero(kBlock);
   pwrite_full(fd_, zero.data(), kBlock, slot_offset(slot), path_);
 }
@@ -327,7 +327,7 @@ std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) con
 }
 
 std::vector<ScannedSlot> SlabFile::scan(unsigned threads) const {
-  THAW_EXPECT(threads >= 1, "scan needs at least one thread");
+  VITRIFY_EXPECT(threads >= 1, "scan needs at least one thread");
   // Contiguous ranges of at least kScanMinSlotsPerThread slots, one per worker; the results
   // are concatenated in range order, so the output is the serial scan's, slot by slot.
   const uint64_t count = geo_.slot_count;
@@ -368,4 +368,4 @@ void SlabFile::reformat() {
   format();
 }
 
-}  // namespace thaw::disk
+}  // namespace vitrify::disk

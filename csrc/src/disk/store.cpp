@@ -5,11 +5,11 @@
 #include <cstring>
 #include <functional>
 
-#include "thaw/disk.hpp"
-#include "thaw/error.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/disk.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::disk {
+namespace vitrify::disk {
 
 // ------------------------------------------------------------------------------ Completion
 std::vector<int64_t> Completion::wait() {
@@ -35,27 +35,27 @@ constexpr size_t kSpareBuffersPerKind = 16;
 }
 
 Store::Store(StoreConfig config) : cfg_(std::move(config)) {
-  THAW_EXPECT(!cfg_.dirs.empty(), "a disk store needs at least one directory");
-  THAW_EXPECT(!cfg_.kinds.empty(), "a disk store needs at least one payload kind");
-  THAW_EXPECT(cfg_.kinds.size() <= 0xFFFF, "at most 65535 payload kinds");
-  THAW_EXPECT(!cfg_.name.empty() && cfg_.name.find('/') == std::string::npos,
+  VITRIFY_EXPECT(!cfg_.dirs.empty(), "a disk store needs at least one directory");
+  VITRIFY_EXPECT(!cfg_.kinds.empty(), "a disk store needs at least one payload kind");
+  VITRIFY_EXPECT(cfg_.kinds.size() <= 0xFFFF, "at most 65535 payload kinds");
+  VITRIFY_EXPECT(!cfg_.name.empty() && cfg_.name.find('/') == std::string::npos,
               "store name must be non-empty and contain no '/', got \"" + cfg_.name + "\"");
-  THAW_EXPECT(cfg_.write_threads >= 1 && cfg_.read_threads >= 1,
+  VITRIFY_EXPECT(cfg_.write_threads >= 1 && cfg_.read_threads >= 1,
               "write_threads and read_threads must be >= 1");
-  THAW_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
-  THAW_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
-  THAW_EXPECT(cfg_.load_threads <= 256,
+  VITRIFY_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
+  VITRIFY_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
+  VITRIFY_EXPECT(cfg_.load_threads <= 256,
               "load_threads must be in [0, 256], got " + std::to_string(cfg_.load_threads));
-  THAW_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
+  VITRIFY_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
               "need 0 < gc_low < gc_high <= 1, got gc_low=" + std::to_string(cfg_.gc_low) +
                   " gc_high=" + std::to_string(cfg_.gc_high));
   double share_sum = 0;
   for (size_t i = 0; i < cfg_.kinds.size(); ++i) {
     const KindConfig& kc = cfg_.kinds[i];
-    THAW_EXPECT(kc.page_bytes > 0 && kc.page_bytes <= (uint64_t{1} << 32) - kBlock,
+    VITRIFY_EXPECT(kc.page_bytes > 0 && kc.page_bytes <= (uint64_t{1} << 32) - kBlock,
                 "kind " + std::to_string(i) + ": page_bytes must be in (0, 4 GiB - 4 KiB], got " +
                     std::to_string(kc.page_bytes));
-    THAW_EXPECT(std::isfinite(kc.share) && kc.share > 0,
+    VITRIFY_EXPECT(std::isfinite(kc.share) && kc.share > 0,
                 "kind " + std::to_string(i) + ": share must be a finite number > 0, got " +
                     std::to_string(kc.share));
     share_sum += kc.share;
@@ -70,11 +70,11 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     const double kind_budget = static_cast<double>(cfg_.budget_bytes) * k.cfg.share / share_sum;
     const uint64_t per_drive = static_cast<uint64_t>(kind_budget / static_cast<double>(nd));
     const uint64_t count = per_drive > kFileHeaderBytes ? (per_drive - kFileHeaderBytes) / k.slot_bytes : 0;
-    THAW_EXPECT(count >= 1, "budget of " + std::to_string(cfg_.budget_bytes) +
+    VITRIFY_EXPECT(count >= 1, "budget of " + std::to_string(cfg_.budget_bytes) +
                                 " bytes leaves kind " + std::to_string(i) + " " +
                                 std::to_string(per_drive) + " bytes per drive, less than one " +
                                 std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
-    THAW_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
+    VITRIFY_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
     k.free.resize(nd);
     k.stale.resize(nd);
     for (size_t d = 0; d < nd; ++d) {
@@ -140,7 +140,7 @@ void Store::close() noexcept {
         k.slabs[d]->sync();
         k.stale[d].clear();
       } catch (const std::exception& e) {
-        log::error(std::string("thaw.disk: invalidating freed slots on close: ") + e.what());
+        log::error(std::string("vitrify.disk: invalidating freed slots on close: ") + e.what());
       }
     }
   }
@@ -200,7 +200,7 @@ SlotBufferPtr Store::make_buffer(unsigned kind) const {
 }
 
 Store::KindState& Store::kind_state(unsigned kind) {
-  THAW_EXPECT(kind < kinds_.size(), "payload kind " + std::to_string(kind) + " out of range [0, " +
+  VITRIFY_EXPECT(kind < kinds_.size(), "payload kind " + std::to_string(kind) + " out of range [0, " +
                                         std::to_string(kinds_.size()) + ")");
   return kinds_[kind];
 }
@@ -210,7 +210,7 @@ const Store::KindState& Store::kind_state(unsigned kind) const {
 
 const SlabFile& Store::slab(unsigned kind, unsigned drive) const {
   const KindState& k = kind_state(kind);
-  THAW_EXPECT(drive < k.slabs.size(), "drive " + std::to_string(drive) + " out of range");
+  VITRIFY_EXPECT(drive < k.slabs.size(), "drive " + std::to_string(drive) + " out of range");
   return *k.slabs[drive];
 }
 
@@ -258,11 +258,11 @@ Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
   KindState& k = kind_state(kind);
   for (size_t i = 0; i < items.size(); ++i) {
     const PutItem& it = items[i];
-    THAW_EXPECT(it.buffer != nullptr, "put item " + std::to_string(i) + " has no slot buffer");
-    THAW_EXPECT(it.payload_len <= k.cfg.page_bytes,
+    VITRIFY_EXPECT(it.buffer != nullptr, "put item " + std::to_string(i) + " has no slot buffer");
+    VITRIFY_EXPECT(it.payload_len <= k.cfg.page_bytes,
                 "payload of " + std::to_string(it.payload_len) + " bytes exceeds page_bytes " +
                     std::to_string(k.cfg.page_bytes) + " of kind " + std::to_string(kind));
-    THAW_EXPECT(it.buffer->size() >= round_up(kSlotHeaderBytes + it.payload_len, kBlock) &&
+    VITRIFY_EXPECT(it.buffer->size() >= round_up(kSlotHeaderBytes + it.payload_len, kBlock) &&
                     is_aligned(reinterpret_cast<uintptr_t>(it.buffer->data()), kBlock),
                 "put item " + std::to_string(i) + ": slot buffer of " +
                     std::to_string(it.buffer->size()) + " bytes is too small or not aligned");
@@ -341,10 +341,10 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
                               const std::vector<const void*>& srcs,
                               const std::vector<size_t>& lens) {
   KindState& k = kind_state(kind);
-  THAW_EXPECT(keys.size() == srcs.size() && keys.size() == lens.size(),
+  VITRIFY_EXPECT(keys.size() == srcs.size() && keys.size() == lens.size(),
               "keys, sources and lengths differ in count");
   for (size_t i = 0; i < lens.size(); ++i)
-    THAW_EXPECT(lens[i] <= k.cfg.page_bytes,
+    VITRIFY_EXPECT(lens[i] <= k.cfg.page_bytes,
                 "payload of " + std::to_string(lens[i]) + " bytes exceeds page_bytes " +
                     std::to_string(k.cfg.page_bytes) + " of kind " + std::to_string(kind));
   // Keys already present are acknowledged without copying (dedup is free).
@@ -472,7 +472,7 @@ void Store::write_loop(unsigned drive) {
         if (std::find(touched.begin(), touched.end(), &s) == touched.end()) touched.push_back(&s);
       } catch (const std::exception& e) {
         res[i] = PutResult::kError;
-        log::error(std::string("thaw.disk: slot write failed: ") + e.what());
+        log::error(std::string("vitrify.disk: slot write failed: ") + e.what());
       }
     }
     // Slot write -> fdatasync -> index entry (invariant 3): one sync per slab per batch.
@@ -480,7 +480,7 @@ void Store::write_loop(unsigned drive) {
       try {
         s->sync();
       } catch (const std::exception& e) {
-        log::error(std::string("thaw.disk: ") + e.what());
+        log::error(std::string("vitrify.disk: ") + e.what());
         for (size_t i = 0; i < batch.size(); ++i)
           if (kinds_[batch[i].kind].slabs[drive].get() == s) res[i] = PutResult::kError;
       }
@@ -518,11 +518,11 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
       if (e == k.index.end() || it.miss_if_small) continue;
       const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
                                          : e->second.len;
-      THAW_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
+      VITRIFY_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
                   "get item " + std::to_string(i) + ": destination of " +
                       std::to_string(it.dst_bytes) + " bytes is smaller than the " +
                       std::to_string(need) + " bytes the entry needs");
-      THAW_EXPECT(!it.dst_is_slot || is_aligned(reinterpret_cast<uintptr_t>(it.dst), kBlock),
+      VITRIFY_EXPECT(!it.dst_is_slot || is_aligned(reinterpret_cast<uintptr_t>(it.dst), kBlock),
                   "get item " + std::to_string(i) + ": slot buffer is not 4096-byte aligned");
     }
     for (size_t i = 0; i < items.size(); ++i) {
@@ -608,7 +608,7 @@ void Store::read_loop(unsigned drive) {
       read_loop_staged(drive, max_slot);
       return;
     } catch (const std::system_error& e) {  // no second thread: verify on this one
-      log::warning(std::string("thaw.disk: no verify thread (") + e.what() + ")");
+      log::warning(std::string("vitrify.disk: no verify thread (") + e.what() + ")");
     }
   }
   AlignedBuffer scratch;
@@ -822,7 +822,7 @@ void Store::clear() {
       try {
         slab->reformat();
       } catch (const std::exception& e) {
-        log::error(std::string("thaw.disk: clear: ") + e.what());
+        log::error(std::string("vitrify.disk: clear: ") + e.what());
         if (!err) err = std::current_exception();
       }
     }
@@ -842,4 +842,4 @@ StoreStats Store::stats() const {
   return s;
 }
 
-}  // namespace thaw::disk
+}  // namespace vitrify::disk

@@ -1,14 +1,14 @@
-#include "thaw/device_memory.hpp"
+#include "vitrify/device_memory.hpp"
 
 #include <string>
 #include <utility>
 
-namespace thaw {
+namespace vitrify {
 
 DeviceBuffer::DeviceBuffer(size_t bytes, int device) : size_(bytes), device_(device) {
-  THAW_EXPECT(bytes > 0, "DeviceBuffer size must be positive");
+  VITRIFY_EXPECT(bytes > 0, "DeviceBuffer size must be positive");
   driver::ContextGuard ctx(device);
-  THAW_CU(driver::cu().cuMemAlloc(&ptr_, bytes));
+  VITRIFY_CU(driver::cu().cuMemAlloc(&ptr_, bytes));
 }
 
 DeviceBuffer::~DeviceBuffer() { release(); }
@@ -38,7 +38,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 }
 
 static void check_range(size_t offset, size_t bytes, size_t size) {
-  THAW_EXPECT(offset <= size && bytes <= size - offset,
+  VITRIFY_EXPECT(offset <= size && bytes <= size - offset,
               "copy of " + std::to_string(bytes) + " bytes at offset " + std::to_string(offset) +
                   " exceeds the " + std::to_string(size) + "-byte device buffer");
 }
@@ -46,19 +46,19 @@ static void check_range(size_t offset, size_t bytes, size_t size) {
 void DeviceBuffer::copy_from_host(const void* src, size_t bytes, size_t offset) {
   check_range(offset, bytes, size_);
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyHtoD(ptr_ + offset, src, bytes));
+  VITRIFY_CU(driver::cu().cuMemcpyHtoD(ptr_ + offset, src, bytes));
 }
 
 void DeviceBuffer::copy_to_host(void* dst, size_t bytes, size_t offset) const {
   check_range(offset, bytes, size_);
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyDtoH(dst, ptr_ + offset, bytes));
+  VITRIFY_CU(driver::cu().cuMemcpyDtoH(dst, ptr_ + offset, bytes));
 }
 
 void DeviceBuffer::fill(uint8_t value) {
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemsetD8(ptr_, value, size_));
-  THAW_CU(driver::cu().cuCtxSynchronize());
+  VITRIFY_CU(driver::cu().cuMemsetD8(ptr_, value, size_));
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
 }
 
-}  // namespace thaw
+}  // namespace vitrify

@@ -1,4 +1,4 @@
-#include "thaw/driver.hpp"
+#include "vitrify/driver.hpp"
 
 #include <dlfcn.h>
 
@@ -8,7 +8,7 @@
 
 #include "driver/loader.hpp"
 
-namespace thaw::driver {
+namespace vitrify::driver {
 
 LoadResult load_table(const std::string& path) {
   LoadResult out;
@@ -18,7 +18,7 @@ LoadResult load_table(const std::string& path) {
   if (h == nullptr) {
     const char* e = ::dlerror();
     out.reason = "dlopen(\"" + path + "\") failed: " + (e ? e : "unknown error") +
-                 " (no NVIDIA driver on this machine? set THAW_LIBCUDA_PATH to libcuda.so.1)";
+                 " (no NVIDIA driver on this machine? set VITRIFY_LIBCUDA_PATH to libcuda.so.1)";
     return out;
   }
   out.handle = h;
@@ -41,17 +41,17 @@ LoadResult load_table(const std::string& path) {
     return out;
   }
   std::string missing;
-#define THAW_CU_REQUIRED(name, version)                                                     \
+#define VITRIFY_CU_REQUIRED(name, version)                                                     \
   if (!resolve(#name, version, reinterpret_cast<void**>(&t.name)))                          \
     missing += std::string(missing.empty() ? "" : ", ") + #name + " (ABI " #version ")";
-#define THAW_CU_OPTIONAL(name, version) \
+#define VITRIFY_CU_OPTIONAL(name, version) \
   resolve(#name, version, reinterpret_cast<void**>(&t.name));
-#define THAW_CU_OPTIONAL_AS(field, name, version) \
+#define VITRIFY_CU_OPTIONAL_AS(field, name, version) \
   resolve(#name, version, reinterpret_cast<void**>(&t.field));
-#include "thaw/driver_entries.inc"
-#undef THAW_CU_REQUIRED
-#undef THAW_CU_OPTIONAL
-#undef THAW_CU_OPTIONAL_AS
+#include "vitrify/driver_entries.inc"
+#undef VITRIFY_CU_REQUIRED
+#undef VITRIFY_CU_OPTIONAL
+#undef VITRIFY_CU_OPTIONAL_AS
   if (!missing.empty()) {
     out.reason = "the CUDA driver (version " + std::to_string(t.driver_version) +
                  ") lacks required entry points: " + missing;
@@ -86,7 +86,7 @@ Global& global() {
 const LoadResult& loaded() noexcept {
   Global& g = global();
   std::call_once(g.once, [&g] {
-    const char* env = std::getenv("THAW_LIBCUDA_PATH");
+    const char* env = std::getenv("VITRIFY_LIBCUDA_PATH");
     const std::string path = (env != nullptr && *env != '\0') ? env : "libcuda.so.1";
     try {
       g.result = load_table(path);
@@ -141,13 +141,13 @@ CUcontext primary_context(int device) {
   if (device >= 0 && static_cast<size_t>(device) < contexts->size() && (*contexts)[device])
     return (*contexts)[device];
   const int n = device_count();
-  THAW_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
+  VITRIFY_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
                                              " out of range: this machine has " +
                                              std::to_string(n) + " CUDA device(s)");
   CUdevice dev = 0;
-  THAW_CU(d.cuDeviceGet(&dev, device));
+  VITRIFY_CU(d.cuDeviceGet(&dev, device));
   CUcontext ctx = nullptr;
-  THAW_CU(d.cuDevicePrimaryCtxRetain(&ctx, dev));
+  VITRIFY_CU(d.cuDevicePrimaryCtxRetain(&ctx, dev));
   if (contexts->size() <= static_cast<size_t>(device)) contexts->resize(device + 1, nullptr);
   (*contexts)[device] = ctx;
   return ctx;
@@ -156,8 +156,8 @@ CUcontext primary_context(int device) {
 ContextGuard::ContextGuard(int device) {
   const Table& d = table();
   ctx_ = primary_context(device);
-  THAW_CU(d.cuCtxGetCurrent(&prev_));
-  if (prev_ != ctx_) THAW_CU(d.cuCtxSetCurrent(ctx_));
+  VITRIFY_CU(d.cuCtxGetCurrent(&prev_));
+  if (prev_ != ctx_) VITRIFY_CU(d.cuCtxSetCurrent(ctx_));
 }
 
 ContextGuard::~ContextGuard() {
@@ -174,25 +174,25 @@ uint64_t reserve_alignment(uint64_t addr) noexcept {
 
 int device_count() {
   int n = 0;
-  THAW_CU(table().cuDeviceGetCount(&n));
+  VITRIFY_CU(table().cuDeviceGetCount(&n));
   return n;
 }
 
 DeviceInfo device_info(int ordinal) {
   const Table& d = table();
   const int n = device_count();
-  THAW_EXPECT(ordinal >= 0 && ordinal < n, "device ordinal " + std::to_string(ordinal) +
+  VITRIFY_EXPECT(ordinal >= 0 && ordinal < n, "device ordinal " + std::to_string(ordinal) +
                                                " out of range: this machine has " +
                                                std::to_string(n) + " CUDA device(s)");
   DeviceInfo info;
   info.ordinal = ordinal;
   CUdevice dev = 0;
-  THAW_CU(d.cuDeviceGet(&dev, ordinal));
+  VITRIFY_CU(d.cuDeviceGet(&dev, ordinal));
   char name[256] = {};
-  THAW_CU(d.cuDeviceGetName(name, sizeof(name) - 1, dev));
+  VITRIFY_CU(d.cuDeviceGetName(name, sizeof(name) - 1, dev));
   info.name = name;
   CUuuid uuid{};
-  THAW_CU(d.cuDeviceGetUuid(&uuid, dev));
+  VITRIFY_CU(d.cuDeviceGetUuid(&uuid, dev));
   static const char* hex = "0123456789abcdef";
   std::string u = "GPU-";
   for (int i = 0; i < 16; ++i) {
@@ -204,7 +204,7 @@ DeviceInfo device_info(int ordinal) {
   info.uuid = u;
   auto attr = [&](CUdevice_attribute a) {
     int v = 0;
-    THAW_CU(d.cuDeviceGetAttribute(&v, a, dev));
+    VITRIFY_CU(d.cuDeviceGetAttribute(&v, a, dev));
     return v;
   };
   info.sm_major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
@@ -214,18 +214,18 @@ DeviceInfo device_info(int ordinal) {
   info.pci_bus = attr(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID);
   info.pci_device = attr(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID);
   info.pci_domain = attr(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID);
-  THAW_CU(d.cuDeviceTotalMem(&info.total_bytes, dev));
+  VITRIFY_CU(d.cuDeviceTotalMem(&info.total_bytes, dev));
   if (info.vmm_supported) {
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = dev;
-    THAW_CU(d.cuMemGetAllocationGranularity(&info.granularity_min, &prop,
+    VITRIFY_CU(d.cuMemGetAllocationGranularity(&info.granularity_min, &prop,
                                             CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-    THAW_CU(d.cuMemGetAllocationGranularity(&info.granularity_recommended, &prop,
+    VITRIFY_CU(d.cuMemGetAllocationGranularity(&info.granularity_recommended, &prop,
                                             CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   }
   return info;
 }
 
-}  // namespace thaw::driver
+}  // namespace vitrify::driver

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "thaw/driver.hpp"
+#include "vitrify/driver.hpp"
 
-namespace thaw::driver {
+namespace vitrify::driver {
 
 struct LoadResult {
   bool ok = false;
@@ -19,4 +19,4 @@ struct LoadResult {
 // then cuInit(0). Never throws for a missing/broken driver: returns ok=false and a reason.
 LoadResult load_table(const std::string& path);
 
-}  // namespace thaw::driver
+}  // namespace vitrify::driver

@@ -1,12 +1,12 @@
 // FixedArena: one VMM reservation at a chosen address, mapped in full, bump-allocated.
 #include "graph/cuda_util.hpp"
-#include "thaw/graph_cuda.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/graph_cuda.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 
 FixedArena::FixedArena(uint64_t base, size_t size, int device) : device_(device) {
-  THAW_EXPECT(size > 0, "FixedArena size must be positive");
+  VITRIFY_EXPECT(size > 0, "FixedArena size must be positive");
   const auto& d = driver::cu();
   driver::ContextGuard ctx(device);
   CUmemAllocationProp prop{};
@@ -14,9 +14,9 @@ FixedArena::FixedArena(uint64_t base, size_t size, int device) : device_(device)
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device;
   size_t gran = 0;
-  THAW_CU(d.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  THAW_EXPECT(gran > 0, "the driver reports allocation granularity 0");
-  THAW_EXPECT(base % gran == 0, "FixedArena base " + std::to_string(base) +
+  VITRIFY_CU(d.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  VITRIFY_EXPECT(gran > 0, "the driver reports allocation granularity 0");
+  VITRIFY_EXPECT(base % gran == 0, "FixedArena base " + std::to_string(base) +
                                     " is not a multiple of the granularity " + std::to_string(gran));
   size_ = (size + gran - 1) / gran * gran;
   try {
@@ -29,21 +29,21 @@ FixedArena::FixedArena(uint64_t base, size_t size, int device) : device_(device)
       if (align > (uint64_t(1) << 30)) align = uint64_t(1) << 30;
     }
     CUdeviceptr p = 0;
-    THAW_CU(d.cuMemAddressReserve(&p, size_, align, CUdeviceptr(base), 0));
+    VITRIFY_CU(d.cuMemAddressReserve(&p, size_, align, CUdeviceptr(base), 0));
     base_ = p;
     reserved_ = true;
     if (base != 0 && p != base)
       throw Error("FixedArena: asked the driver for [" + std::to_string(base) + ", +" +
                   std::to_string(size_) + ") and got " + std::to_string(p) +
                   " (that range is taken in this process)");
-    THAW_CU(d.cuMemCreate(&handle_, size_, &prop, 0));
+    VITRIFY_CU(d.cuMemCreate(&handle_, size_, &prop, 0));
     created_ = true;
-    THAW_CU(d.cuMemMap(base_, size_, 0, handle_, 0));
+    VITRIFY_CU(d.cuMemMap(base_, size_, 0, handle_, 0));
     mapped_ = true;
     CUmemAccessDesc access{};
     access.location = prop.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    THAW_CU(d.cuMemSetAccess(base_, size_, &access, 1));
+    VITRIFY_CU(d.cuMemSetAccess(base_, size_, &access, 1));
   } catch (...) {
     release();
     throw;
@@ -67,7 +67,7 @@ size_t FixedArena::used() const {
 }
 
 uint64_t FixedArena::allocate(size_t n, size_t align) {
-  THAW_EXPECT(align > 0 && (align & (align - 1)) == 0,
+  VITRIFY_EXPECT(align > 0 && (align & (align - 1)) == 0,
               "alignment must be a power of two, got " + std::to_string(align));
   std::lock_guard<std::mutex> lock(mu_);
   const size_t start = (cursor_ + align - 1) & ~(align - 1);
@@ -81,21 +81,21 @@ uint64_t FixedArena::allocate(size_t n, size_t align) {
 }
 
 void FixedArena::write(size_t offset, const void* src, size_t n) {
-  THAW_EXPECT(offset <= size_ && n <= size_ - offset,
+  VITRIFY_EXPECT(offset <= size_ && n <= size_ - offset,
               "FixedArena write [" + std::to_string(offset) + ", +" + std::to_string(n) +
                   ") outside its " + std::to_string(size_) + " bytes");
   if (n == 0) return;
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
+  VITRIFY_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
 }
 
 void FixedArena::read(size_t offset, void* dst, size_t n) const {
-  THAW_EXPECT(offset <= size_ && n <= size_ - offset,
+  VITRIFY_EXPECT(offset <= size_ && n <= size_ - offset,
               "FixedArena read [" + std::to_string(offset) + ", +" + std::to_string(n) +
                   ") outside its " + std::to_string(size_) + " bytes");
   if (n == 0) return;
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
+  VITRIFY_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
 }
 
 namespace {
@@ -116,19 +116,19 @@ std::shared_ptr<FixedArena> installed_arena() {
   return arena_slot();
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph
 
-extern "C" __attribute__((visibility("default"))) void* thaw_graph_arena_malloc(long size, int,
+extern "C" __attribute__((visibility("default"))) void* vitrify_graph_arena_malloc(long size, int,
                                                                                void*) {
-  auto a = thaw::graph::installed_arena();
+  auto a = vitrify::graph::installed_arena();
   if (!a || size < 0) return nullptr;
   try {
     return reinterpret_cast<void*>(a->allocate(size_t(size), 512));
   } catch (const std::exception& e) {
-    thaw::log::error(std::string("thaw_graph_arena_malloc: ") + e.what());
+    vitrify::log::error(std::string("vitrify_graph_arena_malloc: ") + e.what());
     return nullptr;
   }
 }
 
-extern "C" __attribute__((visibility("default"))) void thaw_graph_arena_free(void*, long, int,
+extern "C" __attribute__((visibility("default"))) void vitrify_graph_arena_free(void*, long, int,
                                                                              void*) {}

@@ -1,14 +1,14 @@
-// FREEZE: a captured CUgraph -> thaw::graph::Graph (see DESIGN.md, "Walking a captured graph").
+// FREEZE: a captured CUgraph -> vitrify::graph::Graph (see DESIGN.md, "Walking a captured graph").
 #include <algorithm>
 #include <cstring>
 #include <set>
 #include <unordered_map>
 
 #include "graph/cuda_util.hpp"
-#include "thaw/graph_cuda.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/graph_cuda.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 namespace {
 
 const char* node_type_name(CUgraphNodeType t) {
@@ -66,7 +66,7 @@ std::vector<int> identity(CUfunction f) {
   std::vector<int> out;
   for (CUfunction_attribute a : kIdentityAttributes) {
     int v = 0;
-    THAW_CU(CU_NEED(cuFuncGetAttribute)(&v, a, f));
+    VITRIFY_CU(CU_NEED(cuFuncGetAttribute)(&v, a, f));
     out.push_back(v);
   }
   return out;
@@ -93,7 +93,7 @@ class Resolver {
     if (c.empty())
       throw FreezeError(where + ": the binary of kernel '" + name + "' was not recorded (" +
                         std::to_string(modules_.size()) + " modules recorded). Start "
-                        "thaw.graphs.record_modules() before CUDA is initialised (before the "
+                        "vitrify.graphs.record_modules() before CUDA is initialised (before the "
                         "first torch.cuda call), and make sure no other CUPTI subscriber (a "
                         "profiler) is active");
     if (c.size() == 1) return c[0];
@@ -147,7 +147,7 @@ class Resolver {
     throw FreezeError(where + ": kernel '" + name + "' is defined by " +
                       std::to_string(keep.empty() ? c.size() : keep.size()) +
                       " different recorded binaries (" + list +
-                      ") and thaw cannot tell which one this process launched");
+                      ") and vitrify cannot tell which one this process launched");
   }
 
   // Sorted names of the functions in f's module; {} when the driver cannot say.
@@ -204,12 +204,12 @@ uint64_t copy_address(CUmemorytype t, CUdeviceptr dev, const char* which, const 
 
 void capture_kernel(CUgraphNode node, Node& out, Resolver& resolver, const std::string& where) {
   CUDA_KERNEL_NODE_PARAMS p{};
-  THAW_CU(CU_NEED(cuGraphKernelNodeGetParams)(node, &p));
+  VITRIFY_CU(CU_NEED(cuGraphKernelNodeGetParams)(node, &p));
   CUfunction f = p.func;
-  if (f == nullptr && p.kern != nullptr) THAW_CU(CU_NEED(cuKernelGetFunction)(&f, p.kern));
+  if (f == nullptr && p.kern != nullptr) VITRIFY_CU(CU_NEED(cuKernelGetFunction)(&f, p.kern));
   if (f == nullptr) throw FreezeError(where + ": kernel node has neither a function nor a kernel");
   const char* cname = nullptr;
-  THAW_CU(CU_NEED(cuFuncGetName)(&cname, f));
+  VITRIFY_CU(CU_NEED(cuFuncGetName)(&cname, f));
   KernelNode& k = out.kernel;
   k.name = cname != nullptr ? cname : "";
   if (k.name.empty()) throw FreezeError(where + ": the driver returned no name for its kernel");
@@ -225,7 +225,7 @@ void capture_kernel(CUgraphNode node, Node& out, Resolver& resolver, const std::
     size_t off = 0, size = 0;
     const CUresult r = CU_NEED(cuFuncGetParamInfo)(f, i, &off, &size);
     if (r == CUDA_ERROR_INVALID_VALUE) break;
-    THAW_CU(r);
+    VITRIFY_CU(r);
     if (i >= 4096) throw FreezeError(at + ": more than 4096 parameters");
     k.slots.push_back({uint32_t(off), uint32_t(size)});
     total = std::max(total, off + size);
@@ -273,7 +273,7 @@ void capture_kernel(CUgraphNode node, Node& out, Resolver& resolver, const std::
                                                &v) == CUDA_SUCCESS &&
         v.accessPolicyWindow.num_bytes != 0)
       throw FreezeError(at + ": has an access policy window (an L2 persistence hint holding a "
-                        "device address), which thaw does not freeze");
+                        "device address), which vitrify does not freeze");
   }
   for (const FuncAttr& a : kFuncAttributes) {
     int v = a.unset;
@@ -285,13 +285,13 @@ void capture_kernel(CUgraphNode node, Node& out, Resolver& resolver, const std::
 }  // namespace
 
 Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureOptions& opt) {
-  THAW_EXPECT(graph != nullptr, "capture_graph: the graph handle is null");
+  VITRIFY_EXPECT(graph != nullptr, "capture_graph: the graph handle is null");
   const auto& d = driver::cu();
   driver::ContextGuard ctx(opt.device);
   size_t n = 0;
-  THAW_CU(CU_NEED(cuGraphGetNodes)(graph, nullptr, &n));
+  VITRIFY_CU(CU_NEED(cuGraphGetNodes)(graph, nullptr, &n));
   std::vector<CUgraphNode> handles(n);
-  if (n > 0) THAW_CU(CU_NEED(cuGraphGetNodes)(graph, handles.data(), &n));
+  if (n > 0) VITRIFY_CU(CU_NEED(cuGraphGetNodes)(graph, handles.data(), &n));
   handles.resize(n);
   std::unordered_map<CUgraphNode, uint32_t> index;
   for (size_t i = 0; i < n; ++i) index.emplace(handles[i], uint32_t(i));
@@ -305,7 +305,7 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
   for (size_t i = 0; i < n; ++i) {
     const std::string where = "graph node " + std::to_string(i) + " of " + std::to_string(n);
     CUgraphNodeType type;
-    THAW_CU(CU_NEED(cuGraphNodeGetType)(handles[i], &type));
+    VITRIFY_CU(CU_NEED(cuGraphNodeGetType)(handles[i], &type));
     Node& out = g.nodes[i];
     switch (type) {
       case CU_GRAPH_NODE_TYPE_KERNEL:
@@ -316,7 +316,7 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
         out.kind = NodeKind::memcpy;
         CUDA_MEMCPY3D c;
         std::memset(&c, 0, sizeof c);
-        THAW_CU(CU_NEED(cuGraphMemcpyNodeGetParams)(handles[i], &c));
+        VITRIFY_CU(CU_NEED(cuGraphMemcpyNodeGetParams)(handles[i], &c));
         MemcpyNode& m = out.memcpy;
         m.src_type = uint8_t(c.srcMemoryType);
         m.dst_type = uint8_t(c.dstMemoryType);
@@ -333,21 +333,21 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
         out.kind = NodeKind::memset;
         CUDA_MEMSET_NODE_PARAMS s;
         std::memset(&s, 0, sizeof s);
-        THAW_CU(CU_NEED(cuGraphMemsetNodeGetParams)(handles[i], &s));
+        VITRIFY_CU(CU_NEED(cuGraphMemsetNodeGetParams)(handles[i], &s));
         out.memset = {s.dst, s.pitch, s.value, s.elementSize, s.width, s.height};
         break;
       }
       case CU_GRAPH_NODE_TYPE_EVENT_RECORD: {
         out.kind = NodeKind::event_record;
         CUevent e = nullptr;
-        THAW_CU(CU_NEED(cuGraphEventRecordNodeGetEvent)(handles[i], &e));
+        VITRIFY_CU(CU_NEED(cuGraphEventRecordNodeGetEvent)(handles[i], &e));
         out.event = event_index(e);
         break;
       }
       case CU_GRAPH_NODE_TYPE_WAIT_EVENT: {
         out.kind = NodeKind::event_wait;
         CUevent e = nullptr;
-        THAW_CU(CU_NEED(cuGraphEventWaitNodeGetEvent)(handles[i], &e));
+        VITRIFY_CU(CU_NEED(cuGraphEventWaitNodeGetEvent)(handles[i], &e));
         out.event = event_index(e);
         break;
       }
@@ -357,7 +357,7 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
       default:
         throw FreezeError(where + ": unsupported node kind '" + node_type_name(type) +
                           "' (CUgraphNodeType " + std::to_string(int(type)) +
-                          "); thaw freezes kernel, memcpy, memset, event record/wait and empty "
+                          "); vitrify freezes kernel, memcpy, memset, event record/wait and empty "
                           "nodes");
     }
   }
@@ -368,17 +368,17 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
   std::vector<CUgraphNode> from, to;
   std::vector<CUgraphEdgeData> data;
   if (d.cuGraphGetEdges != nullptr) {
-    THAW_CU(d.cuGraphGetEdges(graph, nullptr, nullptr, nullptr, &ne));
+    VITRIFY_CU(d.cuGraphGetEdges(graph, nullptr, nullptr, nullptr, &ne));
     from.resize(ne);
     to.resize(ne);
     data.resize(ne);
-    if (ne > 0) THAW_CU(d.cuGraphGetEdges(graph, from.data(), to.data(), data.data(), &ne));
+    if (ne > 0) VITRIFY_CU(d.cuGraphGetEdges(graph, from.data(), to.data(), data.data(), &ne));
   } else {
-    THAW_CU(CU_NEED(cuGraphGetEdges_v10000)(graph, nullptr, nullptr, &ne));
+    VITRIFY_CU(CU_NEED(cuGraphGetEdges_v10000)(graph, nullptr, nullptr, &ne));
     from.resize(ne);
     to.resize(ne);
     data.assign(ne, CUgraphEdgeData{});
-    if (ne > 0) THAW_CU(d.cuGraphGetEdges_v10000(graph, from.data(), to.data(), &ne));
+    if (ne > 0) VITRIFY_CU(d.cuGraphGetEdges_v10000(graph, from.data(), to.data(), &ne));
   }
   for (size_t e = 0; e < ne; ++e) {
     auto a = index.find(from[e]), b = index.find(to[e]);
@@ -395,4 +395,4 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
   return g;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

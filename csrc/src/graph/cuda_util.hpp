@@ -4,11 +4,11 @@
 #include <string>
 #include <vector>
 
-#include "thaw/driver.hpp"
-#include "thaw/error.hpp"
-#include "thaw/graph.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/graph.hpp"
 
-namespace thaw::graph::detail {
+namespace vitrify::graph::detail {
 
 // An optional driver entry the graph code cannot do without: names it when it is absent.
 template <typename F>
@@ -30,7 +30,7 @@ inline CUresult load_module(CUmodule* out, const Module& m) {
   return load(out, text.data());
 }
 
-}  // namespace thaw::graph::detail
+}  // namespace vitrify::graph::detail
 
-// THAW_CU(CU_NEED(cuGraphGetNodes)(graph, nullptr, &n));
-#define CU_NEED(name) ::thaw::graph::detail::need(::thaw::driver::cu().name, #name)
+// VITRIFY_CU(CU_NEED(cuGraphGetNodes)(graph, nullptr, &n));
+#define CU_NEED(name) ::vitrify::graph::detail::need(::vitrify::driver::cu().name, #name)

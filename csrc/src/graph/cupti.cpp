@@ -5,15 +5,15 @@
 
 #include <cstdlib>
 
-#include "thaw/graph_cuda.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/graph_cuda.hpp"
+#include "vitrify/log.hpp"
 
 #if __has_include(<cupti_callbacks.h>)
 #include <cupti_callbacks.h>
-#define THAW_HAVE_CUPTI_HEADERS 1
+#define VITRIFY_HAVE_CUPTI_HEADERS 1
 #endif
 
-namespace thaw::graph {
+namespace vitrify::graph {
 namespace {
 
 // CUPTI ABI subset (cupti_callbacks.h, cupti_result.h).
@@ -37,7 +37,7 @@ struct ModuleResourceData {                 // CUpti_ModuleResourceData
   const char* cubin;
 };
 
-#ifdef THAW_HAVE_CUPTI_HEADERS
+#ifdef VITRIFY_HAVE_CUPTI_HEADERS
 static_assert(CUPTI_CB_DOMAIN_RESOURCE == kDomainResource);
 static_assert(CUPTI_CBID_RESOURCE_MODULE_LOADED == kCbidModuleLoaded);
 static_assert(sizeof(CUpti_ResourceData) == sizeof(ResourceData));
@@ -58,7 +58,7 @@ void callback(void* userdata, int domain, uint32_t cbid, const void* cbdata) {
 
 std::vector<std::string> candidates(const std::vector<std::string>& extra) {
   std::vector<std::string> out;
-  if (const char* p = std::getenv("THAW_CUPTI_PATH"); p != nullptr && *p != '\0') {
+  if (const char* p = std::getenv("VITRIFY_CUPTI_PATH"); p != nullptr && *p != '\0') {
     out.emplace_back(p);
     return out;  // an explicit path is the only one tried
   }
@@ -118,7 +118,7 @@ void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
       tried += "\n  " + p + ": " + (e ? e : "not loadable");
     }
     if (lib_ == nullptr)
-      throw Error("cannot load libcupti (needed to record kernel binaries); set THAW_CUPTI_PATH "
+      throw Error("cannot load libcupti (needed to record kernel binaries); set VITRIFY_CUPTI_PATH "
                   "to libcupti.so.13. Tried:" + tried);
   }
   auto sym = [&](const char* name) {
@@ -173,4 +173,4 @@ size_t ModuleRecorder::modules_seen() const {
   return seen_;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

@@ -4,10 +4,10 @@
 #include <cstring>
 #include <tuple>
 
-#include "thaw/crc32c.hpp"
-#include "thaw/graph.hpp"
+#include "vitrify/crc32c.hpp"
+#include "vitrify/graph.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 
 const char* kind_name(NodeKind k) noexcept {
   switch (k) {
@@ -83,83 +83,83 @@ void write_reloc(Graph& g, const Relocation& r, uint64_t v) {
 
 void validate(const Graph& g) {
   const size_t n = g.nodes.size();
-  THAW_EXPECT(n <= UINT32_MAX, "graph has too many nodes: " + std::to_string(n));
+  VITRIFY_EXPECT(n <= UINT32_MAX, "graph has too many nodes: " + std::to_string(n));
   for (size_t i = 0; i < n; ++i) {
     const Node& node = g.nodes[i];
     switch (node.kind) {
       case NodeKind::kernel: {
         const KernelNode& k = node.kernel;
-        THAW_EXPECT(!k.name.empty(), node_label(g, i) + ": kernel without a name");
-        THAW_EXPECT(k.grid.x && k.grid.y && k.grid.z && k.block.x && k.block.y && k.block.z,
+        VITRIFY_EXPECT(!k.name.empty(), node_label(g, i) + ": kernel without a name");
+        VITRIFY_EXPECT(k.grid.x && k.grid.y && k.grid.z && k.block.x && k.block.y && k.block.z,
                     node_label(g, i) + ": zero grid or block dimension");
-        THAW_EXPECT(k.params.size() <= UINT32_MAX, node_label(g, i) + ": parameter buffer too large");
+        VITRIFY_EXPECT(k.params.size() <= UINT32_MAX, node_label(g, i) + ": parameter buffer too large");
         for (size_t s = 0; s < k.slots.size(); ++s) {
           const ParamSlot& p = k.slots[s];
-          THAW_EXPECT(uint64_t(p.offset) + p.size <= k.params.size(),
+          VITRIFY_EXPECT(uint64_t(p.offset) + p.size <= k.params.size(),
                       node_label(g, i) + ": parameter " + std::to_string(s) + " [" +
                           std::to_string(p.offset) + ", +" + std::to_string(p.size) +
                           ") lies outside the " + std::to_string(k.params.size()) +
                           "-byte parameter buffer");
-          THAW_EXPECT(s == 0 || p.offset >= k.slots[s - 1].offset + k.slots[s - 1].size,
+          VITRIFY_EXPECT(s == 0 || p.offset >= k.slots[s - 1].offset + k.slots[s - 1].size,
                       node_label(g, i) + ": parameter " + std::to_string(s) +
                           " overlaps or precedes the previous one");
         }
         for (const LaunchAttribute& a : k.attributes)
-          THAW_EXPECT(a.value.size() <= 0xFFFF, node_label(g, i) + ": attribute " +
+          VITRIFY_EXPECT(a.value.size() <= 0xFFFF, node_label(g, i) + ": attribute " +
                                                     std::to_string(a.id) + " value too large");
-        THAW_EXPECT(k.attributes.size() <= 0xFFFF && k.func_attributes.size() <= 0xFFFF,
+        VITRIFY_EXPECT(k.attributes.size() <= 0xFFFF && k.func_attributes.size() <= 0xFFFF,
                     node_label(g, i) + ": too many attributes");
         break;
       }
       case NodeKind::memcpy:
         break;
       case NodeKind::memset:
-        THAW_EXPECT(node.memset.element_size == 1 || node.memset.element_size == 2 ||
+        VITRIFY_EXPECT(node.memset.element_size == 1 || node.memset.element_size == 2 ||
                         node.memset.element_size == 4,
                     node_label(g, i) + ": memset element size must be 1, 2 or 4, got " +
                         std::to_string(node.memset.element_size));
         break;
       case NodeKind::event_record:
       case NodeKind::event_wait:
-        THAW_EXPECT(node.event < g.event_count,
+        VITRIFY_EXPECT(node.event < g.event_count,
                     node_label(g, i) + ": event index " + std::to_string(node.event) +
                         " >= event count " + std::to_string(g.event_count));
         break;
       case NodeKind::empty:
         break;
       default:
-        THAW_EXPECT(false, "node " + std::to_string(i) + ": invalid node kind " +
+        VITRIFY_EXPECT(false, "node " + std::to_string(i) + ": invalid node kind " +
                                std::to_string(int(node.kind)));
     }
   }
   for (size_t e = 0; e < g.edges.size(); ++e) {
     const Edge& ed = g.edges[e];
-    THAW_EXPECT(ed.from < n && ed.to < n, "edge " + std::to_string(e) + " (" +
+    VITRIFY_EXPECT(ed.from < n && ed.to < n, "edge " + std::to_string(e) + " (" +
                                               std::to_string(ed.from) + " -> " +
                                               std::to_string(ed.to) + ") names a node >= " +
                                               std::to_string(n));
-    THAW_EXPECT(ed.from != ed.to, "edge " + std::to_string(e) + " is a self loop on node " +
+    VITRIFY_EXPECT(ed.from != ed.to, "edge " + std::to_string(e) + " is a self loop on node " +
                                       std::to_string(ed.from));
   }
-  THAW_EXPECT(g.region_base + g.region_size >= g.region_base,
+  VITRIFY_EXPECT(g.region_base + g.region_size >= g.region_base,
               "relocation range wraps around: base " + std::to_string(g.region_base) + " size " +
                   std::to_string(g.region_size));
   for (size_t r = 0; r < g.relocations.size(); ++r) {
     const Relocation& rl = g.relocations[r];
     uint64_t word = 0;
-    THAW_EXPECT(read_reloc(g, rl, &word), "relocation " + std::to_string(r) + " names no " +
+    VITRIFY_EXPECT(read_reloc(g, rl, &word), "relocation " + std::to_string(r) + " names no " +
                                               "8-byte word: " + node_label(g, rl.node) +
                                               " offset " + std::to_string(rl.offset));
-    THAW_EXPECT(rl.region_offset < g.region_size,
+    VITRIFY_EXPECT(rl.region_offset < g.region_size,
                 "relocation " + std::to_string(r) + ": region offset " +
                     std::to_string(rl.region_offset) + " >= region size " +
                     std::to_string(g.region_size));
-    THAW_EXPECT(word == g.region_base + rl.region_offset,
+    VITRIFY_EXPECT(word == g.region_base + rl.region_offset,
                 "relocation " + std::to_string(r) + " (" + node_label(g, rl.node) + " offset " +
                     std::to_string(rl.offset) + "): word holds " + std::to_string(word) +
                     ", expected base + " + std::to_string(rl.region_offset) + " = " +
                     std::to_string(g.region_base + rl.region_offset));
-    THAW_EXPECT(r == 0 || std::tie(g.relocations[r - 1].node, g.relocations[r - 1].offset) <
+    VITRIFY_EXPECT(r == 0 || std::tie(g.relocations[r - 1].node, g.relocations[r - 1].offset) <
                               std::tie(rl.node, rl.offset),
                 "relocation " + std::to_string(r) + " is not in ascending (node, offset) order");
   }
@@ -187,7 +187,7 @@ class Reader {
  public:
   Reader(const uint8_t* p, size_t n, size_t base) : p_(p), n_(n), base_(base) {}
   void need(size_t k, const char* what) {
-    THAW_EXPECT(k <= n_ - pos_, std::string("graph file truncated: ") + what + " needs " +
+    VITRIFY_EXPECT(k <= n_ - pos_, std::string("graph file truncated: ") + what + " needs " +
                                     std::to_string(k) + " bytes at offset " +
                                     std::to_string(base_ + pos_) + ", " +
                                     std::to_string(n_ - pos_) + " left");
@@ -221,7 +221,7 @@ class Reader {
   // corrupt count never allocates gigabytes.
   uint32_t count(size_t min_item, const char* what) {
     const uint32_t c = u32(what);
-    THAW_EXPECT(uint64_t(c) * min_item <= n_ - pos_,
+    VITRIFY_EXPECT(uint64_t(c) * min_item <= n_ - pos_,
                 std::string("graph file truncated or corrupt: ") + what + " = " +
                     std::to_string(c) + " at offset " + std::to_string(base_ + pos_ - 4) +
                     " but only " + std::to_string(n_ - pos_) + " bytes follow");
@@ -355,10 +355,10 @@ std::vector<uint8_t> serialize(const Graph& g) {
 
 Graph deserialize(const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
-  THAW_EXPECT(n >= kHeaderSize, "graph file truncated: " + std::to_string(n) +
+  VITRIFY_EXPECT(n >= kHeaderSize, "graph file truncated: " + std::to_string(n) +
                                     " bytes, the header alone is " + std::to_string(kHeaderSize));
-  THAW_EXPECT(std::memcmp(p, kGraphMagic, 8) == 0,
-              "not a thaw graph file: bad magic (expected \"THAWGRPH\")");
+  VITRIFY_EXPECT(std::memcmp(p, kGraphMagic, 8) == 0,
+              "not a vitrify graph file: bad magic (expected \"VTRFGRPH\")");
   uint32_t version, header_size, body_crc, header_crc;
   uint64_t body;
   std::memcpy(&version, p + 8, 4);
@@ -366,19 +366,19 @@ Graph deserialize(const void* data, size_t n) {
   std::memcpy(&body, p + 16, 8);
   std::memcpy(&body_crc, p + 24, 4);
   std::memcpy(&header_crc, p + 28, 4);
-  THAW_EXPECT(crc32c(p, 28) == header_crc, "graph file header checksum mismatch (corrupt header)");
-  THAW_EXPECT(version == kGraphFormatVersion,
+  VITRIFY_EXPECT(crc32c(p, 28) == header_crc, "graph file header checksum mismatch (corrupt header)");
+  VITRIFY_EXPECT(version == kGraphFormatVersion,
               "graph file format version " + std::to_string(version) + " is not supported (this " +
                   "build reads version " + std::to_string(kGraphFormatVersion) + ")");
-  THAW_EXPECT(header_size == kHeaderSize,
+  VITRIFY_EXPECT(header_size == kHeaderSize,
               "graph file header size " + std::to_string(header_size) + ", expected " +
                   std::to_string(kHeaderSize));
-  THAW_EXPECT(body <= n - kHeaderSize, "graph file truncated: header announces " +
+  VITRIFY_EXPECT(body <= n - kHeaderSize, "graph file truncated: header announces " +
                                            std::to_string(body) + " body bytes, file has " +
                                            std::to_string(n - kHeaderSize));
-  THAW_EXPECT(body == n - kHeaderSize, "graph file has " + std::to_string(n - kHeaderSize - body) +
+  VITRIFY_EXPECT(body == n - kHeaderSize, "graph file has " + std::to_string(n - kHeaderSize - body) +
                                            " trailing bytes after the announced body");
-  THAW_EXPECT(crc32c(p + kHeaderSize, body) == body_crc,
+  VITRIFY_EXPECT(crc32c(p + kHeaderSize, body) == body_crc,
               "graph file body checksum mismatch (corrupt data)");
 
   Reader r(p + kHeaderSize, body, kHeaderSize);
@@ -401,7 +401,7 @@ Graph deserialize(const void* data, size_t n) {
   for (uint32_t i = 0; i < node_count; ++i) {
     Node& node = g.nodes[i];
     const uint8_t kind = r.u8("node kind");
-    THAW_EXPECT(kind >= 1 && kind <= 6, "graph file: node " + std::to_string(i) +
+    VITRIFY_EXPECT(kind >= 1 && kind <= 6, "graph file: node " + std::to_string(i) +
                                             " has invalid kind " + std::to_string(kind) +
                                             " at offset " + std::to_string(r.pos() - 1));
     node.kind = NodeKind(kind);
@@ -409,7 +409,7 @@ Graph deserialize(const void* data, size_t n) {
       case NodeKind::kernel: {
         KernelNode& k = node.kernel;
         const uint32_t mi = r.u32("module index"), ni = r.u32("name index");
-        THAW_EXPECT(mi < modules.size() && ni < names.size(),
+        VITRIFY_EXPECT(mi < modules.size() && ni < names.size(),
                     "graph file: node " + std::to_string(i) + " names module " +
                         std::to_string(mi) + "/" + std::to_string(modules.size()) + ", name " +
                         std::to_string(ni) + "/" + std::to_string(names.size()));
@@ -480,7 +480,7 @@ Graph deserialize(const void* data, size_t n) {
     rl.offset = r.u32("relocation");
     rl.region_offset = r.u64("relocation");
   }
-  THAW_EXPECT(r.left() == 0, "graph file: " + std::to_string(r.left()) +
+  VITRIFY_EXPECT(r.left() == 0, "graph file: " + std::to_string(r.left()) +
                                  " unexplained bytes at the end of the body");
   validate(g);
   return g;
@@ -488,7 +488,7 @@ Graph deserialize(const void* data, size_t n) {
 
 // -------------------------------------------------------------------------------- relocation
 size_t find_relocations(Graph& g, uint64_t base, uint64_t size) {
-  THAW_EXPECT(base + size >= base, "relocation range wraps around: base " + std::to_string(base) +
+  VITRIFY_EXPECT(base + size >= base, "relocation range wraps around: base " + std::to_string(base) +
                                        " size " + std::to_string(size));
   std::vector<Relocation> found;
   auto consider = [&](uint32_t node, uint32_t offset, uint64_t v) {
@@ -525,13 +525,13 @@ size_t find_relocations(Graph& g, uint64_t base, uint64_t size) {
 }
 
 void relocate(Graph& g, uint64_t new_base) {
-  THAW_EXPECT(new_base + g.region_size >= new_base,
+  VITRIFY_EXPECT(new_base + g.region_size >= new_base,
               "relocation to base " + std::to_string(new_base) + " wraps around with size " +
                   std::to_string(g.region_size));
   for (size_t i = 0; i < g.relocations.size(); ++i) {
     const Relocation& r = g.relocations[i];
     uint64_t word = 0;
-    THAW_EXPECT(read_reloc(g, r, &word) && word == g.region_base + r.region_offset,
+    VITRIFY_EXPECT(read_reloc(g, r, &word) && word == g.region_base + r.region_offset,
                 "relocation " + std::to_string(i) + " (" + node_label(g, r.node) + " offset " +
                     std::to_string(r.offset) + ") no longer holds base + " +
                     std::to_string(r.region_offset) + ": the graph was modified");
@@ -551,7 +551,7 @@ Hash topology_hash(const Graph& g) {
   auto u8 = [&](uint8_t v) { s.update(&v, 1); };
   auto u32 = [&](uint32_t v) { s.update(&v, 4); };
   auto u64 = [&](uint64_t v) { s.update(&v, 8); };
-  s.update("thaw-topology-1", 15);
+  s.update("vitrify-topology-1", 15);
   u32(uint32_t(g.nodes.size()));
   u32(g.event_count);
   for (const Node& n : g.nodes) {
@@ -635,7 +635,7 @@ std::vector<std::vector<size_t>> group_by_topology(const std::vector<const Graph
   std::vector<std::vector<size_t>> groups;
   std::map<Hash, size_t> index;
   for (size_t i = 0; i < graphs.size(); ++i) {
-    THAW_EXPECT(graphs[i] != nullptr, "group_by_topology: graph " + std::to_string(i) + " is null");
+    VITRIFY_EXPECT(graphs[i] != nullptr, "group_by_topology: graph " + std::to_string(i) + " is null");
     auto [it, fresh] = index.emplace(topology_hash(*graphs[i]), groups.size());
     if (fresh) groups.emplace_back();
     groups[it->second].push_back(i);
@@ -652,4 +652,4 @@ std::vector<Hash> referenced_modules(const Graph& g) {
   return out;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

@@ -7,9 +7,9 @@
 #include <cstring>
 #include <string_view>
 
-#include "thaw/graph.hpp"
+#include "vitrify/graph.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 
 const char* binary_kind_name(BinaryKind k) noexcept {
   switch (k) {
@@ -47,7 +47,7 @@ bool looks_like_ptx(const uint8_t* p, size_t n) {
 
 template <typename T>
 T read_at(const uint8_t* p, size_t n, uint64_t off, const char* what) {
-  THAW_EXPECT(off <= n && sizeof(T) <= n - off,
+  VITRIFY_EXPECT(off <= n && sizeof(T) <= n - off,
               std::string("malformed ELF: ") + what + " at offset " + std::to_string(off) +
                   " lies beyond the " + std::to_string(n) + "-byte image");
   T v;
@@ -56,37 +56,37 @@ T read_at(const uint8_t* p, size_t n, uint64_t off, const char* what) {
 }
 
 void elf_entries(const uint8_t* p, size_t n, std::vector<std::string>& out) {
-  THAW_EXPECT(n >= sizeof(Elf64_Ehdr), "malformed ELF: " + std::to_string(n) +
+  VITRIFY_EXPECT(n >= sizeof(Elf64_Ehdr), "malformed ELF: " + std::to_string(n) +
                                            " bytes cannot hold an ELF64 header");
-  THAW_EXPECT(p[EI_CLASS] == ELFCLASS64 && p[EI_DATA] == ELFDATA2LSB,
+  VITRIFY_EXPECT(p[EI_CLASS] == ELFCLASS64 && p[EI_DATA] == ELFDATA2LSB,
               "unsupported ELF: only 64-bit little-endian cubins are read (class " +
                   std::to_string(p[EI_CLASS]) + ", data " + std::to_string(p[EI_DATA]) + ")");
   const auto eh = read_at<Elf64_Ehdr>(p, n, 0, "ELF header");
-  THAW_EXPECT(eh.e_shnum == 0 || eh.e_shentsize == sizeof(Elf64_Shdr),
+  VITRIFY_EXPECT(eh.e_shnum == 0 || eh.e_shentsize == sizeof(Elf64_Shdr),
               "malformed ELF: section header size " + std::to_string(eh.e_shentsize));
   for (uint16_t i = 0; i < eh.e_shnum; ++i) {
     const auto sh = read_at<Elf64_Shdr>(p, n, eh.e_shoff + uint64_t(i) * sizeof(Elf64_Shdr),
                                         "section header");
     if (sh.sh_type != SHT_SYMTAB) continue;
-    THAW_EXPECT(sh.sh_entsize == sizeof(Elf64_Sym),
+    VITRIFY_EXPECT(sh.sh_entsize == sizeof(Elf64_Sym),
                 "malformed ELF: symbol size " + std::to_string(sh.sh_entsize));
-    THAW_EXPECT(sh.sh_link < eh.e_shnum, "malformed ELF: symbol table links to section " +
+    VITRIFY_EXPECT(sh.sh_link < eh.e_shnum, "malformed ELF: symbol table links to section " +
                                              std::to_string(sh.sh_link));
     const auto strs = read_at<Elf64_Shdr>(
         p, n, eh.e_shoff + uint64_t(sh.sh_link) * sizeof(Elf64_Shdr), "string table header");
-    THAW_EXPECT(strs.sh_offset <= n && strs.sh_size <= n - strs.sh_offset,
+    VITRIFY_EXPECT(strs.sh_offset <= n && strs.sh_size <= n - strs.sh_offset,
                 "malformed ELF: string table beyond the image");
-    THAW_EXPECT(sh.sh_offset <= n && sh.sh_size <= n - sh.sh_offset,
+    VITRIFY_EXPECT(sh.sh_offset <= n && sh.sh_size <= n - sh.sh_offset,
                 "malformed ELF: symbol table beyond the image");
     const std::string_view table(reinterpret_cast<const char*>(p + strs.sh_offset), strs.sh_size);
     for (uint64_t off = 0; off + sizeof(Elf64_Sym) <= sh.sh_size; off += sizeof(Elf64_Sym)) {
       const auto sym = read_at<Elf64_Sym>(p, n, sh.sh_offset + off, "symbol");
       if (ELF64_ST_TYPE(sym.st_info) != STT_FUNC || (sym.st_other & kStoCudaEntry) == 0) continue;
-      THAW_EXPECT(sym.st_name < table.size(), "malformed ELF: symbol name offset " +
+      VITRIFY_EXPECT(sym.st_name < table.size(), "malformed ELF: symbol name offset " +
                                                   std::to_string(sym.st_name) + " beyond the " +
                                                   "string table");
       const size_t end = table.find('\0', sym.st_name);
-      THAW_EXPECT(end != std::string_view::npos, "malformed ELF: unterminated symbol name");
+      VITRIFY_EXPECT(end != std::string_view::npos, "malformed ELF: unterminated symbol name");
       if (end > sym.st_name) out.emplace_back(table.substr(sym.st_name, end - sym.st_name));
     }
   }
@@ -121,7 +121,7 @@ void fatbin_entries(const uint8_t* p, size_t n, std::vector<std::string>& out) {
     const uint16_t kind = read_at<uint16_t>(p, n, off, "fatbin member kind");
     const uint32_t mh = read_at<uint32_t>(p, n, off + 4, "fatbin member header size");
     const uint64_t size = read_at<uint64_t>(p, n, off + 8, "fatbin member size");
-    THAW_EXPECT(mh >= 16 && off + mh <= end && size <= end - off - mh,
+    VITRIFY_EXPECT(mh >= 16 && off + mh <= end && size <= end - off - mh,
                 "malformed fatbin: member at offset " + std::to_string(off) + " (header " +
                     std::to_string(mh) + ", payload " + std::to_string(size) + ") overruns " +
                     std::to_string(end) + " bytes");
@@ -143,11 +143,11 @@ Hash kernel_code_hash(const void* data, size_t n, const std::string& name) {
   if (eh.e_shnum == 0 || eh.e_shentsize != sizeof(Elf64_Shdr) || eh.e_shstrndx >= eh.e_shnum)
     return Hash{};
   auto section = [&](uint32_t i) {
-    THAW_EXPECT(i < eh.e_shnum, "malformed ELF: section index " + std::to_string(i));
+    VITRIFY_EXPECT(i < eh.e_shnum, "malformed ELF: section index " + std::to_string(i));
     return read_at<Elf64_Shdr>(p, n, eh.e_shoff + uint64_t(i) * sizeof(Elf64_Shdr), "section header");
   };
   auto strings = [&](const Elf64_Shdr& sh) {
-    THAW_EXPECT(sh.sh_offset <= n && sh.sh_size <= n - sh.sh_offset,
+    VITRIFY_EXPECT(sh.sh_offset <= n && sh.sh_size <= n - sh.sh_offset,
                 "malformed ELF: string table beyond the image");
     return std::string_view(reinterpret_cast<const char*>(p + sh.sh_offset), sh.sh_size);
   };
@@ -167,7 +167,7 @@ Hash kernel_code_hash(const void* data, size_t n, const std::string& name) {
   const int text = find(".text." + name);
   if (text < 0) return Hash{};
   const auto ts = section(text);
-  THAW_EXPECT(ts.sh_offset <= n && ts.sh_size <= n - ts.sh_offset,
+  VITRIFY_EXPECT(ts.sh_offset <= n && ts.sh_size <= n - ts.sh_offset,
               "malformed ELF: .text." + name + " beyond the image");
   Sha256 h;
   h.update(name.data(), name.size());
@@ -184,7 +184,7 @@ Hash kernel_code_hash(const void* data, size_t n, const std::string& name) {
     const auto rs = section(r);
     const bool rela = prefix[4] == 'a';
     const size_t entry = rela ? sizeof(Elf64_Rela) : sizeof(Elf64_Rel);
-    THAW_EXPECT(rs.sh_offset <= n && rs.sh_size <= n - rs.sh_offset,
+    VITRIFY_EXPECT(rs.sh_offset <= n && rs.sh_size <= n - rs.sh_offset,
                 "malformed ELF: relocations of " + name + " beyond the image");
     const auto symtab = section(rs.sh_link);
     const std::string_view symnames = strings(section(symtab.sh_link));
@@ -238,7 +238,7 @@ std::vector<std::string> kernel_names(const void* data, size_t n) {
 
 // ---------------------------------------------------------------------------------- registry
 Hash ModuleRegistry::add(const void* data, size_t n) {
-  THAW_EXPECT(data != nullptr || n == 0, "ModuleRegistry::add: null data of " + std::to_string(n) +
+  VITRIFY_EXPECT(data != nullptr || n == 0, "ModuleRegistry::add: null data of " + std::to_string(n) +
                                              " bytes");
   const Hash h = sha256(data, n);
   {
@@ -308,4 +308,4 @@ void ModuleRegistry::clear() {
   total_bytes_ = 0;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

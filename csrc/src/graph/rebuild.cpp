@@ -4,10 +4,10 @@
 #include <cstring>
 
 #include "graph/cuda_util.hpp"
-#include "thaw/graph_cuda.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/graph_cuda.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 
 struct GraphSet::Loaded {
   CUmodule module = nullptr;
@@ -67,7 +67,7 @@ Hash GraphSet::add_module(const void* data, size_t n, const Hash* expected) {
   auto m = std::make_shared<Module>();
   m->hash = sha256(data, n);
   if (expected != nullptr)
-    THAW_EXPECT(m->hash == *expected, "module content hash " + to_hex(m->hash) +
+    VITRIFY_EXPECT(m->hash == *expected, "module content hash " + to_hex(m->hash) +
                                           " does not match its name " + to_hex(*expected) +
                                           " (corrupt module file)");
   m->kind = detect_binary_kind(data, n);
@@ -81,12 +81,12 @@ Hash GraphSet::add_module(const void* data, size_t n, const Hash* expected) {
 size_t GraphSet::add(Graph g) {
   validate(g);
   std::lock_guard<std::mutex> lock(mu_);
-  THAW_EXPECT(!started_, "GraphSet::add after start(): add every graph first");
+  VITRIFY_EXPECT(!started_, "GraphSet::add after start(): add every graph first");
   const size_t id = graphs_.size();
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     if (n.kind == NodeKind::kernel)
-      THAW_EXPECT(modules_.count(n.kernel.module),
+      VITRIFY_EXPECT(modules_.count(n.kernel.module),
                   "graph " + std::to_string(id) + " node " + std::to_string(i) + ": kernel '" +
                       n.kernel.name + "' needs module " + to_hex(n.kernel.module) +
                       ", which was not added");
@@ -105,9 +105,9 @@ size_t GraphSet::add(Graph g) {
 }
 
 void GraphSet::start(unsigned threads) {
-  THAW_EXPECT(threads >= 1, "GraphSet::start needs at least one build thread, got 0");
+  VITRIFY_EXPECT(threads >= 1, "GraphSet::start needs at least one build thread, got 0");
   std::lock_guard<std::mutex> lock(mu_);
-  THAW_EXPECT(!started_, "GraphSet::start called twice");
+  VITRIFY_EXPECT(!started_, "GraphSet::start called twice");
   started_ = true;
   stats_.graphs = graphs_.size();
   stats_.templates = templates_.size();
@@ -158,7 +158,7 @@ CUfunction GraphSet::function(const Hash& module, const std::string& name) {
     auto l = std::make_unique<Loaded>();
     const CUresult r = detail::load_module(&l->module, *m);
     if (r != CUDA_SUCCESS)
-      ::thaw::detail::throw_cuda(r, ("cuModuleLoadData(module " + to_hex(module) + ", " +
+      ::vitrify::detail::throw_cuda(r, ("cuModuleLoadData(module " + to_hex(module) + ", " +
                              binary_kind_name(m->kind) + ", " + std::to_string(m->bytes.size()) +
                              " bytes)").c_str(), __FILE__, __LINE__);
     it = loaded_.emplace(module, std::move(l)).first;
@@ -171,7 +171,7 @@ CUfunction GraphSet::function(const Hash& module, const std::string& name) {
   CUfunction fn = nullptr;
   const CUresult r = CU_NEED(cuModuleGetFunction)(&fn, l.module, name.c_str());
   if (r != CUDA_SUCCESS)
-    ::thaw::detail::throw_cuda(r, ("cuModuleGetFunction(module " + to_hex(module).substr(0, 16) + ", '" +
+    ::vitrify::detail::throw_cuda(r, ("cuModuleGetFunction(module " + to_hex(module).substr(0, 16) + ", '" +
                            name + "')").c_str(), __FILE__, __LINE__);
   l.functions.emplace(name, fn);
   return fn;
@@ -236,10 +236,10 @@ void GraphSet::build(size_t t) {
   const Graph& g = graphs_[gid];  // graphs_ is immutable after start()
   driver::ContextGuard ctx(device_);
   T.context = ctx.context();
-  THAW_CU(CU_NEED(cuGraphCreate)(&T.graph, 0));
+  VITRIFY_CU(CU_NEED(cuGraphCreate)(&T.graph, 0));
   for (uint32_t e = 0; e < g.event_count; ++e) {
     CUevent ev = nullptr;
-    THAW_CU(driver::cu().cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+    VITRIFY_CU(driver::cu().cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
     T.events.push_back(ev);
   }
   T.nodes.assign(g.nodes.size(), nullptr);
@@ -255,35 +255,35 @@ void GraphSet::build(size_t t) {
           CUfunction f = function(k.module, k.name);
           T.functions[i] = f;
           for (const FuncAttribute& a : k.func_attributes)
-            THAW_CU(CU_NEED(cuFuncSetAttribute)(f, CUfunction_attribute(a.id), a.value));
+            VITRIFY_CU(CU_NEED(cuFuncSetAttribute)(f, CUfunction_attribute(a.id), a.value));
           const CUDA_KERNEL_NODE_PARAMS p = kernel_params(k, f, args);
-          THAW_CU(CU_NEED(cuGraphAddKernelNode)(&node, T.graph, nullptr, 0, &p));
+          VITRIFY_CU(CU_NEED(cuGraphAddKernelNode)(&node, T.graph, nullptr, 0, &p));
           for (const LaunchAttribute& a : k.attributes) {
             CUkernelNodeAttrValue v;
             std::memset(&v, 0, sizeof v);
             std::memcpy(&v, a.value.data(), std::min(a.value.size(), sizeof v));
-            THAW_CU(CU_NEED(cuGraphKernelNodeSetAttribute)(node, CUkernelNodeAttrID(a.id), &v));
+            VITRIFY_CU(CU_NEED(cuGraphKernelNodeSetAttribute)(node, CUkernelNodeAttrID(a.id), &v));
           }
           break;
         }
         case NodeKind::memcpy: {
           const CUDA_MEMCPY3D c = memcpy_params(n.memcpy);
-          THAW_CU(CU_NEED(cuGraphAddMemcpyNode)(&node, T.graph, nullptr, 0, &c, T.context));
+          VITRIFY_CU(CU_NEED(cuGraphAddMemcpyNode)(&node, T.graph, nullptr, 0, &c, T.context));
           break;
         }
         case NodeKind::memset: {
           const CUDA_MEMSET_NODE_PARAMS s = memset_params(n.memset);
-          THAW_CU(CU_NEED(cuGraphAddMemsetNode)(&node, T.graph, nullptr, 0, &s, T.context));
+          VITRIFY_CU(CU_NEED(cuGraphAddMemsetNode)(&node, T.graph, nullptr, 0, &s, T.context));
           break;
         }
         case NodeKind::event_record:
-          THAW_CU(CU_NEED(cuGraphAddEventRecordNode)(&node, T.graph, nullptr, 0, T.events[n.event]));
+          VITRIFY_CU(CU_NEED(cuGraphAddEventRecordNode)(&node, T.graph, nullptr, 0, T.events[n.event]));
           break;
         case NodeKind::event_wait:
-          THAW_CU(CU_NEED(cuGraphAddEventWaitNode)(&node, T.graph, nullptr, 0, T.events[n.event]));
+          VITRIFY_CU(CU_NEED(cuGraphAddEventWaitNode)(&node, T.graph, nullptr, 0, T.events[n.event]));
           break;
         case NodeKind::empty:
-          THAW_CU(CU_NEED(cuGraphAddEmptyNode)(&node, T.graph, nullptr, 0));
+          VITRIFY_CU(CU_NEED(cuGraphAddEmptyNode)(&node, T.graph, nullptr, 0));
           break;
       }
     } catch (const CudaError& e) {
@@ -312,14 +312,14 @@ void GraphSet::build(size_t t) {
     }
     const auto& d = driver::cu();
     if (d.cuGraphAddDependencies != nullptr)
-      THAW_CU(d.cuGraphAddDependencies(T.graph, from.data(), to.data(), data.data(), from.size()));
+      VITRIFY_CU(d.cuGraphAddDependencies(T.graph, from.data(), to.data(), data.data(), from.size()));
     else if (plain)
-      THAW_CU(CU_NEED(cuGraphAddDependencies_v10000)(T.graph, from.data(), to.data(), from.size()));
+      VITRIFY_CU(CU_NEED(cuGraphAddDependencies_v10000)(T.graph, from.data(), to.data(), from.size()));
     else
       throw DriverUnavailable("graph " + std::to_string(gid) + " has typed edges (programmatic "
                               "dependencies) and this driver lacks cuGraphAddDependencies_v2");
   }
-  THAW_CU(CU_NEED(cuGraphInstantiateWithFlags)(&T.exec, T.graph, 0));
+  VITRIFY_CU(CU_NEED(cuGraphInstantiateWithFlags)(&T.exec, T.graph, 0));
   T.current = gid;
 }
 
@@ -337,7 +337,7 @@ void GraphSet::apply(Template& T, size_t id) {
         if (c && c->kernel.params == n.kernel.params && c->kernel.grid == n.kernel.grid) break;
         {
           const CUDA_KERNEL_NODE_PARAMS p = kernel_params(n.kernel, T.functions[i], args);
-          THAW_CU(CU_NEED(cuGraphExecKernelNodeSetParams)(T.exec, T.nodes[i], &p));
+          VITRIFY_CU(CU_NEED(cuGraphExecKernelNodeSetParams)(T.exec, T.nodes[i], &p));
         }
         ++updated;
         break;
@@ -345,7 +345,7 @@ void GraphSet::apply(Template& T, size_t id) {
         if (c && c->memcpy == n.memcpy) break;
         {
           const CUDA_MEMCPY3D m = memcpy_params(n.memcpy);
-          THAW_CU(CU_NEED(cuGraphExecMemcpyNodeSetParams)(T.exec, T.nodes[i], &m, T.context));
+          VITRIFY_CU(CU_NEED(cuGraphExecMemcpyNodeSetParams)(T.exec, T.nodes[i], &m, T.context));
         }
         ++updated;
         break;
@@ -353,7 +353,7 @@ void GraphSet::apply(Template& T, size_t id) {
         if (c && c->memset == n.memset) break;
         {
           const CUDA_MEMSET_NODE_PARAMS s = memset_params(n.memset);
-          THAW_CU(CU_NEED(cuGraphExecMemsetNodeSetParams)(T.exec, T.nodes[i], &s, T.context));
+          VITRIFY_CU(CU_NEED(cuGraphExecMemsetNodeSetParams)(T.exec, T.nodes[i], &s, T.context));
         }
         ++updated;
         break;
@@ -369,9 +369,9 @@ void GraphSet::apply(Template& T, size_t id) {
 
 void GraphSet::wait(size_t id) {
   std::unique_lock<std::mutex> lock(mu_);
-  THAW_EXPECT(id < graphs_.size(), "graph id " + std::to_string(id) + " out of range: " +
+  VITRIFY_EXPECT(id < graphs_.size(), "graph id " + std::to_string(id) + " out of range: " +
                                        std::to_string(graphs_.size()) + " graphs");
-  THAW_EXPECT(started_, "GraphSet::wait before start()");
+  VITRIFY_EXPECT(started_, "GraphSet::wait before start()");
   Template& T = *templates_[template_of_[id]];
   cv_.wait(lock, [&] { return T.done; });
   if (T.error) std::rethrow_exception(T.error);
@@ -392,12 +392,12 @@ void GraphSet::launch(size_t id, uint64_t stream) {
   std::lock_guard<std::mutex> lock(T.launch_mu);
   driver::ContextGuard ctx(device_);
   if (T.current != id) apply(T, id);
-  THAW_CU(CU_NEED(cuGraphLaunch)(T.exec, reinterpret_cast<CUstream>(stream)));
+  VITRIFY_CU(CU_NEED(cuGraphLaunch)(T.exec, reinterpret_cast<CUstream>(stream)));
 }
 
 void GraphSet::synchronize() {
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuCtxSynchronize());
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
 }
 
 size_t GraphSet::size() const {
@@ -407,7 +407,7 @@ size_t GraphSet::size() const {
 
 size_t GraphSet::template_of(size_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
-  THAW_EXPECT(id < graphs_.size(), "graph id " + std::to_string(id) + " out of range: " +
+  VITRIFY_EXPECT(id < graphs_.size(), "graph id " + std::to_string(id) + " out of range: " +
                                        std::to_string(graphs_.size()) + " graphs");
   return template_of_[id];
 }
@@ -420,4 +420,4 @@ RebuildStats GraphSet::stats() const {
   return s;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

@@ -1,10 +1,10 @@
-// SHA-256 per FIPS 180-4, written for thaw (module content hashes).
+// SHA-256 per FIPS 180-4, written for vitrify (module content hashes).
 #include <algorithm>
 #include <cstring>
 
-#include "thaw/graph.hpp"
+#include "vitrify/graph.hpp"
 
-namespace thaw::graph {
+namespace vitrify::graph {
 namespace {
 
 constexpr uint32_t kK[64] = {
@@ -102,17 +102,17 @@ std::string to_hex(const Hash& h) {
 }
 
 Hash hash_from_hex(const std::string& hex) {
-  THAW_EXPECT(hex.size() == 64, "a module hash is 64 hex digits, got '" + hex + "'");
+  VITRIFY_EXPECT(hex.size() == 64, "a module hash is 64 hex digits, got '" + hex + "'");
   Hash h{};
   auto nibble = [&](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    THAW_EXPECT(false, "a module hash is 64 hex digits, got '" + hex + "'");
+    VITRIFY_EXPECT(false, "a module hash is 64 hex digits, got '" + hex + "'");
     return 0;
   };
   for (size_t i = 0; i < 32; ++i) h[i] = uint8_t(nibble(hex[2 * i]) << 4 | nibble(hex[2 * i + 1]));
   return h;
 }
 
-}  // namespace thaw::graph
+}  // namespace vitrify::graph

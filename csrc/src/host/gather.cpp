@@ -5,15 +5,15 @@
 #include <thread>
 #include <utility>
 
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
 
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
-#define THAW_STREAMING_STORES 1
+#define VITRIFY_STREAMING_STORES 1
 #endif
 
-namespace thaw::host {
+namespace vitrify::host {
 
 namespace {
 
@@ -21,14 +21,14 @@ std::string n(size_t v) { return std::to_string(v); }
 
 size_t mul(size_t a, size_t b, const char* what) {
   size_t r = 0;
-  THAW_EXPECT(!__builtin_mul_overflow(a, b, &r),
+  VITRIFY_EXPECT(!__builtin_mul_overflow(a, b, &r),
               std::string(what) + " overflows: " + n(a) + " * " + n(b));
   return r;
 }
 
 size_t add(size_t a, size_t b, const char* what) {
   size_t r = 0;
-  THAW_EXPECT(!__builtin_add_overflow(a, b, &r),
+  VITRIFY_EXPECT(!__builtin_add_overflow(a, b, &r),
               std::string(what) + " overflows: " + n(a) + " + " + n(b));
   return r;
 }
@@ -48,7 +48,7 @@ constexpr size_t kBytesPerTask = size_t(512) << 10;    // at least this much per
 constexpr size_t kStreamMinBytes = size_t(8) << 20;
 
 void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool streaming) {
-#ifdef THAW_STREAMING_STORES
+#ifdef VITRIFY_STREAMING_STORES
   if (streaming && n >= 256) {
     const size_t head = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;
     std::memcpy(dst, src, head);
@@ -76,7 +76,7 @@ void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool streaming) {
 }
 
 void store_fence(bool streaming) {
-#ifdef THAW_STREAMING_STORES
+#ifdef VITRIFY_STREAMING_STORES
   if (streaming) _mm_sfence();  // streaming stores are weakly ordered: publish before returning
 #else
   (void)streaming;
@@ -88,14 +88,14 @@ void store_fence(bool streaming) {
 // ---- layouts ------------------------------------------------------------------------------------
 
 void PageLayout::validate() const {
-  THAW_EXPECT(!components.empty() && components.size() <= 16,
+  VITRIFY_EXPECT(!components.empty() && components.size() <= 16,
               "a page layout needs 1 to 16 components (K, V, ...), got " + n(components.size()));
-  THAW_EXPECT(layers > 0, "layout layers must be positive, got 0");
-  THAW_EXPECT(pages > 0, "layout pages must be positive, got 0");
-  THAW_EXPECT(slice_bytes > 0, "layout slice_bytes must be positive, got 0");
+  VITRIFY_EXPECT(layers > 0, "layout layers must be positive, got 0");
+  VITRIFY_EXPECT(pages > 0, "layout pages must be positive, got 0");
+  VITRIFY_EXPECT(slice_bytes > 0, "layout slice_bytes must be positive, got 0");
   (void)mul(mul(components.size(), layers, "blob size"), slice_bytes, "blob size");
   const size_t span = span_of(*this);
-  THAW_EXPECT(span <= component_bytes,
+  VITRIFY_EXPECT(span <= component_bytes,
               "layout out of range: the slice of layer " + n(layers - 1) + ", page " +
                   n(pages - 1) + " ends at byte " + n(span) + " of a component, beyond its " +
                   n(component_bytes) + " bytes (layers=" + n(layers) + " pages=" + n(pages) +
@@ -111,12 +111,12 @@ void PageLayout::validate() const {
   if (pages > 1) dims.push_back({page_stride, pages, "page_stride"});
   std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
   if (!dims.empty())
-    THAW_EXPECT(dims[0].stride >= slice_bytes,
+    VITRIFY_EXPECT(dims[0].stride >= slice_bytes,
                 std::string("layout slices overlap: ") + dims[0].name + " " + n(dims[0].stride) +
                     " is smaller than slice_bytes " + n(slice_bytes));
   if (dims.size() == 2) {
     const size_t inner = (dims[0].count - 1) * dims[0].stride + slice_bytes;  // < span, no overflow
-    THAW_EXPECT(dims[1].stride >= inner,
+    VITRIFY_EXPECT(dims[1].stride >= inner,
                 std::string("layout slices overlap: ") + dims[1].name + " " + n(dims[1].stride) +
                     " is smaller than the " + n(inner) + " bytes spanned along " + dims[0].name +
                     " (strides must nest: layer_first has page_stride=slice, layer_stride=pages*"
@@ -125,14 +125,14 @@ void PageLayout::validate() const {
   // Components: non-null, in the address space, and not overlapping each other.
   std::vector<std::pair<uintptr_t, size_t>> spans;
   for (size_t c = 0; c < components.size(); ++c) {
-    THAW_EXPECT(components[c] != 0, "layout component " + n(c) + " has a null base address");
-    THAW_EXPECT(components[c] <= UINTPTR_MAX - component_bytes,
+    VITRIFY_EXPECT(components[c] != 0, "layout component " + n(c) + " has a null base address");
+    VITRIFY_EXPECT(components[c] <= UINTPTR_MAX - component_bytes,
                 "layout component " + n(c) + ": base + component_bytes overflows the address space");
     spans.emplace_back(components[c], c);
   }
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i)
-    THAW_EXPECT(spans[i].first - spans[i - 1].first >= span,
+    VITRIFY_EXPECT(spans[i].first - spans[i - 1].first >= span,
                 "layout components " + n(spans[i - 1].second) + " and " + n(spans[i].second) +
                     " overlap: their bases are " + n(spans[i].first - spans[i - 1].first) +
                     " bytes apart but each spans " + n(span) + " bytes");
@@ -140,7 +140,7 @@ void PageLayout::validate() const {
 
 namespace {
 size_t slice_of(size_t page_tokens, size_t heads, size_t head_dim, size_t item_bytes) {
-  THAW_EXPECT(page_tokens > 0 && heads > 0 && head_dim > 0 && item_bytes > 0,
+  VITRIFY_EXPECT(page_tokens > 0 && heads > 0 && head_dim > 0 && item_bytes > 0,
               "page_tokens, heads, head_dim and item_bytes must be positive, got " +
                   n(page_tokens) + ", " + n(heads) + ", " + n(head_dim) + ", " + n(item_bytes));
   return mul(mul(mul(page_tokens, heads, "slice bytes"), head_dim, "slice bytes"), item_bytes,
@@ -242,7 +242,7 @@ void Copier::copy(const std::vector<Copy>& copies) {
 namespace {
 
 void check_page(const PageLayout& l, size_t page) {
-  THAW_EXPECT(page < l.pages, "page " + n(page) + " out of range: the layout has " +
+  VITRIFY_EXPECT(page < l.pages, "page " + n(page) + " out of range: the layout has " +
                                   n(l.pages) + " pages");
 }
 
@@ -262,13 +262,13 @@ void add_page(const PageLayout& l, size_t page, uint8_t* blob, bool to_blob,
 }
 
 void check_buffer(const void* p, size_t have, size_t need, const char* what) {
-  THAW_EXPECT(p != nullptr, std::string(what) + " is a null pointer");
-  THAW_EXPECT(have >= need, std::string(what) + " holds " + n(have) + " bytes, " + n(need) +
+  VITRIFY_EXPECT(p != nullptr, std::string(what) + " is a null pointer");
+  VITRIFY_EXPECT(have >= need, std::string(what) + " holds " + n(have) + " bytes, " + n(need) +
                                 " needed (a page blob is components*layers*slice_bytes)");
 }
 
 size_t batch_extent(size_t count, size_t stride, size_t blob, const char* what) {
-  THAW_EXPECT(stride >= blob, std::string(what) + " stride " + n(stride) +
+  VITRIFY_EXPECT(stride >= blob, std::string(what) + " stride " + n(stride) +
                                   " is smaller than a page blob of " + n(blob) + " bytes");
   return add(mul(count - 1, stride, what), blob, what);
 }
@@ -317,7 +317,7 @@ void Copier::scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
   std::vector<size_t> sorted = pages;
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  THAW_EXPECT(dup == sorted.end(),
+  VITRIFY_EXPECT(dup == sorted.end(),
               "scatter_pages: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
                   " appears twice (two sources for one page)");
   const size_t need = batch_extent(pages.size(), src_stride, layout.blob_bytes(), "scatter_pages");
@@ -335,7 +335,7 @@ namespace {
 
 void check_each(const PageLayout& l, const std::vector<size_t>& pages,
                 const std::vector<uintptr_t>& bufs, size_t each, const char* what) {
-  THAW_EXPECT(bufs.size() == pages.size(), std::string(what) + ": " + n(bufs.size()) +
+  VITRIFY_EXPECT(bufs.size() == pages.size(), std::string(what) + ": " + n(bufs.size()) +
                                                " buffers for " + n(pages.size()) + " pages");
   for (size_t p : pages) check_page(l, p);
   for (uintptr_t b : bufs) check_buffer(reinterpret_cast<const void*>(b), each, l.blob_bytes(), what);
@@ -361,7 +361,7 @@ void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
   std::vector<size_t> sorted = pages;
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  THAW_EXPECT(dup == sorted.end(),
+  VITRIFY_EXPECT(dup == sorted.end(),
               "scatter_each: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
                   " appears twice (two sources for one page)");
   std::vector<Copy> copies;
@@ -371,4 +371,4 @@ void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
   copy(copies);
 }
 
-}  // namespace thaw::host
+}  // namespace vitrify::host

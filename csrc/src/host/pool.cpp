@@ -14,13 +14,13 @@
 #include <thread>
 #include <utility>
 
-#include "thaw/aligned.hpp"
-#include "thaw/driver.hpp"
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
-#include "thaw/log.hpp"
+#include "vitrify/aligned.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
+#include "vitrify/log.hpp"
 
-namespace thaw::host {
+namespace vitrify::host {
 
 namespace {
 
@@ -47,22 +47,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 std::vector<SlabPlan> plan_slabs(size_t total_bytes, size_t page_bytes, size_t max_slab_bytes,
                                  size_t map_align) {
-  THAW_EXPECT(page_bytes > 0, "page_bytes must be positive, got 0");
-  THAW_EXPECT(total_bytes > 0, "total_bytes must be positive, got 0");
-  THAW_EXPECT(total_bytes % page_bytes == 0,
+  VITRIFY_EXPECT(page_bytes > 0, "page_bytes must be positive, got 0");
+  VITRIFY_EXPECT(total_bytes > 0, "total_bytes must be positive, got 0");
+  VITRIFY_EXPECT(total_bytes % page_bytes == 0,
               "total_bytes " + n(total_bytes) + " is not a multiple of page_bytes " +
                   n(page_bytes) + " (a pool holds whole pages; use " +
                   n(total_bytes / page_bytes * page_bytes) + " or " +
                   n((total_bytes / page_bytes + 1) * page_bytes) + ")");
-  THAW_EXPECT(map_align > 0 && (map_align & (map_align - 1)) == 0,
+  VITRIFY_EXPECT(map_align > 0 && (map_align & (map_align - 1)) == 0,
               "map_align must be a power of two, got " + n(map_align));
-  THAW_EXPECT(max_slab_bytes > 0, "max_slab_bytes must be positive, got 0");
+  VITRIFY_EXPECT(max_slab_bytes > 0, "max_slab_bytes must be positive, got 0");
   // One page, rounded to the mapping granularity, must fit under the ceiling.
-  THAW_EXPECT(page_bytes <= SIZE_MAX - map_align && round_up(page_bytes, map_align) <= max_slab_bytes,
+  VITRIFY_EXPECT(page_bytes <= SIZE_MAX - map_align && round_up(page_bytes, map_align) <= max_slab_bytes,
               "page_bytes " + human(page_bytes) + " (mapped as " +
                   human(round_up(page_bytes, map_align)) +
                   ") does not fit under the single-registration ceiling max_slab_bytes " +
-                  human(max_slab_bytes) + ": raise THAW_MAX_SLAB_GB or use smaller pages");
+                  human(max_slab_bytes) + ": raise VITRIFY_MAX_SLAB_GB or use smaller pages");
   const size_t total_pages = total_bytes / page_bytes;
   // The largest page count whose mapping fits: floor(floor(ceiling/align)*align / page_bytes).
   const size_t usable = max_slab_bytes / map_align * map_align;
@@ -86,7 +86,7 @@ std::vector<SlabPlan> plan_slabs(size_t total_bytes, size_t page_bytes, size_t m
 
 FsCapacity statfs_capacity(const std::string& path) {
   struct statfs st{};
-  THAW_SYSCALL(::statfs(path.c_str(), &st));
+  VITRIFY_SYSCALL(::statfs(path.c_str(), &st));
   FsCapacity c;
   c.fs_magic = static_cast<uint64_t>(st.f_type);
   c.block_size = static_cast<uint64_t>(st.f_bsize);
@@ -116,11 +116,11 @@ uint64_t hugetlb_free_pages(uint64_t page_bytes, const std::string& sysfs_root) 
 void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsCapacity& cap) {
   char magic[32];
   std::snprintf(magic, sizeof magic, "0x%llx", static_cast<unsigned long long>(cap.fs_magic));
-  THAW_EXPECT(cap.fs_magic == kHugetlbfsMagic,
+  VITRIFY_EXPECT(cap.fs_magic == kHugetlbfsMagic,
               "hugetlbfs_mount \"" + mount + "\" is not a hugetlbfs mount (statfs type " + magic +
                   "): mount one (mount -t hugetlbfs none /dev/hugepages) or pass no mount to "
                   "use ordinary pages");
-  THAW_EXPECT(cap.block_size > 0, "hugetlbfs mount \"" + mount + "\" reports a page size of 0");
+  VITRIFY_EXPECT(cap.block_size > 0, "hugetlbfs mount \"" + mount + "\" reports a page size of 0");
   const unsigned __int128 free_bytes =
       static_cast<unsigned __int128>(cap.free_blocks) * cap.block_size;
   if (free_bytes >= needed) return;
@@ -140,16 +140,16 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
 
 HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling)
     : device_(device) {
-  THAW_EXPECT(ptr != nullptr && bytes > 0, "cannot register an empty host range");
-  THAW_EXPECT(bytes <= ceiling,
+  VITRIFY_EXPECT(ptr != nullptr && bytes > 0, "cannot register an empty host range");
+  VITRIFY_EXPECT(bytes <= ceiling,
               "refusing to register " + human(bytes) +
                   " of host memory in one cuMemHostRegister: the single-registration ceiling "
                   "is " + human(ceiling) +
-                  " (THAW_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
-                  "into slabs (HostPool does) or raise THAW_MAX_SLAB_GB if this driver allows it");
+                  " (VITRIFY_MAX_SLAB_GB); drivers fail larger registrations. Split the memory "
+                  "into slabs (HostPool does) or raise VITRIFY_MAX_SLAB_GB if this driver allows it");
   driver::ContextGuard ctx(device);
   // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
-  THAW_CU(driver::cu().cuMemHostRegister(ptr, bytes,
+  VITRIFY_CU(driver::cu().cuMemHostRegister(ptr, bytes,
                                          CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
   ptr_ = ptr;
   bytes_ = bytes;
@@ -203,7 +203,7 @@ std::atomic<uint64_t> g_file_counter{0};
 
 // One slab file on hugetlbfs: created exclusively, unlinked at once (the mapping keeps it).
 uint8_t* map_hugetlbfs(const std::string& mount, size_t bytes) {
-  const std::string path = mount + "/thaw-hostpool-" + std::to_string(::getpid()) + "-" +
+  const std::string path = mount + "/vitrify-hostpool-" + std::to_string(::getpid()) + "-" +
                            std::to_string(g_file_counter.fetch_add(1));
   const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd == -1) detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
@@ -238,7 +238,7 @@ HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions option
     // The type first (needing 0 bytes cannot fail on capacity), so the block size below is the
     // huge page size.
     check_hugetlbfs_capacity(options_.hugetlbfs_mount, 0, cap);
-    THAW_EXPECT((cap.block_size & (cap.block_size - 1)) == 0,
+    VITRIFY_EXPECT((cap.block_size & (cap.block_size - 1)) == 0,
                 "hugetlbfs mount \"" + options_.hugetlbfs_mount + "\" reports a page size of " +
                     n(cap.block_size) + " bytes, not a power of two");
     map_align_ = static_cast<size_t>(cap.block_size);
@@ -389,13 +389,13 @@ void HostPool::unmap_all() noexcept {
 }
 
 uint8_t* HostPool::slab_base(size_t slab) const {
-  THAW_EXPECT(slab < plan_.size(),
+  VITRIFY_EXPECT(slab < plan_.size(),
               "slab " + n(slab) + " out of range: the pool has " + n(plan_.size()) + " slab(s)");
   return maps_[slab].ptr;
 }
 
 size_t HostPool::slab_of(size_t page) const {
-  THAW_EXPECT(page < num_pages(),
+  VITRIFY_EXPECT(page < num_pages(),
               "page " + n(page) + " out of range: the pool has " + n(num_pages()) + " pages");
   return page / plan_.front().pages;  // every slab but the last holds the same page count
 }
@@ -407,7 +407,7 @@ uint8_t* HostPool::page_address(size_t page) const {
 
 std::vector<Segment> HostPool::segments(size_t first_page, size_t count) const {
   const size_t total = num_pages();
-  THAW_EXPECT(first_page <= total && count <= total - first_page,
+  VITRIFY_EXPECT(first_page <= total && count <= total - first_page,
               "pages [" + n(first_page) + ", " + n(first_page) + "+" + n(count) +
                   ") out of range: the pool has " + n(total) + " pages");
   std::vector<Segment> out;
@@ -429,4 +429,4 @@ std::vector<Segment> HostPool::segments(size_t first_page, size_t count) const {
   return out;
 }
 
-}  // namespace thaw::host
+}  // namespace vitrify::host

@@ -1,10 +1,10 @@
 // ThreadPool: fixed workers running indexed tasks; the caller of run() works on its own job too.
 #include <exception>
 
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
 
-namespace thaw::host {
+namespace vitrify::host {
 
 struct ThreadPool::Job {
   const std::function<void(size_t)>* fn = nullptr;
@@ -17,7 +17,7 @@ struct ThreadPool::Job {
 };
 
 ThreadPool::ThreadPool(size_t threads) {
-  THAW_EXPECT(threads >= 1 && threads <= 1024,
+  VITRIFY_EXPECT(threads >= 1 && threads <= 1024,
               "thread count must be in [1, 1024], got " + std::to_string(threads));
   workers_.reserve(threads - 1);
   try {
@@ -106,4 +106,4 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& fn) {
   if (job->error) std::rethrow_exception(job->error);
 }
 
-}  // namespace thaw::host
+}  // namespace vitrify::host

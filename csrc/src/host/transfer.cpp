@@ -2,11 +2,11 @@
 #include <algorithm>
 #include <string>
 
-#include "thaw/driver.hpp"
-#include "thaw/error.hpp"
-#include "thaw/host.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/error.hpp"
+#include "vitrify/host.hpp"
 
-namespace thaw::host {
+namespace vitrify::host {
 
 namespace {
 
@@ -43,7 +43,7 @@ TransferStats transfer(const HostPool& pool, Direction direction, const std::vec
   size_t bytes = 0;
   for (size_t r = 0; r < runs.size(); ++r) {
     const PageRun& run = runs[r];
-    THAW_EXPECT(run.count == 0 || run.device_ptr != 0,
+    VITRIFY_EXPECT(run.count == 0 || run.device_ptr != 0,
                 "page run " + n(r) + " has a null device pointer");
     for (const Segment& s : pool.segments(run.first_page, run.count)) {
       const CUdeviceptr dev = run.device_ptr + (s.first_page - run.first_page) * pool.page_bytes();
@@ -72,7 +72,7 @@ TransferStats transfer(const HostPool& pool, Direction direction, const std::vec
       throw DriverUnavailable("cuMemcpyBatchAsync is not available in this driver (version " +
                               std::to_string(d.driver_version) +
                               "; it needs CUDA 12.8 or newer): use the loop path");
-    THAW_EXPECT(!legacy_stream(stream),
+    VITRIFY_EXPECT(!legacy_stream(stream),
                 "cuMemcpyBatchAsync refuses the legacy NULL stream: pass a created stream "
                 "(torch.cuda.Stream().cuda_stream) or use the loop path");
   }
@@ -86,9 +86,9 @@ TransferStats transfer(const HostPool& pool, Direction direction, const std::vec
   if (!use_batch) {
     for (const Piece& p : pieces) {
       if (h2d)
-        THAW_CU(d.cuMemcpyHtoDAsync(p.device, p.host, p.bytes, stream));
+        VITRIFY_CU(d.cuMemcpyHtoDAsync(p.device, p.host, p.bytes, stream));
       else
-        THAW_CU(d.cuMemcpyDtoHAsync(p.host, p.device, p.bytes, stream));
+        VITRIFY_CU(d.cuMemcpyDtoHAsync(p.host, p.device, p.bytes, stream));
       ++st.driver_calls;
     }
     return st;
@@ -116,7 +116,7 @@ TransferStats transfer(const HostPool& pool, Direction direction, const std::vec
       sizes.push_back(p.bytes);
     }
     if (d.cuMemcpyBatchAsync != nullptr) {
-      THAW_CU(d.cuMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attr,
+      VITRIFY_CU(d.cuMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attr,
                                    &attr_index, 1, stream));
     } else {
       size_t fail = SIZE_MAX;
@@ -136,17 +136,17 @@ TransferStats transfer(const HostPool& pool, Direction direction, const std::vec
 }
 
 void memcpy_sync(Direction direction, int device, CUdeviceptr device_ptr, void* host, size_t bytes) {
-  THAW_EXPECT(device_ptr != 0 && host != nullptr, "memcpy_sync: null pointer");
+  VITRIFY_EXPECT(device_ptr != 0 && host != nullptr, "memcpy_sync: null pointer");
   driver::ContextGuard ctx(device);
   if (direction == Direction::HostToDevice)
-    THAW_CU(driver::cu().cuMemcpyHtoD(device_ptr, host, bytes));
+    VITRIFY_CU(driver::cu().cuMemcpyHtoD(device_ptr, host, bytes));
   else
-    THAW_CU(driver::cu().cuMemcpyDtoH(host, device_ptr, bytes));
+    VITRIFY_CU(driver::cu().cuMemcpyDtoH(host, device_ptr, bytes));
 }
 
 Stream::Stream(int device) : device_(device) {
   driver::ContextGuard ctx(device);
-  THAW_CU(driver::cu().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
+  VITRIFY_CU(driver::cu().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
 }
 
 Stream::~Stream() {
@@ -161,7 +161,7 @@ Stream::~Stream() {
 
 void Stream::synchronize() const {
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuStreamSynchronize(stream_));
+  VITRIFY_CU(driver::cu().cuStreamSynchronize(stream_));
 }
 
-}  // namespace thaw::host
+}  // namespace vitrify::host

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "thaw/log.hpp"
-#include "thaw/region.hpp"
+#include "vitrify/log.hpp"
+#include "vitrify/region.hpp"
 
-namespace thaw::region {
+namespace vitrify::region {
 namespace {
 
 struct Registry {
@@ -43,16 +43,16 @@ void unregister_region(Region* r) noexcept {
 }
 
 void set_active(Region* r, int device) {
-  THAW_EXPECT(device >= 0, "device ordinal must be non-negative, got " + std::to_string(device));
+  VITRIFY_EXPECT(device >= 0, "device ordinal must be non-negative, got " + std::to_string(device));
   Registry& g = registry();
   std::lock_guard<std::mutex> lk(g.mu);
   if (r == nullptr) {
     g.active.erase(device);
     return;
   }
-  THAW_EXPECT(std::find(g.live.begin(), g.live.end(), r) != g.live.end(),
+  VITRIFY_EXPECT(std::find(g.live.begin(), g.live.end(), r) != g.live.end(),
               "cannot activate a closed region");
-  THAW_EXPECT(r->device() == device, "region " + r->describe() +
+  VITRIFY_EXPECT(r->device() == device, "region " + r->describe() +
                                          " cannot be the active region of device " +
                                          std::to_string(device));
   g.active[device] = r;
@@ -67,12 +67,12 @@ Region* active(int device) {
 
 std::string last_abi_error() { return t_last_error; }
 
-}  // namespace thaw::region
+}  // namespace vitrify::region
 
-using thaw::region::hex;
-using thaw::region::registry;
+using vitrify::region::hex;
+using vitrify::region::registry;
 
-extern "C" __attribute__((visibility("default"))) void* thaw_region_malloc(ssize_t size, int device,
+extern "C" __attribute__((visibility("default"))) void* vitrify_region_malloc(ssize_t size, int device,
                                                                          void* stream) {
   (void)stream;
   std::string error;
@@ -82,25 +82,25 @@ extern "C" __attribute__((visibility("default"))) void* thaw_region_malloc(ssize
     std::lock_guard<std::mutex> lk(g.mu);
     auto it = g.active.find(device);
     if (size <= 0) {
-      error = "thaw_region_malloc: size must be positive, got " + std::to_string(size);
+      error = "vitrify_region_malloc: size must be positive, got " + std::to_string(size);
     } else if (it == g.active.end()) {
-      error = "thaw_region_malloc: no active region for device " + std::to_string(device) +
-              " (allocate inside thaw.integrations.torch.region_allocations(region))";
+      error = "vitrify_region_malloc: no active region for device " + std::to_string(device) +
+              " (allocate inside vitrify.integrations.torch.region_allocations(region))";
     } else {
       out = reinterpret_cast<void*>(it->second->allocate(static_cast<uint64_t>(size)));
     }
   } catch (const std::exception& e) {
-    error = std::string("thaw_region_malloc(") + std::to_string(size) + ", device " +
+    error = std::string("vitrify_region_malloc(") + std::to_string(size) + ", device " +
             std::to_string(device) + "): " + e.what();
   } catch (...) {
-    error = "thaw_region_malloc: unknown error";
+    error = "vitrify_region_malloc: unknown error";
   }
-  thaw::region::t_last_error = error;
-  if (!error.empty()) thaw::log::error(error);
+  vitrify::region::t_last_error = error;
+  if (!error.empty()) vitrify::log::error(error);
   return out;
 }
 
-extern "C" __attribute__((visibility("default"))) void thaw_region_free(void* ptr, ssize_t size,
+extern "C" __attribute__((visibility("default"))) void vitrify_region_free(void* ptr, ssize_t size,
                                                                       int device, void* stream) {
   (void)size;
   (void)stream;
@@ -110,22 +110,22 @@ extern "C" __attribute__((visibility("default"))) void thaw_region_free(void* pt
   try {
     auto& g = registry();
     std::lock_guard<std::mutex> lk(g.mu);
-    thaw::Region* owner = nullptr;
-    for (thaw::Region* r : g.live)
+    vitrify::Region* owner = nullptr;
+    for (vitrify::Region* r : g.live)
       if (r->owns(p) && (owner == nullptr || r->device() == device)) owner = r;
     if (owner == nullptr)
-      error = "thaw_region_free: " + hex(p) + " (device " + std::to_string(device) +
+      error = "vitrify_region_free: " + hex(p) + " (device " + std::to_string(device) +
               ") belongs to no live region (closed before torch freed it?); ignored";
     else
       owner->free(p);
   } catch (const std::exception& e) {
-    error = "thaw_region_free(" + hex(p) + "): " + e.what();
+    error = "vitrify_region_free(" + hex(p) + "): " + e.what();
   } catch (...) {
-    error = "thaw_region_free: unknown error";
+    error = "vitrify_region_free: unknown error";
   }
   // A successful free leaves the last error alone: torch frees cached blocks between a failed
   // allocation and the OutOfMemoryError it raises, and the region's reason must survive that.
   if (error.empty()) return;
-  thaw::region::t_last_error = error;
-  thaw::log::warning(error);
+  vitrify::region::t_last_error = error;
+  vitrify::log::warning(error);
 }

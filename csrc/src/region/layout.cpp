@@ -5,9 +5,9 @@
 #include <cstdio>
 #include <string>
 
-#include "thaw/region.hpp"
+#include "vitrify/region.hpp"
 
-namespace thaw::region {
+namespace vitrify::region {
 
 std::string hex(uint64_t v) {
   char b[24];
@@ -25,10 +25,10 @@ std::string format_range(uint64_t begin, uint64_t end) {
 }
 
 uint64_t round_up(uint64_t n, uint64_t granularity) {
-  THAW_EXPECT(granularity > 0, "granularity must be positive");
+  VITRIFY_EXPECT(granularity > 0, "granularity must be positive");
   const uint64_t r = n % granularity;
   if (r == 0) return n;
-  THAW_EXPECT(n <= UINT64_MAX - (granularity - r),
+  VITRIFY_EXPECT(n <= UINT64_MAX - (granularity - r),
               "size " + std::to_string(n) + " overflows when rounded up to the granularity " +
                   std::to_string(granularity));
   return n + (granularity - r);
@@ -47,15 +47,15 @@ std::vector<uint64_t> candidate_bases(uint64_t size) {
 }
 
 Layout::Layout(uint64_t size, uint64_t granularity) : size_(size), granularity_(granularity) {
-  THAW_EXPECT(granularity > 0 && (granularity & (granularity - 1)) == 0,
+  VITRIFY_EXPECT(granularity > 0 && (granularity & (granularity - 1)) == 0,
               "granularity must be a power of two, got " + std::to_string(granularity));
-  THAW_EXPECT(size > 0 && size % granularity == 0,
+  VITRIFY_EXPECT(size > 0 && size % granularity == 0,
               "region size must be a positive multiple of the granularity " +
                   std::to_string(granularity) + ", got " + std::to_string(size));
 }
 
 Layout::AllocPlan Layout::plan_allocate(uint64_t bytes) const {
-  THAW_EXPECT(bytes > 0, "allocation size must be positive, got 0");
+  VITRIFY_EXPECT(bytes > 0, "allocation size must be positive, got 0");
   // R3: round up; an allocation that does not fit is OutOfSpace with the numbers (R5).
   const bool overflow = bytes > UINT64_MAX - granularity_;
   const uint64_t rounded = overflow ? 0 : round_up(bytes, granularity_);
@@ -87,7 +87,7 @@ void Layout::commit_allocate(const AllocPlan& p) {
 
 std::vector<Span> Layout::free(uint64_t offset) {
   auto a = allocs_.find(offset);
-  THAW_EXPECT(a != allocs_.end(),
+  VITRIFY_EXPECT(a != allocs_.end(),
               "offset " + std::to_string(offset) + " is not the start of a live region allocation");
   const Span s{a->first, a->second};
   allocs_.erase(a);
@@ -113,8 +113,8 @@ std::vector<Span> Layout::free(uint64_t offset) {
 }
 
 std::vector<Span> Layout::plan_preallocate(uint64_t upto, uint64_t chunk_bytes) const {
-  THAW_EXPECT(chunk_bytes > 0, "preallocate chunk size must be positive");
-  THAW_EXPECT(upto <= size_, "preallocate(upto=" + std::to_string(upto) +
+  VITRIFY_EXPECT(chunk_bytes > 0, "preallocate chunk size must be positive");
+  VITRIFY_EXPECT(upto <= size_, "preallocate(upto=" + std::to_string(upto) +
                                  ") is beyond the region size " + std::to_string(size_));
   const uint64_t end = round_up(upto, granularity_);
   const uint64_t chunk = round_up(chunk_bytes, granularity_);
@@ -150,11 +150,11 @@ std::vector<Span> Layout::release_idle_below_cursor() {
 }
 
 std::vector<Span> Layout::set_offset(uint64_t n) {
-  THAW_EXPECT(n >= cursor_, "set_offset(" + std::to_string(n) + ") would move the cursor backwards from " +
+  VITRIFY_EXPECT(n >= cursor_, "set_offset(" + std::to_string(n) + ") would move the cursor backwards from " +
                                 std::to_string(cursor_) + " (the cursor only moves forward)");
-  THAW_EXPECT(n <= size_, "set_offset(" + std::to_string(n) + ") is beyond the region size " +
+  VITRIFY_EXPECT(n <= size_, "set_offset(" + std::to_string(n) + ") is beyond the region size " +
                               std::to_string(size_));
-  THAW_EXPECT(n % granularity_ == 0, "set_offset(" + std::to_string(n) +
+  VITRIFY_EXPECT(n % granularity_ == 0, "set_offset(" + std::to_string(n) +
                                          ") is not a multiple of the granularity " +
                                          std::to_string(granularity_));
   cursor_ = n;
@@ -162,9 +162,9 @@ std::vector<Span> Layout::set_offset(uint64_t n) {
 }
 
 uint64_t Layout::checkpoint(const std::string& name) {
-  THAW_EXPECT(!name.empty(), "checkpoint name must not be empty");
+  VITRIFY_EXPECT(!name.empty(), "checkpoint name must not be empty");
   for (const auto& c : checkpoints_)
-    THAW_EXPECT(c.first != name, "checkpoint \"" + name + "\" was already recorded at offset " +
+    VITRIFY_EXPECT(c.first != name, "checkpoint \"" + name + "\" was already recorded at offset " +
                                      std::to_string(c.second) + " (names are unique)");
   checkpoints_.emplace_back(name, cursor_);
   return cursor_;
@@ -200,4 +200,4 @@ LayoutStats Layout::stats() const {
   return s;
 }
 
-}  // namespace thaw::region
+}  // namespace vitrify::region

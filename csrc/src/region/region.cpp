@@ -4,11 +4,11 @@
 #include <string>
 
 #include "region/vmm.hpp"
-#include "thaw/device_memory.hpp"
-#include "thaw/log.hpp"
-#include "thaw/region.hpp"
+#include "vitrify/device_memory.hpp"
+#include "vitrify/log.hpp"
+#include "vitrify/region.hpp"
 
-namespace thaw {
+namespace vitrify {
 
 using region::format_range;
 using region::hex;
@@ -52,20 +52,20 @@ std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::st
 }  // namespace
 
 Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device_(device) {
-  THAW_EXPECT(size > 0, "region size must be positive, got 0");
+  VITRIFY_EXPECT(size > 0, "region size must be positive, got 0");
   const int n = driver::device_count();
-  THAW_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
+  VITRIFY_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
                                              " out of range: this machine has " +
                                              std::to_string(n) + " CUDA device(s)");
   driver::ContextGuard ctx(device);
   granularity_ = region::detail::granularity(device);
   size_ = region::round_up(size, granularity_);
   if (base) {
-    THAW_EXPECT(*base % granularity_ == 0, "region base " + hex(*base) +
+    VITRIFY_EXPECT(*base % granularity_ == 0, "region base " + hex(*base) +
                                                " is not a multiple of the allocation granularity " +
                                                std::to_string(granularity_) + " of device " +
                                                std::to_string(device));
-    THAW_EXPECT(*base != 0 && *base <= UINT64_MAX - size_,
+    VITRIFY_EXPECT(*base != 0 && *base <= UINT64_MAX - size_,
                 "region base " + hex(*base) + " with size " + std::to_string(size_) +
                     " is not a usable range");
     std::string why;
@@ -153,7 +153,7 @@ std::unique_ptr<Mapping> Region::map_chunk(const Span& s) const {
 }
 
 uint64_t Region::allocate(uint64_t bytes) {
-  THAW_EXPECT(bytes > 0, "allocation size must be positive, got 0");
+  VITRIFY_EXPECT(bytes > 0, "allocation size must be positive, got 0");
   std::lock_guard<std::mutex> lk(mu_);
   check_open();
   if (stopped_) {  // R8: ordinary memory, the cursor does not move
@@ -182,7 +182,7 @@ void Region::free(uint64_t ptr) {
       fallback_.erase(f);
       return;
     }
-    THAW_EXPECT(contains(ptr), "pointer " + hex(ptr) + " is neither in the region " + describe() +
+    VITRIFY_EXPECT(contains(ptr), "pointer " + hex(ptr) + " is neither in the region " + describe() +
                                    " nor an allocation made while it was stopped");
     const std::vector<Span> release = layout_->free(ptr - base_);
     if (!release.empty()) {
@@ -305,25 +305,25 @@ RegionStats Region::stats() const {
 }
 
 void Region::check_live_range(uint64_t ptr, size_t n, const char* what) const {
-  THAW_EXPECT(n > 0, std::string(what) + " of 0 bytes");
+  VITRIFY_EXPECT(n > 0, std::string(what) + " of 0 bytes");
   auto f = fallback_.upper_bound(ptr);
   if (f != fallback_.begin()) {
     --f;
     const uint64_t b = f->first, e = b + f->second->buffer.size();
     if (ptr >= b && ptr < e) {
-      THAW_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
+      VITRIFY_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
                                     hex(ptr) + " runs past the end of its allocation " +
                                     format_range(b, e));
       return;
     }
   }
-  THAW_EXPECT(contains(ptr), std::string(what) + " at " + hex(ptr) + ": not in the region " +
+  VITRIFY_EXPECT(contains(ptr), std::string(what) + " at " + hex(ptr) + ": not in the region " +
                                  describe() + " nor a fallback allocation");
   const auto a = layout_->allocation_containing(ptr - base_);
-  THAW_EXPECT(a.has_value(), std::string(what) + " at " + hex(ptr) +
+  VITRIFY_EXPECT(a.has_value(), std::string(what) + " at " + hex(ptr) +
                                  ": no live allocation of the region holds this address");
   const uint64_t e = base_ + a->end();
-  THAW_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
+  VITRIFY_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
                                 hex(ptr) + " runs past the end of its allocation " +
                                 format_range(base_ + a->offset, e));
 }
@@ -333,7 +333,7 @@ void Region::write(uint64_t dst, const void* src, size_t n) {
   check_open();
   check_live_range(dst, n, "write");
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyHtoD(dst, src, n));
+  VITRIFY_CU(driver::cu().cuMemcpyHtoD(dst, src, n));
 }
 
 void Region::read(uint64_t src, void* dst, size_t n) const {
@@ -341,7 +341,7 @@ void Region::read(uint64_t src, void* dst, size_t n) const {
   check_open();
   check_live_range(src, n, "read");
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyDtoH(dst, src, n));
+  VITRIFY_CU(driver::cu().cuMemcpyDtoH(dst, src, n));
 }
 
-}  // namespace thaw
+}  // namespace vitrify

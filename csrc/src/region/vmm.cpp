@@ -1,6 +1,6 @@
 #include "region/vmm.hpp"
 
-namespace thaw::region::detail {
+namespace vitrify::region::detail {
 namespace {
 
 CUmemAllocationProp device_prop(int device) {
@@ -15,7 +15,7 @@ CUmemAllocationProp device_prop(int device) {
 
 Reservation::Reservation(uint64_t addr, uint64_t size) : size_(size) {
   CUdeviceptr p = 0;
-  THAW_CU(driver::cu().cuMemAddressReserve(&p, size, driver::reserve_alignment(addr), addr, 0));
+  VITRIFY_CU(driver::cu().cuMemAddressReserve(&p, size, driver::reserve_alignment(addr), addr, 0));
   ptr_ = p;
 }
 
@@ -33,7 +33,7 @@ int Reservation::release() noexcept {
 
 PhysicalMemory::PhysicalMemory(uint64_t size, int device) : size_(size) {
   const CUmemAllocationProp prop = device_prop(device);
-  THAW_CU(driver::cu().cuMemCreate(&handle_, size, &prop, 0));
+  VITRIFY_CU(driver::cu().cuMemCreate(&handle_, size, &prop, 0));
 }
 
 int PhysicalMemory::release() noexcept {
@@ -50,14 +50,14 @@ int PhysicalMemory::release() noexcept {
 
 Mapping::Mapping(uint64_t ptr, PhysicalMemory&& mem, int device) : ptr_(ptr), mem_(std::move(mem)) {
   const auto& d = driver::cu();
-  THAW_CU(d.cuMemMap(ptr_, mem_.size(), 0, mem_.handle(), 0));
+  VITRIFY_CU(d.cuMemMap(ptr_, mem_.size(), 0, mem_.handle(), 0));
   mapped_ = true;  // from here on the destructor unmaps, including when SetAccess throws
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   try {
-    THAW_CU(d.cuMemSetAccess(ptr_, mem_.size(), &access, 1));
+    VITRIFY_CU(d.cuMemSetAccess(ptr_, mem_.size(), &access, 1));
   } catch (...) {
     (void)release();  // members' destructors do not run for a throwing constructor's body
     throw;
@@ -81,11 +81,11 @@ int Mapping::release() noexcept {
 uint64_t granularity(int device) {
   const CUmemAllocationProp prop = device_prop(device);
   size_t g = 0;
-  THAW_CU(driver::cu().cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  THAW_EXPECT(g > 0 && (g & (g - 1)) == 0,
+  VITRIFY_CU(driver::cu().cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  VITRIFY_EXPECT(g > 0 && (g & (g - 1)) == 0,
               "the driver reported an allocation granularity of " + std::to_string(g) +
                   " bytes (not a power of two)");
   return g;
 }
 
-}  // namespace thaw::region::detail
+}  // namespace vitrify::region::detail

@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <utility>
 
-#include "thaw/driver.hpp"
+#include "vitrify/driver.hpp"
 
-namespace thaw::region::detail {
+namespace vitrify::region::detail {
 
 class Reservation {
  public:
@@ -67,4 +67,4 @@ class Mapping {
 // The driver's minimum allocation granularity for pinned device memory on `device`.
 uint64_t granularity(int device);
 
-}  // namespace thaw::region::detail
+}  // namespace vitrify::region::detail

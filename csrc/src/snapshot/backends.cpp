@@ -3,11 +3,11 @@
 #include <cstring>
 #include <string>
 
-#include "thaw/driver.hpp"
-#include "thaw/host.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/host.hpp"
+#include "vitrify/snapshot.hpp"
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 namespace {
 
 // ---- the driver -----------------------------------------------------------------------------
@@ -28,12 +28,12 @@ class DriverBackend final : public CopyBackend {
  public:
   explicit DriverBackend(int device) : device_(device), guard_(device) {
     const auto& d = driver::cu();
-    THAW_CU(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
+    VITRIFY_CU(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING));
     for (auto& e : events_) {
       const CUresult r = d.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
       if (r != CUDA_SUCCESS) {
         release();
-        THAW_CU(r);
+        VITRIFY_CU(r);
       }
     }
   }
@@ -43,22 +43,22 @@ class DriverBackend final : public CopyBackend {
     if (n == 0) return true;
     const CUresult r = driver::cu().cuMemcpyDtoH(dst, static_cast<CUdeviceptr>(src), n);
     if (r == CUDA_ERROR_INVALID_VALUE) return false;  // part of the range is not mapped
-    THAW_CU(r);
+    VITRIFY_CU(r);
     return true;
   }
   void to_device(uint64_t dst, const void* src, size_t n) override {
     if (n == 0) return;
-    THAW_CU(driver::cu().cuMemcpyHtoD(static_cast<CUdeviceptr>(dst), src, n));
+    VITRIFY_CU(driver::cu().cuMemcpyHtoD(static_cast<CUdeviceptr>(dst), src, n));
   }
   void to_device_async(uint64_t dst, const void* src, size_t n, int lane) override {
-    THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
+    VITRIFY_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
     if (n > 0)
-      THAW_CU(driver::cu().cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, n, stream_));
-    THAW_CU(driver::cu().cuEventRecord(events_[lane], stream_));
+      VITRIFY_CU(driver::cu().cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, n, stream_));
+    VITRIFY_CU(driver::cu().cuEventRecord(events_[lane], stream_));
   }
   void wait(int lane) override {
-    THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
-    THAW_CU(driver::cu().cuEventSynchronize(events_[lane]));
+    VITRIFY_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
+    VITRIFY_CU(driver::cu().cuEventSynchronize(events_[lane]));
   }
   std::unique_ptr<Pinned> pin(void* p, size_t n) override {
     return std::make_unique<DriverPinned>(device_, p, n);
@@ -93,9 +93,9 @@ std::unique_ptr<CopyBackend> make_driver_backend(int device) {
 
 HostBackend::HostBackend(size_t size, Intervals holes, size_t alignment)
     : mem_(size, alignment), size_(size), holes_(merge(std::move(holes))) {
-  THAW_EXPECT(size > 0, "HostBackend size must be positive");
+  VITRIFY_EXPECT(size > 0, "HostBackend size must be positive");
   for (const Interval& h : holes_)
-    THAW_EXPECT(h.end <= size, "hole [" + std::to_string(h.begin) + ", " + std::to_string(h.end) +
+    VITRIFY_EXPECT(h.end <= size, "hole [" + std::to_string(h.begin) + ", " + std::to_string(h.end) +
                                    ") lies beyond the " + std::to_string(size) + "-byte span");
 }
 
@@ -128,7 +128,7 @@ void HostBackend::to_device(uint64_t dst, const void* src, size_t n) {
 }
 
 void HostBackend::to_device_async(uint64_t dst, const void* src, size_t n, int lane) {
-  THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
+  VITRIFY_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
   if (!deferred_) {
     to_device(dst, src, n);  // host memory: completes at once
     return;
@@ -138,7 +138,7 @@ void HostBackend::to_device_async(uint64_t dst, const void* src, size_t n, int l
 }
 
 void HostBackend::wait(int lane) {
-  THAW_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
+  VITRIFY_EXPECT(lane == 0 || lane == 1, "lane must be 0 or 1, got " + std::to_string(lane));
   std::vector<Pending> todo;
   todo.swap(lanes_[lane]);
   for (const Pending& p : todo) to_device(p.dst, p.src, p.n);
@@ -146,4 +146,4 @@ void HostBackend::wait(int lane) {
 
 std::unique_ptr<Pinned> HostBackend::pin(void*, size_t) { return std::make_unique<NoPin>(); }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot

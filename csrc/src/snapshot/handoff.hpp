@@ -8,7 +8,7 @@
 #include <exception>
 #include <mutex>
 
-namespace thaw::snapshot::detail {
+namespace vitrify::snapshot::detail {
 
 class Handoff {
  public:
@@ -67,4 +67,4 @@ class Handoff {
   std::exception_ptr err_;
 };
 
-}  // namespace thaw::snapshot::detail
+}  // namespace vitrify::snapshot::detail

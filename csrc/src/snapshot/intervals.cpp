@@ -1,9 +1,9 @@
 // Interval arithmetic for span snapshots: pure functions, no state (DESIGN.md, invariant 1).
 #include <algorithm>
 
-#include "thaw/snapshot.hpp"
+#include "vitrify/snapshot.hpp"
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 
 Intervals merge(Intervals v) {
   std::erase_if(v, [](const Interval& i) { return i.empty(); });
@@ -38,8 +38,8 @@ uint64_t total_bytes(const Intervals& v) noexcept {
 }
 
 Intervals split_aligned(uint64_t base, uint64_t start, uint64_t end, uint64_t granularity) {
-  THAW_EXPECT(granularity > 0, "granularity must be positive");
-  THAW_EXPECT(base + end >= base, "span end " + std::to_string(end) + " overflows base " +
+  VITRIFY_EXPECT(granularity > 0, "granularity must be positive");
+  VITRIFY_EXPECT(base + end >= base, "span end " + std::to_string(end) + " overflows base " +
                                       std::to_string(base));
   Intervals out;
   uint64_t off = start;
@@ -62,4 +62,4 @@ bool is_normalized(const Intervals& v) noexcept {
   return true;
 }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot

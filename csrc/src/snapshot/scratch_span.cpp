@@ -3,10 +3,10 @@
 #include <chrono>
 #include <string>
 
-#include "thaw/driver.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/driver.hpp"
+#include "vitrify/snapshot.hpp"
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 
 ScratchSpan::ScratchSpan(int device, uint64_t size, uint64_t base_hint,
                          const std::vector<bool>& mapped)
@@ -18,14 +18,14 @@ ScratchSpan::ScratchSpan(int device, uint64_t size, uint64_t base_hint,
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device;
   size_t g = 0;
-  THAW_CU(d.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  VITRIFY_CU(d.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   granularity_ = g;
-  THAW_EXPECT(size > 0 && size % g == 0, "ScratchSpan size must be a positive multiple of the "
+  VITRIFY_EXPECT(size > 0 && size % g == 0, "ScratchSpan size must be a positive multiple of the "
               "granularity " + std::to_string(g) + ", got " + std::to_string(size));
-  THAW_EXPECT(mapped.size() == size / g, "ScratchSpan needs one mapped flag per granule (" +
+  VITRIFY_EXPECT(mapped.size() == size / g, "ScratchSpan needs one mapped flag per granule (" +
               std::to_string(size / g) + "), got " + std::to_string(mapped.size()));
   CUdeviceptr p = 0;
-  THAW_CU(d.cuMemAddressReserve(&p, size, base_hint ? driver::reserve_alignment(base_hint) : g,
+  VITRIFY_CU(d.cuMemAddressReserve(&p, size, base_hint ? driver::reserve_alignment(base_hint) : g,
                                 static_cast<CUdeviceptr>(base_hint), 0));
   base_ = p;
   size_ = size;
@@ -39,14 +39,14 @@ ScratchSpan::ScratchSpan(int device, uint64_t size, uint64_t base_hint,
       while (j < mapped.size() && mapped[j]) ++j;
       const uint64_t off = i * g, bytes = (j - i) * g;
       CUmemGenericAllocationHandle hnd = 0;
-      THAW_CU(d.cuMemCreate(&hnd, bytes, &prop, 0));
+      VITRIFY_CU(d.cuMemCreate(&hnd, bytes, &prop, 0));
       const CUresult r = d.cuMemMap(base_ + off, bytes, 0, hnd, 0);
       if (r != CUDA_SUCCESS) {
         (void)d.cuMemRelease(hnd);
-        THAW_CU(r);
+        VITRIFY_CU(r);
       }
       maps_.push_back({off, bytes, hnd});
-      THAW_CU(d.cuMemSetAccess(base_ + off, bytes, &access, 1));
+      VITRIFY_CU(d.cuMemSetAccess(base_ + off, bytes, &access, 1));
       i = j;
     }
   } catch (...) {
@@ -74,26 +74,26 @@ void ScratchSpan::release() noexcept {
   base_ = 0;
 }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 
 void ScratchSpan::write(uint64_t offset, const void* src, size_t n) {
-  THAW_EXPECT(offset <= size_ && n <= size_ - offset, "write of " + std::to_string(n) +
+  VITRIFY_EXPECT(offset <= size_ && n <= size_ - offset, "write of " + std::to_string(n) +
               " bytes at " + std::to_string(offset) + " leaves the ScratchSpan");
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
+  VITRIFY_CU(driver::cu().cuMemcpyHtoD(base_ + offset, src, n));
 }
 
 void ScratchSpan::read(uint64_t offset, void* dst, size_t n) const {
-  THAW_EXPECT(offset <= size_ && n <= size_ - offset, "read of " + std::to_string(n) +
+  VITRIFY_EXPECT(offset <= size_ && n <= size_ - offset, "read of " + std::to_string(n) +
               " bytes at " + std::to_string(offset) + " leaves the ScratchSpan");
   driver::ContextGuard ctx(device_);
-  THAW_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
+  VITRIFY_CU(driver::cu().cuMemcpyDtoH(dst, base_ + offset, n));
 }
 
 double measure_pinned_h2d(int device, uint64_t dst, uint64_t bytes, int reps) {
-  THAW_EXPECT(bytes > 0 && reps > 0, "measure_pinned_h2d needs bytes > 0 and reps > 0");
+  VITRIFY_EXPECT(bytes > 0 && reps > 0, "measure_pinned_h2d needs bytes > 0 and reps > 0");
   AlignedBuffer host(bytes, 4096);
   for (uint64_t i = 0; i < bytes; i += 4096) host.data()[i] = static_cast<uint8_t>(i >> 12);
   auto be = make_driver_backend(device);
@@ -108,4 +108,4 @@ double measure_pinned_h2d(int device, uint64_t dst, uint64_t bytes, int reps) {
   return best;
 }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot

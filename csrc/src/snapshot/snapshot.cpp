@@ -1,18 +1,18 @@
 // In-memory span snapshots: dump (one copy, or trial copies around holes) and clamped restore.
 #include <string>
 
-#include "thaw/log.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/log.hpp"
+#include "vitrify/snapshot.hpp"
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 
 namespace {
 void check_span(uint64_t base, uint64_t start, uint64_t end, uint64_t granularity) {
-  THAW_EXPECT(start <= end, "span start " + std::to_string(start) + " is past its end " +
+  VITRIFY_EXPECT(start <= end, "span start " + std::to_string(start) + " is past its end " +
                                 std::to_string(end));
-  THAW_EXPECT(granularity > 0 && (granularity & (granularity - 1)) == 0,
+  VITRIFY_EXPECT(granularity > 0 && (granularity & (granularity - 1)) == 0,
               "granularity must be a power of two, got " + std::to_string(granularity));
-  THAW_EXPECT(base + end >= base, "span end " + std::to_string(end) + " overflows base " +
+  VITRIFY_EXPECT(base + end >= base, "span end " + std::to_string(end) + " overflows base " +
                                       std::to_string(base));
 }
 }  // namespace
@@ -54,8 +54,8 @@ Snapshot dump(CopyBackend& be, uint64_t base, uint64_t start, uint64_t end, uint
 }
 
 RestoreStats restore(CopyBackend& be, const Snapshot& snap, uint64_t base, uint64_t ceiling) {
-  THAW_EXPECT(is_normalized(snap.intervals), "snapshot intervals are not normalized");
-  THAW_EXPECT(snap.data.size() >= snap.bytes(),
+  VITRIFY_EXPECT(is_normalized(snap.intervals), "snapshot intervals are not normalized");
+  VITRIFY_EXPECT(snap.data.size() >= snap.bytes(),
               "snapshot holds " + std::to_string(snap.data.size()) + " bytes but its intervals "
               "need " + std::to_string(snap.bytes()));
   RestoreStats st;
@@ -73,4 +73,4 @@ RestoreStats restore(CopyBackend& be, const Snapshot& snap, uint64_t base, uint6
   return st;
 }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot

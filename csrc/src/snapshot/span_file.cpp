@@ -11,15 +11,15 @@
 #include <thread>
 
 #include "snapshot/handoff.hpp"
-#include "thaw/crc32c.hpp"
-#include "thaw/fs.hpp"
-#include "thaw/log.hpp"
-#include "thaw/snapshot.hpp"
+#include "vitrify/crc32c.hpp"
+#include "vitrify/fs.hpp"
+#include "vitrify/log.hpp"
+#include "vitrify/snapshot.hpp"
 
-namespace thaw::snapshot {
+namespace vitrify::snapshot {
 namespace {
 
-constexpr char kMagic[8] = {'T', 'H', 'A', 'W', 'S', 'P', 'A', 'N'};
+constexpr char kMagic[8] = {'V', 'T', 'R', 'F', 'S', 'P', 'A', 'N'};
 constexpr uint32_t kVersion = 1;
 constexpr uint64_t kBlock = 4096;  // header size, data/table alignment, O_DIRECT unit
 
@@ -88,11 +88,11 @@ int open_file(const std::string& path, int flags, DirectIo mode, bool* direct) {
       return fd;
     }
     if (mode == DirectIo::kOn || errno != EINVAL)
-      thaw::detail::throw_errno(errno, ("open(\"" + path + "\", O_DIRECT)").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, ("open(\"" + path + "\", O_DIRECT)").c_str(), __FILE__, __LINE__);
   }
   *direct = false;
   const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-  if (fd < 0) thaw::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  if (fd < 0) vitrify::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
   return fd;
 }
 
@@ -101,9 +101,9 @@ void pwrite_all(int fd, const uint8_t* p, size_t n, uint64_t off, const std::str
     const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
     if (w < 0) {
       if (errno == EINTR) continue;
-      thaw::detail::throw_errno(errno, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
     }
-    if (w == 0) thaw::detail::throw_errno(EIO, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+    if (w == 0) vitrify::detail::throw_errno(EIO, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
     p += w;
     n -= static_cast<size_t>(w);
     off += static_cast<uint64_t>(w);
@@ -117,7 +117,7 @@ void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& pa
     const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
     if (r < 0) {
       if (errno == EINTR) continue;
-      thaw::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
     }
     if (r == 0) corrupt(path, "truncated: end of file inside " + what);
     p += r;
@@ -127,11 +127,11 @@ void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& pa
 }
 
 void check_options(const FileOptions& opt) {
-  THAW_EXPECT(opt.chunk_bytes >= kBlock && opt.chunk_bytes % kBlock == 0 &&
+  VITRIFY_EXPECT(opt.chunk_bytes >= kBlock && opt.chunk_bytes % kBlock == 0 &&
                   opt.chunk_bytes <= (uint64_t(1) << 34),
               "chunk_bytes must be a positive multiple of 4096 up to 16 GiB, got " +
                   std::to_string(opt.chunk_bytes));
-  THAW_EXPECT(opt.granularity > 0 && (opt.granularity & (opt.granularity - 1)) == 0,
+  VITRIFY_EXPECT(opt.granularity > 0 && (opt.granularity & (opt.granularity - 1)) == 0,
               "granularity must be a power of two, got " + std::to_string(opt.granularity));
 }
 
@@ -164,7 +164,7 @@ SpanFileInfo read_info(int fd, const std::string& path) {
   if (h.header_crc != crc32c(&h, offsetof(RawHeader, header_crc)))
     corrupt(path, "header CRC32C mismatch");
   if (h.version != kVersion)
-    corrupt(path, "version " + std::to_string(h.version) + ", this thaw reads version " +
+    corrupt(path, "version " + std::to_string(h.version) + ", this vitrify reads version " +
                       std::to_string(kVersion));
   if (h.header_bytes != kBlock || h.data_offset != kBlock || h.chunk_bytes == 0 ||
       h.chunk_bytes > (uint64_t(1) << 34) || h.end < h.start || h.data_bytes > h.end - h.start || h.data_bytes > (uint64_t(1) << 50) ||
@@ -175,7 +175,7 @@ SpanFileInfo read_info(int fd, const std::string& path) {
       h.file_bytes != h.table_offset + round_up(h.table_bytes, kBlock))
     corrupt(path, "inconsistent header fields");
   struct stat st{};
-  THAW_SYSCALL(::fstat(fd, &st));
+  VITRIFY_SYSCALL(::fstat(fd, &st));
   if (static_cast<uint64_t>(st.st_size) < h.file_bytes)
     corrupt(path, "truncated: " + std::to_string(st.st_size) + " bytes, the header says " +
                       std::to_string(h.file_bytes));
@@ -226,16 +226,16 @@ DirectIo parse_direct_io(const std::string& s) {
   if (s == "auto") return DirectIo::kAuto;
   if (s == "on") return DirectIo::kOn;
   if (s == "off") return DirectIo::kOff;
-  THAW_EXPECT(false, "direct_io must be auto, on or off, got \"" + s + "\"");
+  VITRIFY_EXPECT(false, "direct_io must be auto, on or off, got \"" + s + "\"");
   return DirectIo::kAuto;
 }
 
 FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t end,
                        const std::string& path, const FileOptions& opt) {
   check_options(opt);
-  THAW_EXPECT(start <= end, "span start " + std::to_string(start) + " is past its end " +
+  VITRIFY_EXPECT(start <= end, "span start " + std::to_string(start) + " is past its end " +
                                 std::to_string(end));
-  THAW_EXPECT(base + end >= base, "span end overflows the address space");
+  VITRIFY_EXPECT(base + end >= base, "span end overflows the address space");
   const auto t0 = std::chrono::steady_clock::now();
   FileStats st;
   Fd fd(open_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io, &st.direct_io));
@@ -330,12 +330,12 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
     hd.table_crc = crc32c(nullptr, 0);
   }
   // Invariant 7: data and tables are durable before the header that makes the file valid.
-  THAW_SYSCALL(::fdatasync(fd.get()));
+  VITRIFY_SYSCALL(::fdatasync(fd.get()));
   hd.header_crc = crc32c(&hd, offsetof(RawHeader, header_crc));
   AlignedBuffer hb(kBlock, kBlock);
   std::memcpy(hb.data(), &hd, sizeof hd);
   pwrite_all(fd.get(), hb.data(), kBlock, 0, path);
-  THAW_SYSCALL(::fdatasync(fd.get()));
+  VITRIFY_SYSCALL(::fdatasync(fd.get()));
   st.seconds = seconds_since(t0);
   return st;
 }
@@ -352,7 +352,7 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
   FileStats st;
   Fd fd(open_file(path, O_RDONLY, opt.direct_io, &st.direct_io));
   const SpanFileInfo info = read_info(fd.get(), path);
-  THAW_EXPECT(base + info.end >= base, "restore base overflows the address space");
+  VITRIFY_EXPECT(base + info.end >= base, "restore base overflows the address space");
   const uint64_t cb = info.chunk_bytes;
   const uint64_t chunks = info.chunk_crcs.size();
   Staging stage(be, std::max(kBlock, round_up(std::min(cb, info.data_bytes), kBlock)));
@@ -458,7 +458,7 @@ void verify_span_file(const std::string& path, const FileOptions& opt) {
 
 uint32_t file_crc32c(const std::string& path) {
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (raw < 0) thaw::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  if (raw < 0) vitrify::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
   Fd fd(raw);
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   constexpr size_t kBuf = 8 << 20;
@@ -475,7 +475,7 @@ uint32_t file_crc32c(const std::string& path) {
         ssize_t r;
         do r = ::pread(fd.get(), buf[s].data(), kBuf, static_cast<off_t>(off));
         while (r < 0 && errno == EINTR);
-        if (r < 0) thaw::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+        if (r < 0) vitrify::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
         if (r == 0) {
           h.release(s);
           h.close();
@@ -503,4 +503,4 @@ uint32_t file_crc32c(const std::string& path) {
   return crc;
 }
 
-}  // namespace thaw::snapshot
+}  // namespace vitrify::snapshot

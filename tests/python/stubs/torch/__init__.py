@@ -1,4 +1,4 @@
-"""A stand-in for the few torch names thaw.integrations.torch uses, for CPU tests of its wiring
+"""A stand-in for the few torch names vitrify.integrations.torch uses, for CPU tests of its wiring
 (test_region.py puts this directory on sys.path in a subprocess). `empty(n)` allocates through the
 current pool's pluggable allocator the way torch's caching allocator asks it for a new segment;
 nothing else of torch is imitated."""
@@ -6,7 +6,7 @@ nothing else of torch is imitated."""
 import contextlib
 import ctypes
 
-__version__ = "0.0+thaw-test-stub"
+__version__ = "0.0+vitrify-test-stub"
 log: list = []
 _pools: list = []
 

@@ -1,0 +1,447 @@
+// The O_DIRECT disk tier: slab files of fixed-size slots, and the Store (index, slot pool, GC,
+// background I/O threads) built on them. Format and invariants: csrc/src/disk/DESIGN.md.
+//
+//   slab file : 4 KiB file header, then slot i at 4096 + i * slot_bytes (slot_bytes % 4096 == 0)
+//   slot      : 64-byte SlotHeader, payload, zero pad to the next 4 KiB
+//
+// Verify-on-read: a slot that is absent, torn, from another slab, for another key or slot, or
+// whose CRC does not match reads as a miss — never an exception, never wrong bytes.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "vitrify/aligned.hpp"
+
+namespace vitrify::disk {
+
+constexpr size_t kBlock = 4096;            // O_DIRECT transfer granule and slot alignment
+constexpr size_t kFileHeaderBytes = 4096;  // slot 0 starts here
+constexpr size_t kSlotHeaderBytes = 64;    // the payload starts here inside a slot buffer
+constexpr size_t kKeyBytes = 32;
+constexpr uint32_t kSlotMagic = 0x4C535456;  // "VTSL" little-endian
+constexpr uint32_t kFileMagic = 0x46535456;  // "VTSF"
+constexpr uint16_t kFormatVersion = 1;
+
+using Key = std::array<uint8_t, kKeyBytes>;
+
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept;
+};
+
+// The 64-byte header at the start of every slot (little-endian, packed; see DESIGN.md).
+struct SlotHeader {
+  uint32_t magic;        //  0  kSlotMagic
+  uint16_t version;      //  4  kFormatVersion
+  uint16_t kind;         //  6  payload kind of the slab
+  uint32_t slot;         //  8  this slot's index in its slab
+  uint32_t payload_len;  // 12  payload bytes following the header
+  uint32_t slab_id;      // 16  id of the slab (file) generation that wrote the slot
+  uint32_t seq;          // 20  store-wide write sequence (GC order on `load`)
+  uint8_t key[kKeyBytes];  // 24  content key
+  uint32_t payload_crc;  // 56  CRC32C of the payload bytes
+  uint32_t header_crc;   // 60  CRC32C of bytes [0, 60)
+};
+static_assert(sizeof(SlotHeader) == kSlotHeaderBytes, "slot header must be 64 bytes");
+
+// The first bytes of the 4 KiB file header (the rest is zero).
+struct FileHeader {
+  uint32_t magic;        //  0  kFileMagic
+  uint16_t version;      //  4  kFormatVersion
+  uint16_t kind;         //  6  payload kind
+  uint64_t slot_bytes;   //  8
+  uint64_t slot_count;   // 16
+  uint64_t store_tag;    // 24  hash of the store name: a slab of another store never matches
+  uint32_t slab_id;      // 32  changes on every format (clear); slot headers must carry it
+  uint32_t reserved;     // 36  zero
+  uint64_t created_ns;   // 40  CLOCK_REALTIME at format
+  uint32_t pad;          // 48  zero
+  uint32_t header_crc;   // 52  CRC32C of bytes [0, 52)
+};
+static_assert(sizeof(FileHeader) == 56, "file header layout");
+
+enum class DirectIo { kAuto, kOn, kOff };
+enum class ColdStart { kClear, kLoad };
+
+// "auto" | "on" | "off" (case-insensitive); anything else is std::invalid_argument naming it.
+DirectIo parse_direct_io(const std::string& text);
+// "clear" | "load"; anything else is std::invalid_argument naming it.
+ColdStart parse_cold_start(const std::string& text);
+
+// 64-bit tag of a store name (FNV-1a), stored in every file header of that store.
+uint64_t store_tag(const std::string& name) noexcept;
+
+// Smallest slot that holds a header plus `payload_bytes`, rounded up to 4 KiB.
+constexpr uint64_t slot_bytes_for(uint64_t payload_bytes) noexcept {
+  return round_up(kSlotHeaderBytes + payload_bytes, kBlock);
+}
+
+struct SlabGeometry {
+  uint16_t kind = 0;
+  uint64_t slot_bytes = 0;  // multiple of 4096, > 64, < 4 GiB
+  uint64_t slot_count = 0;  // >= 1
+  uint64_t store_tag = 0;
+};
+
+// A slot as found by a header-only scan (cold start `load`).
+struct ScannedSlot {
+  uint64_t slot;
+  Key key;
+  uint32_t payload_len;
+  uint32_t seq;
+};
+
+// One preallocated slab file. Thread-safe for concurrent slot I/O on distinct or equal slots
+// (pread/pwrite on one fd); open/format are not concurrent with I/O.
+class SlabFile {
+ public:
+  // Opens or creates `path`, preallocates it (posix_fallocate) and, with kClear — or with kLoad
+  // when the existing file header does not verify or describes another geometry/store — formats
+  // it (new file header with a new slab id, so every old slot becomes inert). `formatted()` says
+  // which happened. Throws std::system_error (OSError) on I/O errors, and for DirectIo::kOn
+  // where the directory refuses O_DIRECT.
+  SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode, DirectIo dio);
+  ~SlabFile();
+  SlabFile(const SlabFile&) = delete;
+  SlabFile& operator=(const SlabFile&) = delete;
+
+  // Writes one slot with a single transfer of round_up(64 + payload_len, 4096) bytes from `buf`
+  // (4 KiB-aligned, at least that many bytes; the payload already at buf + 64). Fills the
+  // header in place and zeroes the pad; no copy. Does not sync: call sync() before publishing.
+  // Throws std::system_error on an I/O error, std::invalid_argument on bad arguments.
+  void write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
+                     uint32_t seq);
+
+  // Reads slot `slot` with one transfer into `buf` (4 KiB-aligned, `buf_bytes` long) and
+  // verifies it against `key`. `expected_len` (or SIZE_MAX: unknown, read the whole slot)
+  // bounds the transfer. Returns the payload length (payload at buf + 64), or nullopt on any
+  // mismatch or I/O error. Never throws.
+  std::optional<size_t> read_into(uint64_t slot, const Key& key, uint8_t* buf, size_t buf_bytes,
+                                  size_t expected_len = SIZE_MAX) const noexcept;
+  // read_into in two steps (to verify on another thread): read_raw transfers what read_into
+  // would and returns the bytes read, or -1 on an error or a bad argument; verify_read then
+  // checks the buffer exactly as read_into does. Never throw.
+  ssize_t read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                   size_t expected_len = SIZE_MAX) const noexcept;
+  std::optional<size_t> verify_read(uint64_t slot, const Key& key, const uint8_t* buf, ssize_t got,
+                                    size_t expected_len = SIZE_MAX) const noexcept;
+
+  // Header-only scan of every slot; returns the slots whose header verifies for this slab, in
+  // slot order. Payload CRCs are checked later, on read. Large slots cost one 4 KiB read each;
+  // slots of at most kScanBatchBytes / 2 are read kScanBatchBytes at a time (many headers per
+  // read). `threads` workers scan contiguous slot ranges in parallel (fewer when the slab has
+  // under kScanMinSlotsPerThread slots per worker); the result does not depend on `threads`.
+  // Throws std::system_error on an I/O error, std::invalid_argument for threads == 0.
+  std::vector<ScannedSlot> scan(unsigned threads = 1) const;
+  static constexpr uint64_t kScanBatchBytes = 256 * 1024;
+  static constexpr uint64_t kScanMinSlotsPerThread = 256;
+
+  // Formats the slab again exactly as cold start `clear` does: the file header gets
+  // slab_id + 1, so every slot written so far stops verifying. Not concurrent with slot I/O.
+  // Throws std::system_error on an I/O error.
+  void reformat();
+
+  // Overwrites the slot's first 4 KiB with zeros so its header never verifies again.
+  // Throws std::system_error on an I/O error.
+  void invalidate(uint64_t slot);
+
+  // fdatasync(2): everything written so far is durable.
+  void sync();
+
+  const SlabGeometry& geometry() const noexcept { return geo_; }
+  const std::string& path() const noexcept { return path_; }
+  bool direct() const noexcept { return direct_; }
+  bool formatted() const noexcept { return formatted_; }
+  uint32_t slab_id() const noexcept { return slab_id_; }
+  uint64_t slot_offset(uint64_t slot) const noexcept { return kFileHeaderBytes + slot * geo_.slot_bytes; }
+  // Why O_DIRECT is off ("" when on).
+  const std::string& buffered_reason() const noexcept { return buffered_reason_; }
+
+ private:
+  bool verify_header(const SlotHeader& h, uint64_t slot) const noexcept;
+  std::vector<ScannedSlot> scan_range(uint64_t first, uint64_t last) const;
+  void format();
+
+  std::string path_;
+  SlabGeometry geo_;
+  int fd_ = -1;
+  bool direct_ = false;
+  bool formatted_ = false;
+  uint32_t slab_id_ = 0;
+  std::string buffered_reason_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Store
+// ---------------------------------------------------------------------------------------------
+
+struct KindConfig {
+  uint64_t page_bytes = 0;  // largest payload of this kind; slot = slot_bytes_for(page_bytes)
+  double share = 1.0;       // share of the budget (relative to the other kinds)
+};
+
+struct StoreConfig {
+  std::vector<std::string> dirs;   // one slab file per kind in each directory ("drive")
+  uint64_t budget_bytes = 0;       // all slab files together (file headers included)
+  std::vector<KindConfig> kinds;   // kind i is payload kind i
+  std::string name = "vitrify";       // files are <dir>/<name>.kind<i>.slab
+  ColdStart cold_start = ColdStart::kClear;
+  DirectIo direct_io = DirectIo::kAuto;
+  unsigned write_threads = 2;      // per drive
+  unsigned read_threads = 2;       // per drive
+  unsigned queue_capacity = 64;    // jobs per drive queue; submitters wait when full
+  unsigned max_batch = 32;         // writes per fdatasync (group commit) on one write thread
+  double gc_high = 0.90;           // GC starts when a kind is this full ...
+  double gc_low = 0.85;            // ... and reclaims coldest entries down to this
+  unsigned load_threads = 0;       // cold start `load`: header-scan threads per slab file
+                                   // (0: kDefaultLoadThreads; 1: one read after another)
+  int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
+                                   // -1 when read_threads == 1, 0 never, 1 always
+};
+constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
+
+enum class PutResult : int8_t {
+  kPending = -1,
+  kStored = 0,     // written, synced and indexed
+  kDuplicate = 1,  // the key was already present (or being stored): nothing written
+  kFull = 2,       // no free slot even after GC (counted in put_failures)
+  kError = 3,      // the write or sync failed (counted in write_errors)
+  kCancelled = 4,  // deleted or store closed before it was indexed
+};
+
+struct KindStats {
+  uint64_t page_bytes, slot_bytes, slots_total, slots_used, entries;
+};
+
+struct StoreStats {
+  std::vector<KindStats> kinds;
+  uint64_t spills = 0;          // pages written and indexed
+  uint64_t spill_bytes = 0;
+  uint64_t reloads = 0;         // reads that returned verified bytes
+  uint64_t reload_bytes = 0;
+  uint64_t misses = 0;          // reads of keys not in the index
+  uint64_t verify_failures = 0; // indexed slots that did not verify (or I/O errors): a miss
+  uint64_t dedup_hits = 0;
+  uint64_t gc_runs = 0;
+  uint64_t gc_reclaims = 0;
+  uint64_t deletes = 0;
+  uint64_t write_errors = 0;
+  uint64_t put_failures = 0;    // kFull
+  uint64_t loaded_entries = 0;  // entries rebuilt by cold start `load`
+  uint64_t clears = 0;          // Store::clear() calls
+  uint64_t in_flight_writes = 0;  // puts given a slot and not yet acknowledged (queued included)
+  uint64_t in_flight_reads = 0;
+  uint64_t write_queue_depth = 0;
+  uint64_t read_queue_depth = 0;
+  bool direct_io = false;       // every slab file uses O_DIRECT
+};
+
+// Shared state of one batch of submitted operations; waited on by the submitter.
+class Completion {
+ public:
+  explicit Completion(size_t n) : results_(n, -1), remaining_(n) {}
+  // Blocks until every operation of the batch finished; returns per-operation results
+  // (PutResult values for puts; payload length or -1 for reads).
+  std::vector<int64_t> wait();
+  bool done() const;
+  void finish(size_t index, int64_t result);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int64_t> results_;
+  size_t remaining_;
+};
+using Ticket = std::shared_ptr<Completion>;
+
+// A 4 KiB-aligned buffer of one slot of a kind: callers gather the payload straight into
+// data() + kSlotHeaderBytes; the first 64 bytes belong to the store.
+using SlotBufferPtr = std::shared_ptr<AlignedBuffer>;
+
+struct PutItem {
+  Key key;
+  SlotBufferPtr buffer;   // owns the slot image (payload at +64)
+  size_t payload_len = 0;
+};
+
+struct GetItem {
+  Key key;
+  uint8_t* dst = nullptr;       // where the payload goes
+  size_t dst_bytes = 0;         // capacity of dst
+  bool dst_is_slot = false;     // dst is a slot buffer (aligned, payload lands at dst + 64)
+  bool miss_if_small = false;   // a too-small dst is a miss instead of std::invalid_argument
+};
+
+class Store {
+ public:
+  explicit Store(StoreConfig config);
+  ~Store();  // close()
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Stops the I/O threads after draining their queues; later calls fail with kCancelled/miss.
+  void close() noexcept;
+
+  // Drops every entry of every kind, as cold start `clear` would, keeping files and threads:
+  // waits for the slot writes and reads in progress, acknowledges queued puts kCancelled and
+  // queued reads as misses, then reformats every slab (slab_id + 1: every old slot stops
+  // verifying, so a later `load` sees only what is put after this) and empties the index, the
+  // GC heaps and the slot pools. Puts submitted concurrently are either cancelled or stored
+  // after the clear. No-op on a closed store. Throws std::system_error when a slab header
+  // cannot be rewritten (the index is empty anyway; that slab's old slots become misses).
+  void clear();
+
+  size_t kind_count() const noexcept { return kinds_.size(); }
+  uint64_t page_bytes(unsigned kind) const;
+  uint64_t slot_bytes(unsigned kind) const;
+  // A fresh slot buffer for `kind` (slot_bytes long, aligned).
+  SlotBufferPtr make_buffer(unsigned kind) const;
+
+  // Submit writes; each item's buffer is kept alive (and must not be modified) until the
+  // ticket completes. Results are PutResult values.
+  Ticket submit_put(unsigned kind, std::vector<PutItem> items);
+  // Copying convenience: copies each source into a pooled slot buffer, then submits.
+  Ticket submit_put_copy(unsigned kind, const std::vector<Key>& keys,
+                         const std::vector<const void*>& srcs, const std::vector<size_t>& lens);
+  // Submit reads; results are payload lengths or -1 (miss). dst must stay valid until done.
+  Ticket submit_get(unsigned kind, std::vector<GetItem> items);
+
+  // Indexed length of `key` (no I/O), or nullopt.
+  std::optional<size_t> lookup(unsigned kind, const Key& key) const;
+  bool exists(unsigned kind, const Key& key) const { return lookup(kind, key).has_value(); }
+  // Removes the index entry, then frees the slot. True when the key was present or pending.
+  bool remove(unsigned kind, const Key& key);
+
+  StoreStats stats() const;
+  const StoreConfig& config() const noexcept { return cfg_; }
+  // The slab file of (kind, drive), for tests and tools.
+  const SlabFile& slab(unsigned kind, unsigned drive) const;
+
+ private:
+  struct Entry {
+    uint32_t drive;
+    uint64_t slot;
+    uint32_t len;
+    uint64_t last_access;  // tick
+    uint64_t heap_tick;    // tick of this entry's GC-heap element
+  };
+  struct HeapItem {
+    uint64_t tick;
+    Key key;
+    bool operator>(const HeapItem& o) const noexcept { return tick > o.tick; }
+  };
+  struct Pending {
+    bool cancelled = false;
+    std::vector<std::pair<Ticket, size_t>> joiners;  // duplicate puts waiting on this one
+  };
+  struct KindState {
+    KindConfig cfg;
+    uint64_t slot_bytes = 0;
+    uint64_t slots_total = 0;
+    uint64_t slots_used = 0;  // allocated: indexed + in flight
+    std::vector<std::vector<uint64_t>> free;  // per drive free slots
+    // Per drive: free slots whose old header may still verify on disk; close() zeroes them.
+    std::vector<std::unordered_set<uint64_t>> stale;
+    std::unordered_map<Key, Entry, KeyHash> index;
+    std::unordered_map<Key, Pending, KeyHash> pending;
+    std::vector<HeapItem> heap;  // min-heap on tick (lazy deletion)
+    std::vector<std::unique_ptr<SlabFile>> slabs;  // per drive
+    std::vector<SlotBufferPtr> spare;  // pooled slot buffers for copying puts
+  };
+  struct WriteJob {
+    unsigned kind;
+    Key key;
+    uint32_t drive;
+    uint64_t slot;
+    SlotBufferPtr buffer;
+    size_t len;
+    uint32_t seq;
+    Ticket ticket;
+    size_t index;
+    uint64_t epoch;  // clears_ when the slot was allocated; older jobs are cancelled
+  };
+  struct ReadJob {
+    unsigned kind;
+    Key key;
+    uint32_t drive;
+    uint64_t slot;
+    uint32_t len;
+    GetItem item;
+    Ticket ticket;
+    size_t index;
+    uint64_t epoch;
+  };
+  template <class Job>
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable not_empty, not_full;
+    std::deque<Job> jobs;
+    bool stop = false;
+  };
+  struct Drive {
+    Queue<WriteJob> writes;
+    Queue<ReadJob> reads;
+    std::vector<std::thread> threads;
+  };
+
+  // Moves `job` into the queue (waiting while it is full); false when the store is closing.
+  template <class Job>
+  bool push(Queue<Job>& q, Job& job);
+  void enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
+                    const std::vector<size_t>* where);
+  void write_loop(unsigned drive);
+  void read_loop(unsigned drive);
+  void read_loop_staged(unsigned drive, uint64_t max_slot);
+  bool next_read(unsigned drive, ReadJob& j);
+  bool current_epoch(const ReadJob& j) const;
+  void complete_read(ReadJob& j, std::optional<size_t> r);
+  void finish_write(WriteJob& job, PutResult r);
+  void gc_locked(KindState& k, uint64_t target_used);
+  void free_slot_locked(KindState& k, uint32_t drive, uint64_t slot);
+  void load_index();
+  // I/O threads hold the gate around each batch of slot I/O; clear() closes it and waits
+  // until no I/O is in progress (new I/O waits while a clear is pending).
+  void gate_enter();
+  void gate_leave();
+  struct GateGuard {  // holds the gate for its scope
+    explicit GateGuard(Store* store) : s(store) { s->gate_enter(); }
+    ~GateGuard() { s->gate_leave(); }
+    GateGuard(const GateGuard&) = delete;
+    GateGuard& operator=(const GateGuard&) = delete;
+    Store* s;
+  };
+  KindState& kind_state(unsigned kind);
+  const KindState& kind_state(unsigned kind) const;
+
+  StoreConfig cfg_;
+  std::vector<KindState> kinds_;
+  std::vector<std::unique_ptr<Drive>> drives_;
+  mutable std::mutex mu_;  // index, free lists, heaps, pending, counters below
+  uint64_t tick_ = 0;
+  uint32_t seq_ = 0;
+  uint64_t epoch_ = 0;  // bumped by clear(); jobs of an older epoch own no slot any more
+  bool closed_ = false;
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  unsigned gate_active_ = 0;   // I/O threads inside the gate
+  unsigned gate_clearing_ = 0; // clear() calls waiting or running
+  std::mutex clear_mu_;        // one clear at a time
+  StoreStats counters_;
+  uint64_t in_flight_writes_ = 0;  // under mu_: jobs created and not yet acknowledged
+  std::atomic<uint64_t> in_flight_reads_{0};
+  std::atomic<uint64_t> write_queue_depth_{0}, read_queue_depth_{0};
+};
+
+}  // namespace vitrify::disk

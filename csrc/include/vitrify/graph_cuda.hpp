@@ -1,0 +1,185 @@
+// CUDA graph persistence, the GPU half: recording kernel binaries as the driver loads them
+// (CUPTI resource callbacks, libcupti dlopen()ed), turning a captured CUgraph into a
+// vitrify::graph::Graph (FREEZE), and rebuilding executable graphs from Graphs (THAW): one
+// executable per topology template, per-graph parameters applied on switch, built on background
+// threads. Driver calls go through vitrify::driver::cu(). See csrc/src/graph/DESIGN.md.
+#pragma once
+
+#include <cuda.h>
+
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vitrify/graph.hpp"
+
+namespace vitrify::graph {
+
+// A graph cannot be frozen: an unsupported node kind, a kernel whose binary was not recorded,
+// an ambiguous kernel, host memory in a copy. The message names the node and the kernel/kind.
+// (Python: RuntimeError.)
+class FreezeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// ----------------------------------------------------------------------------- recording
+// Records every module the driver loads into registry(), through a CUPTI subscriber on
+// CUPTI_CBID_RESOURCE_MODULE_LOADED. Start it before CUDA is initialised (before torch touches
+// the GPU): modules loaded earlier are never reported. One per process (CUPTI allows one
+// subscriber, so it cannot coexist with torch's profiler).
+class ModuleRecorder {
+ public:
+  static ModuleRecorder& instance();
+  // dlopen()s the first loadable candidate path (VITRIFY_CUPTI_PATH, then libcupti.so.13,
+  // libcupti.so, then CUDA's lib64 directories, then the given extra paths), subscribes and
+  // enables the callback. Idempotent. Errors name every path tried and the CUPTI result.
+  void start(const std::vector<std::string>& extra_paths = {});
+  void stop();  // unsubscribes; the registry keeps what was recorded
+  bool active() const;
+  std::string library_path() const;  // the libcupti that was loaded ("" before start)
+  ModuleRegistry& registry() { return registry_; }
+  size_t modules_seen() const;  // callbacks received (including duplicates)
+
+  // Internal: called from the CUPTI callback.
+  void on_module_loaded(const void* data, size_t n) noexcept;
+
+ private:
+  ModuleRecorder() = default;
+  void start_locked(const std::vector<std::string>& extra_paths);
+  mutable std::mutex mu_;
+  ModuleRegistry registry_;
+  void* lib_ = nullptr;
+  void* subscriber_ = nullptr;
+  std::string lib_path_;
+  size_t seen_ = 0;
+  bool active_ = false;
+};
+
+// ------------------------------------------------------------------------------- FREEZE
+struct CaptureOptions {
+  int device = 0;
+  uint64_t region_base = 0, region_size = 0;  // relocation range (size 0: no relocation)
+};
+
+// Walks a captured graph (a CUgraph / cudaGraph_t) into a Graph: kernels resolved to recorded
+// modules by name (disambiguated by the names of the module's other functions, then by loaded
+// function attributes), parameters from cuFuncGetParamInfo, attributes, memcpy/memset nodes,
+// event nodes (events numbered in order of appearance), edges, relocations. Throws FreezeError.
+Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureOptions& opt);
+
+// --------------------------------------------------------------------------------- THAW
+struct RebuildStats {
+  size_t graphs = 0, templates = 0, built_templates = 0, ready_graphs = 0;
+  size_t modules_loaded = 0, parameter_switches = 0, nodes_updated = 0;
+  double build_seconds = 0;  // summed over build threads: module loads + graph builds
+};
+
+// Rebuilds graphs in this process. Usage: add_module() for each binary, add() each graph, then
+// start(); wait()/wait_all() block until built; launch() replays one graph on a stream.
+// Graphs sharing a topology share one CUgraphExec; launching another graph of the template
+// first applies its parameters with cuGraphExec*SetParams (no device synchronisation).
+class GraphSet {
+ public:
+  // share_templates=false builds one executable per graph (the baseline templates beat).
+  explicit GraphSet(int device = 0, bool share_templates = true);
+  ~GraphSet();  // joins the build threads, then releases executables, graphs, events, modules
+  GraphSet(const GraphSet&) = delete;
+  GraphSet& operator=(const GraphSet&) = delete;
+
+  // Registers a binary (its content hash must equal `expected` when given). No driver call.
+  Hash add_module(const void* data, size_t n, const Hash* expected = nullptr);
+  // Adds a graph (before start()); every module it references must already be added, else a
+  // ValueError naming the kernel and the hash. Returns the graph's id (0, 1, ...).
+  size_t add(Graph g);
+  // Starts `threads` background builders (>= 1). Callable once.
+  void start(unsigned threads = 2);
+  void wait(size_t id);  // rethrows the build error of the graph's template
+  void wait_all();
+  // Enqueues graph `id` on `stream` (CUstream as an integer; 0 = the legacy default stream).
+  void launch(size_t id, uint64_t stream);
+  // cuCtxSynchronize on the set's device (tests and benchmarks; replay itself never syncs).
+  void synchronize();
+  size_t size() const;
+  size_t template_of(size_t id) const;
+  RebuildStats stats() const;
+
+ private:
+  struct Template;
+  struct Loaded;
+  void build(size_t t);
+  void worker();
+  CUfunction function(const Hash& module, const std::string& name);
+  void apply(Template& t, size_t id);
+
+  const int device_;
+  const bool share_templates_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Hash, std::shared_ptr<const Module>> modules_;
+  std::vector<Graph> graphs_;
+  std::vector<size_t> template_of_;
+  std::vector<std::unique_ptr<Template>> templates_;
+  std::map<Hash, size_t> template_index_;
+  size_t next_job_ = 0;
+  bool started_ = false;
+  std::vector<std::thread> threads_;
+  std::mutex load_mu_;  // module loads and function lookups
+  std::map<Hash, std::unique_ptr<Loaded>> loaded_;
+  RebuildStats stats_;
+};
+
+}  // namespace vitrify::graph
+
+namespace vitrify::graph {
+
+// A device memory arena at a caller-chosen virtual address (one VMM reservation, mapped in
+// full, bump-allocated, never reused). Graph tests and benchmarks use it to give a captured
+// graph the same addresses in a fresh process until the region allocator (csrc/src/region)
+// takes over; installed as the arena behind vitrify_graph_arena_malloc/free it can back a
+// torch.cuda.MemPool through CUDAPluggableAllocator.
+class FixedArena {
+ public:
+  // base 0: wherever the driver likes. A driver that returns another address than `base` is an
+  // error naming both. size is rounded up to the allocation granularity.
+  FixedArena(uint64_t base, size_t size, int device);
+  ~FixedArena();
+  FixedArena(const FixedArena&) = delete;
+  FixedArena& operator=(const FixedArena&) = delete;
+  uint64_t base() const noexcept { return base_; }
+  size_t size() const noexcept { return size_; }
+  size_t used() const;
+  // Next `n` bytes aligned to `align` (a power of two); vitrify::OutOfSpace when full.
+  uint64_t allocate(size_t n, size_t align = 512);
+  // Synchronous copies at an offset into the arena (checked against its size).
+  void write(size_t offset, const void* src, size_t n);
+  void read(size_t offset, void* dst, size_t n) const;
+
+ private:
+  void release() noexcept;
+  uint64_t base_ = 0;
+  size_t size_ = 0;
+  int device_ = 0;
+  CUmemGenericAllocationHandle handle_ = 0;
+  bool reserved_ = false, created_ = false, mapped_ = false;
+  mutable std::mutex mu_;
+  size_t cursor_ = 0;
+};
+
+// The arena vitrify_graph_arena_malloc allocates from (nullptr: none; malloc then fails).
+void install_arena(std::shared_ptr<FixedArena> arena);
+std::shared_ptr<FixedArena> installed_arena();
+
+}  // namespace vitrify::graph
+
+// C ABI for torch.cuda.memory.CUDAPluggableAllocator(<vitrify/_native .so>, "vitrify_graph_arena_malloc",
+// "vitrify_graph_arena_free"). Free is a no-op: the arena never reuses an address.
+extern "C" {
+void* vitrify_graph_arena_malloc(long size, int device, void* stream);
+void vitrify_graph_arena_free(void* ptr, long size, int device, void* stream);
+}

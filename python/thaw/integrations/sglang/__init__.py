@@ -1,6 +1,0 @@
-"""SGLang integration (no fork): activated by configuration only.
-
-``thaw.integrations.sglang.hicache`` — :class:`~thaw.integrations.sglang.hicache.ThawStorage`, an
-L3 storage backend for SGLang's hierarchical cache, loaded by SGLang's own factory with
-``--hicache-storage-backend dynamic``. Nothing here imports SGLang at package import time.
-"""

@@ -1,0 +1,45 @@
+"""vitrify — freeze a warmed-up CUDA inference engine into an archive, thaw it in seconds.
+
+Importing vitrify never touches the GPU driver; :func:`cuda_available` loads it on first call.
+"""
+
+from __future__ import annotations
+
+from . import _native
+from ._logging import configure_from_env as _configure_from_env
+from ._logging import install_native_sink as _install_native_sink
+from ._native import CudaError, CudaOutOfMemoryError, CudaUnavailableError
+from .region import Region, RegionAddressError
+
+__version__ = _native.build_info()["version"]
+
+_configure_from_env()
+_install_native_sink(_native)
+
+
+def cuda_available() -> bool:
+    """True when the CUDA driver loaded and cuInit succeeded on this machine."""
+    return _native.cuda_available()
+
+
+def cuda_unavailable_reason() -> str:
+    """Why :func:`cuda_available` is False ("" when it is True)."""
+    return _native.cuda_unavailable_reason()
+
+
+def build_info() -> dict:
+    """Version, git revision, build type, compiler and CUDA header version of this build."""
+    return dict(_native.build_info())
+
+
+__all__ = [
+    "CudaError",
+    "CudaOutOfMemoryError",
+    "CudaUnavailableError",
+    "Region",
+    "RegionAddressError",
+    "__version__",
+    "build_info",
+    "cuda_available",
+    "cuda_unavailable_reason",
+]

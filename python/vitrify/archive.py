@@ -1,0 +1,753 @@
+"""The vitrify archive: a directory holding everything a vitrify needs, described by ``manifest.json``.
+
+Layout::
+
+    ARCHIVE/manifest.json        format "vitrify-archive", version, created, vitrify_version,
+                                 fingerprint {gpu, sm, driver, cuda, torch, engine,
+                                              engine_version, model},
+                                 region {base, size, granularity, checkpoints {name: offset}},
+                                 files {relpath: {bytes, checksum}},
+                                 checksum (CRC32C of the manifest without this key)
+    ARCHIVE/rank<N>/region/      span files (<name>.span: "warmup" = the warmup gap,
+                                 "weights" = the optional weights span)
+    ARCHIVE/rank<N>/modules/     kernel binaries by content hash
+    ARCHIVE/rank<N>/graphs/      graph files + template index
+    ARCHIVE/rank<N>/state.json   engine-specific state
+
+Writing (:class:`ArchiveWriter`) happens in a temporary sibling directory; every file and
+directory is fsynced, then the directory is renamed into place, so a reader sees either no
+archive or a complete one. With one process per rank, the ranks write into the coordinator's
+temporary directory through :class:`RankWriter`. Files shared by several writers go through
+:func:`write_shared` (temporary file + ``os.replace``).
+
+Opening (:func:`open_archive`) checks the format, the version, the manifest's own checksum, its
+structure, the caller's expected fingerprint (each mismatch is an :class:`ArchiveMismatch`
+naming the field and both values), that every listed file exists with its recorded size, and
+that no path escapes the archive (absolute paths, ``..``, symlinks). :func:`verify` also
+checks every file's CRC32C. Loading only parses JSON and span files: nothing is unpickled or
+executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from . import _native
+from . import snapshot as _snapshot
+
+log = logging.getLogger("vitrify.archive")
+
+FORMAT = "vitrify-archive"
+VERSION = 1
+MANIFEST = "manifest.json"
+FINGERPRINT_FIELDS = ("gpu", "sm", "driver", "cuda", "torch", "engine", "engine_version", "model")
+_CHECKSUM_RE = re.compile(r"^crc32c:[0-9a-f]{8}$")
+_RANK_RE = re.compile(r"^rank(0|[1-9][0-9]{0,5})$")
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+class ArchiveError(Exception):
+    """Base of every archive problem (mismatch, corruption, unsafe path)."""
+
+
+class ArchiveMismatch(ArchiveError):
+    """The archive does not fit: ``field`` is ``found`` in the archive, ``expected`` here."""
+
+    def __init__(self, path: str, field: str, expected: Any, found: Any):
+        self.path, self.field, self.expected, self.found = path, field, expected, found
+        super().__init__(f"archive {path}: {field} mismatch: expected {expected!r}, "
+                         f"the archive has {found!r}")
+
+
+class ArchiveCorrupt(ArchiveError):
+    """A file of the archive (``relpath``) is missing, truncated, edited or malformed."""
+
+    def __init__(self, path: str, relpath: str, reason: str):
+        self.path, self.relpath, self.reason = path, relpath, reason
+        super().__init__(f"archive {path}: {relpath}: {reason}")
+
+
+class UnsafePath(ArchiveCorrupt):
+    """A manifest path would leave the archive directory (absolute, ``..``, or a symlink)."""
+
+
+# ---- fingerprint and region ------------------------------------------------------------------
+
+def _nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver version ("580.159.04"), or None where it cannot be read."""
+    try:
+        with open("/sys/module/nvidia/version") as f:
+            v = f.read().strip()
+            if v:
+                return v
+    except OSError:
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", f.read())
+            if m:
+                return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What must match between freeze and thaw. ``None`` means unknown (and, as an expectation
+    passed to :func:`open_archive`, "do not check")."""
+
+    gpu: str | None = None
+    sm: str | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    model: str | None = None
+
+    @classmethod
+    def current(cls, *, engine: str | None = None, engine_version: str | None = None,
+                model: str | None = None, device: int = 0) -> Fingerprint:
+        """This machine's fingerprint (GPU name and SM of ``device``, NVIDIA driver, CUDA
+        driver API version, installed torch) plus the engine and model the caller names."""
+        gpu = sm = cuda = driver = None
+        if _native.cuda_available():
+            info = _native.device_info(device)
+            gpu, sm = info["name"], info["sm"]
+            v = _native.driver_version()
+            cuda = f"{v // 1000}.{v % 1000 // 10}"
+        driver = _nvidia_driver_version()
+        try:
+            torch = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch = None
+        return cls(gpu=gpu, sm=sm, driver=driver, cuda=cuda, torch=torch, engine=engine,
+                   engine_version=engine_version, model=model)
+
+    def to_dict(self) -> dict[str, str | None]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """The region the archive was frozen in: base address, size, allocation granularity and
+    the cursor offsets at named checkpoints (e.g. after weights, after warmup)."""
+
+    base: int
+    size: int
+    granularity: int
+    checkpoints: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base, "size": self.size, "granularity": self.granularity,
+                "checkpoints": dict(self.checkpoints)}
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """``"crc32c:xxxxxxxx"`` of a whole file (native, large reads, GIL released)."""
+    return f"crc32c:{_native.file_crc32c(os.fspath(path)):08x}"
+
+
+def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"crc32c:{_native.crc32c(text):08x}"
+
+
+def check_relpath(rel: Any) -> str:
+    """Return ``rel`` if it is a safe relative path inside an archive, else raise ValueError:
+    a non-empty str of ``/``-separated components, none empty, ``.`` or ``..``, no backslash or
+    NUL, not absolute."""
+    if not isinstance(rel, str) or not rel:
+        raise ValueError(f"archive path must be a non-empty str, got {rel!r}")
+    if "\x00" in rel or "\\" in rel:
+        raise ValueError(f"archive path {rel!r} contains NUL or a backslash")
+    if rel.startswith("/"):
+        raise ValueError(f"archive path {rel!r} is absolute")
+    for part in rel.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"archive path {rel!r} has an empty, '.' or '..' component")
+    return rel
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shared(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary sibling is written and fsynced, then
+    ``os.replace``d over ``path`` and the directory fsynced. A concurrent reader sees the old
+    content or the new, never a half-written file."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_path(d, directory=True)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+class _FileWriter:
+    """File helpers shared by :class:`ArchiveWriter` and :class:`RankWriter`."""
+
+    temp_path: str
+    _rank: int | None = None
+
+    def _check_open(self) -> None:  # overridden by ArchiveWriter
+        pass
+
+    # -- files --
+    def file_path(self, rel: str) -> str:
+        """Absolute path of ``rel`` inside the temporary directory (parents created)."""
+        self._check_open()
+        check_relpath(rel)
+        if self._rank is not None and not rel.startswith(f"rank{self._rank}/"):
+            raise ValueError(f"rank {self._rank} may only write under rank{self._rank}/, "
+                             f"not {rel!r}")
+        full = os.path.join(self.temp_path, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        full = self.file_path(rel)
+        with open(full, "wb") as f:
+            f.write(data)
+        return full
+
+    def write_json(self, rel: str, obj: Any) -> str:
+        return self.write_bytes(rel, _json_bytes(obj))
+
+    def write_state(self, rank: int, state: Mapping[str, Any]) -> str:
+        """``rank<N>/state.json``: engine-specific state (JSON only)."""
+        return self.write_json(f"rank{int(rank)}/state.json", dict(state))
+
+    def dump_span(self, rank: int, name: str, base: int, start: int, end: int,
+                  **kw: Any) -> dict:
+        """Dump a region span into ``rank<N>/region/<name>.span`` (see
+        :func:`vitrify.snapshot.dump_to_file` for ``kw``: target, chunk_bytes, granularity,
+        direct_io, progress). ``name`` ``"warmup"`` is the warmup gap; ``"weights"`` the
+        optional weights span. Dump the warmup gap BEFORE the engine empties its caching
+        allocator."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+            raise ValueError(f"span name {name!r}: use letters, digits, '_', '-', '.'")
+        full = self.file_path(_snapshot.span_relpath(rank, name))
+        return _snapshot.dump_to_file(full, base, start, end, **kw)
+
+
+class ArchiveWriter(_FileWriter):
+    """Builds an archive in a temporary sibling directory; :meth:`commit` makes it appear at
+    ``path`` atomically. As a context manager it commits on success and removes the temporary
+    directory on an exception.
+
+    Files may be written with the helpers below or directly at :meth:`file_path` (e.g. by graph
+    serializers); at commit every regular file under the temporary directory is checksummed into
+    the manifest.
+
+    A crash before the final rename leaves only the temporary directory (see
+    :func:`iter_stale_temporaries`). With ``overwrite=True`` the old archive is first renamed
+    aside (``.<name>.old-<token>``), so a crash between the two renames leaves no archive at
+    ``path`` — never a mixed one.
+    """
+
+    def __init__(self, path: str | os.PathLike, fingerprint: Fingerprint, region: Region, *,
+                 overwrite: bool = False):
+        self.path = os.path.abspath(os.fspath(path))
+        parent = os.path.dirname(self.path)
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"archive parent directory {parent} does not exist")
+        if os.path.lexists(self.path) and not overwrite:
+            raise FileExistsError(f"archive {self.path} already exists (pass overwrite=True)")
+        for name, v in (("base", region.base), ("size", region.size),
+                        ("granularity", region.granularity)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"region.{name} must be a non-negative int, got {v!r}")
+        for k, v in region.checkpoints.items():
+            if not isinstance(k, str) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"region checkpoint {k!r}: {v!r} must be str -> offset >= 0")
+        self.fingerprint = fingerprint
+        self.region = region
+        self.overwrite = overwrite
+        self.temp_path = os.path.join(
+            parent, f".{os.path.basename(self.path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(self.temp_path, 0o755)
+        self._done = False
+
+    # -- commit --
+    def _check_open(self) -> None:
+        if self._done:
+            raise ValueError(f"archive writer for {self.path} is already committed or aborted")
+
+    def _collect(self) -> dict[str, dict[str, Any]]:
+        files: dict[str, dict[str, Any]] = {}
+        for root, dirs, names in os.walk(self.temp_path):
+            for n in dirs + names:
+                full = os.path.join(root, n)
+                st = os.lstat(full)
+                rel = os.path.relpath(full, self.temp_path).replace(os.sep, "/")
+                if stat.S_ISLNK(st.st_mode):
+                    raise ValueError(f"archive {self.path}: {rel} is a symlink; archives hold "
+                                     "regular files only")
+                if n in names and rel != MANIFEST:
+                    if not stat.S_ISREG(st.st_mode):
+                        raise ValueError(f"archive {self.path}: {rel} is not a regular file")
+                    files[check_relpath(rel)] = {"bytes": st.st_size,
+                                                 "checksum": file_checksum(full)}
+        return dict(sorted(files.items()))
+
+    def commit(self) -> str:
+        """Checksum every file, write the manifest, fsync everything, rename into place.
+        Returns the archive path."""
+        self._check_open()
+        files = self._collect()
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "vitrify_version": _native.build_info()["version"],
+            "fingerprint": self.fingerprint.to_dict(),
+            "region": self.region.to_dict(),
+            "files": files,
+        }
+        manifest["checksum"] = _manifest_checksum(manifest)
+        with open(os.path.join(self.temp_path, MANIFEST), "wb") as f:
+            f.write(_json_bytes(manifest))
+        for root, dirs, names in os.walk(self.temp_path, topdown=False):
+            for n in names:
+                _fsync_path(os.path.join(root, n))
+            _fsync_path(root, directory=True)
+        parent = os.path.dirname(self.path)
+        old = None
+        if os.path.lexists(self.path):
+            if not self.overwrite:
+                raise FileExistsError(f"archive {self.path} appeared while writing")
+            old = os.path.join(parent, f".{os.path.basename(self.path)}.old-{secrets.token_hex(4)}")
+            os.rename(self.path, old)
+        os.rename(self.temp_path, self.path)
+        _fsync_path(parent, directory=True)
+        self._done = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("wrote archive %s: %d files, %d bytes", self.path, len(files),
+                 sum(e["bytes"] for e in files.values()))
+        return self.path
+
+    def abort(self) -> None:
+        """Remove the temporary directory; nothing appears at ``path``."""
+        if not self._done:
+            self._done = True
+            shutil.rmtree(self.temp_path, ignore_errors=True)
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._done:
+            self.commit()
+
+
+class RankWriter(_FileWriter):
+    """Writes one rank's files into another process's :class:`ArchiveWriter`.
+
+    Multi-process engines (one process per rank): the coordinating process creates the
+    ArchiveWriter and hands ``writer.temp_path`` to every rank; each rank writes its
+    ``rank<N>/`` files through a RankWriter; after all ranks are done (the caller's barrier) the
+    coordinator commits. Nothing is visible at the archive path before that commit.
+    """
+
+    def __init__(self, temp_path: str | os.PathLike, rank: int):
+        self.temp_path = os.path.abspath(os.fspath(temp_path))
+        if not (os.path.basename(self.temp_path).startswith(".")
+                and ".tmp-" in os.path.basename(self.temp_path)):
+            raise ValueError(f"{self.temp_path} is not an ArchiveWriter temporary directory")
+        if not os.path.isdir(self.temp_path) or os.path.islink(self.temp_path):
+            raise FileNotFoundError(f"archive temporary directory {self.temp_path} is missing "
+                                    "(committed or aborted already?)")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        self._rank = rank
+
+    def write_state(self, state: Mapping[str, Any]) -> str:  # type: ignore[override]
+        """This rank's ``state.json``."""
+        return super().write_state(self._rank, state)
+
+    def dump_span(self, name: str, base: int, start: int, end: int,  # type: ignore[override]
+                  **kw: Any) -> dict:
+        """This rank's span file (see :meth:`ArchiveWriter.dump_span`)."""
+        return super().dump_span(self._rank, name, base, start, end, **kw)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def _require(path: str, cond: bool, what: str) -> None:
+    if not cond:
+        raise ArchiveCorrupt(path, MANIFEST, what)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArchiveCorrupt(path, MANIFEST, f"not valid JSON: {e}") from None
+    _require(path, isinstance(m, dict), "not a JSON object")
+    if m.get("format") != FORMAT:
+        raise ArchiveMismatch(path, "format", FORMAT, m.get("format"))
+    if m.get("version") != VERSION:
+        raise ArchiveMismatch(path, "version", VERSION, m.get("version"))
+    want = m.get("checksum")
+    got = _manifest_checksum(m)
+    if want != got:
+        raise ArchiveCorrupt(path, MANIFEST, f"edited or damaged: its checksum is {want!r}, "
+                                             f"its content hashes to {got!r}")
+    keys = {"format", "version", "created", "vitrify_version", "fingerprint", "region", "files",
+            "checksum"}
+    _require(path, set(m) == keys, f"keys {sorted(m)} differ from {sorted(keys)}")
+    _require(path, isinstance(m["created"], str) and isinstance(m["vitrify_version"], str),
+             "created and vitrify_version must be strings")
+    fp = m["fingerprint"]
+    _require(path, isinstance(fp, dict) and set(fp) == set(FINGERPRINT_FIELDS)
+             and all(v is None or isinstance(v, str) for v in fp.values()),
+             f"fingerprint must have exactly {list(FINGERPRINT_FIELDS)} as strings or null")
+    r = m["region"]
+    _require(path, isinstance(r, dict) and set(r) == {"base", "size", "granularity",
+                                                      "checkpoints"}
+             and all(_is_int(r[k]) and r[k] >= 0 for k in ("base", "size", "granularity"))
+             and isinstance(r["checkpoints"], dict)
+             and all(isinstance(k, str) and _is_int(v) and v >= 0
+                     for k, v in r["checkpoints"].items()),
+             "region must be {base, size, granularity: int >= 0, checkpoints: {str: int}}")
+    files = m["files"]
+    _require(path, isinstance(files, dict), "files must be an object")
+    for rel, e in files.items():
+        try:
+            check_relpath(rel)
+        except ValueError as err:
+            raise UnsafePath(path, str(rel), str(err)) from None
+        _require(path, rel != MANIFEST, "the manifest lists itself")
+        _require(path, isinstance(e, dict) and set(e) == {"bytes", "checksum"}
+                 and _is_int(e["bytes"]) and e["bytes"] >= 0
+                 and isinstance(e["checksum"], str) and bool(_CHECKSUM_RE.match(e["checksum"])),
+                 f"entry for {rel!r} must be {{bytes: int, checksum: 'crc32c:xxxxxxxx'}}")
+    return m
+
+
+class Archive:
+    """An opened, structurally checked archive (see :func:`open_archive`)."""
+
+    def __init__(self, path: str, manifest: dict[str, Any]):
+        self.path = path
+        self.manifest = manifest
+        self.fingerprint = Fingerprint(**manifest["fingerprint"])
+        r = manifest["region"]
+        self.region = Region(r["base"], r["size"], r["granularity"], dict(r["checkpoints"]))
+        self.files: dict[str, dict[str, Any]] = manifest["files"]
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks with at least one file (``rank<N>/...``), ascending."""
+        out = set()
+        for rel in self.files:
+            m = _RANK_RE.match(rel.split("/", 1)[0])
+            if m:
+                out.add(int(m.group(1)))
+        return sorted(out)
+
+    def check_checkpoint(self, name: str, offset: int) -> None:
+        """Compare this process's region cursor at checkpoint ``name`` with the frozen one: THAW
+        must walk the same cursor trajectory as FREEZE. A drift (or an unknown checkpoint) is an
+        :class:`ArchiveMismatch` with both numbers."""
+        found = self.region.checkpoints.get(name)
+        if found != offset:
+            raise ArchiveMismatch(self.path, f"region.checkpoints.{name}", offset, found)
+
+    def has_file(self, rel: str) -> bool:
+        return rel in self.files
+
+    def file_path(self, rel: str) -> str:
+        """Absolute path of a listed file, after checking that no component is a symlink and
+        that it is a regular file inside the archive. Raises :class:`UnsafePath` /
+        :class:`ArchiveCorrupt`."""
+        if rel not in self.files:
+            raise ArchiveCorrupt(self.path, rel, "not listed in the manifest")
+        try:
+            check_relpath(rel)
+        except ValueError as e:
+            raise UnsafePath(self.path, rel, str(e)) from None
+        cur = self.path
+        parts = rel.split("/")
+        for i, part in enumerate(parts):
+            cur = os.path.join(cur, part)
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                raise ArchiveCorrupt(self.path, rel, "missing") from None
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePath(self.path, rel, f"{'/'.join(parts[:i + 1])} is a symlink")
+            if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
+                raise ArchiveCorrupt(self.path, rel, f"{'/'.join(parts[:i + 1])} is not a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise ArchiveCorrupt(self.path, rel, "not a regular file")
+        return cur
+
+    def check_file(self, rel: str, *, checksum: bool) -> str:
+        """Check a listed file's size (and with ``checksum``, its CRC32C); return its path."""
+        full = self.file_path(rel)
+        want = self.files[rel]
+        size = os.stat(full).st_size
+        if size != want["bytes"]:
+            kind = "truncated" if size < want["bytes"] else "grown"
+            raise ArchiveCorrupt(self.path, rel, f"{kind}: {size} bytes, the manifest says "
+                                                 f"{want['bytes']}")
+        if checksum:
+            got = file_checksum(full)
+            if got != want["checksum"]:
+                raise ArchiveCorrupt(self.path, rel, f"checksum mismatch: the manifest says "
+                                                     f"{want['checksum']}, the file has {got}")
+        return full
+
+    def read_json(self, rel: str) -> Any:
+        """Parse a listed JSON file after verifying its checksum (JSON only; nothing executes)."""
+        full = self.check_file(rel, checksum=True)
+        with open(full, "rb") as f:
+            try:
+                return json.loads(f.read().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ArchiveCorrupt(self.path, rel, f"not valid JSON: {e}") from None
+
+    def state(self, rank: int) -> dict[str, Any]:
+        """``rank<N>/state.json`` ({} when absent)."""
+        rel = f"rank{int(rank)}/state.json"
+        if rel not in self.files:
+            return {}
+        s = self.read_json(rel)
+        if not isinstance(s, dict):
+            raise ArchiveCorrupt(self.path, rel, "must hold a JSON object")
+        return s
+
+    def spans(self, rank: int) -> dict[str, str]:
+        """Span name -> relative path of the rank's span files."""
+        prefix = f"rank{int(rank)}/region/"
+        return {rel[len(prefix):-len(".span")]: rel for rel in self.files
+                if rel.startswith(prefix) and rel.endswith(".span") and "/" not in rel[len(prefix):]}
+
+    def restore_span(self, rank: int, name: str, base: int, ceiling: int, **kw: Any) -> dict:
+        """Restore span ``name`` of ``rank`` to ``base`` clamped to ``ceiling``; chunk CRCs are
+        verified on the way (see :func:`vitrify.snapshot.restore_from_file` for ``kw``)."""
+        rel = _snapshot.span_relpath(rank, name)
+        full = self.check_file(rel, checksum=False)
+        return _snapshot.restore_from_file(full, base, ceiling, **kw)
+
+    def verify(self) -> list[str]:
+        """Every problem found (empty when the archive is intact): each listed file's presence,
+        size and CRC32C, span-file structure, and files present but not listed."""
+        problems: list[str] = []
+        for rel in self.files:
+            try:
+                full = self.check_file(rel, checksum=True)
+                if rel.endswith(".span"):
+                    _snapshot.file_info(full)
+            except (ArchiveError, _snapshot.SpanFileError) as e:
+                problems.append(str(e))
+        for root, dirs, names in os.walk(self.path):
+            for n in dirs + names:
+                full = os.path.join(root, n)
+                rel = os.path.relpath(full, self.path).replace(os.sep, "/")
+                if os.path.islink(full):
+                    problems.append(f"archive {self.path}: {rel}: symlink inside the archive")
+                elif n in names and rel != MANIFEST and rel not in self.files:
+                    problems.append(f"archive {self.path}: {rel}: present but not in the manifest")
+        return problems
+
+
+def _compare_fingerprint(path: str, found: Fingerprint, expect: Fingerprint | Mapping) -> None:
+    exp = expect.to_dict() if isinstance(expect, Fingerprint) else dict(expect)
+    unknown = set(exp) - set(FINGERPRINT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fingerprint fields {sorted(unknown)}; "
+                         f"known: {list(FINGERPRINT_FIELDS)}")
+    for field in FINGERPRINT_FIELDS:
+        want = exp.get(field)
+        have = getattr(found, field)
+        if want is not None and want != have:
+            raise ArchiveMismatch(path, f"fingerprint.{field}", want, have)
+
+
+def open_archive(path: str | os.PathLike, *, expect: Fingerprint | Mapping | None = None,
+                 checksums: bool = False) -> Archive:
+    """Open and check an archive; raise :class:`ArchiveError` (or FileNotFoundError when there
+    is no directory at ``path``).
+
+    Checks, in order: manifest format and version (:class:`ArchiveMismatch` with field
+    ``format`` / ``version``), the manifest checksum and structure, every path (no escape), each
+    ``expect`` field that is not None (``fingerprint.<field>``), and every listed file's size.
+    ``checksums=True`` also verifies every file's CRC32C (reads everything).
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no archive directory at {path}")
+    mpath = os.path.join(path, MANIFEST)
+    if os.path.islink(mpath):
+        raise UnsafePath(path, MANIFEST, "is a symlink")
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ArchiveCorrupt(path, MANIFEST, "missing (not a vitrify archive, or an unfinished "
+                                             "one)") from None
+    a = Archive(path, _parse_manifest(path, raw))
+    if expect is not None:
+        _compare_fingerprint(path, a.fingerprint, expect)
+    for rel in a.files:
+        a.check_file(rel, checksum=checksums)
+    return a
+
+
+def open_or_cold(path: str | os.PathLike, *,
+                 expect: Fingerprint | Mapping | None = None) -> tuple[Archive | None, str]:
+    """Like :func:`open_archive`, but a mismatch, a damaged archive or a missing one returns
+    ``(None, reason)`` — the caller takes the cold path — and the reason is logged."""
+    try:
+        return open_archive(path, expect=expect), ""
+    except (ArchiveError, FileNotFoundError) as e:
+        reason = f"cold start: {e}"
+        log.warning("%s", reason)
+        return None, reason
+
+
+def verify(path: str | os.PathLike) -> list[str]:
+    """All problems of the archive at ``path`` (empty list: intact). Never raises for damage."""
+    try:
+        a = open_archive(path)
+    except (ArchiveError, FileNotFoundError) as e:
+        return [str(e)]
+    return a.verify()
+
+
+# ---- inspect ---------------------------------------------------------------------------------
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """A summary for humans and tools: manifest facts, and per rank its spans (intervals and
+    bytes from the span headers), graphs, modules and state."""
+    a = open_archive(path)
+    ranks: dict[int, Any] = {}
+    for r in a.ranks:
+        prefix = f"rank{r}/"
+        mine = {rel: e for rel, e in a.files.items() if rel.startswith(prefix)}
+        spans = {}
+        for name, rel in a.spans(r).items():
+            entry: dict[str, Any] = {"file": rel, "file_bytes": a.files[rel]["bytes"]}
+            try:
+                info = _snapshot.file_info(a.file_path(rel))
+                entry.update(start=info["start"], end=info["end"], bytes=info["data_bytes"],
+                             intervals=len(info["intervals"]))
+            except (ArchiveError, _snapshot.SpanFileError) as e:
+                entry["error"] = str(e)
+            spans[name] = entry
+
+        def group(sub: str) -> dict[str, int]:
+            sel = [e for rel, e in mine.items() if rel.startswith(prefix + sub + "/")]
+            return {"files": len(sel), "bytes": sum(e["bytes"] for e in sel)}
+
+        ranks[r] = {"spans": spans, "graphs": group("graphs"), "modules": group("modules"),
+                    "state": f"{prefix}state.json" in a.files,
+                    "bytes": sum(e["bytes"] for e in mine.values())}
+    return {"path": a.path, "format": a.manifest["format"], "version": a.manifest["version"],
+            "created": a.manifest["created"], "vitrify_version": a.manifest["vitrify_version"],
+            "fingerprint": a.fingerprint.to_dict(), "region": a.region.to_dict(),
+            "files": len(a.files), "bytes": sum(e["bytes"] for e in a.files.values()),
+            "ranks": ranks}
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def render_inspect(info: Mapping[str, Any]) -> str:
+    """The human table printed by ``vitrify inspect``."""
+    lines = [f"archive   {info['path']}",
+             f"format    {info['format']} v{info['version']}, created {info['created']}, "
+             f"vitrify {info['vitrify_version']}",
+             f"size      {_size(info['bytes'])} in {info['files']} files", "", "fingerprint"]
+    for k, v in info["fingerprint"].items():
+        lines.append(f"  {k:<15} {v if v is not None else '-'}")
+    reg = info["region"]
+    lines += ["", f"region    base {reg['base']:#x}, size {_size(reg['size'])}, "
+                  f"granularity {_size(reg['granularity'])}"]
+    for k, v in sorted(reg["checkpoints"].items(), key=lambda kv: (kv[1], kv[0])):
+        lines.append(f"  checkpoint {k:<20} {v:#x} ({_size(v)})")
+    lines += ["", f"{'rank':<5} {'span':<10} {'range':<31} {'intervals':>9} {'bytes':>12}"]
+    for r, d in info["ranks"].items():
+        if not d["spans"]:
+            lines.append(f"{r:<5} {'(none)':<10}")
+        for name, s in d["spans"].items():
+            if "error" in s:
+                lines.append(f"{r:<5} {name:<10} ERROR {s['error']}")
+            else:
+                rng = f"[{s['start']:#x}, {s['end']:#x})"
+                lines.append(f"{r:<5} {name:<10} {rng:<31} {s['intervals']:>9} "
+                             f"{_size(s['bytes']):>12}")
+    lines += ["", f"{'rank':<5} {'graphs':>14} {'modules':>14} {'state':>6} {'total':>12}"]
+    for r, d in info["ranks"].items():
+        g, m = d["graphs"], d["modules"]
+        lines.append(f"{r:<5} {g['files']:>4} {_size(g['bytes']):>9} {m['files']:>4} "
+                     f"{_size(m['bytes']):>9} {'yes' if d['state'] else 'no':>6} "
+                     f"{_size(d['bytes']):>12}")
+    return "\n".join(lines)
+
+
+def iter_stale_temporaries(parent: str | os.PathLike) -> Iterator[str]:
+    """Temporary directories left in ``parent`` by writers that died before committing
+    (``.<name>.tmp-<pid>-<token>``); never archives. Safe to delete once no writer runs."""
+    for n in sorted(os.listdir(parent)):
+        if n.startswith(".") and ".tmp-" in n and os.path.isdir(os.path.join(parent, n)):
+            yield os.path.join(os.fspath(parent), n)
+
+
+__all__ = [
+    "Archive", "ArchiveCorrupt", "ArchiveError", "ArchiveMismatch", "ArchiveWriter", "RankWriter",
+    "FINGERPRINT_FIELDS", "FORMAT", "Fingerprint", "MANIFEST", "Region", "UnsafePath", "VERSION",
+    "check_relpath", "file_checksum", "inspect", "iter_stale_temporaries", "open_archive",
+    "open_or_cold", "render_inspect", "verify", "write_shared",
+]

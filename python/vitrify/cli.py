@@ -1,0 +1,82 @@
+"""The ``vitrify`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    report = doctor.collect(args.dir)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(doctor.render(report))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main()
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from . import archive
+
+    try:
+        info = archive.inspect(args.archive)
+    except (archive.ArchiveError, FileNotFoundError) as e:
+        print(f"vitrify inspect: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(archive.render_inspect(info))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from . import archive
+
+    problems = archive.verify(args.archive)
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        return 1
+    print(f"OK {args.archive}: every file present, sized and checksummed as the manifest says")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitrify", description=__import__("vitrify").__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"vitrify {__import__('vitrify').__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="report what this machine offers vitrify")
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
+    d.set_defaults(func=_cmd_doctor)
+    m = sub.add_parser("demo", help="run vitrify's main job here; says what was skipped and why")
+    m.set_defaults(func=_cmd_demo)
+    i = sub.add_parser("inspect", help="describe an archive: fingerprint, ranks, spans, graphs, sizes")
+    i.add_argument("archive")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.set_defaults(func=_cmd_inspect)
+    v = sub.add_parser("verify", help="check every file of an archive (exit 0 intact, 1 damaged)")
+    v.add_argument("archive")
+    v.set_defaults(func=_cmd_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

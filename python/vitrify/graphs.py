@@ -1,0 +1,484 @@
+"""CUDA graph persistence: record kernel binaries, capture graphs, save, load, replay.
+
+FREEZE (the process that warms up and captures)::
+
+    import vitrify.graphs as tg
+    tg.record_modules()                 # before anything initialises CUDA (before torch.cuda)
+    import torch
+    store = tg.GraphStore(region_base=base, region_size=size)
+    with store.capture("decode_bs8") as cap:   # like torch.cuda.graph(...)
+        out = model(static_input)
+    cap.graph.replay()                 # a normal torch CUDAGraph in this process
+    store.save("ARCHIVE/rank0")        # rank0/modules/*.bin, rank0/graphs/*.tgraph + index.json
+
+THAW (a fresh process, same addresses or a relocated region)::
+
+    graphs = tg.load("ARCHIVE/rank0", region_base=new_base)   # builds start in the background
+    graphs.replay("decode_bs8")        # waits for that graph only, then launches it
+
+Graphs with the same topology share one executable; replaying another graph of the same
+template applies its parameters first (no device synchronisation). Every failure to freeze (an
+unsupported node kind, a kernel whose binary was not recorded) is a :class:`GraphFreezeError`
+raised at capture time, naming the node and the kernel; never a failure at load time.
+The on-disk layout is documented in ``csrc/src/graph/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import _native
+
+GraphFreezeError = _native.GraphFreezeError
+GraphFreezeError.__doc__ = (
+    "A captured graph cannot be frozen (unsupported node kind, unrecorded or ambiguous kernel "
+    "binary, host memory in a copy). A RuntimeError; the message names the node and kernel."
+)
+FixedArena = _native.FixedArena
+
+INDEX_FORMAT = "vitrify-graphs"
+INDEX_VERSION = 1
+MODULES_DIR = "modules"
+GRAPHS_DIR = "graphs"
+INDEX_FILE = "graphs/index.json"
+
+__all__ = [
+    "FixedArena",
+    "GraphCapture",
+    "GraphFreezeError",
+    "GraphStore",
+    "LoadedGraphs",
+    "arena_mem_pool",
+    "describe",
+    "load",
+    "load_from_archive",
+    "record_modules",
+    "recorder_info",
+]
+
+
+# ------------------------------------------------------------------------------- recording
+def _cupti_candidates() -> list[str]:
+    """libcupti copies shipped in pip wheels (nvidia-cuda-cupti) on sys.path."""
+    out = []
+    for entry in sys.path:
+        for rel in ("nvidia/cu13/lib/libcupti.so.13", "nvidia/cuda_cupti/lib/libcupti.so.13"):
+            p = os.path.join(entry or ".", rel)
+            if os.path.exists(p):
+                out.append(p)
+    return out
+
+
+def record_modules(extra_paths: list[str] | None = None) -> None:
+    """Start recording every kernel binary the CUDA driver loads (CUPTI resource callbacks).
+
+    Call it before CUDA is initialised in this process (before the first ``torch.cuda`` call):
+    modules loaded earlier are never reported, and a graph using their kernels then fails to
+    freeze, naming the kernel. libcupti is found through ``VITRIFY_CUPTI_PATH``, then
+    ``libcupti.so.13`` / ``libcupti.so`` on the loader path, CUDA's ``lib64`` directories, the
+    ``extra_paths`` and CUPTI from pip wheels. Idempotent. CUPTI allows one subscriber per
+    process, so this cannot run together with torch's profiler or Nsight.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized() and not recorder_info()["active"]:
+        warnings.warn("vitrify.graphs.record_modules(): CUDA is already initialised in this "
+                      "process; kernel binaries loaded so far were not recorded, and graphs "
+                      "using them will fail to freeze", RuntimeWarning, stacklevel=2)
+    paths = [str(p) for p in (extra_paths or [])] + _cupti_candidates()
+    _native.graph_record_modules(paths)
+
+
+def stop_recording() -> None:
+    """Stop the CUPTI subscriber (what was recorded stays available)."""
+    _native.graph_stop_recording()
+
+
+def recorder_info() -> dict:
+    """``active``, ``library`` (the libcupti loaded), ``modules``, ``bytes``, ``callbacks``."""
+    return dict(_native.graph_recorder_info())
+
+
+def describe(data: bytes) -> dict:
+    """The description (nodes, edges, events, relocations) of a serialized graph."""
+    return dict(_native.graph_describe(bytes(data)))
+
+
+def arena_mem_pool(arena: FixedArena):
+    """A ``torch.cuda.MemPool`` whose allocations come from ``arena`` (bump-allocated, never
+    reused), so a capture made inside it has the same addresses in a fresh process that
+    creates the same arena at the same base and allocates in the same order. Installs
+    ``arena`` as the process-wide arena behind ``vitrify_graph_arena_malloc``. A stand-in for the
+    region allocator in tests and benchmarks."""
+    import torch
+
+    _native.graph_install_arena(arena)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        _native.__file__, "vitrify_graph_arena_malloc", "vitrify_graph_arena_free"
+    )
+    return torch.cuda.MemPool(alloc.allocator())
+
+
+# ----------------------------------------------------------------------------------- FREEZE
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a graph name must be a non-empty string, got {name!r}")
+    return name
+
+
+class GraphCapture:
+    """Context manager returned by :meth:`GraphStore.capture`: captures with
+    ``torch.cuda.graph`` into a ``torch.cuda.CUDAGraph(keep_graph=True)`` and, on a clean exit,
+    walks the captured graph into the store. ``graph`` is the torch graph (replayable here),
+    ``info`` the summary of what was stored."""
+
+    def __init__(self, store: GraphStore, name: str, pool=None, stream=None,
+                 capture_error_mode: str = "global"):
+        self.store = store
+        self.name = _check_name(name)
+        self._pool = pool
+        self._stream = stream
+        self._mode = capture_error_mode
+        self.graph = None
+        self.info: dict | None = None
+        self._ctx = None
+
+    def __enter__(self) -> GraphCapture:
+        import torch
+
+        if self.name in self.store:
+            raise ValueError(f"graph {self.name!r} is already in the store")
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+        self._ctx = torch.cuda.graph(self.graph, pool=self._pool, stream=self._stream,
+                                     capture_error_mode=self._mode)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        suppressed = self._ctx.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            self.info = self.store.add_cuda_graph(self.name, self.graph.raw_cuda_graph())
+        return bool(suppressed)
+
+
+class GraphStore:
+    """Serialized graphs of one device, ready to :meth:`save`.
+
+    ``region_base``/``region_size``: the relocation range — kernel-parameter words and copy
+    addresses inside ``[base, base+size)`` are stored as region offsets, so :func:`load` can
+    place the region elsewhere. ``size`` 0 records no relocations (same addresses at load).
+    """
+
+    def __init__(self, *, region_base: int = 0, region_size: int = 0, device: int = 0):
+        if region_base < 0 or region_size < 0:
+            raise ValueError(f"region base/size must be >= 0, got {region_base}, {region_size}")
+        self.region_base = int(region_base)
+        self.region_size = int(region_size)
+        self.device = int(device)
+        self._graphs: dict[str, bytes] = {}
+
+    def capture(self, name: str, *, pool=None, stream=None,
+                capture_error_mode: str = "global") -> GraphCapture:
+        """A ``torch.cuda.graph``-like context manager that stores the graph as ``name``."""
+        return GraphCapture(self, name, pool=pool, stream=stream,
+                            capture_error_mode=capture_error_mode)
+
+    def add_cuda_graph(self, name: str, handle: int) -> dict:
+        """Walk a captured ``cudaGraph_t`` / ``CUgraph`` (an integer handle) into the store.
+        Raises :class:`GraphFreezeError` naming the node when it cannot be frozen."""
+        _check_name(name)
+        if name in self._graphs:
+            raise ValueError(f"graph {name!r} is already in the store")
+        if not handle:
+            raise ValueError("the CUDA graph handle is null")
+        try:
+            data = _native.graph_capture(int(handle), self.region_base, self.region_size,
+                                         self.device)
+        except GraphFreezeError as e:
+            raise GraphFreezeError(f"cannot freeze graph {name!r}: {e}") from None
+        self._graphs[name] = data
+        return self.info(name)
+
+    def add(self, name: str, data: bytes) -> None:
+        """Add an already serialized graph (validated)."""
+        _check_name(name)
+        if name in self._graphs:
+            raise ValueError(f"graph {name!r} is already in the store")
+        data = bytes(data)
+        _native.graph_describe(data)  # validates
+        self._graphs[name] = data
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._graphs)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._graphs)
+
+    def data(self, name: str) -> bytes:
+        """The serialized graph ``name``."""
+        return self._graphs[name]
+
+    def info(self, name: str) -> dict:
+        """Nodes, edges, relocations, bytes, topology hash and modules of graph ``name``."""
+        data = self._graphs[name]
+        d = _native.graph_describe(data)
+        kinds: dict[str, int] = {}
+        for n in d["nodes"]:
+            kinds[n["kind"]] = kinds.get(n["kind"], 0) + 1
+        return {
+            "name": name,
+            "bytes": len(data),
+            "nodes": len(d["nodes"]),
+            "kinds": kinds,
+            "edges": len(d["edges"]),
+            "relocations": len(d["relocations"]),
+            "topology": _native.graph_topology(data),
+            "modules": list(_native.graph_modules(data)),
+        }
+
+    def save(self, directory: str | os.PathLike) -> dict:
+        """Write ``directory/modules/<sha256>.bin`` (only binaries the graphs use),
+        ``directory/graphs/<n>.tgraph`` and ``directory/graphs/index.json``; returns the index.
+        ``directory`` is one rank's directory of an archive (``ARCHIVE/rank<N>``)."""
+        root = Path(directory)
+        (root / MODULES_DIR).mkdir(parents=True, exist_ok=True)
+        (root / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+        graphs, templates, modules = [], {}, {}
+        for i, name in enumerate(self._graphs):
+            data = self._graphs[name]
+            info = self.info(name)
+            rel = f"{GRAPHS_DIR}/{i:05d}.tgraph"
+            _write_atomic(root / rel, data)
+            t = templates.setdefault(info["topology"], {"topology": info["topology"], "graphs": []})
+            t["graphs"].append(name)
+            for h in info["modules"]:
+                if h not in modules:
+                    try:
+                        m = _native.graph_recorded_module(h)
+                    except ValueError:
+                        raise ValueError(f"graph {name!r} uses module {h}, which this process "
+                                         "did not record (see record_modules)") from None
+                    mrel = f"{MODULES_DIR}/{h}.bin"
+                    _write_atomic(root / mrel, m["bytes"])
+                    modules[h] = {"file": mrel, "bytes": len(m["bytes"]), "kind": m["kind"],
+                                  "kernels": len(m["kernels"])}
+            graphs.append({"name": name, "file": rel, "bytes": len(data),
+                           "sha256": _native.graph_sha256(data), "nodes": info["nodes"],
+                           "relocations": info["relocations"], "topology": info["topology"],
+                           "modules": info["modules"]})
+        index = {
+            "format": INDEX_FORMAT,
+            "version": INDEX_VERSION,
+            "graph_format_version": _native.graph_format_version(),
+            "device": self.device,
+            "region": {"base": self.region_base, "size": self.region_size},
+            "graphs": graphs,
+            "templates": list(templates.values()),
+            "modules": modules,
+        }
+        _write_atomic(root / INDEX_FILE, json.dumps(index, indent=1).encode())
+        return index
+
+
+    def save_to_archive(self, writer: Any, rank: int = 0) -> dict:
+        """Save into ``rank<N>/`` of an archive being written (a
+        :class:`vitrify.archive.ArchiveWriter` or :class:`vitrify.archive.RankWriter`): the same files
+        as :meth:`save`, which the writer checksums into the manifest at commit."""
+        index_path = writer.file_path(f"rank{int(rank)}/{INDEX_FILE}")  # checks rank, makes dirs
+        return self.save(Path(index_path).parent.parent)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------- THAW
+def read_index(directory: str | os.PathLike) -> dict:
+    """The validated ``graphs/index.json`` of a saved store."""
+    path = Path(directory) / INDEX_FILE
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no graph index at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"graph index {path} is not valid JSON: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        raise ValueError(f"{path} is not a vitrify graph index (format {index.get('format')!r})")
+    if index.get("version") != INDEX_VERSION:
+        raise ValueError(f"{path}: graph index version {index.get('version')!r} is not "
+                         f"supported (this build reads {INDEX_VERSION})")
+    for key in ("graphs", "modules", "region"):
+        if key not in index:
+            raise ValueError(f"{path}: graph index lacks {key!r}")
+    return index
+
+
+def _read_checked(root: Path, rel: str, size: int) -> bytes:
+    p = root / rel
+    if ".." in Path(rel).parts or Path(rel).is_absolute():
+        raise ValueError(f"graph index names a file outside its directory: {rel!r}")
+    data = p.read_bytes()
+    if len(data) != size:
+        raise ValueError(f"{p}: {len(data)} bytes, the index says {size} (truncated file?)")
+    return data
+
+
+class LoadedGraphs:
+    """Graphs rebuilt in this process (see :func:`load`). ``replay(name)`` waits for that
+    graph's build only; ``wait_all()`` for every build; ``stats()`` counts builds, templates,
+    parameter switches. Close (or leave the ``with`` block) to release executables and
+    modules."""
+
+    def __init__(self, index: dict, gset, ids: dict[str, int]):
+        self.index = index
+        self._set = gset
+        self._ids = ids
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._ids)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _id(self, name: str) -> int:
+        if self._set is None:
+            raise ValueError("these graphs were closed")
+        try:
+            return self._ids[name]
+        except KeyError:
+            raise KeyError(f"no graph {name!r}; have {sorted(self._ids)[:10]}") from None
+
+    def wait(self, name: str) -> None:
+        """Block until graph ``name`` is built (re-raises its build error)."""
+        self._set.wait(self._id(name))
+
+    def wait_all(self) -> None:
+        """Block until every graph is built."""
+        self._set.wait_all()
+
+    def template_of(self, name: str) -> int:
+        """The index of the executable (topology template) graph ``name`` shares."""
+        return self._set.template_of(self._id(name))
+
+    def replay(self, name: str, stream: Any = None) -> None:
+        """Launch graph ``name`` on ``stream`` (a ``torch.cuda.Stream``, an integer
+        ``cudaStream_t``, or None: torch's current stream when torch is imported, else the
+        legacy default stream). Asynchronous, like ``CUDAGraph.replay``."""
+        gid = self._id(name)
+        self._set.launch(gid, _stream_handle(stream))
+
+    def synchronize(self) -> None:
+        """Wait until all work on the device has finished (``cuCtxSynchronize``)."""
+        if self._set is None:
+            raise ValueError("these graphs were closed")
+        self._set.synchronize()
+
+    def stats(self) -> dict:
+        """Counts: graphs, templates, built_templates, ready_graphs, modules_loaded,
+        parameter_switches, nodes_updated, build_seconds (summed over build threads)."""
+        return dict(self._set.stats())
+
+    def close(self) -> None:
+        """Release every executable, graph and module (after pending work finished)."""
+        self._set = None
+
+    def __enter__(self) -> LoadedGraphs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stream_handle(stream: Any) -> int:
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream().cuda_stream)
+        return 0
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise ValueError(f"stream must be an int handle or have .cuda_stream, got {stream!r}")
+    return int(handle)
+
+
+def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
+                      **kw: Any) -> LoadedGraphs:
+    """Load rank ``rank``'s graphs from an opened :class:`vitrify.archive.Archive`.
+
+    Every graph and module file of that rank is first checked against the manifest (listed,
+    inside the archive, no symlinks, size, and with ``verify`` its CRC32C): damage is a
+    :class:`vitrify.archive.ArchiveCorrupt` naming the file, raised before any driver call.
+    ``kw`` goes to :func:`load` (device, region_base, threads, names, share_templates).
+    """
+    prefix = f"rank{int(rank)}/"
+    rels = [r for r in archive.files
+            if r.startswith(prefix + GRAPHS_DIR + "/") or r.startswith(prefix + MODULES_DIR + "/")]
+    if prefix + INDEX_FILE not in rels:
+        raise KeyError(f"archive {archive.path} has no graphs for rank {rank} "
+                       f"({prefix + INDEX_FILE} is not in its manifest)")
+    for rel in rels:
+        archive.check_file(rel, checksum=verify)
+    return load(Path(archive.path) / f"rank{int(rank)}", **kw)
+
+
+def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
+         threads: int = 2, names: list[str] | None = None,
+         share_templates: bool = True) -> LoadedGraphs:
+    """Load the graphs saved under ``directory`` and start rebuilding them in the background.
+
+    ``region_base``: where the region lives in this process (None: where it was at FREEZE);
+    relocated words are rewritten to ``region_base + offset``. ``names``: only these graphs.
+    ``share_templates=False`` instantiates every graph separately (a benchmark baseline).
+    Every module file is checked against its SHA-256 name and every graph file against its
+    checksums before any driver call; a mismatch is a ValueError naming the file.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    root = Path(directory)
+    index = read_index(root)
+    entries = index["graphs"]
+    if names is not None:
+        wanted = set(names)
+        missing = wanted - {g["name"] for g in entries}
+        if missing:
+            raise KeyError(f"graphs not in {root}: {sorted(missing)}")
+        entries = [g for g in entries if g["name"] in wanted]
+    gset = _native.GraphSet(device, share_templates)
+    needed = sorted({h for g in entries for h in g["modules"]})
+    for h in needed:
+        m = index["modules"].get(h)
+        if m is None:
+            raise ValueError(f"graph index lists no file for module {h}")
+        gset.add_module(_read_checked(root, m["file"], m["bytes"]), h)
+    ids = {}
+    for g in entries:
+        data = _read_checked(root, g["file"], g["bytes"])
+        if _native.graph_sha256(data) != g["sha256"]:
+            raise ValueError(f"{root / g['file']}: SHA-256 differs from the index (graph "
+                             f"{g['name']!r})")
+        relocate_to = None if region_base is None else int(region_base)
+        ids[g["name"]] = gset.add(data, relocate_to)
+    gset.start(threads)
+    return LoadedGraphs(index, gset, ids)

@@ -1,0 +1,240 @@
+"""The VMM region allocator: device memory at deterministic addresses.
+
+A :class:`Region` reserves one virtual address range ``[base, base + size)`` on a device and maps
+physical memory into it at a monotonic cursor. The same sequence of allocations therefore gets
+the same addresses in every process that reserves the same base — what FREEZE and THAW rely on.
+Freed ranges are unmapped and released; their addresses are never handed out again.
+
+Invariants (numbered) are in ``csrc/src/region/DESIGN.md``. Importing this module never touches
+the driver; constructing a Region does.
+
+Example::
+
+    with vitrify.Region(8 << 30) as r:          # base=None: the deterministic base search
+        p = r.allocate(1 << 20)               # at r.base
+        r.checkpoint("weights")
+        with r.paused():                      # ordinary cudaMalloc-like memory, cursor kept
+            q = r.allocate(1 << 20)
+        r.free(p)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from . import _native
+
+RegionAddressError = _native.RegionAddressError
+RegionAddressError.__doc__ = (
+    "The driver would not reserve the exact range asked for (part of it is in use, or it picked "
+    "another address). The message names the range and what came back. A RuntimeError."
+)
+
+#: The first candidate base of the search (96 TiB) and the end of the search window (127 TiB).
+SEARCH_FIRST: int = _native.REGION_SEARCH_FIRST
+SEARCH_LIMIT: int = _native.REGION_SEARCH_LIMIT
+#: Default chunk size of :meth:`Region.preallocate` (1 GiB: one cuMemMap per GiB).
+DEFAULT_PREALLOC_CHUNK: int = _native.REGION_DEFAULT_PREALLOC_CHUNK
+
+
+def _int(name: str, value: object, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def candidate_bases(size: int) -> list[int]:
+    """The bases ``Region(size, base=None)`` tries, in order (pure; no driver needed).
+
+    Candidates are ``SEARCH_FIRST + k * round_up(size, 1 TiB)`` for k = 0, 1, ... (at most 16),
+    each range ending at or below ``SEARCH_LIMIT``; the first one the driver reserves exactly wins.
+    Empty when ``size`` is larger than the search window.
+    """
+    return list(_native.region_candidate_bases(_int("size", size, minimum=1)))
+
+
+class Region:
+    """One reserved device address range with physical memory mapped at a monotonic cursor.
+
+    Args:
+        size: bytes to reserve; rounded up to the allocation granularity (2 MiB on H200).
+        base: the exact start address (a multiple of the granularity), or None for the
+            deterministic search over :func:`candidate_bases`. If the driver hands back any other
+            address the stray reservation is freed and :class:`RegionAddressError` is raised.
+        device: CUDA device ordinal.
+
+    Allocation sizes are rounded up to the granularity. Out of space inside the region raises
+    ``MemoryError`` with the numbers — never a silent fallback to ordinary memory. Thread-safe.
+    Call :meth:`close` (or use ``with``) to unmap and release everything deterministically.
+    """
+
+    def __init__(self, size: int, base: int | None = None, device: int = 0):
+        _int("size", size, minimum=1)
+        if base is not None:
+            _int("base", base, minimum=1)
+        _int("device", device)
+        self._r = _native.Region(base, size, device)
+
+    # --- facts --------------------------------------------------------------------------------
+    @property
+    def base(self) -> int:
+        """First address of the reserved range."""
+        return self._r.base
+
+    @property
+    def size(self) -> int:
+        """Reserved bytes (the requested size rounded up to the granularity)."""
+        return self._r.size
+
+    @property
+    def end(self) -> int:
+        """One past the last reserved address."""
+        return self._r.base + self._r.size
+
+    @property
+    def device(self) -> int:
+        """The CUDA device ordinal."""
+        return self._r.device
+
+    @property
+    def granularity(self) -> int:
+        """The driver's allocation granularity (bytes) that sizes and offsets are rounded to."""
+        return self._r.granularity
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._r.closed
+
+    def contains(self, ptr: int) -> bool:
+        """True when ``ptr`` lies in ``[base, end)``."""
+        return self.base <= ptr < self.end
+
+    def owns(self, ptr: int) -> bool:
+        """True when ``ptr`` is the start of a live allocation of this region (or of an ordinary
+        allocation it made while stopped)."""
+        return self._r.owns(_int("ptr", ptr))
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (rounded up to the granularity) at the cursor; returns the address.
+
+        While stopped (:meth:`stop`) the memory comes from the ordinary allocator instead and the
+        cursor does not move. Raises ``MemoryError`` when the region has no room left.
+        """
+        return self._r.allocate(_int("nbytes", nbytes, minimum=1))
+
+    def free(self, ptr: int) -> None:
+        """Free the allocation starting at ``ptr``. Its physical memory is released once every
+        allocation sharing its chunk is freed; its addresses are never reused."""
+        self._r.free(_int("ptr", ptr))
+
+    def stop(self) -> bool:
+        """Route later allocations to the ordinary allocator (cursor untouched); returns whether
+        the region was already stopped."""
+        return self._r.stop()
+
+    def resume(self) -> bool:
+        """Allocate from the region again; returns whether it was stopped."""
+        return self._r.resume()
+
+    @property
+    def stopped(self) -> bool:
+        """True between :meth:`stop` and :meth:`resume`."""
+        return self._r.stopped
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[Region]:
+        """Context manager: stopped inside, the previous state restored on exit."""
+        was = self._r.stop()
+        try:
+            yield self
+        finally:
+            if not was and not self._r.closed:
+                self._r.resume()
+
+    # --- cursor -------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        """The cursor: the offset from ``base`` of the next region allocation."""
+        return self._r.offset
+
+    def set_offset(self, offset: int) -> None:
+        """Move the cursor forward to ``offset`` (a multiple of the granularity, at most
+        ``size``). Moving it backwards is a ``ValueError``. Idle chunks skipped over are
+        released — including preallocated ones, with whatever was written into them. To keep
+        bytes restored into ``[cursor, offset)`` (THAW), claim the range with
+        ``allocate(offset - cursor)`` instead."""
+        self._r.set_offset(_int("offset", offset))
+
+    def preallocate(self, upto: int, chunk_bytes: int = DEFAULT_PREALLOC_CHUNK) -> int:
+        """Map physical memory for ``[offset, upto)`` now, in chunks of ``chunk_bytes`` (all or
+        nothing), so later allocations below ``upto`` are a pointer bump. Returns the bytes newly
+        mapped (0 when already mapped)."""
+        return self._r.preallocate(_int("upto", upto), _int("chunk_bytes", chunk_bytes, minimum=1))
+
+    def checkpoint(self, name: str) -> int:
+        """Record the cursor under ``name`` (unique per region) and return it, so FREEZE and THAW
+        can compare their trajectories."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"checkpoint name must be a non-empty str, got {name!r}")
+        return self._r.checkpoint(name)
+
+    @property
+    def checkpoints(self) -> dict[str, int]:
+        """Recorded checkpoints, name -> offset, in recording order."""
+        return dict(self._r.checkpoints())
+
+    def stats(self) -> dict:
+        """``reserved``, ``mapped``, ``cursor``, ``frontier``, ``chunks``, ``live_allocations``,
+        ``live_bytes``, totals (``allocations_total``, ``frees_total``, ``chunks_created``,
+        ``chunks_released``), ``fallback_live``/``fallback_bytes`` (ordinary allocations made
+        while stopped), ``stopped``, ``base``, ``device``, ``granularity``."""
+        return dict(self._r.stats())
+
+    # --- data ---------------------------------------------------------------------------------
+    def write(self, ptr: int, data: bytes) -> None:
+        """Copy ``data`` to ``ptr`` (synchronous); the range must lie in one live allocation."""
+        self._r.write(_int("ptr", ptr), bytes(data))
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` from ``ptr`` (synchronous); the range must lie in one live allocation."""
+        return self._r.read(_int("ptr", ptr), _int("nbytes", nbytes, minimum=1))
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap and release all memory and the reservation (idempotent). Anything still
+        pointing into the region (tensors included) becomes invalid.
+
+        The torch ``MemPool`` of :mod:`vitrify.integrations.torch` for this region (if any) is
+        dropped first, so torch hands its cached segments back before the unmapping."""
+        pool = self.__dict__.pop("_vitrify_torch_pool", None)
+        del pool  # torch's MemPool destructor empties the pool's cache through vitrify_region_free
+        r = getattr(self, "_r", None)
+        if r is not None:
+            r.close()
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a fallback only; call close()
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if getattr(self, "_r", None) is None:
+            return "Region(<not constructed>)"
+        state = "closed" if self.closed else f"offset={self.offset:#x}"
+        return f"Region({self._r.describe()}, {state})"
+
+
+__all__ = ["DEFAULT_PREALLOC_CHUNK", "Region", "RegionAddressError", "SEARCH_FIRST",
+           "SEARCH_LIMIT", "candidate_bases"]

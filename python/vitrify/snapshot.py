@@ -1,0 +1,239 @@
+"""Span snapshots: the bytes of a span of the region (the *warmup gap*), dumped at freeze and
+restored at thaw.
+
+Engines lazily create persistent buffers during warmup (compiled code paths, Triton workspaces,
+MoE/Mamba state). vitrify dumps the bytes of that span at freeze and restores them at thaw instead
+of re-running warmup.
+
+.. important::
+   At freeze, dump the span **before** the engine empties its caching allocator
+   (``torch.cuda.empty_cache()``). After that, blocks the allocator freed are unmapped, holes
+   appear in the span, and their bytes are gone. :func:`dump` tolerates holes (it keeps the
+   mapped parts) but cannot bring back what was released.
+
+Spans and intervals are *offsets* from the region's ``base`` (half-open ``(begin, end)``
+tuples), so a snapshot restores at another base unchanged. ``target`` selects how device memory
+is reached: a device ordinal (the CUDA driver) or a :class:`HostBackend` (host memory posing as
+a device, with unmapped holes — for CPU-only tests).
+
+The span-file format and the invariants are in ``csrc/src/snapshot/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Union
+
+from . import _native, config
+
+log = logging.getLogger("vitrify.snapshot")
+
+HostBackend = _native.HostBackend
+Snapshot = _native.Snapshot
+ScratchSpan = _native.ScratchSpan
+SpanFileError = _native.SpanFileError
+
+Target = Union[int, "_native.HostBackend"]
+Interval = tuple[int, int]
+
+DEFAULT_GRANULARITY = 2 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20
+WARMUP_SPAN = "warmup"
+WEIGHTS_SPAN = "weights"
+
+
+# ---- interval arithmetic ---------------------------------------------------------------------
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sort, drop empty intervals, merge overlapping and touching ones."""
+    return list(_native.span_merge(list(intervals)))
+
+
+def clamp(intervals: Iterable[Interval], ceiling: int) -> list[Interval]:
+    """Cut every interval to ``[0, ceiling)``; what lies at or above ``ceiling`` is dropped."""
+    return list(_native.span_clamp(list(intervals), ceiling))
+
+
+def intersect(intervals: Iterable[Interval], lo: int, hi: int) -> list[Interval]:
+    """Intersect every interval with ``[lo, hi)``; empty results are dropped."""
+    return list(_native.span_intersect(list(intervals), lo, hi))
+
+
+def total_bytes(intervals: Iterable[Interval]) -> int:
+    """Sum of the interval sizes (empty intervals count 0)."""
+    return _native.span_total(list(intervals))
+
+
+def split_aligned(base: int, start: int, end: int, granularity: int) -> list[Interval]:
+    """``[start, end)`` split where ``base + offset`` crosses a multiple of ``granularity``."""
+    return list(_native.span_split_aligned(base, start, end, granularity))
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+def _check_span(base: int, start: int, end: int) -> None:
+    for name, v in (("base", base), ("start", start), ("end", end)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if start > end:
+        raise ValueError(f"span start {start:#x} is past its end {end:#x}")
+
+
+def _direct_io(direct_io: str | None) -> str:
+    v = config.settings().direct_io if direct_io is None else direct_io
+    if v not in ("auto", "on", "off"):
+        raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {v!r}")
+    return v
+
+
+def progress_logger(what: str, every_bytes: int = 1 << 30) -> Callable[[int, int], None]:
+    """A progress callback that logs ``what`` through the ``vitrify`` logger about every
+    ``every_bytes`` (and at the end), with the rate so far."""
+    t0 = time.monotonic()
+    state = {"next": every_bytes}
+
+    def report(done: int, total: int) -> None:
+        if done < state["next"] and done < total:
+            return
+        state["next"] = done + every_bytes
+        dt = max(time.monotonic() - t0, 1e-9)
+        log.info("%s: %.2f / %.2f GiB (%.0f%%, %.2f GB/s)", what, done / 2**30, total / 2**30,
+                 100.0 * done / total if total else 100.0, done / dt / 1e9)
+
+    return report
+
+
+# ---- in memory -------------------------------------------------------------------------------
+
+def dump(base: int, start: int, end: int, *, target: Target = 0,
+         granularity: int = DEFAULT_GRANULARITY, pin: bool = True) -> Snapshot:
+    """Copy the mapped parts of ``[base+start, base+end)`` to host memory.
+
+    One contiguous device-to-host copy when the span is fully mapped (one interval); otherwise
+    per-``granularity`` trial copies keep the runs that copied cleanly (a copy over an unmapped
+    page fails at once with CUDA_ERROR_INVALID_VALUE and leaves the context healthy).
+    ``pin=True`` registers the host buffer so :func:`restore` runs at DMA speed.
+    Call it BEFORE the engine empties its caching allocator.
+    """
+    _check_span(base, start, end)
+    return _native.span_dump(target, base, start, end, granularity, pin)
+
+
+def restore(snapshot: Snapshot, base: int, ceiling: int, *, target: Target = 0) -> dict:
+    """Copy each interval of ``snapshot`` to ``base + offset``, clamped to ``[0, ceiling)``.
+
+    ``ceiling`` is the region's final mapped offset: bytes at or above it are dropped, never
+    written. The target range must be mapped and stay so: with a :class:`vitrify.Region`, claim
+    ``[0, ceiling)`` with ``region.allocate(ceiling)`` before restoring (``set_offset`` would
+    release the idle chunks it skips, restored bytes included). Returns ``bytes_written``,
+    ``bytes_dropped`` and ``intervals_written``.
+    """
+    _check_span(base, 0, ceiling)
+    return dict(_native.span_restore(target, snapshot, base, ceiling))
+
+
+# ---- span files ------------------------------------------------------------------------------
+
+def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, target: Target = 0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, granularity: int = DEFAULT_GRANULARITY,
+                 direct_io: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> dict:
+    """Dump the mapped parts of a span into a span file (durable when this returns).
+
+    Pipelined through two pinned staging buffers of ``chunk_bytes``; each chunk's CRC32C is
+    stored. ``direct_io`` defaults to ``VITRIFY_DIRECT_IO`` (auto: O_DIRECT when the filesystem
+    accepts it). ``progress(done, total)`` is called per chunk; by default large spans are logged
+    on the ``vitrify.snapshot`` logger. Returns ``bytes``, ``intervals``, ``direct_io``, ``seconds``.
+    """
+    _check_span(base, start, end)
+    if progress is None:
+        progress = progress_logger(f"dump {os.fspath(path)}")
+    out = dict(_native.span_dump_file(target, os.fspath(path), base, start, end, chunk_bytes,
+                                      granularity, _direct_io(direct_io), progress))
+    log.info("dumped span [%#x, %#x) to %s: %d bytes in %d intervals, %.2f s (O_DIRECT %s)",
+             start, end, os.fspath(path), out["bytes"], len(out["intervals"]), out["seconds"],
+             "on" if out["direct_io"] else "off")
+    return out
+
+
+def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, target: Target = 0,
+                      direct_io: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> dict:
+    """Restore a span file to ``base + offset``, clamped to ``[0, ceiling)``.
+
+    Every chunk's CRC32C is verified before its bytes are copied; a mismatch raises
+    :class:`SpanFileError` naming the chunk (that chunk is never written; earlier ones were, so
+    fall back to re-running warmup). Returns ``bytes``, ``bytes_written``, ``bytes_dropped``,
+    ``intervals``, ``direct_io``, ``seconds``.
+    """
+    _check_span(base, 0, ceiling)
+    if progress is None:
+        progress = progress_logger(f"restore {os.fspath(path)}")
+    out = dict(_native.span_restore_file(target, os.fspath(path), base, ceiling,
+                                         _direct_io(direct_io), progress))
+    log.info("restored %s: %d bytes written, %d dropped above the ceiling %#x, %.2f s",
+             os.fspath(path), out["bytes_written"], out["bytes_dropped"], ceiling, out["seconds"])
+    return out
+
+
+def file_info(path: str | os.PathLike) -> dict:
+    """Header and tables of a span file (validated; raises :class:`SpanFileError`)."""
+    return dict(_native.span_file_info(os.fspath(path)))
+
+
+def verify_file(path: str | os.PathLike, *, direct_io: str | None = None) -> None:
+    """Read a span file and check every chunk CRC32C; raises :class:`SpanFileError`."""
+    _native.span_verify_file(os.fspath(path), _direct_io(direct_io))
+
+
+# ---- restore or re-run warmup ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """What THAW does about the warmup gap: ``action`` is ``"restore"`` or ``"rerun-warmup"``."""
+
+    action: str
+    reason: str
+    path: str | None = None  # the span file to restore (action == "restore")
+
+
+def span_relpath(rank: int, name: str = WARMUP_SPAN) -> str:
+    """Where an archive keeps span ``name`` of ``rank``: ``rank<N>/region/<name>.span``."""
+    return f"rank{int(rank)}/region/{name}.span"
+
+
+def plan_restore(archive, rank: int) -> RestorePlan:
+    """Decide whether THAW restores the warmup gap of ``rank`` from ``archive`` (an
+    :class:`vitrify.archive.Archive`) or re-runs warmup, and log why.
+
+    ``VITRIFY_WARMUP_RESTORE=0`` forces re-running warmup; an archive without the rank's warmup
+    dump falls back to it automatically.
+    """
+    if not config.settings().warmup_restore:
+        plan = RestorePlan("rerun-warmup", "VITRIFY_WARMUP_RESTORE=0 forces re-running warmup")
+        log.info("rank %d: %s", rank, plan.reason)
+        return plan
+    rel = span_relpath(rank)
+    if not archive.has_file(rel):
+        plan = RestorePlan("rerun-warmup",
+                           f"archive {archive.path} has no warmup-gap dump for rank {rank} "
+                           f"({rel}); re-running warmup instead")
+        log.warning("%s", plan.reason)
+        return plan
+    entry = archive.files[rel]
+    plan = RestorePlan("restore", f"archive holds the warmup-gap dump {rel} "
+                                  f"({entry['bytes']} bytes)", path=archive.file_path(rel))
+    log.info("rank %d: %s", rank, plan.reason)
+    return plan
+
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_GRANULARITY", "HostBackend", "RestorePlan", "ScratchSpan",
+    "Snapshot", "SpanFileError", "WARMUP_SPAN", "WEIGHTS_SPAN", "clamp", "dump", "dump_to_file",
+    "file_info", "intersect", "merge", "plan_restore", "progress_logger", "restore",
+    "restore_from_file", "span_relpath", "split_aligned", "total_bytes", "verify_file",
+]
