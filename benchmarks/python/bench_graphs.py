@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for the result JSON")
     ap.add_argument("--quick", action="store_true", help="fewer graphs (64)")
     ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 256, the size of the best published comparison)")
-    ap.add_argument("--vitrify", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
+    ap.add_argument("--thaw", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
     args = ap.parse_args()
     if args.thaw:
         print(json.dumps(thaw(Path(args.thaw))))
@@ -160,7 +160,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vitrify-bench-graphs-") as tmp:
         work = Path(tmp)
         fz = freeze(work, n)
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--vitrify", str(work)],
+        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--thaw", str(work)],
                            capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)

@@ -37,8 +37,8 @@ def _freeze_thaw(scratch: str) -> str:
     from .integrations import demo
 
     r = demo.run_demo(scratch)
-    fz, th = r["freeze"], r["vitrify"]
-    return (f"{th['tokens_compared']} tokens identical; vitrify {th['process_wall_s']:.1f} s "
+    fz, th = r["freeze"], r["thaw"]
+    return (f"{th['tokens_compared']} tokens identical; thaw {th['process_wall_s']:.1f} s "
             f"vs freeze {fz['process_wall_s']:.1f} s (whole processes)")
 
 

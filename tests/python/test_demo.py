@@ -27,7 +27,7 @@ def test_freeze_then_thaw_in_fresh_processes_gives_identical_tokens(tmp_path):
     from vitrify.integrations import demo
 
     r = demo.run_demo(str(tmp_path))
-    th, fz = r["vitrify"], r["freeze"]
+    th, fz = r["thaw"], r["freeze"]
     assert th["identical"], th["mismatches"]
     assert th["tokens_compared"] == sum(demo.CONFIG["batch_sizes"]) * demo.CONFIG["steps"]
     assert th["base"] == fz["base"]

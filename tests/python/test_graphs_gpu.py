@@ -37,13 +37,13 @@ def frozen(tmp_path_factory):
 @pytest.fixture(scope="module")
 def thawed_same_base(frozen):
     d, _ = frozen
-    return run_worker("vitrify", "main", str(d), hex(BASE_A))
+    return run_worker("thaw", "main", str(d), hex(BASE_A))
 
 
 @pytest.fixture(scope="module")
 def thawed_other_base(frozen):
     d, _ = frozen
-    return run_worker("vitrify", "main", str(d), hex(BASE_B))
+    return run_worker("thaw", "main", str(d), hex(BASE_B))
 
 
 def check(result: dict, prefix: str) -> list[str]:
@@ -92,7 +92,7 @@ def test_relocation_to_another_base_gives_identical_outputs(frozen):
     d, fz = frozen
     failures = {}
     for name in fz["outputs"]:
-        p = subprocess.run([sys.executable, str(WORKER), "vitrify", "main", str(d), hex(BASE_B), name],
+        p = subprocess.run([sys.executable, str(WORKER), "thaw", "main", str(d), hex(BASE_B), name],
                            capture_output=True, text=True, timeout=300)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if not lines:

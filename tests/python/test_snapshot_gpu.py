@@ -133,7 +133,7 @@ def test_fresh_process_restores_identical_bytes_at_the_same_addresses(tmp_path):
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     frozen = run("freeze", hint)
-    thawed = run("vitrify", frozen["base"])
+    thawed = run("thaw", frozen["base"])
     assert thawed["base"] == frozen["base"], (
         f"the driver did not give the second process the same base: "
         f"{thawed['base']:#x} vs {frozen['base']:#x}")

@@ -199,7 +199,7 @@ def thaw(path: str) -> dict:
     timings["decode_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
     n = sum(len(s) * len(s[0]) for s in tokens.values())
-    return {"mode": "vitrify", "archive": os.path.abspath(path), "base": region.base,
+    return {"mode": "thaw", "archive": os.path.abspath(path), "base": region.base,
             "tokens_compared": n, "identical": not mismatches, "mismatches": mismatches[:5],
             "graph_stats": graphs.stats(), "timings": timings}
 
@@ -208,7 +208,7 @@ def run_demo(directory: str, out=sys.stdout) -> dict:
     """FREEZE then THAW in two fresh processes; print a summary; return both results."""
     archive = str(Path(directory) / "demo.vitrify")
     results = {}
-    for mode in ("freeze", "vitrify"):
+    for mode in ("freeze", "thaw"):
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "vitrify.integrations.demo", mode, archive],
                            capture_output=True, text=True, timeout=900)
@@ -232,7 +232,7 @@ def run_demo(directory: str, out=sys.stdout) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("freeze", "vitrify"):
+    if len(args) != 2 or args[0] not in ("freeze", "thaw"):
         print("usage: python -m vitrify.integrations.demo freeze|thaw ARCHIVE", file=sys.stderr)
         return 2
     r = freeze(args[1]) if args[0] == "freeze" else thaw(args[1])
