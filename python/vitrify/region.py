@@ -188,6 +188,12 @@ class Region:
         """Recorded checkpoints, name -> offset, in recording order."""
         return dict(self._r.checkpoints())
 
+    def live_allocations(self) -> list[tuple[int, int]]:
+        """The live allocations of the region as ``(offset, size)`` pairs, ascending offsets
+        (ordinary allocations made while stopped are not in the region and not listed). Graph
+        capture uses them to tell pointers from integers (``vitrify.graphs.GraphStore``)."""
+        return [(int(o), int(n)) for o, n in self._r.live_allocations()]
+
     def stats(self) -> dict:
         """``reserved``, ``mapped``, ``cursor``, ``frontier``, ``chunks``, ``live_allocations``,
         ``live_bytes``, totals (``allocations_total``, ``frees_total``, ``chunks_created``,

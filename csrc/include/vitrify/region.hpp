@@ -106,6 +106,8 @@ class Layout {
 
   // The live allocation containing `offset`, if any.
   std::optional<Span> allocation_containing(uint64_t offset) const;
+  // Every live allocation, ascending.
+  std::vector<Span> live_allocations() const;
   std::vector<Span> mapped_chunks() const;
   LayoutStats stats() const;
   uint64_t cursor() const { return cursor_; }
@@ -188,6 +190,8 @@ class Region {
   uint64_t checkpoint(const std::string& name);
   std::vector<std::pair<std::string, uint64_t>> checkpoints() const;
   RegionStats stats() const;
+  // The live allocations of the region (not fallback ones), ascending offsets.
+  std::vector<region::Span> live_allocations() const;
 
   // Synchronous copies into / out of one live allocation (checked: ValueError otherwise).
   void write(uint64_t dst, const void* src, size_t n);
