@@ -17,7 +17,6 @@ from typing import NoReturn
 
 from . import BENCHMARKS
 
-
 log = logging.getLogger("vitrify.bench")
 
 EXIT_FAILED = 1
@@ -120,14 +119,12 @@ def out_dir(text: str) -> str:
 class Progress:
     """``progress("step")`` prints ``[NAME +SECONDS s] step`` on stderr, flushed."""
 
-    def __init__(self, name: str, stream=None) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.stream = stream
         self.t0 = time.perf_counter()
 
     def __call__(self, message: str) -> None:
-        stream = self.stream or sys.stderr
-        print(f"[{self.name} +{time.perf_counter() - self.t0:.1f} s] {message}", file=stream,
+        print(f"[{self.name} +{time.perf_counter() - self.t0:.1f} s] {message}", file=sys.stderr,
               flush=True)
 
 
