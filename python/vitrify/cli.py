@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every file of an archive (exit 0 intact, 1 damaged)")
     v.add_argument("archive")
     v.set_defaults(func=_cmd_verify)
+    # vitrify bench NAME: the benchmarks (vitrify/bench/), one subcommand each with its options
+    from .bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
     return p
 
 
