@@ -49,7 +49,7 @@ step build-cpp cmake --build build/gpu-cpp -j "$(nproc)"
 # Run from outside the source tree so `import vitrify` finds the installed build.
 step doctor bash -c "cd /tmp && '$PY' -m vitrify doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m vitrify doctor --dir '$PWD/$WORK'"
 step ctest-gpu bash -c "cd build/gpu-cpp && ctest -L gpu --output-on-failure --timeout 300 --output-junit '$PWD/$WORK/ctest-gpu.xml'"
-step pytest-gpu "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
+step pytest-gpu env VITRIFY_TEST_ARTIFACTS="$WORK/bench" "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
   --junitxml="$WORK/pytest-gpu.xml" tests/python
 # --strict: a benchmark that cannot run here (no GPU) fails its step instead of exiting 0;
 # VITRIFY_LOG_LEVEL=ERROR: a failing benchmark's traceback reaches the log. The span file of

@@ -44,7 +44,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
 
     arena = tg.FixedArena(BASE, ARENA)
     pool = tg.arena_mem_pool(arena)
-    store = tg.GraphStore(region_base=arena.base, region_size=arena.size)
+    store = tg.GraphStore(region=arena)
     with torch.cuda.use_mem_pool(pool):
         torch.manual_seed(0)
         ws = [torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.half) * 0.05
