@@ -30,13 +30,15 @@ SHIFTS = {"same base": 0, "+64 GiB": 64 << 30, "-1 TiB": -(1 << 40)}
 
 
 def run(*args: str, timeout: int = 600) -> dict:
+    """The worker's JSON result; on failure ``ok`` is False and ``error`` says why."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                        timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"{args[0]} printed no result (rc {p.returncode}):\n{p.stderr[-5000:]}"
-    r = json.loads(lines[-1])
-    assert r["ok"], f"{args[0]} failed: {r['error']}\n{r.get('traceback', '')}\n{p.stderr[-3000:]}"
+    r = json.loads(lines[-1]) if lines else {
+        "ok": False, "error": f"printed no result (rc {p.returncode})"}
+    if not r["ok"]:
+        r["stderr_tail"] = p.stderr[-3000:]
     r["process_wall_s"] = time.perf_counter() - t0
     return r
 
@@ -57,11 +59,11 @@ def scratch():
 def test_llama_8b_shape_thaws_relocated_with_identical_tokens_and_logits(scratch):
     archive = str(scratch / "decoder.vitrify")
     frozen = run("freeze", archive, json.dumps({"steps": STEPS}))
+    assert frozen["ok"], f"freeze failed: {frozen['error']}\n{frozen.get('traceback', '')}" \
+        f"\n{frozen.get('stderr_tail', '')}"
     assert frozen["base"] == BASE
     not_movable = [g["name"] for g in frozen["graphs"] if not g["relocatable"]]
-    thaws = {}
-    for label, shift in SHIFTS.items():
-        thaws[label] = run("thaw", archive, hex(BASE + shift))
+    thaws = {label: run("thaw", archive, hex(BASE + shift)) for label, shift in SHIFTS.items()}
     audit = subprocess.run([sys.executable, "-m", "vitrify", "inspect", "--relocations", archive],
                            capture_output=True, text=True, timeout=300)
     result = {"freeze": frozen, "thaw": thaws, "audit": audit.stdout,
@@ -75,6 +77,7 @@ def test_llama_8b_shape_thaws_relocated_with_identical_tokens_and_logits(scratch
     ladder = [int(g["name"].removeprefix("decode_bs")) for g in frozen["graphs"]]
     assert 6 in ladder and 24 in ladder
     for label, t in thaws.items():
+        assert t["ok"], f"thaw at {label} failed: {t['error']}\n{t.get('traceback', '')}"
         assert t["identical"], (f"thaw at {label}: batch sizes {t['batch_sizes_wrong']} differ "
                                 f"from FREEZE: {t['mismatches']}")
         assert t["logit_steps_compared"] == len(ladder) * STEPS

@@ -100,7 +100,7 @@ from vitrify import _native, archive as ar
 
 out = Path(sys.argv[1])
 BASE, SIZE, HI = 0x600000000000, 64 << 30, 0x6000
-IMAGE = b".version 8.0\n.entry gemm ( // params 0:32\n.entry packed ( // params 0:12\n"
+IMAGE = b".version 8.0\n.entry gemm ( // params 0:32\n.entry offsets ( // params 0:8\n"
 mod = _native.graph_add_recorded_module(IMAGE)
 live = [(0, 1 << 30)]  # the weights: base + any 32-bit value is live
 
@@ -114,11 +114,12 @@ evidence = store._evidence
 for m in (1, 6, 8):
     d = _native.graph_build({"nodes": [gemm(m)]})
     store.add(f"bs{m}", _native.graph_find_relocations(d, BASE, SIZE, live, evidence))
-packed = struct.pack("<IQ", 3, BASE + 0x40)  # a pointer at byte 4 of a packed struct
-d = _native.graph_build({"nodes": [{"kind": "kernel", "module": mod, "name": "packed",
-                                     "grid": (1, 1, 1), "block": (32, 1, 1), "params": packed,
-                                     "slots": [(0, 12)]}]})
-store.add("packed", _native.graph_find_relocations(d, BASE, SIZE, live, evidence))
+# An 8-byte parameter in the range but in no live allocation: a dangling pointer or an int64.
+dangling = struct.pack("<Q", BASE + (8 << 30))
+d = _native.graph_build({"nodes": [{"kind": "kernel", "module": mod, "name": "offsets",
+                                     "grid": (1, 1, 1), "block": (32, 1, 1), "params": dangling,
+                                     "slots": [(0, 8)]}]})
+store.add("dangling", _native.graph_find_relocations(d, BASE, SIZE, live, evidence))
 infos = {n: store.info(n) for n in store.names}
 fp = ar.Fingerprint(gpu="fake", sm="9.0", driver=None, cuda="13.0", torch=None, engine="test",
                     engine_version="0", model="m")
@@ -178,22 +179,22 @@ def test_evidence_from_the_ladder_keeps_the_dimension_an_integer(run):
 
 
 def test_an_unprovable_graph_is_refused_at_another_base_and_skipped_when_asked(run):
-    assert not run["infos"]["packed"]["relocatable"]
+    assert not run["infos"]["dangling"]["relocatable"]
     msg = run["refused"]
-    assert "'packed'" in msg and "'packed'" in msg.split("kernel", 1)[1] and "byte 4" in msg
+    assert "graph 'dangling'" in msg and "kernel 'offsets'" in msg and "byte 0" in msg
     assert run["loaded_moved"] == ["bs1", "bs6", "bs8"]
-    assert list(run["skipped"]) == ["packed"]
-    assert run["loaded_same"] == ["bs1", "bs6", "bs8", "packed"]
+    assert list(run["skipped"]) == ["dangling"]
+    assert run["loaded_same"] == ["bs1", "bs6", "bs8", "dangling"]
 
 
 def test_inspect_relocations_lists_kinds_and_unclassified_words(run):
     assert run["audit_rc"] == 0
     text = run["audit_text"]
-    assert "unaligned window" in text and "packed" in text and "NO" in text
+    assert "8-byte parameter in no allocation" in text and "dangling" in text and "NO" in text
     audit = run["audit_json"]["0"]
     by_name = {g["name"]: g for g in audit["graphs"]}
-    assert by_name["packed"]["unclassified"]["count"] == 1
-    assert by_name["packed"]["unclassified"]["words"][0]["offset"] == 4
+    assert by_name["dangling"]["unclassified"]["count"] == 1
+    assert by_name["dangling"]["unclassified"]["words"][0]["offset"] == 0
     assert by_name["bs8"]["relocations_by_kind"] == {"struct word": 2}
     assert "3 of 4 graphs relocatable" in run["inspect_text"]
-    assert "packed" in run["inspect_text"]
+    assert "dangling" in run["inspect_text"]

@@ -144,17 +144,19 @@ struct Relocation {
   bool operator==(const Relocation&) const = default;
 };
 
-// Why a region-like word was not relocated (WordNote::reason). The first three leave the graph
-// non-relocatable ("unclassified": it may or may not be a pointer); the last two are integers.
+// Why a region-like word was not relocated (WordNote::reason). allocation_end and
+// dangling_param leave the graph non-relocatable ("unclassified": the word may or may not be a
+// pointer); the others are integers.
 enum class WordReason : uint8_t {
   allocation_end = 1,   // a struct word equal to the end of a live allocation (an end pointer?)
-  unaligned = 2,        // an unaligned 8-byte window inside a struct points into a live allocation
+  unaligned = 2,        // a window at 4 mod 8 pointing into a live allocation: two integers (the
+                        // ABI aligns pointers to 8 bytes; packed structs are not supported)
   dangling_param = 3,   // an 8-byte parameter in the region range, in no live allocation
   no_allocation = 4,    // a struct word in the range that points into no allocation: an integer
   integer_field = 5,    // the same kernel field held a non-address in another launch: an integer
 };
 const char* word_reason_name(WordReason r) noexcept;
-bool is_unclassified(WordReason r) noexcept;  // reasons 1-3
+bool is_unclassified(WordReason r) noexcept;  // allocation_end, dangling_param
 
 // A kernel-parameter window (byte `offset` in KernelNode::params, 8 bytes, 4-aligned) holding a
 // value inside [region_base, region_base + region_size) that is not relocated.

@@ -168,6 +168,7 @@ class FixedArena {
   void release() noexcept;
   uint64_t base_ = 0;
   size_t size_ = 0;
+  uint64_t reserve_start_ = 0, reserve_size_ = 0;  // the reservation holding [base_, +size_)
   int device_ = 0;
   CUmemGenericAllocationHandle handle_ = 0;
   bool reserved_ = false, created_ = false, mapped_ = false;

@@ -20,22 +20,26 @@ FixedArena::FixedArena(uint64_t base, size_t size, int device) : device_(device)
                                     " is not a multiple of the granularity " + std::to_string(gran));
   size_ = (size + gran - 1) / gran * gran;
   try {
-    // With a hint, pass the largest power of two dividing it (capped at 1 GiB) as alignment:
-    // the H200 driver (580, CUDA 13.0) ignores hints of small reservations otherwise (measured
-    // in the region work; main's driver::reserve_alignment does the same).
-    uint64_t align = 0;
-    if (base != 0) {
-      align = base & (~base + 1);
-      if (align > (uint64_t(1) << 30)) align = uint64_t(1) << 30;
-    }
+    // The H200 driver (580, CUDA 13.0) honours a hint only with a large alignment (measured in
+    // the region work; driver::reserve_alignment): reserve from the 1 GiB boundary at or below
+    // `base` with 1 GiB alignment and place the arena at `base` inside that reservation, so any
+    // granularity-aligned base (a 2 MiB relocation shift) can be had.
+    constexpr uint64_t kAlign = uint64_t(1) << 30;
+    const uint64_t start = base & ~(kAlign - 1);
+    reserve_start_ = start;
+    reserve_size_ = (base - start) + size_;
     CUdeviceptr p = 0;
-    VITRIFY_CU(d.cuMemAddressReserve(&p, size_, align, CUdeviceptr(base), 0));
-    base_ = p;
+    VITRIFY_CU(d.cuMemAddressReserve(&p, reserve_size_, base != 0 ? kAlign : 0,
+                                     CUdeviceptr(start), 0));
     reserved_ = true;
-    if (base != 0 && p != base)
-      throw Error("FixedArena: asked the driver for [" + std::to_string(base) + ", +" +
-                  std::to_string(size_) + ") and got " + std::to_string(p) +
+    if (base == 0) reserve_start_ = p;
+    if (base != 0 && p != start) {
+      reserve_start_ = p;
+      throw Error("FixedArena: asked the driver for [" + std::to_string(start) + ", +" +
+                  std::to_string(reserve_size_) + ") and got " + std::to_string(p) +
                   " (that range is taken in this process)");
+    }
+    base_ = base != 0 ? base : p;
     VITRIFY_CU(d.cuMemCreate(&handle_, size_, &prop, 0));
     created_ = true;
     VITRIFY_CU(d.cuMemMap(base_, size_, 0, handle_, 0));
@@ -55,7 +59,7 @@ void FixedArena::release() noexcept {
   const auto& d = driver::cu();
   if (mapped_) d.cuMemUnmap(base_, size_);
   if (created_) d.cuMemRelease(handle_);
-  if (reserved_) d.cuMemAddressFree(base_, size_);
+  if (reserved_) d.cuMemAddressFree(reserve_start_, reserve_size_);
   mapped_ = created_ = reserved_ = false;
 }
 

@@ -201,7 +201,7 @@ const char* word_kind_name(WordKind k) noexcept {
 const char* word_reason_name(WordReason r) noexcept {
   switch (r) {
     case WordReason::allocation_end: return "end of an allocation";
-    case WordReason::unaligned: return "unaligned window";
+    case WordReason::unaligned: return "integer: not 8-byte aligned, so no pointer";
     case WordReason::dangling_param: return "8-byte parameter in no allocation";
     case WordReason::no_allocation: return "integer: points into no allocation";
     case WordReason::integer_field: return "integer: the field held a non-address elsewhere";
@@ -210,8 +210,7 @@ const char* word_reason_name(WordReason r) noexcept {
 }
 
 bool is_unclassified(WordReason r) noexcept {
-  return r == WordReason::allocation_end || r == WordReason::unaligned ||
-         r == WordReason::dangling_param;
+  return r == WordReason::allocation_end || r == WordReason::dangling_param;
 }
 
 const WordNote* first_unclassified(const Graph& g) noexcept {
@@ -679,6 +678,9 @@ size_t find_relocations(Graph& g, const ScanOptions& opt, FieldEvidence* evidenc
             notes.push_back({ni, off, v, live.is_end(ro) ? WordReason::allocation_end
                                                          : WordReason::no_allocation});
         } else if (is_live) {
+          // A window at 4 mod 8 (or inside a 4-aligned struct): the ABI aligns pointers to 8
+          // bytes, so these are two 4-byte integers (a packed struct's pointer would be missed:
+          // noted, so the audit shows every such window).
           notes.push_back({ni, off, v, WordReason::unaligned});
         }
       }
