@@ -239,6 +239,7 @@ void bind_graph(nb::module_& m) {
           opt.base = base;
           opt.size = size;
           opt.live = live ? *live : std::vector<std::pair<uint64_t, uint64_t>>{{0, size}};
+          opt.small_offset_check = live.has_value();
           find_relocations(g, opt, evidence);
           return to_bytes(serialize(g));
         },

@@ -783,9 +783,9 @@ TEST(RelocationSafety, WindowsAtFourModEightAreIntegersByTheAbi) {
   put32(k.kernel.params, 0, 3);
   put32(k.kernel.params, 4, 0);    // (0, 24576) at byte 4 reads as base + 0
   put32(k.kernel.params, 8, kHi);
-  put64(k.kernel.params, 16, kLowBase + 0x40);  // an aligned pointer
+  put64(k.kernel.params, 16, kLowBase + (2 << 20));  // an aligned pointer
   g.nodes.push_back(k);
-  EXPECT_EQ(find_relocations(g, low_scan({{0, 1 << 20}})), 1u);
+  EXPECT_EQ(find_relocations(g, low_scan({{0, 1 << 20}, {2 << 20, 1 << 20}})), 1u);
   ASSERT_EQ(g.notes.size(), 1u);
   EXPECT_EQ(g.notes[0], (WordNote{0, 4, kLowBase, WordReason::unaligned}));
   EXPECT_TRUE(relocatable(g));
@@ -803,20 +803,22 @@ TEST(RelocationSafety, FieldEvidenceTurnsRegionLikeIntegersBackIntoIntegers) {
   auto launch = [&](uint32_t hi) {
     Graph g;
     Node k = kernel_node("ladder_kernel", 24, {{0, 24}});
-    put32(k.kernel.params, 0, 4096);
+    put32(k.kernel.params, 0, 3 << 20);  // (3 MiB, hi): past the small-offset check
     put32(k.kernel.params, 4, hi);
-    put64(k.kernel.params, 8, kLowBase + 0x4000);  // a real pointer, the same in both
+    put64(k.kernel.params, 8, kLowBase + (5ull << 30));  // a real pointer, the same in both
     put64(k.kernel.params, 16, 0);                 // a null pointer
     g.nodes.push_back(k);
     find_relocations(g, low_scan(live), &ev);
     return g;
   };
   Graph bs6 = launch(6 * 4096), bs8 = launch(8 * 4096);
-  EXPECT_EQ(bs6.relocations.size(), 2u);  // before the evidence: (4096, 24576) looks like a pointer
+  EXPECT_EQ(bs6.relocations.size(), 2u);  // before the evidence: (3 MiB, 24576) looks like a pointer
   EXPECT_EQ(bs8.relocations.size(), 1u);
-  // Noted: byte 0 (the (4096, 8 * 4096) launch) and the unaligned window at byte 12 (the
-  // pointer's upper half 0x6000 followed by the null word: a small integer in both launches).
-  EXPECT_EQ(ev.size(), 2u);
+  // Noted: byte 0 (the (3 MiB, 8 * 4096) launch), and the unaligned windows at byte 4 (the
+  // dimension followed by the pointer's low half 0x40000000: above the user address space) and
+  // byte 12 (the pointer's upper half followed by the null word: a small integer).
+  EXPECT_EQ(ev.size(), 3u);
+  EXPECT_TRUE(ev.is_integer(module_hash('r'), "ladder_kernel", 4));
   EXPECT_TRUE(ev.is_integer(module_hash('r'), "ladder_kernel", 0));
   EXPECT_TRUE(ev.is_integer(module_hash('r'), "ladder_kernel", 12));
   EXPECT_FALSE(ev.is_integer(module_hash('r'), "ladder_kernel", 8));
@@ -900,4 +902,24 @@ TEST(RelocationSafety, KindsAndNotesSurviveTheFileFormat) {
   }
   for (size_t n = 0; n < bytes.size(); ++n)
     EXPECT_THROW(deserialize(bytes.data(), n), std::invalid_argument) << "length " << n;
+}
+
+TEST(RelocationSafety, SquareDimensionsAtTheBaseUpperHalfAreUnclassified) {
+  // cuBLAS's scal kernel and cuDNN's attention hold (24576, 24576) as one aligned struct word:
+  // base + 24576 at base 0x600000000000, inside the first live allocation. Such a word (low half
+  // below 1 MiB, no allocation's start) is unclassified: refused at another base, never moved.
+  Graph g;
+  Node k = kernel_node("cudnn_like", 32, {{0, 32}});
+  put32(k.kernel.params, 0, 24576);
+  put32(k.kernel.params, 4, kHi);
+  put64(k.kernel.params, 8, kLowBase);                   // the first allocation's start
+  put64(k.kernel.params, 16, kLowBase + (256ull << 20));  // inside it, 256 MiB in
+  g.nodes.push_back(k);
+  EXPECT_EQ(find_relocations(g, low_scan({{0, 1ull << 30}})), 2u);
+  ASSERT_EQ(g.notes.size(), 1u);
+  EXPECT_EQ(g.notes[0], (WordNote{0, 0, kLowBase + 24576, WordReason::small_offset}));
+  EXPECT_FALSE(relocatable(g));
+  Graph moved = g;
+  EXPECT_THROW(relocate(moved, kLowBase + (64ull << 30)), std::invalid_argument);
+  EXPECT_EQ(moved, g);
 }

@@ -37,7 +37,7 @@ field = st.one_of(
     st.tuples(st.just("ptr"), st.integers(0, 3), st.integers(0, (1 << 20) - 8)),
     st.tuples(st.just("i64"), st.integers(0, 2**40), st.just(0)),
 )
-LIVE = [(i << 30, 1 << 20) for i in range(4)]  # 1 MiB at each of 0, 1, 2, 3 GiB
+LIVE = [((i << 30) + (4 << 20), 1 << 20) for i in range(4)]  # 1 MiB at 4 MiB past 0..3 GiB
 
 
 @settings(max_examples=150, deadline=None)
@@ -81,14 +81,15 @@ def test_relocation_keeps_every_integer_and_moves_every_pointer(fields, shift):
 
 
 def test_pairs_of_int32_parameters_never_move():
-    raw = struct.pack("<IIIIQ", 7, HI, 0xFFFFFFFF, HI + 15, BASE + 0x10)
+    ptr = BASE + LIVE[0][0] + 0x10
+    raw = struct.pack("<IIIIQ", 7, HI, 0xFFFFFFFF, HI + 15, ptr)
     data = _native.graph_build({"nodes": [kernel(raw, [(0, 4), (4, 4), (8, 4), (12, 4), (16, 8)])]})
     found = _native.graph_find_relocations(data, BASE, SIZE, LIVE)
     d = _native.graph_describe(found)
-    assert [r[1:] for r in d["relocations"]] == [(16, 0x10, "pointer parameter")]
+    assert [r[1:] for r in d["relocations"]] == [(16, ptr - BASE, "pointer parameter")]
     assert d["notes"] == [] and d["relocatable"]
     moved = _native.graph_describe(_native.graph_relocate(found, BASE + (64 << 30)))
-    assert moved["nodes"][0]["params"] == raw[:16] + struct.pack("<Q", BASE + (64 << 30) + 0x10)
+    assert moved["nodes"][0]["params"] == raw[:16] + struct.pack("<Q", ptr + (64 << 30))
 
 
 SCRIPT = r'''

@@ -144,9 +144,9 @@ struct Relocation {
   bool operator==(const Relocation&) const = default;
 };
 
-// Why a region-like word was not relocated (WordNote::reason). allocation_end and
-// dangling_param leave the graph non-relocatable ("unclassified": the word may or may not be a
-// pointer); the others are integers.
+// Why a region-like word was not relocated (WordNote::reason). allocation_end, dangling_param
+// and small_offset leave the graph non-relocatable ("unclassified": the word may or may not be
+// a pointer); the others are integers.
 enum class WordReason : uint8_t {
   allocation_end = 1,   // a struct word equal to the end of a live allocation (an end pointer?)
   unaligned = 2,        // a window at 4 mod 8 pointing into a live allocation: two integers (the
@@ -154,9 +154,13 @@ enum class WordReason : uint8_t {
   dangling_param = 3,   // an 8-byte parameter in the region range, in no live allocation
   no_allocation = 4,    // a struct word in the range that points into no allocation: an integer
   integer_field = 5,    // the same kernel field held a non-address in another launch: an integer
+  small_offset = 6,     // a live struct word whose low half is below 1 MiB and which is no
+                        // allocation's start: it reads the same as an integer pair (x, upper
+                        // half of the base), e.g. square dimensions (24576, 24576) at base
+                        // 0x600000000000 — unclassified
 };
 const char* word_reason_name(WordReason r) noexcept;
-bool is_unclassified(WordReason r) noexcept;  // allocation_end, dangling_param
+bool is_unclassified(WordReason r) noexcept;  // allocation_end, dangling_param, small_offset
 
 // A kernel-parameter window (byte `offset` in KernelNode::params, 8 bytes, 4-aligned) holding a
 // value inside [region_base, region_base + region_size) that is not relocated.
@@ -223,6 +227,10 @@ struct ScanOptions {
   // For values outside the range: does the driver know this address? Empty: unknown (no
   // evidence is taken from such values).
   std::function<bool(uint64_t)> is_device_pointer;
+  // Struct words pointing into the first MiB of a 4 GiB window, at no allocation start, are
+  // unclassified (WordReason::small_offset). Off only where `live` is one range standing for
+  // "everything", which knows no allocation starts.
+  bool small_offset_check = true;
 };
 
 // Classifies every region-like word of g (DESIGN.md, "Relocation"): kernel parameters by their
@@ -230,7 +238,8 @@ struct ScanOptions {
 // relocations and notes, records the range, and notes integer evidence into `evidence` (may be
 // null). Returns the number of relocations.
 size_t find_relocations(Graph& g, const ScanOptions& opt, FieldEvidence* evidence = nullptr);
-// The same with the whole range [base, base+size) taken as one live allocation (tests).
+// The same with the whole range [base, base+size) taken as one live allocation and no
+// small-offset check: value ranges alone (tests, and stores that know no allocations).
 size_t find_relocations(Graph& g, uint64_t base, uint64_t size);
 // Moves relocations and unclassified words of fields that `evidence` knows to be integers into
 // the notes as integer_field. Returns how many words changed.

@@ -180,7 +180,7 @@ void validate(const Graph& g) {
     VITRIFY_EXPECT(w.offset % 4 == 0 && uint64_t(w.offset) + 8 <= g.nodes[w.node].kernel.params.size(),
                    "word note " + std::to_string(i) + " (" + node_label(g, w.node) + " offset " +
                        std::to_string(w.offset) + ") names no 4-aligned 8-byte window");
-    VITRIFY_EXPECT(uint8_t(w.reason) >= 1 && uint8_t(w.reason) <= 5,
+    VITRIFY_EXPECT(uint8_t(w.reason) >= 1 && uint8_t(w.reason) <= 6,
                    "word note " + std::to_string(i) + ": unknown reason " + std::to_string(int(w.reason)));
     VITRIFY_EXPECT(i == 0 || std::tie(g.notes[i - 1].node, g.notes[i - 1].offset) <
                                  std::tie(w.node, w.offset),
@@ -205,12 +205,14 @@ const char* word_reason_name(WordReason r) noexcept {
     case WordReason::dangling_param: return "8-byte parameter in no allocation";
     case WordReason::no_allocation: return "integer: points into no allocation";
     case WordReason::integer_field: return "integer: the field held a non-address elsewhere";
+    case WordReason::small_offset: return "small low half, not an allocation start: may be two integers";
   }
   return "unknown";
 }
 
 bool is_unclassified(WordReason r) noexcept {
-  return r == WordReason::allocation_end || r == WordReason::dangling_param;
+  return r == WordReason::allocation_end || r == WordReason::dangling_param ||
+         r == WordReason::small_offset;
 }
 
 const WordNote* first_unclassified(const Graph& g) noexcept {
@@ -587,6 +589,9 @@ void FieldEvidence::clear() {
 namespace {
 
 constexpr uint64_t kUserSpaceEnd = uint64_t(1) << 47;  // x86-64 / aarch64 48-bit user addresses
+// A struct word (x, h) with h the upper half of a region address and x below this reads as an
+// address in the first MiB of a 4 GiB window: dimensions, counts and small strides look so.
+constexpr uint64_t kSmallLow = uint64_t(1) << 20;
 
 // Live allocations as sorted, merged [begin, end) region offsets.
 class LiveSet {
@@ -598,6 +603,7 @@ class LiveSet {
       VITRIFY_EXPECT(off + size >= off, "live allocation at offset " + std::to_string(off) +
                                             " of " + std::to_string(size) + " bytes wraps around");
       ends_.insert(off + size);
+      starts_.insert(off);
       if (!spans_.empty() && off <= spans_.back().second)
         spans_.back().second = std::max(spans_.back().second, off + size);
       else
@@ -609,10 +615,11 @@ class LiveSet {
     return it != spans_.begin() && off < std::prev(it)->second;
   }
   bool is_end(uint64_t off) const { return ends_.count(off) != 0; }
+  bool is_start(uint64_t off) const { return starts_.count(off) != 0; }
 
  private:
   std::vector<std::pair<uint64_t, uint64_t>> spans_;
-  std::set<uint64_t> ends_;
+  std::set<uint64_t> starts_, ends_;
 };
 
 }  // namespace
@@ -672,7 +679,10 @@ size_t find_relocations(Graph& g, const ScanOptions& opt, FieldEvidence* evidenc
           else
             notes.push_back({ni, off, v, WordReason::dangling_param});
         } else if (aligned_word) {
-          if (is_live)
+          if (is_live && opt.small_offset_check && (v & 0xFFFFFFFFull) < kSmallLow &&
+              !live.is_start(ro))
+            notes.push_back({ni, off, v, WordReason::small_offset});
+          else if (is_live)
             found.push_back({ni, off, ro, tensor_map ? WordKind::tensor_map : WordKind::struct_word});
           else
             notes.push_back({ni, off, v, live.is_end(ro) ? WordReason::allocation_end
@@ -698,6 +708,7 @@ size_t find_relocations(Graph& g, uint64_t base, uint64_t size) {
   opt.base = base;
   opt.size = size;
   opt.live = {{0, size}};
+  opt.small_offset_check = false;
   return find_relocations(g, opt, nullptr);
 }
 
