@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from . import _native
+from . import _check, _native
 
 RegionAddressError = _native.RegionAddressError
 RegionAddressError.__doc__ = (
@@ -38,11 +38,13 @@ SEARCH_LIMIT: int = _native.REGION_SEARCH_LIMIT
 DEFAULT_PREALLOC_CHUNK: int = _native.REGION_DEFAULT_PREALLOC_CHUNK
 
 
-def _int(name: str, value: object, *, minimum: int = 0) -> int:
+def _int(name: str, value: object, *, minimum: int = 0, maximum: int = _check.U64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise _check.ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -75,7 +77,7 @@ class Region:
         _int("size", size, minimum=1)
         if base is not None:
             _int("base", base, minimum=1)
-        _int("device", device)
+        _int("device", device, maximum=(1 << 31) - 1)
         self._r = _native.Region(base, size, device)
 
     # --- facts --------------------------------------------------------------------------------
