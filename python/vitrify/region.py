@@ -181,8 +181,7 @@ class Region:
     def checkpoint(self, name: str) -> int:
         """Record the cursor under ``name`` (unique per region) and return it, so FREEZE and THAW
         can compare their trajectories."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"checkpoint name must be a non-empty str, got {name!r}")
+        _check.string("checkpoint name", name)
         return self._r.checkpoint(name)
 
     @property
@@ -200,7 +199,16 @@ class Region:
     # --- data ---------------------------------------------------------------------------------
     def write(self, ptr: int, data: bytes) -> None:
         """Copy ``data`` to ``ptr`` (synchronous); the range must lie in one live allocation."""
-        self._r.write(_int("ptr", ptr), bytes(data))
+        ptr = _int("ptr", ptr)
+        if isinstance(data, str):
+            raise _check.ArgumentTypeError(f"data must be bytes-like, got {_check.got(data)} "
+                                           f"(encode it first)")
+        try:
+            raw = data if isinstance(data, bytes) else memoryview(data).tobytes()
+        except TypeError:
+            raise _check.ArgumentTypeError(f"data must be bytes-like, got {_check.got(data)}") \
+                from None
+        self._r.write(ptr, raw)
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` from ``ptr`` (synchronous); the range must lie in one live allocation."""
