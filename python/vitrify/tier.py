@@ -62,6 +62,7 @@ from . import _check, _native, config
 
 KEY_BYTES: int = _native.DISK_KEY_BYTES
 SLOT_HEADER_BYTES: int = _native.DISK_SLOT_HEADER_BYTES
+_FILE_HEADER_BYTES: int = _native.DISK_FILE_HEADER_BYTES
 
 _KEY_PREFIX = b"vitrify-disk-key\0"
 #: The largest page (payload) size of one kind (a slot's length field is 32-bit).
@@ -198,6 +199,19 @@ def _slot_buffers(keys: list, buffers: Sequence[SlotBuffer], kind_name: str) -> 
     return keys, buffers
 
 
+def _check_budget(budget_bytes: int, drives: int, names: list[str], pages: list[int],
+                  shares: list[float]) -> None:
+    """Every kind must get at least one slot (plus its file header) on every drive."""
+    total = sum(shares)
+    for name, page, share in zip(names, pages, shares):
+        per_drive = int(budget_bytes * share / total / drives)
+        slot = slot_bytes_for(page)
+        if per_drive < _FILE_HEADER_BYTES + slot:
+            raise ValueError(f"budget_bytes={budget_bytes} leaves kind {name!r} {per_drive} bytes "
+                             f"per drive, less than one {slot}-byte slot plus a "
+                             f"{_FILE_HEADER_BYTES}-byte header")
+
+
 def _nbytes(data: Any) -> int:
     if hasattr(data, "data_ptr") and hasattr(data, "element_size"):  # a torch tensor
         return data.numel() * data.element_size()
@@ -255,6 +269,7 @@ class DiskStore:
             ("write_threads", write_threads, 256), ("read_threads", read_threads, 256),
             ("queue_capacity", queue_capacity, 1 << 20), ("max_batch", max_batch, 1 << 16))}
         self.kind_names, pages, shares = _parse_kinds(kinds)
+        _check_budget(budget_bytes, len(dirs), self.kind_names, pages, shares)
         self._kind_index = {n: i for i, n in enumerate(self.kind_names)}
         for i, d in enumerate(dirs):
             _check.directory_to_create(f"dirs[{i}]", d)
@@ -429,6 +444,10 @@ class DiskStore:
         ``out`` must hold at least the stored length (``size_of``); ValueError otherwise."""
         make_key(key, "key")
         _check.buffer("out", out, writable=True)
+        n = self.size_of(key, kind)
+        if n is not None and n > _nbytes(out):
+            raise ValueError(f"out holds {_nbytes(out)} bytes, smaller than the {n} bytes stored "
+                             f"under key {key!r:.60}")
         return self.batch_get_into([key], [out], kind)[0]
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any],
@@ -437,6 +456,11 @@ class DiskStore:
         if len(keys) != len(outs):
             raise ValueError(f"keys and outs differ in length: {len(keys)} keys, {len(outs)} outputs")
         k = self._kind(kind)
+        stored = self._native().lookup(k, keys)
+        for i, (n, out) in enumerate(zip(stored, outs)):
+            if n > _nbytes(out):
+                raise ValueError(f"outs[{i}] holds {_nbytes(out)} bytes, smaller than the {n} "
+                                 f"bytes stored under keys[{i}]")
         r = self._native().get_into(k, keys, outs)
         return [n if n >= 0 else None for n in r]
 

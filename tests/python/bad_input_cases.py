@@ -146,6 +146,26 @@ def ds_get_into_str(s, t):
     s.get_into("k", "abc")
 
 
+@case(ValueError, "out", "10 bytes", "smaller", "4096 bytes")
+@with_store
+def ds_get_into_too_small(s, t):
+    assert s.put("k", b"x" * 4096)
+    s.get_into("k", bytearray(10))
+
+
+@case(ValueError, "outs[1]", "10 bytes", "smaller", "4096 bytes")
+@with_store
+def ds_batch_get_into_too_small(s, t):
+    assert s.put("k", b"x" * 4096)
+    s.batch_get_into(["absent", "k"], [bytearray(10), bytearray(10)])
+
+
+@case(ValueError, "budget_bytes=65536", "kind 'b'", "slot")
+def ds_budget_starves_a_kind(t):
+    from vitrify.tier import DiskStore
+    DiskStore(t, 64 * KiB, {"a": (4096, 100.0), "b": (4096, 1.0)}, direct_io="off")
+
+
 @case(TypeError, "kind", "float 1.5")
 @with_store
 def ds_kind_float(s, t):
