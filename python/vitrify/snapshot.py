@@ -33,7 +33,6 @@ from . import _check, _native, config
 log = logging.getLogger("vitrify.snapshot")
 
 Snapshot = _native.Snapshot
-ScratchSpan = _native.ScratchSpan
 SpanFileError = _native.SpanFileError
 
 Target = Union[int, "_native.HostBackend"]
@@ -70,6 +69,34 @@ class HostBackend(_native.HostBackend):
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         super().__init__(size, _intervals(holes), alignment)
+
+
+class ScratchSpan(_native.ScratchSpan):
+    """A VMM reservation of ``size`` bytes on ``device`` near ``base_hint`` with the granules
+    flagged in ``mapped`` (one bool per granule) backed by memory (GPU tests, benchmarks)."""
+
+    def __init__(self, device: int, size: int, base_hint: int, mapped: Iterable[bool]) -> None:
+        device = _check.integer("device", device, 0, (1 << 31) - 1)
+        size = _check.integer("size", size, 1, 1 << 46)
+        base_hint = _check.integer("base_hint", base_hint, 0, _check.U64_MAX)
+        flags = _check.sequence("mapped", mapped)
+        for i, f in enumerate(flags):
+            if not isinstance(f, (bool, int)) or f not in (0, 1):
+                raise _check.ArgumentTypeError(f"mapped[{i}] must be True or False, got "
+                                               f"{_check.got(f)}")
+        super().__init__(device, size, base_hint, [bool(f) for f in flags])
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy ``data`` to ``base + offset``."""
+        if not isinstance(data, bytes):
+            _check.buffer("data", data)
+            data = memoryview(data).tobytes()
+        super().write(_check.integer("offset", offset, 0, _check.U64_MAX), data)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` from ``base + offset``."""
+        return super().read(_check.integer("offset", offset, 0, _check.U64_MAX),
+                            _check.integer("nbytes", nbytes, 0, _check.I64_MAX))
 
 
 def merge(intervals: Iterable[Interval]) -> list[Interval]:

@@ -949,6 +949,18 @@ def sn_host_backend_zero(t):
     HostBackend(0)
 
 
+@case(ValueError, "size", "got 0")
+def sn_scratch_span_size_zero(t):
+    from vitrify.snapshot import ScratchSpan
+    ScratchSpan(0, 0, 0, [])
+
+
+@case(TypeError, "mapped", "str")
+def sn_scratch_span_mapped_str(t):
+    from vitrify.snapshot import ScratchSpan
+    ScratchSpan(0, 2 * MiB, 0, "1")
+
+
 @case(ValueError, "rank", "-1")
 def sn_span_relpath_negative_rank(t):
     from vitrify import snapshot
