@@ -118,6 +118,9 @@ def arena_mem_pool(arena: FixedArena):
     creates the same arena at the same base and allocates in the same order. Installs
     ``arena`` as the process-wide arena behind ``vitrify_graph_arena_malloc``. A stand-in for the
     region allocator in tests and benchmarks."""
+    if not isinstance(arena, FixedArena):
+        raise _check.ArgumentTypeError(f"arena must be a vitrify.graphs.FixedArena, got "
+                                       f"{_check.got(arena)}")
     import torch
 
     _native.graph_install_arena(arena)

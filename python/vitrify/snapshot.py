@@ -312,6 +312,10 @@ def plan_restore(archive, rank: int) -> RestorePlan:
     ``VITRIFY_WARMUP_RESTORE=0`` forces re-running warmup; an archive without the rank's warmup
     dump falls back to it automatically.
     """
+    rank = _check.integer("rank", rank, 0, 999999)
+    if not (callable(getattr(archive, "has_file", None)) and hasattr(archive, "files")):
+        raise _check.ArgumentTypeError(f"archive must be an opened vitrify.archive.Archive, got "
+                                       f"{_check.got(archive)}")
     if not config.settings().warmup_restore:
         plan = RestorePlan("rerun-warmup", "VITRIFY_WARMUP_RESTORE=0 forces re-running warmup")
         log.info("rank %d: %s", rank, plan.reason)

@@ -949,6 +949,12 @@ def sn_host_backend_zero(t):
     HostBackend(0)
 
 
+@case(TypeError, "archive", "str")
+def sn_plan_restore_not_an_archive(t):
+    from vitrify import snapshot
+    snapshot.plan_restore(str(t), 0)
+
+
 @case(ValueError, "size", "got 0")
 def sn_scratch_span_size_zero(t):
     from vitrify.snapshot import ScratchSpan
@@ -1247,6 +1253,12 @@ def gr_save_to_archive_bad_writer(t):
 def gr_load_from_archive_bad_archive(t):
     from vitrify import graphs
     graphs.load_from_archive(str(t))
+
+
+@case(TypeError, "arena", "int")
+def gr_arena_mem_pool_not_an_arena(t):
+    from vitrify import graphs
+    graphs.arena_mem_pool(4096)
 
 
 def closed_graphs():

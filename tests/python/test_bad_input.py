@@ -188,3 +188,43 @@ def test_a_failing_command_is_one_line_with_the_traceback_only_at_debug(tmp_path
                        env=dict(os.environ, VITRIFY_LOG_LEVEL="DEBUG"))
     assert r.returncode == 1 and "Traceback" in r.stderr
     assert r.stderr.splitlines()[-1] == "vitrify doctor: RuntimeError: disk on fire ..."
+
+
+# ---- native messages: the call, the errno text and the path; never source text ---------------
+
+def test_native_syscall_errors_name_the_call_errno_and_path():
+    from vitrify import _native
+
+    # past the Python checks (the mount vanished between them and the native call)
+    with pytest.raises(FileNotFoundError) as e:
+        _native.HostPool(2 << 20, 2 << 20, 1 << 30, "/nonexistent/vitrify-huge", "off", True, 1,
+                         False, 0, None)
+    assert str(e.value) == ('[Errno 2] statfs("/nonexistent/vitrify-huge"): '
+                            'No such file or directory')
+    with pytest.raises(FileNotFoundError) as e:
+        _native.span_file_info("/nonexistent/vitrify.span")
+    assert str(e.value) == ('[Errno 2] open("/nonexistent/vitrify.span"): '
+                            'No such file or directory')
+    with pytest.raises(ValueError) as e:
+        _native.host_plan_slabs(0, 4096, 1 << 20, 4096)
+    assert str(e.value) == "total_bytes must be positive, got 0"  # no "(at csrc/...)"
+
+
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_cuda_errors_name_the_driver_call_not_the_source_expression():
+    code = ("import vitrify\n"
+            "r = vitrify.Region(1 << 30)\n"
+            "try:\n"
+            "    r.allocate(4096)\n"
+            "except vitrify.CudaError as e:\n"
+            "    print(repr(e.call)); print(str(e)); print(e.where)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE, FAKE_CUDA_DEVICES="1",
+                                FAKE_CUDA_FAIL="cuMemCreate"))
+    assert r.returncode == 0, r.stderr
+    call, msg, where = r.stdout.splitlines()
+    assert call == "'cuMemCreate'"
+    assert msg.startswith("cuMemCreate failed: CUDA_ERROR_UNKNOWN (999)"), msg
+    for bad in BINDING_TEXT:
+        assert bad not in msg, msg
+    assert where.startswith("csrc/src/") and ".cpp:" in where  # kept for bug reports only
