@@ -47,7 +47,7 @@ rename_result() {  # NAME: move WORK/NAME-<date>.json to OUTDIR/NAME-TAG-<date>.
 }
 
 echo "== bench_disk (scratch $SCRATCH)"
-"$PY" benchmarks/python/bench_disk.py --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
+"$PY" -m vitrify bench disk --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
 rename_result disk
 
 SGPATH=()
@@ -59,7 +59,7 @@ if ! "$PY" -c "import sglang" 2>/dev/null && [ -f .whl/sglang-site.tar.xz ]; the
 fi
 if "${SGPATH[@]}" "$PY" -c "import sglang.srt.mem_cache.hicache_storage" 2>/dev/null; then
   echo "== bench_hicache (scratch $SCRATCH)"
-  "${SGPATH[@]}" "$PY" benchmarks/python/bench_hicache.py --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
+  "${SGPATH[@]}" "$PY" -m vitrify bench hicache --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
   rename_result hicache
 else
   echo "== bench_hicache skipped: sglang is not importable and no bundle was carried"

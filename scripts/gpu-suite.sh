@@ -30,14 +30,9 @@ step() {  # step NAME CMD...: run, log, record the exit code
   return $rc
 }
 
-# GPU benchmarks: each prints a table and writes <name>-<date>.json into the directory it is
-# given with --out. Append new ones here.
-GPU_BENCHMARKS=(
-  benchmarks/python/bench_region.py
-  benchmarks/python/bench_snapshot.py
-  benchmarks/python/bench_host.py
-  benchmarks/python/bench_graphs.py
-)
+# GPU benchmarks (`vitrify bench NAME`, python/vitrify/bench/NAME.py): each prints a table and
+# writes <name>-<date>.json into the directory it is given with --out. Append new ones here.
+GPU_BENCHMARKS=(region snapshot host graphs)
 
 # Result files name the commit: the GPU machine's copy of the tree may lack a usable .git,
 # so pass VITRIFY_GIT_SHA=<commit> when calling from elsewhere.
@@ -54,10 +49,17 @@ step build-cpp cmake --build build/gpu-cpp -j "$(nproc)"
 # Run from outside the source tree so `import vitrify` finds the installed build.
 step doctor bash -c "cd /tmp && '$PY' -m vitrify doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m vitrify doctor --dir '$PWD/$WORK'"
 step ctest-gpu bash -c "cd build/gpu-cpp && ctest -L gpu --output-on-failure --timeout 300 --output-junit '$PWD/$WORK/ctest-gpu.xml'"
-step pytest-gpu "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
+step pytest-gpu env VITRIFY_TEST_ARTIFACTS="$WORK/bench" "$PY" -m pytest -m gpu -p no:cacheprovider --rootdir . -c pyproject.toml \
   --junitxml="$WORK/pytest-gpu.xml" tests/python
+# --strict: a benchmark that cannot run here (no GPU) fails its step instead of exiting 0;
+# VITRIFY_LOG_LEVEL=ERROR: a failing benchmark's traceback reaches the log. The span file of
+# `snapshot` goes to the repository's build/ (on the machine's disk, not tmpfs) unless
+# VITRIFY_BENCH_DIR names a place. Step names keep the summary's keys (bench:bench_NAME).
 for b in "${GPU_BENCHMARKS[@]}"; do
-  step "bench:$(basename "$b" .py)" "$PY" "$b" --out "$WORK/bench"
+  extra=()
+  [ "$b" = snapshot ] && [ -z "${VITRIFY_BENCH_DIR:-}" ] && extra=(--dir "$PWD/build")
+  step "bench:bench_$b" env VITRIFY_LOG_LEVEL=ERROR "$PY" -m vitrify bench "$b" \
+    --out "$WORK/bench" --strict "${extra[@]}"
 done
 # Opt-in (VITRIFY_SGLANG_E2E=1): vitrify's HiCache backend in a real SGLang server, from the carried
 # bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.

@@ -33,7 +33,7 @@ logprobs of the L3 pass equal the ``device_hit`` pass bit for bit (both compute 
 the same cached prefix length, so any KV byte lost in L3 would show); every L3 request reports
 cached tokens from storage (``meta_info.cached_tokens_details.storage``). Requests are sent one
 at a time (prefetch admission is rate-limited by the host pool, and TTFT stays comparable).
-Writes ``sglang-hicache-e2e-<date>.json`` (benchmarks/python/resultlib.py) and every server log
+Writes ``sglang-hicache-e2e-<date>.json`` (python/vitrify/bench/resultlib.py) and every server log
 into ``--out``; prints a table. Exit status 0 only when every check of every scenario run passed.
 """
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import glob
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -58,8 +59,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks" / "python"))
-import resultlib  # noqa: E402
+# the result-file convention, by path: this script runs before vitrify is installed (ensure_vitrify)
+_spec = importlib.util.spec_from_file_location(
+    "vitrify_e2e_resultlib", REPO / "python" / "vitrify" / "bench" / "resultlib.py")
+resultlib = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(resultlib)
 
 NAME = "sglang-hicache-e2e"
 MiB = 1 << 20

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "python"))
-import resultlib  # noqa: E402
+# The result-file convention, loaded from this tree by path: the summary is still written when
+# the package failed to build or install (resultlib imports vitrify only to describe the machine).
+_RESULTLIB = Path(__file__).resolve().parents[1] / "python" / "vitrify" / "bench" / "resultlib.py"
+_spec = importlib.util.spec_from_file_location("vitrify_suite_resultlib", _RESULTLIB)
+resultlib = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(resultlib)
 
 
 def junit_outcomes(path: str, prefix: str) -> dict[str, str]:

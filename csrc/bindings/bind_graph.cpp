@@ -1,6 +1,7 @@
 // Graph persistence: the file format and its description as Python dicts, relocation,
 // topology, kernel binaries, the CUPTI recorder, capture (FREEZE), GraphSet (THAW), FixedArena.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -87,8 +88,21 @@ nb::dict describe(const Graph& g) {
   }
   nb::list edges, relocs;
   for (const Edge& e : g.edges) edges.append(nb::make_tuple(e.from, e.to, e.from_port, e.to_port, e.type));
-  for (const Relocation& r : g.relocations) relocs.append(nb::make_tuple(r.node, r.offset, r.region_offset));
+  for (const Relocation& r : g.relocations)
+    relocs.append(nb::make_tuple(r.node, r.offset, r.region_offset, word_kind_name(r.kind)));
+  nb::list notes;
+  for (const WordNote& w : g.notes) {
+    nb::dict d;
+    d["node"] = w.node;
+    d["offset"] = w.offset;
+    d["value"] = w.value;
+    d["reason"] = word_reason_name(w.reason);
+    d["unclassified"] = is_unclassified(w.reason);
+    notes.append(d);
+  }
   nb::dict out;
+  out["notes"] = notes;
+  out["relocatable"] = relocatable(g);
   out["nodes"] = nodes;
   out["edges"] = edges;
   out["event_count"] = g.event_count;
@@ -171,7 +185,8 @@ Graph build(const nb::dict& in) {
   g.region_size = get<uint64_t>(in, "region_size", 0);
   if (in.contains("relocations"))
     for (nb::handle r : nb::cast<nb::list>(in["relocations"]))
-      g.relocations.push_back({nb::cast<uint32_t>(r[0]), nb::cast<uint32_t>(r[1]), nb::cast<uint64_t>(r[2])});
+      g.relocations.push_back({nb::cast<uint32_t>(r[0]), nb::cast<uint32_t>(r[1]),
+                               nb::cast<uint64_t>(r[2]), WordKind::pointer_param});
   return g;
 }
 
@@ -211,10 +226,28 @@ void bind_graph(nb::module_& m) {
     for (const Hash& h : referenced_modules(parse(b))) out.push_back(to_hex(h));
     return out;
   });
-  m.def("graph_find_relocations", [](nb::bytes b, uint64_t base, uint64_t size) {
+  nb::class_<FieldEvidence>(m, "FieldEvidence",
+                            "Kernel fields seen holding a non-address (integer evidence).")
+      .def(nb::init<>())
+      .def("__len__", &FieldEvidence::size)
+      .def("clear", &FieldEvidence::clear);
+  m.def("graph_find_relocations",
+        [](nb::bytes b, uint64_t base, uint64_t size,
+           std::optional<std::vector<std::pair<uint64_t, uint64_t>>> live, FieldEvidence* evidence) {
+          Graph g = parse(b);
+          ScanOptions opt;
+          opt.base = base;
+          opt.size = size;
+          opt.live = live ? *live : std::vector<std::pair<uint64_t, uint64_t>>{{0, size}};
+          find_relocations(g, opt, evidence);
+          return to_bytes(serialize(g));
+        },
+        nb::arg("data"), nb::arg("base"), nb::arg("size"), nb::arg("live") = nb::none(),
+        nb::arg("evidence") = nb::none());
+  m.def("graph_apply_evidence", [](nb::bytes b, const FieldEvidence& evidence) {
     Graph g = parse(b);
-    find_relocations(g, base, size);
-    return to_bytes(serialize(g));
+    const size_t changed = apply_evidence(g, evidence);
+    return nb::make_tuple(to_bytes(serialize(g)), changed);
   });
   m.def("graph_relocate", [](nb::bytes b, uint64_t new_base) {
     Graph g = parse(b);
@@ -258,7 +291,9 @@ void bind_graph(nb::module_& m) {
   m.def("graph_add_recorded_module", [](nb::bytes b) {
     return to_hex(ModuleRecorder::instance().registry().add(b.c_str(), b.size()));
   }, "Adds a binary to the recorder's registry by hand (e.g. one loaded before recording began).");
-  m.def("graph_capture", [](uint64_t handle, uint64_t base, uint64_t size, int device) {
+  m.def("graph_capture", [](uint64_t handle, uint64_t base, uint64_t size, int device,
+                            std::vector<std::pair<uint64_t, uint64_t>> live,
+                            FieldEvidence* evidence) {
     std::vector<uint8_t> out;
     {
       nb::gil_scoped_release nogil;
@@ -266,11 +301,15 @@ void bind_graph(nb::module_& m) {
       opt.device = device;
       opt.region_base = base;
       opt.region_size = size;
+      opt.live = std::move(live);
+      opt.evidence = evidence;
       out = serialize(capture_graph(reinterpret_cast<CUgraph>(handle),
                                     ModuleRecorder::instance().registry(), opt));
     }
     return to_bytes(out);
-  }, nb::arg("handle"), nb::arg("region_base") = 0, nb::arg("region_size") = 0, nb::arg("device") = 0);
+  }, nb::arg("handle"), nb::arg("region_base") = 0, nb::arg("region_size") = 0,
+     nb::arg("device") = 0, nb::arg("live") = std::vector<std::pair<uint64_t, uint64_t>>{},
+     nb::arg("evidence") = nb::none());
 
   nb::class_<GraphSet>(m, "GraphSet", "Rebuilt graphs: one executable per topology template.")
       .def(nb::init<int, bool>(), nb::arg("device") = 0, nb::arg("share_templates") = true)
@@ -319,6 +358,12 @@ void bind_graph(nb::module_& m) {
       .def_prop_ro("base", &FixedArena::base)
       .def_prop_ro("size", &FixedArena::size)
       .def_prop_ro("used", &FixedArena::used)
+      .def("live_allocations", [](const FixedArena& a) {
+        // A bump arena never frees: everything below the cursor is live.
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        if (a.used() > 0) out.emplace_back(0, a.used());
+        return out;
+      })
       .def("allocate", &FixedArena::allocate, nb::arg("nbytes"), nb::arg("align") = 512)
       .def("write", [](FixedArena& a, size_t offset, nb::bytes data) {
         const char* p = data.c_str();

@@ -61,6 +61,11 @@ void bind_region(nb::module_& m) {
       }, nb::arg("upto"), nb::arg("chunk_bytes"))
       .def("checkpoint", &Region::checkpoint, nb::arg("name"))
       .def("checkpoints", &Region::checkpoints)
+      .def("live_allocations", [](const Region& r) {
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        for (const region::Span& s : r.live_allocations()) out.emplace_back(s.offset, s.size);
+        return out;
+      })
       .def("stats", [](const Region& r) {
         const RegionStats s = r.stats();
         nb::dict d;

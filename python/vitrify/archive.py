@@ -740,11 +740,27 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         ranks[r] = {"spans": spans, "graphs": group("graphs"), "modules": group("modules"),
                     "state": f"{prefix}state.json" in a.files,
                     "bytes": sum(e["bytes"] for e in mine.values())}
+        if f"{prefix}graphs/index.json" in a.files:
+            ranks[r]["relocation"] = _relocation_counts(a.file_path(f"{prefix}graphs/index.json"))
     return {"path": a.path, "format": a.manifest["format"], "version": a.manifest["version"],
             "created": a.manifest["created"], "vitrify_version": a.manifest["vitrify_version"],
             "fingerprint": a.fingerprint.to_dict(), "region": a.region.to_dict(),
             "files": len(a.files), "bytes": sum(e["bytes"] for e in a.files.values()),
             "ranks": ranks}
+
+
+def _relocation_counts(index_path: str) -> dict[str, Any]:
+    """Relocatability of one rank's graphs, from its graph index: how many graphs, how many
+    FREEZE marked non-relocatable, and their unclassified words."""
+    try:
+        with open(index_path) as f:
+            graphs = json.load(f).get("graphs", [])
+    except (OSError, ValueError) as e:
+        return {"error": f"{index_path}: {e}"}
+    fixed = [g for g in graphs if not g.get("relocatable", False)]
+    return {"graphs": len(graphs), "relocatable": len(graphs) - len(fixed),
+            "non_relocatable": [g["name"] for g in fixed],
+            "unclassified_words": sum(g.get("unclassified", {}).get("count", 0) for g in fixed)}
 
 
 def _size(n: int) -> str:
@@ -784,6 +800,22 @@ def render_inspect(info: Mapping[str, Any]) -> str:
         lines.append(f"{r:<5} {g['files']:>4} {_size(g['bytes']):>9} {m['files']:>4} "
                      f"{_size(m['bytes']):>9} {'yes' if d['state'] else 'no':>6} "
                      f"{_size(d['bytes']):>12}")
+    for r, d in info["ranks"].items():
+        rel = d.get("relocation")
+        if rel is None:
+            continue
+        if "error" in rel:
+            lines.append(f"rank {r} relocation: ERROR {rel['error']}")
+            continue
+        line = (f"rank {r} relocation: {rel['relocatable']} of {rel['graphs']} graphs "
+                f"relocatable")
+        if rel["non_relocatable"]:
+            names = ", ".join(rel["non_relocatable"][:5])
+            more = "" if len(rel["non_relocatable"]) <= 5 else ", ..."
+            line += (f"; {len(rel['non_relocatable'])} only at the frozen base ({names}{more}: "
+                     f"{rel['unclassified_words']} unclassified word(s); "
+                     f"see vitrify inspect --relocations)")
+        lines.append(line)
     return "\n".join(lines)
 
 

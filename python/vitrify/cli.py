@@ -49,7 +49,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     try:
         info = archive.inspect(args.archive)
-    except (archive.ArchiveError, FileNotFoundError) as e:
+        if args.relocations:
+            from . import graphs
+
+            a = archive.open_archive(args.archive)
+            audits = {}
+            for r in a.ranks:
+                if f"rank{r}/{graphs.INDEX_FILE}" in a.files:
+                    for rel in a.files:
+                        if rel.startswith(f"rank{r}/{graphs.GRAPHS_DIR}/"):
+                            a.check_file(rel, checksum=True)
+                    audits[r] = graphs.relocation_audit(os.path.join(a.path, f"rank{r}"))
+            if args.json:
+                json.dump({str(k): v for k, v in audits.items()}, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                print(graphs.render_relocation_audit(audits) if audits
+                      else f"{args.archive}: no graphs")
+            return 0
+    except (archive.ArchiveError, FileNotFoundError, ValueError) as e:
         print(f"vitrify inspect: {e}", file=sys.stderr)
         return 1
     if args.json:
@@ -85,10 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe an archive: fingerprint, ranks, spans, graphs, sizes")
     i.add_argument("archive")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--relocations", action="store_true",
+                   help="audit every graph's region-like words: relocated by kind, integers "
+                        "kept, unclassified (non-relocatable)")
     i.set_defaults(func=_cmd_inspect)
     v = sub.add_parser("verify", help="check every file of an archive (exit 0 intact, 1 damaged)")
     v.add_argument("archive")
     v.set_defaults(func=_cmd_verify)
+    # vitrify bench NAME: the benchmarks (vitrify/bench/), one subcommand each with its options
+    from .bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
     return p
 
 

@@ -26,6 +26,7 @@ The on-disk layout is documented in ``csrc/src/graph/DESIGN.md``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import warnings
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import _check, _native
+
+_log = logging.getLogger("vitrify.graphs")
 
 GraphFreezeError = _native.GraphFreezeError
 GraphFreezeError.__doc__ = (
@@ -49,6 +52,7 @@ INDEX_FILE = "graphs/index.json"
 
 __all__ = [
     "FixedArena",
+    "GraphNotRelocatable",
     "GraphCapture",
     "GraphFreezeError",
     "GraphStore",
@@ -59,6 +63,8 @@ __all__ = [
     "load_from_archive",
     "record_modules",
     "recorder_info",
+    "relocation_audit",
+    "render_relocation_audit",
 ]
 
 
@@ -179,12 +185,28 @@ class GraphCapture:
 class GraphStore:
     """Serialized graphs of one device, ready to :meth:`save`.
 
-    ``region_base``/``region_size``: the relocation range — kernel-parameter words and copy
-    addresses inside ``[base, base+size)`` are stored as region offsets, so :func:`load` can
-    place the region elsewhere. ``size`` 0 records no relocations (same addresses at load).
+    ``region``: the :class:`vitrify.Region` the engine allocates from (or any object with
+    ``base``, ``size`` and ``live_allocations()``); or ``region_base``/``region_size`` with
+    ``live`` (a list of ``(offset, size)`` live allocations, or a callable returning one, read at
+    each capture). Kernel-parameter words and copy addresses inside ``[base, base+size)`` are
+    stored as region offsets so :func:`load` can place the region elsewhere — but a kernel word
+    only when the kernel's parameter layout and the live allocations prove it is a pointer
+    (``csrc/src/graph/DESIGN.md``, "Relocation"); a word that may or may not be one makes its
+    graph non-relocatable. Without ``region``/``live`` the whole range counts as live (weaker
+    evidence; a warning is logged). ``size`` 0 records no relocations (same addresses at load).
     """
 
-    def __init__(self, *, region_base: int = 0, region_size: int = 0, device: int = 0):
+    def __init__(self, *, region: Any = None, region_base: int = 0, region_size: int = 0,
+                 live: Any = None, device: int = 0):
+        if region is not None and not (hasattr(region, "base") and hasattr(region, "size") and
+                                       callable(getattr(region, "live_allocations", None))):
+            raise _check.ArgumentTypeError(f"region must be a vitrify.Region (or have base, size "
+                                           f"and live_allocations()), got {_check.got(region)}")
+        if live is not None and not callable(live):
+            _check.sequence("live", live)
+        if region is not None:
+            region_base, region_size = int(region.base), int(region.size)
+            live = region.live_allocations
         _check.integer("region_base", region_base, 0, _check.U64_MAX)
         _check.integer("region_size", region_size, 0, _check.U64_MAX - region_base)
         _check.integer("device", device, 0, (1 << 31) - 1)
@@ -193,7 +215,18 @@ class GraphStore:
         self.region_base = int(region_base)
         self.region_size = int(region_size)
         self.device = int(device)
+        self._live = live
+        if live is None and self.region_size > 0:
+            _log.warning("GraphStore without region= or live=: every word in the %d-byte range "
+                         "counts as pointing into a live allocation", self.region_size)
+        self._evidence = _native.FieldEvidence()
         self._graphs: dict[str, bytes] = {}
+
+    def _live_allocations(self) -> list[tuple[int, int]]:
+        if self._live is None:
+            return [(0, self.region_size)] if self.region_size > 0 else []
+        live = self._live() if callable(self._live) else self._live
+        return [(int(o), int(n)) for o, n in live]
 
     def capture(self, name: str, *, pool=None, stream=None,
                 capture_error_mode: str = "global") -> GraphCapture:
@@ -212,7 +245,7 @@ class GraphStore:
             raise ValueError("the CUDA graph handle is null")
         try:
             data = _native.graph_capture(int(handle), self.region_base, self.region_size,
-                                         self.device)
+                                         self.device, self._live_allocations(), self._evidence)
         except GraphFreezeError as e:
             raise GraphFreezeError(f"cannot freeze graph {name!r}: {e}") from None
         self._graphs[name] = data
@@ -246,14 +279,16 @@ class GraphStore:
         return list(self._graphs)
 
     def data(self, name: str) -> bytes:
-        """The serialized graph ``name``."""
+        """The serialized graph ``name``, with the integer evidence of every capture so far
+        applied (a field that held a non-address in any launch is an integer everywhere)."""
         self._require(name)
-        return self._graphs[name]
+        data, _ = _native.graph_apply_evidence(self._graphs[name], self._evidence)
+        return data
 
     def info(self, name: str) -> dict:
-        """Nodes, edges, relocations, bytes, topology hash and modules of graph ``name``."""
-        self._require(name)
-        data = self._graphs[name]
+        """Nodes, edges, relocations (count, by kind), relocatable, unclassified words, bytes,
+        topology hash and modules of graph ``name``."""
+        data = self.data(name)
         d = _native.graph_describe(data)
         kinds: dict[str, int] = {}
         for n in d["nodes"]:
@@ -264,7 +299,7 @@ class GraphStore:
             "nodes": len(d["nodes"]),
             "kinds": kinds,
             "edges": len(d["edges"]),
-            "relocations": len(d["relocations"]),
+            **relocation_summary(d),
             "topology": _native.graph_topology(data),
             "modules": list(_native.graph_modules(data)),
         }
@@ -279,7 +314,7 @@ class GraphStore:
         (root / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         graphs, templates, modules = [], {}, {}
         for i, name in enumerate(self._graphs):
-            data = self._graphs[name]
+            data = self.data(name)
             info = self.info(name)
             rel = f"{GRAPHS_DIR}/{i:05d}.tgraph"
             _write_atomic(root / rel, data)
@@ -298,8 +333,12 @@ class GraphStore:
                                   "kernels": len(m["kernels"])}
             graphs.append({"name": name, "file": rel, "bytes": len(data),
                            "sha256": _native.graph_sha256(data), "nodes": info["nodes"],
-                           "relocations": info["relocations"], "topology": info["topology"],
-                           "modules": info["modules"]})
+                           "relocations": info["relocations"],
+                           "relocations_by_kind": info["relocations_by_kind"],
+                           "relocatable": info["relocatable"],
+                           "unclassified": info["unclassified"],
+                           "integers_kept": info["integers_kept"],
+                           "topology": info["topology"], "modules": info["modules"]})
         index = {
             "format": INDEX_FORMAT,
             "version": INDEX_VERSION,
@@ -324,6 +363,72 @@ class GraphStore:
         _check.integer("rank", rank, 0, 999999)
         index_path = writer.file_path(f"rank{int(rank)}/{INDEX_FILE}")  # checks rank, makes dirs
         return self.save(Path(index_path).parent.parent)
+
+
+def relocation_summary(described: dict, limit: int = 8) -> dict:
+    """From :func:`describe`'s dict: ``relocations`` (count), ``relocations_by_kind``,
+    ``relocatable``, ``unclassified`` (count and the first ``limit`` words with their kernel:
+    the words FREEZE could not prove to be pointers or integers) and ``integers_kept`` (region-
+    like words kept as integers, by reason)."""
+    by_kind: dict[str, int] = {}
+    for r in described["relocations"]:
+        by_kind[r[3]] = by_kind.get(r[3], 0) + 1
+    nodes = described["nodes"]
+    unclassified, kept = [], {}
+    for w in described["notes"]:
+        if w["unclassified"]:
+            unclassified.append({"node": w["node"], "kernel": nodes[w["node"]].get("name", ""),
+                                 "offset": w["offset"], "value": hex(w["value"]),
+                                 "reason": w["reason"]})
+        else:
+            kept[w["reason"]] = kept.get(w["reason"], 0) + 1
+    return {"relocations": len(described["relocations"]), "relocations_by_kind": by_kind,
+            "relocatable": described["relocatable"],
+            "unclassified": {"count": len(unclassified), "words": unclassified[:limit]},
+            "integers_kept": kept}
+
+
+def relocation_audit(directory: str | os.PathLike) -> dict:
+    """Every region-like word of the graphs saved under ``directory`` (one rank of an archive):
+    per graph the relocated words by kind (pointer parameter, struct word, memcpy/memset
+    address, TMA descriptor), the integers kept (by reason) and every unclassified word with
+    its kernel — what ``vitrify inspect --relocations`` prints."""
+    root = Path(directory)
+    index = read_index(root)
+    out = []
+    for g in index["graphs"]:
+        data = _read_checked(root, g["file"], g["bytes"])
+        summary = relocation_summary(describe(data), limit=1 << 30)
+        out.append({"name": g["name"], "nodes": g["nodes"], **summary})
+    return {"region": index["region"], "graphs": out}
+
+
+def render_relocation_audit(audits: dict[int, dict]) -> str:
+    """The table ``vitrify inspect --relocations`` prints, rank -> :func:`relocation_audit`."""
+    kinds = ["pointer parameter", "struct word", "memcpy/memset address", "TMA descriptor"]
+    lines = []
+    for rank, audit in audits.items():
+        lines.append(f"rank {rank}: region base {int(audit['region']['base']):#x}, "
+                     f"{len(audit['graphs'])} graphs")
+        lines.append(f"  {'graph':<24} {'nodes':>6} {'param':>6} {'struct':>7} {'copy':>6} "
+                     f"{'tma':>5} {'ints':>6} {'unclass':>8}  relocatable")
+        for g in audit["graphs"]:
+            k = g["relocations_by_kind"]
+            ints = sum(g["integers_kept"].values())
+            lines.append(f"  {g['name'][:24]:<24} {g['nodes']:>6} "
+                         + " ".join(f"{k.get(x, 0):>{w}}" for x, w in zip(kinds, (6, 7, 6, 5)))
+                         + f" {ints:>6} {g['unclassified']['count']:>8}  "
+                         + ("yes" if g["relocatable"] else "NO"))
+            for w in g["unclassified"]["words"]:
+                lines.append(f"      node {w['node']} kernel {w['kernel']!r} byte {w['offset']}: "
+                             f"{w['value']} ({w['reason']})")
+    return "\n".join(lines)
+
+
+class GraphNotRelocatable(ValueError):
+    """A graph holds a region-like word FREEZE could not prove to be a pointer or an integer,
+    and THAW was asked to place the region at another base. The message names the graph, the
+    kernel, the word and the reason."""
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -377,6 +482,7 @@ class LoadedGraphs:
         self.index = index
         self._set = gset
         self._ids = ids
+        self.skipped: dict[str, str] = {}  # graphs left out (non-relocatable), name -> reason
 
     def _open(self) -> None:
         if self._set is None:
@@ -490,12 +596,17 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
 
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
          threads: int = 2, names: list[str] | None = None,
-         share_templates: bool = True) -> LoadedGraphs:
+         share_templates: bool = True, unrelocatable: str = "error") -> LoadedGraphs:
     """Load the graphs saved under ``directory`` and start rebuilding them in the background.
 
     ``region_base``: where the region lives in this process (None: where it was at FREEZE);
     relocated words are rewritten to ``region_base + offset``. ``names``: only these graphs.
     ``share_templates=False`` instantiates every graph separately (a benchmark baseline).
+    A graph FREEZE marked non-relocatable (it holds a word that may or may not be a pointer) is
+    never run at another base: with ``unrelocatable="error"`` loading raises
+    :class:`GraphNotRelocatable` naming the graph and kernel before any driver call; with
+    ``"skip"`` such graphs are left out and listed in ``LoadedGraphs.skipped`` (name -> reason),
+    so the caller captures them cold.
     Every module file is checked against its SHA-256 name and every graph file against its
     checksums before any driver call; a mismatch is a ValueError naming the file.
     """
@@ -509,9 +620,33 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     _check.boolean("share_templates", share_templates)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if unrelocatable not in ("error", "skip"):
+        raise ValueError(f"unrelocatable must be 'error' or 'skip', got {unrelocatable!r}")
     root = Path(directory)
     index = read_index(root)
     entries = index["graphs"]
+    skipped: dict[str, str] = {}
+    frozen_base = int(index["region"]["base"])
+    if region_base is not None and int(region_base) != frozen_base:
+        movable = []
+        for g in entries if names is None else [g for g in entries if g["name"] in set(names)]:
+            if g.get("relocatable", False):
+                movable.append(g)
+                continue
+            words = g.get("unclassified", {}).get("words", [])
+            first = (f"kernel {words[0]['kernel']!r} parameter byte {words[0]['offset']} holds "
+                     f"{words[0]['value']} ({words[0]['reason']})") if words else "no audit"
+            reason = (f"graph {g['name']!r} is not relocatable from {hex(frozen_base)} to "
+                      f"{hex(int(region_base))}: {first}; "
+                      f"{g.get('unclassified', {}).get('count', '?')} word(s) may or may not be "
+                      f"pointers (vitrify inspect --relocations shows them)")
+            if unrelocatable == "error":
+                raise GraphNotRelocatable(reason)
+            skipped[g["name"]] = reason
+        if names is None:
+            entries = movable
+        else:
+            names = [n for n in names if n not in skipped]
     if names is not None:
         wanted = set(names)
         missing = wanted - {g["name"] for g in entries}
@@ -534,4 +669,6 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         relocate_to = None if region_base is None else int(region_base)
         ids[g["name"]] = gset.add(data, relocate_to)
     gset.start(threads)
-    return LoadedGraphs(index, gset, ids)
+    loaded = LoadedGraphs(index, gset, ids)
+    loaded.skipped = skipped
+    return loaded

@@ -31,7 +31,7 @@ RegionAddressError.__doc__ = (
     "another address). The message names the range and what came back. A RuntimeError."
 )
 
-#: The first candidate base of the search (96 TiB) and the end of the search window (127 TiB).
+#: The first candidate base of the search (96 TiB + 4 GiB) and the end of the search window (127 TiB).
 SEARCH_FIRST: int = _native.REGION_SEARCH_FIRST
 SEARCH_LIMIT: int = _native.REGION_SEARCH_LIMIT
 #: Default chunk size of :meth:`Region.preallocate` (1 GiB: one cuMemMap per GiB).
@@ -188,6 +188,12 @@ class Region:
     def checkpoints(self) -> dict[str, int]:
         """Recorded checkpoints, name -> offset, in recording order."""
         return dict(self._r.checkpoints())
+
+    def live_allocations(self) -> list[tuple[int, int]]:
+        """The live allocations of the region as ``(offset, size)`` pairs, ascending offsets
+        (ordinary allocations made while stopped are not in the region and not listed). Graph
+        capture uses them to tell pointers from integers (``vitrify.graphs.GraphStore``)."""
+        return [(int(o), int(n)) for o, n in self._r.live_allocations()]
 
     def stats(self) -> dict:
         """``reserved``, ``mapped``, ``cursor``, ``frontier``, ``chunks``, ``live_allocations``,

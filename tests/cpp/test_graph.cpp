@@ -205,10 +205,10 @@ TEST(GraphFormat, RejectsBadMagicVersionAndChecksums) {
   bad_magic[0] = 'X';
   expect_error(bad_magic, "bad magic");
   auto bad_version = good;
-  bad_version[8] = 2;  // version 2, header CRC refreshed so only the version is wrong
+  bad_version[8] = 1;  // version 1, header CRC refreshed so only the version is wrong
   const uint32_t crc = vitrify::crc32c(bad_version.data(), 28);
   std::memcpy(bad_version.data() + 28, &crc, 4);
-  expect_error(bad_version, "version 2 is not supported");
+  expect_error(bad_version, "version 1 is not supported");
   auto bad_header = good;
   bad_header[17] ^= 1;
   expect_error(bad_header, "header checksum");
@@ -282,7 +282,8 @@ TEST(Relocation, FindsPointerWordsOnlyInsideTheRange) {
   std::memcpy(k.kernel.params.data() + 4, &hi, 4);
   small.nodes.push_back(k);
   EXPECT_EQ(find_relocations(small, kBase, kSize), 0u);
-  // A word that is not 8-byte aligned inside a slot is not a pointer.
+  // A 4-aligned struct holds no naturally aligned pointer: region-like windows inside it are
+  // unclassified (a packed pointer or two integers), never relocated.
   Graph odd;
   Node u = axpy_node(0, 0, 1);
   u.kernel.params.assign(24, 0);
@@ -290,8 +291,11 @@ TEST(Relocation, FindsPointerWordsOnlyInsideTheRange) {
   put64(u.kernel.params, 4, kBase + 8);
   put64(u.kernel.params, 16, kBase + 24);
   odd.nodes.push_back(u);
-  EXPECT_EQ(find_relocations(odd, kBase, kSize), 1u);
-  EXPECT_EQ(odd.relocations[0], (Relocation{0, 16, 24}));
+  EXPECT_EQ(find_relocations(odd, kBase, kSize), 0u);
+  ASSERT_EQ(odd.notes.size(), 2u);
+  EXPECT_EQ(odd.notes[0], (WordNote{0, 4, kBase + 8, WordReason::unaligned}));
+  EXPECT_EQ(odd.notes[1], (WordNote{0, 16, kBase + 24, WordReason::unaligned}));
+  EXPECT_FALSE(relocatable(odd));
 }
 
 TEST(Relocation, RelocateRewritesAndRoundTrips) {
@@ -612,4 +616,282 @@ TEST(KernelNames, CodeHashIdentifiesTheSameMachineCodeAcrossBinaries) {
   EXPECT_EQ(kernel_code_hash(b.data(), b.size(), "vitrify_axpy"), Hash{}) << "not in b";
   const auto ptx = read_file(fixture("graph_kernels.ptx"));
   EXPECT_EQ(kernel_code_hash(ptx.data(), ptx.size(), scale), Hash{}) << "PTX has no machine code";
+}
+
+// ------------------------------------------------- relocation safety (layout + provenance)
+namespace {
+
+// The region base of the relocation bug: the upper half of every address is 0x6000 = 24576,
+// a dimension real models use (6 x 4096, 24 x 1024).
+constexpr uint64_t kLowBase = 0x600000000000ull;
+constexpr uint64_t kLowSize = 64ull << 30;
+constexpr uint32_t kHi = uint32_t(kLowBase >> 32);                   // 24576
+constexpr uint32_t kHiLast = uint32_t((kLowBase + kLowSize - 1) >> 32);
+
+void put32(std::vector<uint8_t>& b, size_t off, uint32_t v) { std::memcpy(b.data() + off, &v, 4); }
+
+Node kernel_node(const char* name, size_t bytes, std::vector<ParamSlot> slots) {
+  Node n;
+  n.kind = NodeKind::kernel;
+  n.kernel.module = module_hash('r');
+  n.kernel.name = name;
+  n.kernel.grid = {1, 1, 1};
+  n.kernel.block = {32, 1, 1};
+  n.kernel.params.assign(bytes, 0);
+  n.kernel.slots = std::move(slots);
+  return n;
+}
+
+ScanOptions low_scan(std::vector<std::pair<uint64_t, uint64_t>> live) {
+  ScanOptions o;
+  o.base = kLowBase;
+  o.size = kLowSize;
+  o.live = std::move(live);
+  return o;
+}
+
+// Every byte of every kernel node except the words the test names as pointers is unchanged
+// after relocating by `shift`; the pointers moved by exactly `shift`.
+void expect_only_pointers_moved(const Graph& before, const Graph& after, int64_t shift,
+                                const std::set<std::pair<uint32_t, uint32_t>>& pointers) {
+  for (uint32_t i = 0; i < before.nodes.size(); ++i) {
+    if (before.nodes[i].kind != NodeKind::kernel) continue;
+    const auto& a = before.nodes[i].kernel.params;
+    const auto& b = after.nodes[i].kernel.params;
+    ASSERT_EQ(a.size(), b.size());
+    for (uint32_t o = 0; o < a.size();) {
+      if (pointers.count({i, o})) {
+        uint64_t x, y;
+        std::memcpy(&x, a.data() + o, 8);
+        std::memcpy(&y, b.data() + o, 8);
+        EXPECT_EQ(int64_t(y - x), shift) << "node " << i << " pointer at byte " << o;
+        o += 8;
+      } else {
+        EXPECT_EQ(a[o], b[o]) << "node " << i << " byte " << o << " changed";
+        ++o;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(RelocationSafety, PairsOfInt32ParametersAreNeverReadAsPointers) {
+  // (int32 n, int32 m) with m = base >> 32, and a pair equal to base + size - 1: two 4-byte
+  // parameters, never one 8-byte word — the relocation bug at hidden size 4096.
+  Graph g;
+  Node k = kernel_node("pair_kernel", 24, {{0, 4}, {4, 4}, {8, 4}, {12, 4}, {16, 8}});
+  put32(k.kernel.params, 0, 7);
+  put32(k.kernel.params, 4, kHi);
+  const uint64_t last = kLowBase + kLowSize - 1;
+  put32(k.kernel.params, 8, uint32_t(last));
+  put32(k.kernel.params, 12, kHiLast);
+  put64(k.kernel.params, 16, kLowBase + 0x1000);  // a real pointer parameter
+  g.nodes.push_back(k);
+  EXPECT_EQ(find_relocations(g, low_scan({{0, kLowSize}})), 1u);
+  EXPECT_EQ(g.relocations[0], (Relocation{0, 16, 0x1000, WordKind::pointer_param}));
+  EXPECT_TRUE(g.notes.empty());
+  for (int64_t shift : {int64_t(2) << 20, int64_t(1) << 30, int64_t(64) << 30, -(int64_t(4) << 40)}) {
+    Graph moved = g;
+    relocate(moved, kLowBase + shift);
+    expect_only_pointers_moved(g, moved, shift, {{0, 16}});
+  }
+}
+
+TEST(RelocationSafety, EightByteParametersNeedALiveAllocation) {
+  // An int64 size that falls in the range but in no live allocation: may be a dangling pointer
+  // or an integer — unclassified, the graph refuses to move (at its own base it still loads).
+  Graph g;
+  Node k = kernel_node("int64_kernel", 24, {{0, 8}, {8, 8}, {16, 8}});
+  put64(k.kernel.params, 0, 4096);                          // a plain size: not region-like
+  put64(k.kernel.params, 8, kLowBase + (8ull << 30));       // region-like, nothing allocated there
+  put64(k.kernel.params, 16, kLowBase + 0x10);              // a live pointer
+  g.nodes.push_back(k);
+  EXPECT_EQ(find_relocations(g, low_scan({{0, 1 << 20}})), 1u);
+  ASSERT_EQ(g.notes.size(), 1u);
+  EXPECT_EQ(g.notes[0], (WordNote{0, 8, kLowBase + (8ull << 30), WordReason::dangling_param}));
+  EXPECT_FALSE(relocatable(g));
+  Graph same = g;
+  EXPECT_NO_THROW(relocate(same, kLowBase));
+  EXPECT_EQ(same, g);
+  Graph other = g;
+  try {
+    relocate(other, kLowBase + (64ull << 30));
+    ADD_FAILURE() << "relocating a graph with an unclassified word must fail";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("not relocatable"), std::string::npos) << m;
+    EXPECT_NE(m.find("int64_kernel"), std::string::npos) << m;
+    EXPECT_NE(m.find("parameter byte 8"), std::string::npos) << m;
+  }
+  EXPECT_EQ(other, g);  // nothing was rewritten
+}
+
+TEST(RelocationSafety, StructsMixingIntegersAndPointers) {
+  // struct { int32 a; int32 b; float* p; int64 n; float* q; int32 c; int32 d; } by value,
+  // 40 bytes at offset 8 after a 4-byte int (padding 4..8).
+  Graph g;
+  Node k = kernel_node("struct_kernel", 48, {{0, 4}, {8, 40}});
+  auto& p = k.kernel.params;
+  put32(p, 0, kHi);                            // a 4-byte parameter equal to base >> 32
+  put32(p, 8, 5);                              // a = 5
+  put32(p, 12, kHi);                           // b = 24576: (a, b) reads as base + 5
+  put64(p, 16, kLowBase + 0x200000);           // p: live
+  put64(p, 24, 24576ull * 4096);               // n: a large integer, not region-like
+  put64(p, 32, kLowBase + (1ull << 30) + 64);  // q: live (second allocation)
+  put32(p, 40, 0x100000);                      // (c, d) = base + 1 MiB: in range, in no allocation
+  put32(p, 44, kHi);
+  g.nodes.push_back(k);
+  const std::vector<std::pair<uint64_t, uint64_t>> live = {{0x200000, 0x200000},
+                                                            {1ull << 30, 2 << 20}};
+  EXPECT_EQ(find_relocations(g, low_scan(live)), 2u);
+  EXPECT_EQ(g.relocations[0], (Relocation{0, 16, 0x200000, WordKind::struct_word}));
+  EXPECT_EQ(g.relocations[1], (Relocation{0, 32, (1ull << 30) + 64, WordKind::struct_word}));
+  ASSERT_EQ(g.notes.size(), 2u);
+  EXPECT_EQ(g.notes[0], (WordNote{0, 8, kLowBase + 5, WordReason::no_allocation}));
+  EXPECT_EQ(g.notes[1], (WordNote{0, 40, kLowBase + 0x100000, WordReason::no_allocation}));
+  EXPECT_TRUE(relocatable(g));
+  for (int64_t shift : {int64_t(2) << 20, int64_t(1) << 30, int64_t(64) << 30, -(int64_t(1) << 40)}) {
+    Graph moved = g;
+    relocate(moved, kLowBase + shift);
+    expect_only_pointers_moved(g, moved, shift, {{0, 16}, {0, 32}});
+    Graph back = moved;  // and back again, exactly
+    relocate(back, kLowBase);
+    EXPECT_EQ(back.nodes, g.nodes);
+  }
+}
+
+TEST(RelocationSafety, AStructWordAtTheEndOfAnAllocationIsUnclassified) {
+  Graph g;
+  Node k = kernel_node("end_kernel", 16, {{0, 16}});
+  put64(k.kernel.params, 0, kLowBase + 0x1000);  // begin: live
+  put64(k.kernel.params, 8, kLowBase + 0x3000);  // end: one past the allocation
+  g.nodes.push_back(k);
+  EXPECT_EQ(find_relocations(g, low_scan({{0x1000, 0x2000}})), 1u);
+  ASSERT_EQ(g.notes.size(), 1u);
+  EXPECT_EQ(g.notes[0].reason, WordReason::allocation_end);
+  EXPECT_FALSE(relocatable(g));
+}
+
+TEST(RelocationSafety, PointersAtUnalignedStructOffsetsMakeTheGraphNonRelocatable) {
+  // A packed struct { int32 a; float* p; } (12 bytes, p at byte 4): never rewritten, and the
+  // graph refuses to move.
+  Graph g;
+  Node k = kernel_node("packed_kernel", 12, {{0, 12}});
+  put32(k.kernel.params, 0, 3);
+  put64(k.kernel.params, 4, kLowBase + 0x40);
+  g.nodes.push_back(k);
+  EXPECT_EQ(find_relocations(g, low_scan({{0, 1 << 20}})), 0u);
+  ASSERT_EQ(g.notes.size(), 1u);
+  EXPECT_EQ(g.notes[0], (WordNote{0, 4, kLowBase + 0x40, WordReason::unaligned}));
+  Graph moved = g;
+  EXPECT_THROW(relocate(moved, kLowBase + (1ull << 30)), std::invalid_argument);
+}
+
+TEST(RelocationSafety, FieldEvidenceTurnsRegionLikeIntegersBackIntoIntegers) {
+  // The same kernel launched twice (batch sizes 6 and 8 of a ladder): a struct field holds
+  // (x, 6 * 4096) in one launch — base + x, inside the live weights — and (x, 8 * 4096) =
+  // 0x8000xxxxxxxx, no user address, in the other. The field is an integer in both.
+  FieldEvidence ev;
+  const std::vector<std::pair<uint64_t, uint64_t>> live = {{0, 16ull << 30}};
+  auto launch = [&](uint32_t hi) {
+    Graph g;
+    Node k = kernel_node("ladder_kernel", 24, {{0, 24}});
+    put32(k.kernel.params, 0, 4096);
+    put32(k.kernel.params, 4, hi);
+    put64(k.kernel.params, 8, kLowBase + 0x4000);  // a real pointer, the same in both
+    put64(k.kernel.params, 16, 0);                 // a null pointer
+    g.nodes.push_back(k);
+    find_relocations(g, low_scan(live), &ev);
+    return g;
+  };
+  Graph bs6 = launch(6 * 4096), bs8 = launch(8 * 4096);
+  EXPECT_EQ(bs6.relocations.size(), 2u);  // before the evidence: (4096, 24576) looks like a pointer
+  EXPECT_EQ(bs8.relocations.size(), 1u);
+  // Noted: byte 0 (the (4096, 8 * 4096) launch) and the unaligned window at byte 12 (the
+  // pointer's upper half 0x6000 followed by the null word: a small integer in both launches).
+  EXPECT_EQ(ev.size(), 2u);
+  EXPECT_TRUE(ev.is_integer(module_hash('r'), "ladder_kernel", 0));
+  EXPECT_TRUE(ev.is_integer(module_hash('r'), "ladder_kernel", 12));
+  EXPECT_FALSE(ev.is_integer(module_hash('r'), "ladder_kernel", 8));
+  EXPECT_EQ(apply_evidence(bs6, ev), 1u);
+  ASSERT_EQ(bs6.relocations.size(), 1u);
+  EXPECT_EQ(bs6.relocations[0].offset, 8u);
+  ASSERT_EQ(bs6.notes.size(), 1u);
+  EXPECT_EQ(bs6.notes[0].reason, WordReason::integer_field);
+  Graph moved = bs6;
+  relocate(moved, kLowBase + (64ull << 30));
+  expect_only_pointers_moved(bs6, moved, int64_t(64) << 30, {{0, 8}});
+  // Evidence also resolves unclassified words of that field.
+  Graph packed;
+  Node k = kernel_node("ladder_kernel", 24, {{0, 24}});
+  put64(k.kernel.params, 4, kLowBase + 0x40);  // an unaligned window at byte 4
+  packed.nodes.push_back(k);
+  find_relocations(packed, low_scan(live), nullptr);
+  ASSERT_FALSE(relocatable(packed));
+  ev.note_integer(module_hash('r'), "ladder_kernel", 4);
+  EXPECT_EQ(apply_evidence(packed, ev), 1u);
+  EXPECT_TRUE(relocatable(packed));
+}
+
+TEST(RelocationSafety, DriverKnowledgeDecidesAddressesOutsideTheRange) {
+  FieldEvidence ev;
+  ScanOptions o = low_scan({{0, 1 << 20}});
+  o.is_device_pointer = [](uint64_t v) { return v == 0x7f1200000000ull; };
+  Graph g;
+  Node k = kernel_node("outside_kernel", 24, {{0, 8}, {8, 8}, {16, 8}});
+  put64(k.kernel.params, 0, 0x7f1200000000ull);   // a device pointer outside the region
+  put64(k.kernel.params, 8, 0x123400000001ull);   // unknown to the driver: an integer
+  put64(k.kernel.params, 16, ~uint64_t(0));       // the all-ones sentinel says nothing
+  g.nodes.push_back(k);
+  find_relocations(g, o, &ev);
+  EXPECT_FALSE(ev.is_integer(module_hash('r'), "outside_kernel", 0));
+  EXPECT_TRUE(ev.is_integer(module_hash('r'), "outside_kernel", 8));
+  EXPECT_FALSE(ev.is_integer(module_hash('r'), "outside_kernel", 16));
+}
+
+TEST(RelocationSafety, TensorMapsAndCopiesAreRelocatedByKind) {
+  Graph g;
+  Node k = kernel_node("tma_kernel", 192, {{0, 8}, {64, 128}});
+  put64(k.kernel.params, 0, kLowBase + 0x100);
+  put64(k.kernel.params, 64, kLowBase + 0x8000);   // the tensor map's global address word
+  put32(k.kernel.params, 72, 4096);                 // dims: not region-like
+  put32(k.kernel.params, 76, kHi);                  // (4096, 24576) = base + 4096: no allocation
+  g.nodes.push_back(k);
+  Node cp;
+  cp.kind = NodeKind::memcpy;
+  cp.memcpy.src_type = cp.memcpy.dst_type = 2;
+  cp.memcpy.src = kLowBase + (32ull << 30);  // not live: copies are pointers by type
+  cp.memcpy.dst = kLowBase + 0x100;
+  cp.memcpy.width = 16;
+  cp.memcpy.height = cp.memcpy.depth = 1;
+  g.nodes.push_back(cp);
+  EXPECT_EQ(find_relocations(g, low_scan({{0x100, 0x100}, {0x8000, 0x1000}})), 4u);
+  EXPECT_EQ(g.relocations[0].kind, WordKind::pointer_param);
+  EXPECT_EQ(g.relocations[1].kind, WordKind::tensor_map);
+  EXPECT_EQ(g.relocations[2].kind, WordKind::copy_address);
+  EXPECT_EQ(g.relocations[3].kind, WordKind::copy_address);
+  ASSERT_EQ(g.notes.size(), 1u);
+  EXPECT_EQ(g.notes[0], (WordNote{0, 72, kLowBase + 4096, WordReason::no_allocation}));
+}
+
+TEST(RelocationSafety, KindsAndNotesSurviveTheFileFormat) {
+  Graph g;
+  Node k = kernel_node("struct_kernel", 48, {{0, 4}, {8, 40}});
+  put32(k.kernel.params, 8, 5);
+  put32(k.kernel.params, 12, kHi);
+  put64(k.kernel.params, 16, kLowBase + 0x200000);
+  put64(k.kernel.params, 36, kLowBase + 0x200010);  // unaligned, live
+  g.nodes.push_back(k);
+  find_relocations(g, low_scan({{0x200000, 0x200000}}));
+  ASSERT_EQ(g.notes.size(), 2u);
+  const auto bytes = serialize(g);
+  EXPECT_EQ(deserialize(bytes.data(), bytes.size()), g);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    auto b = bytes;
+    b[i] ^= 0x5A;
+    EXPECT_THROW(deserialize(b.data(), b.size()), std::invalid_argument) << "byte " << i;
+  }
+  for (size_t n = 0; n < bytes.size(); ++n)
+    EXPECT_THROW(deserialize(bytes.data(), n), std::invalid_argument) << "length " << n;
 }

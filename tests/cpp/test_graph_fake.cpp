@@ -173,6 +173,7 @@ TEST(GraphFake, RebuildLaunchAndCaptureBackIsTheSameGraph) {
     CaptureOptions opt;
     opt.region_base = kBase;
     opt.region_size = kSize;
+    opt.live = {{0, kSize}};
     const Graph back = capture_graph(built, reg, opt);
     EXPECT_EQ(back.nodes, g.nodes);
     EXPECT_EQ(back.edges, g.edges);

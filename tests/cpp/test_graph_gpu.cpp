@@ -162,6 +162,7 @@ Graph freeze(CUgraph g, const ModuleRegistry& reg, CUdeviceptr base) {
   opt.device = 0;
   opt.region_base = base;
   opt.region_size = kRegion;
+  opt.live = {{0, kRegion}};
   Graph d = capture_graph(g, reg, opt);
   const auto bytes = serialize(d);
   return deserialize(bytes.data(), bytes.size());  // what THAW reads back from disk
@@ -327,4 +328,129 @@ TEST(GraphGpu, CuptiRecordsModulesLoadedAfterStart) {
     for (const auto& k : m->kernels) found = found || k == "vitrify_axpy";
   }
   EXPECT_TRUE(found) << r.registry().size() << " modules recorded, none defines vitrify_axpy";
+}
+
+// ----------------------------------------------- relocation safety on the real driver
+namespace {
+
+std::vector<uint8_t> reloc_cubin() {
+  std::ifstream f(std::string(VITRIFY_GRAPH_FIXTURES) + "/reloc_kernels.cubin", std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+struct PairAndPointer {
+  int lo;
+  int hi;
+  int* p;
+};
+
+std::vector<int32_t> read_ints(const DeviceBuffer& buf, size_t offset, size_t n) {
+  std::vector<int32_t> v(n);
+  buf.copy_to_host(v.data(), n * 4, offset);
+  return v;
+}
+
+}  // namespace
+
+TEST(GraphGpu, IntegersThatReadLikeRegionAddressesSurviveRelocation) {
+  // The relocation bug: two adjacent 32-bit integers (x, upper half of the region base) form an
+  // 8-byte word inside the region. Here every byte of the region counts as live (the weakest
+  // provenance), so only the parameter layout and the cross-launch evidence keep them integers.
+  REQUIRE_GPU();
+  driver::ContextGuard ctx(0);
+  const auto image = reloc_cubin();
+  ASSERT_FALSE(image.empty()) << "reloc_kernels.cubin was not built";
+  ModuleOwner mod(image);
+  DeviceBuffer a(kRegion, 0), b(kRegion, 0);
+  const uint32_t hi = uint32_t(a.ptr() >> 32);
+  const uint32_t lo = uint32_t(a.ptr()) + 256;  // (lo, hi) = a.ptr() + 256: inside the region
+  const std::vector<int32_t> zeros(8, 0);
+  a.copy_from_host(zeros.data(), 32, kZ);
+  GraphOwner G;
+  int n = int(lo), m = int(hi);
+  CUdeviceptr out = a.ptr() + kZ;
+  CUgraphNode k1 = add_kernel(G.g, mod.fn("vitrify_pair_store"), {&n, &m, &out}, 1, {});
+  PairAndPointer s1{int(lo), int(hi), reinterpret_cast<int*>(a.ptr() + kZ)};
+  int slot1 = 1;
+  CUgraphNode k2 = add_kernel(G.g, mod.fn("vitrify_struct_store"), {&s1, &slot1}, 1, {k1});
+  // The same struct field in another launch holds 0x9000 as its upper half: no user address.
+  PairAndPointer s2{int(lo), 0x9000, reinterpret_cast<int*>(a.ptr() + kZ)};
+  int slot2 = 2;
+  add_kernel(G.g, mod.fn("vitrify_struct_store"), {&s2, &slot2}, 1, {k2});
+  G.run();
+  const auto original = read_ints(a, kZ, 6);
+  ASSERT_EQ(original, (std::vector<int32_t>{int(lo), int(hi), int(lo), int(hi), int(lo), 0x9000}));
+
+  ModuleRegistry reg;
+  reg.add(image.data(), image.size());
+  FieldEvidence ev;
+  CaptureOptions opt;
+  opt.region_base = a.ptr();
+  opt.region_size = kRegion;
+  opt.live = {{0, kRegion}};
+  opt.evidence = &ev;
+  Graph d = capture_graph(G.g, reg, opt);
+  ASSERT_EQ(d.nodes.size(), 3u);
+  // The driver's layout: (n, m, out) are three parameters, the struct one 16-byte parameter.
+  EXPECT_EQ(d.nodes[0].kernel.slots, (std::vector<ParamSlot>{{0, 4}, {4, 4}, {8, 8}}));
+  EXPECT_EQ(d.nodes[1].kernel.slots, (std::vector<ParamSlot>{{0, 16}, {16, 4}}));
+  // Before the evidence: out, s1.p, s2.p and s1's (lo, hi) word (indistinguishable alone).
+  EXPECT_EQ(d.relocations.size(), 4u);
+  EXPECT_EQ(apply_evidence(d, ev), 1u);
+  ASSERT_EQ(d.relocations.size(), 3u);
+  for (const Relocation& r : d.relocations) EXPECT_EQ(r.offset, 8u);  // out, s1.p, s2.p
+  EXPECT_TRUE(relocatable(d));
+  const auto bytes = serialize(d);
+  Graph back = deserialize(bytes.data(), bytes.size());
+  relocate(back, b.ptr());
+  a.copy_from_host(zeros.data(), 32, kZ);
+  b.copy_from_host(zeros.data(), 32, kZ);
+  GraphSet set(0);
+  set.add_module(image.data(), image.size());
+  set.add(back);
+  set.start(1);
+  set.launch(0, 0);
+  VITRIFY_CU(driver::cu().cuCtxSynchronize());
+  EXPECT_EQ(read_ints(b, kZ, 6), original) << "the relocated graph changed an integer";
+  EXPECT_EQ(read_ints(a, kZ, 6), std::vector<int32_t>(6, 0)) << "the old region was written";
+}
+
+TEST(GraphGpu, TensorMapHoldsItsGlobalAddressAsAPlainWord) {
+  // Relocating a CUtensorMap parameter rewrites its address word (kind tensor_map). That is
+  // only right if the driver's encoding holds the address as a plain 8-byte word: checked
+  // here by encoding the same tensor at two addresses.
+  if (!driver::available()) GTEST_SKIP() << "no CUDA driver: " << driver::unavailable_reason();
+  if (!driver::cu().cuTensorMapEncodeTiled) GTEST_SKIP() << "driver has no cuTensorMapEncodeTiled";
+  driver::ContextGuard ctx(0);
+  DeviceBuffer a(kRegion, 0);
+  auto encode = [&](CUdeviceptr addr) {
+    CUtensorMap m;
+    std::memset(&m, 0, sizeof m);
+    const cuuint64_t dims[2] = {128, 256}, strides[1] = {128 * 2};
+    const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
+    VITRIFY_CU(driver::cu().cuTensorMapEncodeTiled(
+        &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, reinterpret_cast<void*>(addr), dims, strides, box,
+        elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+    std::vector<uint8_t> v(sizeof m);
+    std::memcpy(v.data(), &m, sizeof m);
+    return v;
+  };
+  ASSERT_EQ(sizeof(CUtensorMap), 128u);
+  const CUdeviceptr p = a.ptr() + 4096, q = a.ptr() + (1 << 20);
+  auto first = encode(p);
+  const auto second = encode(q);
+  size_t words = 0;
+  for (size_t o = 0; o + 8 <= first.size(); o += 8) {
+    uint64_t w;
+    std::memcpy(&w, first.data() + o, 8);
+    if (w == p) {
+      ++words;
+      const uint64_t moved = q;
+      std::memcpy(first.data() + o, &moved, 8);
+    }
+  }
+  EXPECT_EQ(words, 1u) << "the tensor map does not hold its address as one plain 8-byte word";
+  EXPECT_EQ(first, second) << "rewriting the address word does not give the tensor map of the "
+                              "new address: TMA descriptors must not be relocated as plain words";
 }

@@ -3,6 +3,7 @@ graphs in separate, fresh processes.
 
     python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/archive + image
     python graph_worker.py thaw   main DIR BASE [NAME]  # no torch: rebuild at BASE, replay, compare
+    python graph_worker.py freeze dims DIR BASE     # cuBLAS / attention at dims = BASE >> 32
     python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
     python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
 
@@ -73,6 +74,51 @@ def _cases(torch, out_skipped):
     return cases
 
 
+def _dim_cases(torch, out_skipped):
+    """Real cuBLAS and attention kernels at shapes whose dimensions equal the upper half of the
+    region base 0x600000000000 (24576 = 6 x 4096 = 24 x 1024): the integers that a relocation
+    by value alone corrupted."""
+    dim = 24576
+    torch.manual_seed(1)
+    bf = torch.bfloat16
+    cases = []
+    w = torch.randn(4096, dim, device="cuda", dtype=bf) * 0.02
+    x6 = torch.randn(6, 4096, device="cuda", dtype=bf)
+    cases.append(("gemm_6x4096_by_4096x24576", lambda: x6 @ w))
+    wh = w.half()
+    x6h = x6.half()
+    cases.append(("gemm_half_6x4096_by_4096x24576", lambda: x6h @ wh))
+    w2 = torch.randn(1024, 4096, device="cuda", dtype=bf) * 0.03
+    x24 = torch.randn(24, 1024, device="cuda", dtype=bf)
+    cases.append(("gemm_24x1024_by_1024x4096", lambda: x24 @ w2))
+    w3 = torch.randn(128, 256, device="cuda", dtype=bf) * 0.1
+    xt = torch.randn(dim, 128, device="cuda", dtype=bf)
+    cases.append(("gemm_24576x128_by_128x256", lambda: xt @ w3))
+    xf = torch.randn(6, 4096, device="cuda")
+    wf = torch.randn(4096, dim, device="cuda") * 0.02
+    cases.append(("gemm_fp32_6x4096_by_4096x24576", lambda: xf @ wf))
+    # Prefill attention over 24576 tokens, and decode attention at batch 24 with GQA.
+    q = torch.randn(1, 8, dim, 128, device="cuda", dtype=bf)
+    k = torch.randn(1, 8, dim, 128, device="cuda", dtype=bf)
+    v = torch.randn(1, 8, dim, 128, device="cuda", dtype=bf)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cases.append(("sdpa_causal_seq24576", lambda: sdpa(q, k, v, is_causal=True)))
+    qd = torch.randn(24, 32, 1, 128, device="cuda", dtype=bf)
+    kd = torch.randn(24, 8, 1024, 128, device="cuda", dtype=bf)
+    vd = torch.randn(24, 8, 1024, 128, device="cuda", dtype=bf)
+    try:
+        sdpa(qd, kd, vd, enable_gqa=True)
+        cases.append(("sdpa_decode_bs24_gqa", lambda: sdpa(qd, kd, vd, enable_gqa=True)))
+    except TypeError as e:
+        out_skipped["sdpa_decode_bs24_gqa"] = f"no enable_gqa: {e}"
+    # Norm and softmax over a 24576-wide row at batch 6.
+    xn = torch.randn(6, dim, device="cuda", dtype=bf)
+    gn = torch.randn(dim, device="cuda", dtype=bf)
+    cases.append(("rmsnorm_softmax_6x24576", lambda: torch.softmax(
+        torch.nn.functional.rms_norm(xn, (dim,), gn, 1e-5).float(), dim=-1)))
+    return cases
+
+
 def freeze(case: str, out: Path, base: int) -> dict:
     import vitrify.graphs as tg
 
@@ -80,9 +126,9 @@ def freeze(case: str, out: Path, base: int) -> dict:
         tg.record_modules()
     import torch
 
-    arena = tg.FixedArena(base, ARENA)
+    arena = tg.FixedArena(base, 6 << 30 if case == "dims" else ARENA)
     pool = tg.arena_mem_pool(arena)
-    store = tg.GraphStore(region_base=arena.base, region_size=arena.size)
+    store = tg.GraphStore(region=arena)
     result: dict = {"base": arena.base, "size": arena.size, "skipped": {}, "outputs": {},
                     "info": {}, "capture_seconds": {}}
     if case in ("missing", "unsupported"):
@@ -110,7 +156,7 @@ def freeze(case: str, out: Path, base: int) -> dict:
         del y
         return result
     with torch.cuda.use_mem_pool(pool):
-        cases = _cases(torch, result["skipped"])
+        cases = (_dim_cases if case == "dims" else _cases)(torch, result["skipped"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):

@@ -120,10 +120,9 @@ def test_torch_integration_imports_without_torch_and_says_what_is_missing():
 
 @needs_fake
 def test_benchmark_runs_on_the_fake_driver(tmp_path):
-    """A smoke run of benchmarks/python/bench_region.py (times on the fake mean nothing)."""
-    bench = HERE.parents[1] / "benchmarks" / "python" / "bench_region.py"
-    r = run_on_fake(f"import runpy, sys; sys.argv = ['bench_region.py', '--quick', '--out', "
-                    f"{str(tmp_path)!r}]; runpy.run_path({str(bench)!r}, run_name='__main__')")
+    """A smoke run of `vitrify bench region` (times on the fake mean nothing)."""
+    r = run_on_fake(f"import sys; from vitrify.cli import main; "
+                    f"sys.exit(main(['bench', 'region', '--quick', '--out', {str(tmp_path)!r}]))")
     assert r.returncode == 0, r.stdout + r.stderr
     (out,) = tmp_path.glob("region-*.json")
     res = json.loads(out.read_text())

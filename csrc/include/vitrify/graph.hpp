@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -124,13 +125,45 @@ struct Edge {
   bool operator==(const Edge&) const = default;
 };
 
+// What a relocated word is (how FREEZE knew it is a pointer).
+enum class WordKind : uint8_t {
+  pointer_param = 1,  // a whole 8-byte kernel parameter pointing into a live allocation
+  struct_word = 2,    // an aligned 8-byte word inside a by-value struct, pointing into one
+  copy_address = 3,   // a memcpy source/destination or memset destination (pointers by type)
+  tensor_map = 4,     // a plain address word inside a CUtensorMap-shaped (128 B, 64-aligned) one
+};
+const char* word_kind_name(WordKind k) noexcept;
+
 // An 8-byte word that holds base + region_offset. For kernel nodes `offset` is the byte offset in
 // KernelNode::params; for memcpy nodes 0 = src and 8 = dst; for memset nodes 0 = dst.
 struct Relocation {
   uint32_t node = 0;
   uint32_t offset = 0;
   uint64_t region_offset = 0;
+  WordKind kind = WordKind::pointer_param;
   bool operator==(const Relocation&) const = default;
+};
+
+// Why a region-like word was not relocated (WordNote::reason). The first three leave the graph
+// non-relocatable ("unclassified": it may or may not be a pointer); the last two are integers.
+enum class WordReason : uint8_t {
+  allocation_end = 1,   // a struct word equal to the end of a live allocation (an end pointer?)
+  unaligned = 2,        // an unaligned 8-byte window inside a struct points into a live allocation
+  dangling_param = 3,   // an 8-byte parameter in the region range, in no live allocation
+  no_allocation = 4,    // a struct word in the range that points into no allocation: an integer
+  integer_field = 5,    // the same kernel field held a non-address in another launch: an integer
+};
+const char* word_reason_name(WordReason r) noexcept;
+bool is_unclassified(WordReason r) noexcept;  // reasons 1-3
+
+// A kernel-parameter window (byte `offset` in KernelNode::params, 8 bytes, 4-aligned) holding a
+// value inside [region_base, region_base + region_size) that is not relocated.
+struct WordNote {
+  uint32_t node = 0;
+  uint32_t offset = 0;
+  uint64_t value = 0;
+  WordReason reason = WordReason::no_allocation;
+  bool operator==(const WordNote&) const = default;
 };
 
 struct Graph {
@@ -139,8 +172,14 @@ struct Graph {
   uint32_t event_count = 0;
   uint64_t region_base = 0, region_size = 0;  // the range relocations refer to (size 0: none)
   std::vector<Relocation> relocations;
+  std::vector<WordNote> notes;  // region-like words left as they are, ascending (node, offset)
   bool operator==(const Graph&) const = default;
 };
+
+// True when every region-like word was classified: relocate() to another base is allowed.
+bool relocatable(const Graph& g) noexcept;
+// The first unclassified word (nullptr when relocatable).
+const WordNote* first_unclassified(const Graph& g) noexcept;
 
 // Structural checks (indices in range, slots inside params, relocations on real words, events
 // below event_count, no self edges): a ValueError naming the first problem. serialize() and
@@ -149,7 +188,7 @@ void validate(const Graph& g);
 
 // ---------------------------------------------------------------------------------- format
 inline constexpr char kGraphMagic[8] = {'V', 'T', 'R', 'F', 'G', 'R', 'P', 'H'};
-inline constexpr uint32_t kGraphFormatVersion = 1;
+inline constexpr uint32_t kGraphFormatVersion = 2;
 
 std::vector<uint8_t> serialize(const Graph& g);
 // Bad magic, another version, a checksum mismatch, truncation or an inconsistent body is a
@@ -157,12 +196,47 @@ std::vector<uint8_t> serialize(const Graph& g);
 Graph deserialize(const void* data, size_t n);
 
 // ------------------------------------------------------------------------------ relocation
-// Scans every 8-byte-aligned word inside every kernel parameter of at least 8 bytes, and the
-// memcpy/memset addresses, for values in [base, base+size); replaces g's relocation table with
-// what it found and records the range. Returns the number of relocations.
+// Kernel fields (module, entry name, byte offset of a 4-aligned 8-byte window in the parameter
+// buffer) seen holding a value that is no device address (a non-zero value below 4 GiB or above
+// the user address space, or one the driver does not know), in any launch of any graph captured
+// so far. A struct's layout is the same in every launch of one kernel, so a region-like value
+// in such a field is an integer, not a pointer (DESIGN.md, "Relocation"). Thread-safe.
+class FieldEvidence {
+ public:
+  void note_integer(const Hash& module, const std::string& name, uint32_t offset);
+  bool is_integer(const Hash& module, const std::string& name, uint32_t offset) const;
+  size_t size() const;  // fields noted
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<Hash, std::string>, std::vector<uint32_t>> fields_;  // sorted offsets
+};
+
+struct ScanOptions {
+  uint64_t base = 0, size = 0;  // the relocation range
+  // Live allocations as region offsets (offset, size), any order. A kernel word is relocated
+  // only when it points into one of them.
+  std::vector<std::pair<uint64_t, uint64_t>> live;
+  // For values outside the range: does the driver know this address? Empty: unknown (no
+  // evidence is taken from such values).
+  std::function<bool(uint64_t)> is_device_pointer;
+};
+
+// Classifies every region-like word of g (DESIGN.md, "Relocation"): kernel parameters by their
+// layout (slots) and the live allocations, memcpy/memset addresses as pointers. Replaces g's
+// relocations and notes, records the range, and notes integer evidence into `evidence` (may be
+// null). Returns the number of relocations.
+size_t find_relocations(Graph& g, const ScanOptions& opt, FieldEvidence* evidence = nullptr);
+// The same with the whole range [base, base+size) taken as one live allocation (tests).
 size_t find_relocations(Graph& g, uint64_t base, uint64_t size);
+// Moves relocations and unclassified words of fields that `evidence` knows to be integers into
+// the notes as integer_field. Returns how many words changed.
+size_t apply_evidence(Graph& g, const FieldEvidence& evidence);
 // Rewrites every relocated word to new_base + region_offset and sets region_base = new_base.
 // Each word must still hold old base + region_offset (else ValueError: the graph was edited).
+// A graph with an unclassified word is refused (ValueError naming the kernel and the word)
+// unless new_base equals its base.
 void relocate(Graph& g, uint64_t new_base);
 
 // ------------------------------------------------------------------------------- templates

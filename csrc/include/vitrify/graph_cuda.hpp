@@ -65,6 +65,10 @@ class ModuleRecorder {
 struct CaptureOptions {
   int device = 0;
   uint64_t region_base = 0, region_size = 0;  // relocation range (size 0: no relocation)
+  // Live allocations of the region at capture, as (offset, size): kernel words are relocated
+  // only when they point into one (see find_relocations).
+  std::vector<std::pair<uint64_t, uint64_t>> live;
+  FieldEvidence* evidence = nullptr;  // integer evidence across captures (may be null)
 };
 
 // Walks a captured graph (a CUgraph / cudaGraph_t) into a Graph: kernels resolved to recorded

@@ -43,7 +43,11 @@ constexpr uint64_t kTiB = uint64_t(1) << 40;
 // The deterministic base search (base=None), invariant R2: candidates are
 // kSearchFirst + k * round_up(size, 1 TiB) for k = 0, 1, ..., at most kSearchMaxCandidates of
 // them, each ending at or below kSearchLimit. The first candidate the driver reserves exactly wins.
-constexpr uint64_t kSearchFirst = 0x600000000000ull;  // 96 TiB
+// The upper 32 bits of every address of a region starting here are 0x6001 + k = 24577 + k, odd
+// numbers no multiple of 64 for the first 63 GiB: integers models use (dimensions, products
+// of batch size and hidden size) rarely look like its addresses. Graph relocation does not rely
+// on this (it classifies words by parameter layout and live allocations; graph DESIGN.md).
+constexpr uint64_t kSearchFirst = 0x600100000000ull;  // 96 TiB + 4 GiB
 constexpr uint64_t kSearchLimit = 0x7f0000000000ull;  // 127 TiB (exclusive end)
 constexpr int kSearchMaxCandidates = 16;
 // Default chunk for preallocate(): one cuMemMap per GiB (~110 µs on H200 vs ~53 µs per 2 MiB).
@@ -106,6 +110,8 @@ class Layout {
 
   // The live allocation containing `offset`, if any.
   std::optional<Span> allocation_containing(uint64_t offset) const;
+  // Every live allocation, ascending.
+  std::vector<Span> live_allocations() const;
   std::vector<Span> mapped_chunks() const;
   LayoutStats stats() const;
   uint64_t cursor() const { return cursor_; }
@@ -188,6 +194,8 @@ class Region {
   uint64_t checkpoint(const std::string& name);
   std::vector<std::pair<std::string, uint64_t>> checkpoints() const;
   RegionStats stats() const;
+  // The live allocations of the region (not fallback ones), ascending offsets.
+  std::vector<region::Span> live_allocations() const;
 
   // Synchronous copies into / out of one live allocation (checked: ValueError otherwise).
   void write(uint64_t dst, const void* src, size_t n);

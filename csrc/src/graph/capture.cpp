@@ -387,11 +387,25 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
                         "not return");
     g.edges.push_back({a->second, b->second, data[e].from_port, data[e].to_port, data[e].type});
   }
-  if (opt.region_size > 0) find_relocations(g, opt.region_base, opt.region_size);
+  if (opt.region_size > 0) {
+    ScanOptions scan;
+    scan.base = opt.region_base;
+    scan.size = opt.region_size;
+    scan.live = opt.live;
+    // An address the driver knows (device or registered host memory) may be a pointer; any
+    // other value outside the region is evidence that its field holds an integer.
+    scan.is_device_pointer = [&d](uint64_t v) {
+      unsigned int type = 0;
+      return d.cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CUdeviceptr(v)) ==
+             CUDA_SUCCESS;
+    };
+    find_relocations(g, scan, opt.evidence);
+  }
   validate(g);
   if (log::enabled(log::kDebug))
     log::debug("graph captured: " + std::to_string(n) + " nodes, " + std::to_string(ne) +
-               " edges, " + std::to_string(g.relocations.size()) + " relocations");
+               " edges, " + std::to_string(g.relocations.size()) + " relocations, " +
+               std::to_string(g.notes.size()) + " region-like words left as they are");
   return g;
 }
 

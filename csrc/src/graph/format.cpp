@@ -2,7 +2,10 @@
 // DESIGN.md in this directory documents the layout byte by byte.
 #include <algorithm>
 #include <cstring>
+#include <set>
+#include <sstream>
 #include <tuple>
+#include <unordered_map>
 
 #include "vitrify/crc32c.hpp"
 #include "vitrify/graph.hpp"
@@ -162,8 +165,62 @@ void validate(const Graph& g) {
     VITRIFY_EXPECT(r == 0 || std::tie(g.relocations[r - 1].node, g.relocations[r - 1].offset) <
                               std::tie(rl.node, rl.offset),
                 "relocation " + std::to_string(r) + " is not in ascending (node, offset) order");
+    VITRIFY_EXPECT(uint8_t(rl.kind) >= 1 && uint8_t(rl.kind) <= 4,
+                   "relocation " + std::to_string(r) + ": unknown word kind " +
+                       std::to_string(int(rl.kind)));
+    VITRIFY_EXPECT((rl.kind == WordKind::copy_address) == (g.nodes[rl.node].kind != NodeKind::kernel),
+                   "relocation " + std::to_string(r) + " (" + node_label(g, rl.node) +
+                       "): word kind " + word_kind_name(rl.kind) + " does not fit the node");
+  }
+  for (size_t i = 0; i < g.notes.size(); ++i) {
+    const WordNote& w = g.notes[i];
+    VITRIFY_EXPECT(w.node < n && g.nodes[w.node].kind == NodeKind::kernel,
+                   "word note " + std::to_string(i) + " names node " + std::to_string(w.node) +
+                       ", not a kernel node");
+    VITRIFY_EXPECT(w.offset % 4 == 0 && uint64_t(w.offset) + 8 <= g.nodes[w.node].kernel.params.size(),
+                   "word note " + std::to_string(i) + " (" + node_label(g, w.node) + " offset " +
+                       std::to_string(w.offset) + ") names no 4-aligned 8-byte window");
+    VITRIFY_EXPECT(uint8_t(w.reason) >= 1 && uint8_t(w.reason) <= 5,
+                   "word note " + std::to_string(i) + ": unknown reason " + std::to_string(int(w.reason)));
+    VITRIFY_EXPECT(i == 0 || std::tie(g.notes[i - 1].node, g.notes[i - 1].offset) <
+                                 std::tie(w.node, w.offset),
+                   "word note " + std::to_string(i) + " is not in ascending (node, offset) order");
   }
 }
+
+const char* word_kind_name(WordKind k) noexcept {
+  switch (k) {
+    case WordKind::pointer_param: return "pointer parameter";
+    case WordKind::struct_word: return "struct word";
+    case WordKind::copy_address: return "memcpy/memset address";
+    case WordKind::tensor_map: return "TMA descriptor";
+  }
+  return "unknown";
+}
+
+const char* word_reason_name(WordReason r) noexcept {
+  switch (r) {
+    case WordReason::allocation_end: return "end of an allocation";
+    case WordReason::unaligned: return "unaligned window";
+    case WordReason::dangling_param: return "8-byte parameter in no allocation";
+    case WordReason::no_allocation: return "integer: points into no allocation";
+    case WordReason::integer_field: return "integer: the field held a non-address elsewhere";
+  }
+  return "unknown";
+}
+
+bool is_unclassified(WordReason r) noexcept {
+  return r == WordReason::allocation_end || r == WordReason::unaligned ||
+         r == WordReason::dangling_param;
+}
+
+const WordNote* first_unclassified(const Graph& g) noexcept {
+  for (const WordNote& w : g.notes)
+    if (is_unclassified(w.reason)) return &w;
+  return nullptr;
+}
+
+bool relocatable(const Graph& g) noexcept { return first_unclassified(g) == nullptr; }
 
 // ------------------------------------------------------------------------------------ writer
 namespace {
@@ -337,6 +394,14 @@ std::vector<uint8_t> serialize(const Graph& g) {
     w.u32(r.node);
     w.u32(r.offset);
     w.u64(r.region_offset);
+    w.u8(uint8_t(r.kind));
+  }
+  w.u32(uint32_t(g.notes.size()));
+  for (const WordNote& n : g.notes) {
+    w.u32(n.node);
+    w.u32(n.offset);
+    w.u64(n.value);
+    w.u8(uint8_t(n.reason));
   }
   // Header: magic, version, header size, body size, body CRC32C, header CRC32C.
   std::vector<uint8_t>& out = w.out;
@@ -479,6 +544,14 @@ Graph deserialize(const void* data, size_t n) {
     rl.node = r.u32("relocation");
     rl.offset = r.u32("relocation");
     rl.region_offset = r.u64("relocation");
+    rl.kind = WordKind(r.u8("relocation"));
+  }
+  g.notes.resize(r.count(17, "word note count"));
+  for (WordNote& wn : g.notes) {
+    wn.node = r.u32("word note");
+    wn.offset = r.u32("word note");
+    wn.value = r.u64("word note");
+    wn.reason = WordReason(r.u8("word note"));
   }
   VITRIFY_EXPECT(r.left() == 0, "graph file: " + std::to_string(r.left()) +
                                  " unexplained bytes at the end of the body");
@@ -487,47 +560,189 @@ Graph deserialize(const void* data, size_t n) {
 }
 
 // -------------------------------------------------------------------------------- relocation
-size_t find_relocations(Graph& g, uint64_t base, uint64_t size) {
+void FieldEvidence::note_integer(const Hash& module, const std::string& name, uint32_t offset) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto& v = fields_[{module, name}];
+  auto it = std::lower_bound(v.begin(), v.end(), offset);
+  if (it == v.end() || *it != offset) v.insert(it, offset);
+}
+
+bool FieldEvidence::is_integer(const Hash& module, const std::string& name, uint32_t offset) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = fields_.find({module, name});
+  return it != fields_.end() && std::binary_search(it->second.begin(), it->second.end(), offset);
+}
+
+size_t FieldEvidence::size() const {
+  std::lock_guard<std::mutex> l(mu_);
+  size_t n = 0;
+  for (const auto& [k, v] : fields_) n += v.size();
+  return n;
+}
+
+void FieldEvidence::clear() {
+  std::lock_guard<std::mutex> l(mu_);
+  fields_.clear();
+}
+
+namespace {
+
+constexpr uint64_t kUserSpaceEnd = uint64_t(1) << 47;  // x86-64 / aarch64 48-bit user addresses
+
+// Live allocations as sorted, merged [begin, end) region offsets.
+class LiveSet {
+ public:
+  explicit LiveSet(std::vector<std::pair<uint64_t, uint64_t>> live) {
+    std::sort(live.begin(), live.end());
+    for (const auto& [off, size] : live) {
+      if (size == 0) continue;
+      VITRIFY_EXPECT(off + size >= off, "live allocation at offset " + std::to_string(off) +
+                                            " of " + std::to_string(size) + " bytes wraps around");
+      ends_.insert(off + size);
+      if (!spans_.empty() && off <= spans_.back().second)
+        spans_.back().second = std::max(spans_.back().second, off + size);
+      else
+        spans_.push_back({off, off + size});
+    }
+  }
+  bool contains(uint64_t off) const {
+    auto it = std::upper_bound(spans_.begin(), spans_.end(), std::make_pair(off, UINT64_MAX));
+    return it != spans_.begin() && off < std::prev(it)->second;
+  }
+  bool is_end(uint64_t off) const { return ends_.count(off) != 0; }
+
+ private:
+  std::vector<std::pair<uint64_t, uint64_t>> spans_;
+  std::set<uint64_t> ends_;
+};
+
+}  // namespace
+
+size_t find_relocations(Graph& g, const ScanOptions& opt, FieldEvidence* evidence) {
+  const uint64_t base = opt.base, size = opt.size;
   VITRIFY_EXPECT(base + size >= base, "relocation range wraps around: base " + std::to_string(base) +
                                        " size " + std::to_string(size));
+  const LiveSet live(opt.live);
   std::vector<Relocation> found;
-  auto consider = [&](uint32_t node, uint32_t offset, uint64_t v) {
-    if (v >= base && v - base < size) found.push_back({node, offset, v - base});
+  std::vector<WordNote> notes;
+  std::unordered_map<uint64_t, bool> known;  // is_device_pointer answers, per value
+  auto in_range = [&](uint64_t v) { return v >= base && v - base < size; };
+  // A value outside the range that cannot be a device address (see FieldEvidence).
+  auto non_address = [&](uint64_t v) {
+    if (v == 0 || v == UINT64_MAX) return false;  // null and the all-ones sentinel say nothing
+    if (v < (uint64_t(1) << 32) || v >= kUserSpaceEnd) return true;
+    if (!opt.is_device_pointer) return false;
+    auto it = known.find(v);
+    if (it == known.end()) it = known.emplace(v, opt.is_device_pointer(v)).first;
+    return !it->second;
   };
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     const uint32_t ni = uint32_t(i);
-    if (n.kind == NodeKind::kernel) {
-      const KernelNode& k = n.kernel;
-      // Words are 8-byte aligned relative to the parameter buffer (CUDA lays parameters out at
-      // their natural alignment, so every pointer, also inside a struct, sits on such a word).
-      uint32_t next = 0;  // first offset not yet scanned, so overlapping slots scan once
-      for (const ParamSlot& s : k.slots) {
-        if (s.size < 8) continue;
-        const uint64_t end = uint64_t(s.offset) + s.size;
-        for (uint64_t o = std::max<uint64_t>((uint64_t(s.offset) + 7) & ~uint64_t(7), next);
-             o + 8 <= end && o + 8 <= k.params.size(); o += 8) {
-          consider(ni, uint32_t(o), load_u64(k.params.data() + o));
-          next = uint32_t(o + 8);
+    if (n.kind == NodeKind::memcpy) {
+      if (in_range(n.memcpy.src)) found.push_back({ni, 0, n.memcpy.src - base, WordKind::copy_address});
+      if (in_range(n.memcpy.dst)) found.push_back({ni, 8, n.memcpy.dst - base, WordKind::copy_address});
+      continue;
+    }
+    if (n.kind == NodeKind::memset) {
+      if (in_range(n.memset.dst)) found.push_back({ni, 0, n.memset.dst - base, WordKind::copy_address});
+      continue;
+    }
+    if (n.kind != NodeKind::kernel) continue;
+    const KernelNode& k = n.kernel;
+    for (const ParamSlot& s : k.slots) {
+      if (s.size < 8) continue;  // a 1/2/4-byte parameter holds no pointer
+      const uint64_t end = uint64_t(s.offset) + s.size;
+      if (s.size == 8 && s.offset % 8 != 0) continue;  // two 4-byte values (4-aligned: no pointer)
+      const bool whole = s.size == 8;
+      const bool aligned_struct = s.offset % 8 == 0;  // 8-aligned: may hold naturally aligned pointers
+      const bool tensor_map = s.size == 128 && s.offset % 64 == 0;
+      for (uint64_t o = (uint64_t(s.offset) + 3) & ~uint64_t(3); o + 8 <= end; o += 4) {
+        const uint64_t v = load_u64(k.params.data() + o);
+        const uint32_t off = uint32_t(o);
+        if (!in_range(v)) {
+          if (evidence != nullptr && non_address(v)) evidence->note_integer(k.module, k.name, off);
+          continue;
+        }
+        const uint64_t ro = v - base;
+        const bool is_live = live.contains(ro);
+        const bool aligned_word = aligned_struct && o % 8 == 0;
+        if (whole) {
+          if (is_live)
+            found.push_back({ni, off, ro, WordKind::pointer_param});
+          else
+            notes.push_back({ni, off, v, WordReason::dangling_param});
+        } else if (aligned_word) {
+          if (is_live)
+            found.push_back({ni, off, ro, tensor_map ? WordKind::tensor_map : WordKind::struct_word});
+          else
+            notes.push_back({ni, off, v, live.is_end(ro) ? WordReason::allocation_end
+                                                         : WordReason::no_allocation});
+        } else if (is_live) {
+          notes.push_back({ni, off, v, WordReason::unaligned});
         }
       }
-    } else if (n.kind == NodeKind::memcpy) {
-      consider(ni, 0, n.memcpy.src);
-      consider(ni, 8, n.memcpy.dst);
-    } else if (n.kind == NodeKind::memset) {
-      consider(ni, 0, n.memset.dst);
     }
   }
   g.region_base = base;
   g.region_size = size;
   g.relocations = std::move(found);
+  g.notes = std::move(notes);
   return g.relocations.size();
+}
+
+size_t find_relocations(Graph& g, uint64_t base, uint64_t size) {
+  ScanOptions opt;
+  opt.base = base;
+  opt.size = size;
+  opt.live = {{0, size}};
+  return find_relocations(g, opt, nullptr);
+}
+
+size_t apply_evidence(Graph& g, const FieldEvidence& evidence) {
+  auto integer = [&](uint32_t node, uint32_t offset) {
+    const Node& n = g.nodes[node];
+    return n.kind == NodeKind::kernel && evidence.is_integer(n.kernel.module, n.kernel.name, offset);
+  };
+  size_t changed = 0;
+  std::vector<Relocation> keep;
+  for (const Relocation& r : g.relocations) {
+    if (r.kind != WordKind::copy_address && integer(r.node, r.offset)) {
+      g.notes.push_back({r.node, r.offset, g.region_base + r.region_offset, WordReason::integer_field});
+      ++changed;
+    } else {
+      keep.push_back(r);
+    }
+  }
+  g.relocations = std::move(keep);
+  for (WordNote& w : g.notes)
+    if (is_unclassified(w.reason) && integer(w.node, w.offset)) {
+      w.reason = WordReason::integer_field;
+      ++changed;
+    }
+  std::sort(g.notes.begin(), g.notes.end(), [](const WordNote& a, const WordNote& b) {
+    return std::tie(a.node, a.offset) < std::tie(b.node, b.offset);
+  });
+  return changed;
 }
 
 void relocate(Graph& g, uint64_t new_base) {
   VITRIFY_EXPECT(new_base + g.region_size >= new_base,
               "relocation to base " + std::to_string(new_base) + " wraps around with size " +
                   std::to_string(g.region_size));
+  if (new_base != g.region_base) {
+    if (const WordNote* w = first_unclassified(g)) {
+      size_t count = 0;
+      for (const WordNote& x : g.notes) count += is_unclassified(x.reason);
+      std::ostringstream v;
+      v << std::hex << "0x" << w->value;
+      VITRIFY_EXPECT(false, "the graph is not relocatable: " + node_label(g, w->node) +
+                                " parameter byte " + std::to_string(w->offset) + " holds " +
+                                v.str() + " (" + word_reason_name(w->reason) +
+                                "), which may or may not be a pointer (" + std::to_string(count) +
+                                " such word(s)); thaw it at its frozen base or capture it again");
+    }
+  }
   for (size_t i = 0; i < g.relocations.size(); ++i) {
     const Relocation& r = g.relocations[i];
     uint64_t word = 0;

@@ -170,6 +170,13 @@ uint64_t Layout::checkpoint(const std::string& name) {
   return cursor_;
 }
 
+std::vector<Span> Layout::live_allocations() const {
+  std::vector<Span> out;
+  out.reserve(allocs_.size());
+  for (const auto& [off, size] : allocs_) out.push_back({off, size});
+  return out;
+}
+
 std::optional<Span> Layout::allocation_containing(uint64_t offset) const {
   auto it = allocs_.upper_bound(offset);
   if (it == allocs_.begin()) return std::nullopt;

@@ -288,6 +288,12 @@ std::vector<std::pair<std::string, uint64_t>> Region::checkpoints() const {
   return layout_->checkpoints();
 }
 
+std::vector<region::Span> Region::live_allocations() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return {};
+  return layout_->live_allocations();
+}
+
 RegionStats Region::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   RegionStats s;

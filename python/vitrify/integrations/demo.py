@@ -1,4 +1,4 @@
-"""The freeze -> vitrify demo engine: a toy decoder that decodes greedily with CUDA graphs.
+"""The freeze -> thaw demo engine: a toy decoder that decodes greedily with CUDA graphs.
 
 The engine is small on purpose (an embedding, residual RMSNorm + MLP blocks, a tied LM head;
 random weights made peaked so argmax has no near-ties) but it goes through every step a real
@@ -102,7 +102,7 @@ def freeze(path: str, cfg: dict = CONFIG) -> dict:
     timings["warmup_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    store = tg.GraphStore(region_base=region.base, region_size=region.size)
+    store = tg.GraphStore(region=region)
     graphs = {}
     with tt.activated(region):
         for bs in cfg["batch_sizes"]:
@@ -220,7 +220,7 @@ def run_demo(directory: str, out=sys.stdout) -> dict:
         results[mode] = r
         print(f"  {mode:6s}: {wall:6.2f} s wall for the whole process "
               f"({', '.join(f'{k} {v:.2f}' for k, v in r['timings'].items())})", file=out)
-    th = results["vitrify"]
+    th = results["thaw"]
     print(f"  tokens : {th['tokens_compared']} greedy tokens over "
           f"{results['freeze']['graphs']} graphs ({results['freeze']['templates']} templates): "
           f"{'identical to FREEZE' if th['identical'] else 'DIFFERENT: ' + str(th['mismatches'])}",

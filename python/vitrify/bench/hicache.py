@@ -22,7 +22,10 @@ Two ratios put the get goal in proportion to the drive: ``get_file_headroom`` = 
 get, the most any backend reading from this drive could beat the file backend by, and
 ``get_vitrify_vs_drive`` = vitrify get / drive, the share of the drive vitrify's gets use.
 
-  python benchmarks/python/bench_hicache.py --out DIR [--dir SCRATCH] [--quick]
+  vitrify bench hicache [--out DIR] [--dir SCRATCH] [--quick]
+
+Needs SGLang (and its torch) importable; runs on CPU (the controller's streams fall back to the
+CPU when torch sees no GPU). Without fio the drive row and the two drive ratios are left out.
 """
 
 from __future__ import annotations
@@ -34,14 +37,13 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import resultlib  # noqa: E402
+from . import resultlib
+from .cli import existing_dir, nonnegative_int, positive_int
 
 MiB = 1 << 20
 
@@ -79,34 +81,50 @@ def files_under(d):
     return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="directory for the result JSON")
-    ap.add_argument("--dir", default=None, help="scratch directory on the drive to test "
-                    "(default: a temporary directory under VITRIFY_TEST_DIR or /var/tmp)")
+def geometry(text: str) -> tuple[int, int, int, int]:
+    """TOKENSxLAYERSxKVHEADSxHEADDIM, four positive integers."""
+    try:
+        t, l, h, d = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected TOKENSxLAYERSxKVHEADSxHEADDIM (e.g. 16x32x4x128)") from None
+    if min(t, l, h, d) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: every dimension must be positive")
+    return t, l, h, d
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dir", type=existing_dir, default=None,
+                    help="scratch directory on the drive to test (default: a temporary "
+                    "directory under $VITRIFY_BENCH_DIR, $VITRIFY_TEST_DIR or /var/tmp)")
     ap.add_argument("--layout", default="layer_first",
                     choices=["layer_first", "page_first", "page_first_direct"])
-    ap.add_argument("--geometry", action="append", default=None,
+    ap.add_argument("--geometry", action="append", type=geometry, default=None,
                     help="TOKENSxLAYERSxKVHEADSxHEADDIM of one page, bf16 (repeatable; default: "
                     "Llama-3-8B's KV (32 layers, 8 KV heads of 128) as one rank holds it: "
                     "64x32x8x128 = 8 MiB pages at TP1 with 64-token pages, 16x32x4x128 = 1 MiB "
                     "at TP2 with 16-token pages, 16x32x1x128 = 256 KiB at TP8)")
-    ap.add_argument("--bytes-per-rep", type=int, default=1 << 30,
+    ap.add_argument("--bytes-per-rep", type=positive_int, default=1 << 30, metavar="BYTES",
                     help="bytes written/read per repetition and backend (default 1 GiB)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=positive_int, default=3, metavar="N",
+                    help="repetitions per backend and operation, best of N (default: 3)")
     ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
-    ap.add_argument("--read-threads", type=int, default=0,
+    ap.add_argument("--read-threads", type=nonnegative_int, default=0, metavar="N",
                     help="vitrify backend's read_threads (default: the backend's own default)")
-    args = ap.parse_args()
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    try:
+        import sglang.srt.managers.cache_controller  # noqa: F401
+    except Exception as e:  # not installed, or installed without what its import needs
+        return f"needs SGLang, which is not importable here ({type(e).__name__}: {e})"
+    return None
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     if args.quick:
-        args.geometry, args.bytes_per_rep, args.reps = ["16x8x8x128"], 64 << 20, 2
-    geoms = []
-    for text in args.geometry or ["64x32x8x128", "16x32x4x128", "16x32x1x128"]:
-        try:
-            t, l, h, d = (int(x) for x in text.lower().split("x"))
-        except ValueError:
-            ap.error(f"--geometry {text!r}: expected TOKENSxLAYERSxKVHEADSxHEADDIM")
-        geoms.append((t, l, h, d))
+        args.geometry, args.bytes_per_rep, args.reps = [geometry("16x8x8x128")], 64 << 20, 2
+    geoms = args.geometry or [geometry(g) for g in ("64x32x8x128", "16x32x4x128", "16x32x1x128")]
 
     import torch
 
@@ -115,7 +133,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         ccm.device_module = torch.cpu  # the controller's streams/events: no device here
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
-    base = args.dir or os.environ.get("VITRIFY_TEST_DIR") or "/var/tmp"
+    base = (args.dir or os.environ.get("VITRIFY_BENCH_DIR") or os.environ.get("VITRIFY_TEST_DIR")
+            or "/var/tmp")
     scratch = tempfile.mkdtemp(prefix="bench-hicache-", dir=base)
     vitrify_dir, file_dir = os.path.join(scratch, "vitrify"), os.path.join(scratch, "file")
     os.makedirs(vitrify_dir)
@@ -126,7 +145,9 @@ def main() -> int:
             for d in (vitrify_dir, file_dir):
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
-            r, q, cfg = run(args, geom, scratch, vitrify_dir, file_dir)
+            progress(f"page {'x'.join(map(str, geom))}: set and cold get, vitrify vs file, "
+                     f"{args.reps} reps")
+            r, q, cfg = run_geometry(args, geom, scratch, vitrify_dir, file_dir)
             gc.collect()  # the previous geometry's host pool, before SGLang sizes the next one
             rows += r
             ratios.update(q)
@@ -148,11 +169,10 @@ def main() -> int:
                                  "median_s", "note"])
     print("ratios:", ratios)
     print("goals:", goals)
-    print("wrote", resultlib.write(res, args.out))
-    return 0
+    return res
 
 
-def run(args, geom, scratch, vitrify_dir, file_dir):
+def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
     import torch
 
     import sglang.srt.managers.cache_controller as ccm
@@ -225,7 +245,7 @@ def run(args, geom, scratch, vitrify_dir, file_dir):
             resultlib.drop_page_cache(files_under(scratch))
             t0 = time.perf_counter()
             if not do_set(cc, hashes):
-                raise SystemExit(f"{name}: set failed in rep {rep}")
+                raise RuntimeError(f"{name}: set failed in rep {rep}")
             t1 = time.perf_counter()
             os.sync()
             t2 = time.perf_counter()
@@ -241,10 +261,10 @@ def run(args, geom, scratch, vitrify_dir, file_dir):
             ok = do_get(cc, tokens, hashes)
             t1 = time.perf_counter()
             if not ok:
-                raise SystemExit(f"{name}: get missed pages in rep {rep}")
+                raise RuntimeError(f"{name}: get missed pages in rep {rep}")
             for i in range(n):
                 if not torch.equal(host.get_data_page(int(dst[i * P])).view(torch.int16), want[i]):
-                    raise SystemExit(f"{name}: page {i} read back wrong")
+                    raise RuntimeError(f"{name}: page {i} read back wrong")
             results[name]["get"].append(t1 - t0)
 
     direct = controllers["vitrify"].storage_backend.vitrify_stats()["store"]["direct_io"]
@@ -294,6 +314,3 @@ def run(args, geom, scratch, vitrify_dir, file_dir):
            "drive_read_limit_note": None if isinstance(drive, float) else drive}
     return rows, ratios, cfg
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,9 @@ just before), restore file->GPU (O_DIRECT, double-buffered, CRC-checked).
 Goals: restore host->GPU >= 0.90 of the pinned limit; restore file->GPU >= 0.90 of
 min(pinned limit, disk read rate).
 
-    python benchmarks/python/bench_snapshot.py --out DIR [--size-gib 4] [--dir PATH] [--quick]
+    vitrify bench snapshot [--out DIR] [--size-gib 4] [--dir PATH] [--quick]
+
+Needs a CUDA GPU, --size-gib of GPU memory and of free space in --dir.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resultlib  # noqa: E402
+import vitrify
+from vitrify import _native, snapshot
 
-import vitrify  # noqa: E402
-from vitrify import _native, snapshot  # noqa: E402
+from . import resultlib
+from .cli import existing_dir, positive_float
 
 GiB = 1 << 30
 
@@ -43,20 +45,26 @@ def dd_read_rate(path: str, direct: bool) -> tuple[float, str]:
     return os.path.getsize(path) / dt, " ".join(cmd)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--size-gib", type=float, default=4.0)
-    ap.add_argument("--dir", default=None, help="directory for the span file (default: a temp "
-                    "dir under $VITRIFY_BENCH_DIR, else the repository's build/)")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--size-gib", type=positive_float, default=4.0,
+                    help="bytes restored, in GiB (default: 4; rounded down to 2 MiB)")
+    ap.add_argument("--dir", type=existing_dir, default=None,
+                    help="directory for the span file, on the drive to measure (default: "
+                         "$VITRIFY_BENCH_DIR, else the system temp directory)")
     ap.add_argument("--quick", action="store_true", help="2 GiB instead of --size-gib")
-    args = ap.parse_args()
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
     if not vitrify.cuda_available():
-        print(f"no GPU: {vitrify.cuda_unavailable_reason()}")
-        return 2
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    return None
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     size = int((2.0 if args.quick else args.size_gib) * GiB) // (2 << 20) * (2 << 20)
-    root = args.dir or os.environ.get("VITRIFY_BENCH_DIR") or os.path.join(resultlib.REPO, "build")
-    os.makedirs(root, exist_ok=True)
+    if size <= 0:
+        raise ValueError(f"--size-gib {args.size_gib}: below the 2 MiB granularity")
+    root = args.dir or os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir()
     work = tempfile.mkdtemp(prefix="bench-snapshot-", dir=root)
     probe = _native.probe_direct_io(work)
     direct = "on" if probe["supported"] else "off"
@@ -65,6 +73,7 @@ def main() -> int:
         t0 = time.perf_counter()
         span = snapshot.ScratchSpan(0, size, 0, [True] * (size // (2 << 20)))
 
+        progress(f"pinned H2D limit: one {size >> 20} MiB copy")
         # limit 1: one big pinned H2D copy (it overwrites the span, so it runs before the fill)
         t_lim = _native.measure_pinned_h2d(0, span.base, size, 3)
         h2d_limit = size / t_lim
@@ -75,6 +84,7 @@ def main() -> int:
         for off in range(0, size, len(block)):
             span.write(off, block[: min(len(block), size - off)])
 
+        progress("restore host->GPU from a pinned snapshot")
         snap = snapshot.dump(span.base, 0, size, target=0, pin=True)
         best = 1e30
         for _ in range(3):
@@ -86,6 +96,7 @@ def main() -> int:
                      "seconds": best})
         del snap
 
+        progress(f"dump GPU->file, disk read limit (dd), restore file->GPU in {work}")
         path = os.path.join(work, "span.span")
         d = snapshot.dump_to_file(path, span.base, 0, size, target=0, direct_io=direct)
         rows.append({"path": f"dump GPU->file (O_DIRECT {direct})", "GB/s": size / d["seconds"] / 1e9,
@@ -120,11 +131,6 @@ def main() -> int:
         resultlib.print_table(rows, ["path", "GB/s", "seconds"])
         for k, v in ratios.items():
             print(f"{k}: {v:.3f} (goal >= {goals[k]:.2f}) {'MET' if v >= goals[k] else 'MISSED'}")
-        print(resultlib.write(res, args.out))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return res

@@ -6,10 +6,10 @@
   torch        tensor alloc+free routed into a region (CUDAPluggableAllocator + MemPool) vs torch's
                own caching allocator: steady state (cached blocks) and fresh 64 MiB segments
 
-    python benchmarks/python/bench_region.py --out DIR [--quick]
+    vitrify bench region [--out DIR] [--quick]
 
 Needs a CUDA GPU (or VITRIFY_LIBCUDA_PATH pointing at the test fake, which only checks that the
-script runs: its times mean nothing). The torch rows are skipped when torch is not importable.
+benchmark runs: its times mean nothing). The torch rows are skipped when torch is not importable.
 Runs in well under 60 s on an H200.
 """
 
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import resultlib  # noqa: E402
+import vitrify
+from vitrify.region import Region
 
-import vitrify  # noqa: E402
-from vitrify.region import Region  # noqa: E402
+from . import resultlib
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -149,19 +146,25 @@ def torch_rows(quick: bool, rows: list, ratios: dict) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for the result JSON")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    args = ap.parse_args(argv)
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
     if not vitrify.cuda_available():
-        print(f"bench_region needs a CUDA driver: {vitrify.cuda_unavailable_reason()}", file=sys.stderr)
-        return 2
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    return None
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     t0 = time.perf_counter()
     rows: list[dict] = []
     ratios: dict[str, float] = {}
+    progress("alloc+free: on-demand mapping vs preallocated bump")
     alloc_free(args.quick, rows, ratios)
+    progress("map: preallocate per GiB with 2 MiB, 64 MiB and 1 GiB chunks")
     map_chunks(args.quick, rows, ratios)
+    progress("torch: region-routed vs torch's caching allocator")
     torch_skipped = torch_rows(args.quick, rows, ratios)
     goals = {
         # A preallocated allocation is a pointer bump: at least 10x cheaper than mapping.
@@ -190,9 +193,5 @@ def main(argv: list[str] | None = None) -> int:
               f"   {'met' if met.get(k) else 'MISSED'}")
     if torch_skipped:
         print(f"torch rows skipped: {torch_skipped}")
-    print(f"wrote {resultlib.write(res, args.out)} in {res['seconds']} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"measured in {res['seconds']} s")
+    return res

@@ -1,5 +1,9 @@
-"""vitrify's result-file convention (see benchmarks/README.md), shared by every benchmark and the
-GPU suite: one JSON object with date, git_sha, machine, and tests and/or rows/ratios/goals."""
+"""vitrify's result-file convention (benchmarks/README.md in the repository), shared by every
+benchmark and the GPU suite: one JSON object with date, git_sha, machine, and tests and/or
+rows/ratios/goals, written as ``<name>-<YYYY-MM-DD>.json``.
+
+This module imports vitrify only inside :func:`machine`, so ``scripts/summarize_suite.py`` can
+load it by path where the package failed to build."""
 
 from __future__ import annotations
 
@@ -11,20 +15,29 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+PACKAGE = Path(__file__).resolve().parents[1]  # .../vitrify
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=PACKAGE, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def git_sha() -> str:
-    """VITRIFY_GIT_SHA when set (the GPU machine's copy of the tree may have no usable .git), else
-    `git rev-parse HEAD`; "unknown" when neither gives a commit id."""
+    """The commit that ran: VITRIFY_GIT_SHA when set (the GPU machine's copy of the tree may have
+    no usable .git), else HEAD of the vitrify checkout this package lives in (a source tree, an
+    editable install, or a virtual environment inside the checkout); "unknown" otherwise (an
+    installed wheel: ``machine["vitrify"]`` names the version)."""
     env = os.environ.get("VITRIFY_GIT_SHA", "").strip()
     if env:
         return env
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    top = _git("rev-parse", "--show-toplevel")
+    if not top or not (Path(top) / "python" / "vitrify" / "__init__.py").is_file():
+        return "unknown"  # not inside a vitrify checkout (some other repository, or none)
+    out = _git("rev-parse", "HEAD")
     return out if len(out) == 40 and all(c in "0123456789abcdef" for c in out) else "unknown"
 
 
@@ -95,11 +108,16 @@ def result(name: str, *, rows: list[dict] | None = None, ratios: dict[str, float
     return out
 
 
+def result_path(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+    """<out_dir>/<name>-<YYYY-MM-DD>.json: where :func:`write` puts `res`."""
+    return Path(out_dir) / f"{res['name']}-{res['date'][:10]}.json"
+
+
 def write(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     """Write `res` as <out_dir>/<name>-<YYYY-MM-DD>.json and return the path."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{res['name']}-{res['date'][:10]}.json"
+    path = result_path(res, d)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
@@ -107,11 +125,15 @@ def write(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
 
 
 def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
+    """Print `rows` as an aligned text table of `columns` (default: the first row's keys); a
+    missing or None value prints as "-"."""
     if not rows:
         print("(no rows)")
         return
     cols = columns or list(rows[0])
     def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
         return f"{v:.3f}" if isinstance(v, float) else str(v)
     widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))

@@ -6,26 +6,24 @@
                 limit: one large cuMemcpyHtoD / cuMemcpyDtoH of a registered buffer
   gather        gather/scatter GB/s (multi-threaded) vs single-threaded memcpy of the same bytes
 
-GPU sections are skipped, with the reason, on machines without a GPU; gather always runs.
+GPU sections are skipped, with the reason, on machines without a GPU; gather always runs (the
+result is then named ``host-cpu``). Needs numpy.
 
-  python benchmarks/python/bench_host.py --out DIR [--quick]
+  vitrify bench host [--out DIR] [--quick] [--note TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-import numpy as np
+import vitrify
+from vitrify import _native, host
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import resultlib  # noqa: E402
-
-import vitrify  # noqa: E402
-from vitrify import _native, host  # noqa: E402
+from . import resultlib
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -116,6 +114,8 @@ def pool_slabs(r: dict) -> int:
 def bench_transfers(pool_bytes: int, move_bytes: int, reps: int, rows: list, ratios: dict) -> None:
     # A pool of 256 KiB pages in 4 slabs, so scattered pages come from every registration.
     # 2 MiB "pages" are runs of 8 consecutive pool pages (a slab holds a multiple of 8).
+    import numpy as np
+
     unit = 256 * 1024
     pool = host.HostPool(pool_bytes, unit, max_slab_bytes=pool_bytes // 4, register=True)
     assert pool.registered and pool.num_slabs == 4
@@ -161,6 +161,8 @@ def bench_transfers(pool_bytes: int, move_bytes: int, reps: int, rows: list, rat
 
 
 def bench_gather(pages: int, reps: int, rows: list, ratios: dict) -> None:
+    import numpy as np
+
     cases = [
         # key, name, layers, page_tokens, heads, head_dim, item, components
         ("llama8b", "llama-8b-like layer_first 64 tok", 32, 64, 8, 128, 2, 2),
@@ -207,12 +209,18 @@ def bench_gather(pages: int, reps: int, rows: list, ratios: dict) -> None:
         del mems, dst, src_flat, flat_dst
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for the result JSON")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI / smoke)")
     ap.add_argument("--note", default="", help="free text stored in the result (machine load...)")
-    a = ap.parse_args()
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    if importlib.util.find_spec("numpy") is None:
+        return "needs numpy, which is not installed (pip install numpy)"
+    return None  # without a GPU the gather section runs and the GPU sections say why not
+
+
+def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     gpu = vitrify.cuda_available()
     rows: list[dict] = []
     ratios: dict[str, float] = {}
@@ -220,13 +228,17 @@ def main() -> int:
     reps = 2 if a.quick else 5
     t0 = time.perf_counter()
     if gpu:
+        progress("registration: serial vs parallel cuMemHostRegister")
         bench_registration((4 if a.quick else 8) * GiB, 8, rows, ratios, skipped)
+        progress("transfer: scattered page copies vs one large copy")
         bench_transfers((2 if a.quick else 4) * GiB, (512 * MiB if a.quick else GiB), reps, rows,
                         ratios)
     else:
         why = f"no CUDA GPU: {vitrify.cuda_unavailable_reason()}"
         skipped["registration"] = why
         skipped["transfer"] = why
+        progress("registration, transfer: skipped, no CUDA GPU (the reason follows the table)")
+    progress("gather/scatter vs single-threaded memcpy")
     bench_gather(16 if a.quick else 64, reps, rows, ratios)
     goals = {
         "registration_parallel_speedup": 2.0,
@@ -247,9 +259,4 @@ def main() -> int:
         print(f"{k:45s} {v:8.3f}" + (f"  goal >= {g} {'met' if v >= g else 'NOT met'}" if g else ""))
     for k, v in skipped.items():
         print(f"{'note' if k.startswith('finding') else 'skipped'} {k}: {v}")
-    print("wrote", resultlib.write(res, a.out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return res

@@ -9,21 +9,26 @@ round-robin (parameter switches) and compare outputs with FREEZE's byte for byte
 Rows: graphs rebuilt per second (templates vs none), bytes per graph on disk, capture time vs
 rebuild time per graph, replay cost per launch (vitrify with switches vs torch's own replay).
 
-    python benchmarks/python/bench_graphs.py --out DIR [--quick] [--graphs N]
+    vitrify bench graphs [--out DIR] [--quick] [--graphs N] [--dir WORKDIR]
+
+Needs a CUDA GPU and torch (FREEZE side). THAW runs as ``python -m vitrify.bench.graphs --thaw
+WORKDIR`` and prints its measurements as one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import resultlib  # noqa: E402
+from . import resultlib
+from .cli import existing_dir, positive_int
 
 BASE = 0x7E0000000000
 ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the arena never reuses
@@ -39,7 +44,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
 
     arena = tg.FixedArena(BASE, ARENA)
     pool = tg.arena_mem_pool(arena)
-    store = tg.GraphStore(region_base=arena.base, region_size=arena.size)
+    store = tg.GraphStore(region=arena)
     with torch.cuda.use_mem_pool(pool):
         torch.manual_seed(0)
         ws = [torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.half) * 0.05
@@ -146,21 +151,36 @@ def thaw(work: Path) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for the result JSON")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer graphs (64)")
-    ap.add_argument("--graphs", type=int, default=None, help="graphs to capture (default 256, the size of the best published comparison)")
-    ap.add_argument("--thaw", default=None, help=argparse.SUPPRESS)  # internal: THAW subprocess
-    args = ap.parse_args()
-    if args.thaw:
-        print(json.dumps(thaw(Path(args.thaw))))
-        return 0
+    ap.add_argument("--graphs", type=positive_int, default=None, help="graphs to capture (default 256, the size of the best published comparison)")
+    ap.add_argument("--dir", type=existing_dir, default=None,
+                    help="where FREEZE saves and THAW loads (default: the system temp directory)")
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    import vitrify
+
+    if not vitrify.cuda_available():
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    if importlib.util.find_spec("torch") is None:
+        return "needs torch to capture the graphs (pip install torch)"
+    return None
+
+
+def problem(res: dict) -> str | None:
+    mismatch = res.get("thaw", {}).get("mismatch")
+    return f"MISMATCH: {mismatch}" if mismatch else None
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     n = args.graphs or (64 if args.quick else 256)
-    with tempfile.TemporaryDirectory(prefix="vitrify-bench-graphs-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vitrify-bench-graphs-", dir=args.dir) as tmp:
         work = Path(tmp)
+        progress(f"FREEZE: capture {n} graphs, walk and save them")
         fz = freeze(work, n)
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--thaw", str(work)],
+        progress("THAW in a fresh process: rebuild (templates vs none), replay, compare")
+        p = subprocess.run([sys.executable, "-m", __name__, "--thaw", str(work)],
                            capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
@@ -195,13 +215,16 @@ def main() -> int:
     resultlib.print_table(rows, ["metric", "value", "unit"])
     res = resultlib.result("graphs", rows=rows, ratios=ratios, goals=goals,
                            freeze=fz | {"expected": None}, thaw=th)
-    path = resultlib.write(res, args.out)
-    print(f"wrote {path}")
-    if th.get("mismatch"):
-        print(f"MISMATCH: {th['mismatch']}", file=sys.stderr)
-        return 1
+    return res
+
+
+def _thaw_main() -> int:
+    ap = argparse.ArgumentParser(description="THAW side of `vitrify bench graphs` (internal)")
+    ap.add_argument("--thaw", required=True, help="FREEZE's work directory")
+    args = ap.parse_args()
+    print(json.dumps(thaw(Path(args.thaw))))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_thaw_main())

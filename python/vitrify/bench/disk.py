@@ -29,11 +29,14 @@ store does), and ``vs_ceiling`` = vitrify / ceiling. Every contender runs ``--re
 config, interleaved; rates and ratios are best-of-N, with medians alongside.
 
 A ``load`` section times cold start ``load`` of ``--load-slots`` live entries with one header
-reader (``load_threads=1``) vs the default parallel scan. Usage::
+reader (``load_threads=1``) vs the default parallel scan.
 
-    python benchmarks/python/bench_disk.py --out benchmarks/results [--dir /mnt/nvme]
-        [--sizes-mib 1,4] [--depths 1,4,16] [--total-mib 384] [--repeat 5]
-        [--load-slots 20000]   (~3-4 min on the 2-core CI VM)
+Without fio on the PATH the fio columns, the drive ceiling and the ratios built on them are left
+out (a line says so) and the rest runs. Usage::
+
+    vitrify bench disk [--dir /mnt/nvme] [--out DIR] [--sizes-mib 1,4] [--depths 1,4,16]
+        [--total-mib 384] [--repeat 5] [--load-slots 20000]   (~3-4 min on the 2-core CI VM)
+    vitrify bench disk --quick     (depth 4 only, 128 MiB per measurement)
 """
 
 from __future__ import annotations
@@ -46,15 +49,14 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import resultlib  # noqa: E402
+from vitrify import tier
 
-from vitrify import tier  # noqa: E402
+from . import resultlib
+from .cli import existing_dir, nonnegative_int, positive_int, positive_int_list
 
 MiB = 1 << 20
 MAX_BATCH = 32  # DiskStore's default group commit: writes per fdatasync per write thread
@@ -227,17 +229,20 @@ def geomean(xs: list[float]) -> float:
 
 
 CONTENDERS = ["vitrify", "psync", "libaio", "naive"]
+WITHOUT_FIO = ["vitrify", "naive"]
 
 
-def measure_config(work: str, page: int, depth: int, total: int, repeat: int) -> dict:
-    """Every contender `repeat` times, interleaved: each repeat runs all four, the order rotating
-    so no contender always runs first (shared, noisy machine). Returns every sample."""
+def measure_config(work: str, page: int, depth: int, total: int, repeat: int,
+                   contenders: list[str] = CONTENDERS) -> dict:
+    """Every contender `repeat` times, interleaved: each repeat runs all of them, the order
+    rotating so no contender always runs first (shared, noisy machine). Returns every sample."""
     samples: dict[str, dict[str, list[float]]] = {
-        n: {"write": [], "read": []} for n in CONTENDERS}
+        n: {"write": [], "read": []} for n in contenders}
     synced: list[float] = []
     info: dict = {}
+    k = len(contenders)
     for rep in range(repeat):
-        order = CONTENDERS[rep % 4:] + CONTENDERS[:rep % 4]
+        order = contenders[rep % k:] + contenders[:rep % k]
         for who in order:
             if who == "vitrify":
                 w, r, info = bench_vitrify(work, page, depth, total)
@@ -253,27 +258,43 @@ def measure_config(work: str, page: int, depth: int, total: int, repeat: int) ->
     return {"samples": samples, "psync_sync": synced, "info": info}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="directory for the result JSON")
-    ap.add_argument("--dir", default=os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir(),
-                    help="filesystem to measure (not tmpfs)")
-    ap.add_argument("--sizes-mib", default="1,4")
-    ap.add_argument("--depths", default="1,4,16")
-    ap.add_argument("--total-mib", type=int, default=384, help="MiB moved per measurement")
-    ap.add_argument("--repeat", type=int, default=5, help="best (and median) of N per contender")
-    ap.add_argument("--load-slots", type=int, default=20000,
-                    help="live entries for the cold-start load section (0: skip it)")
-    ap.add_argument("--quick", action="store_true", help="1 and 4 MiB at depth 4, 128 MiB")
-    a = ap.parse_args(argv)
-    if shutil.which("fio") is None:
-        print("bench_disk: fio is not installed", file=sys.stderr)
-        return 2
-    sizes = [int(x) * MiB for x in a.sizes_mib.split(",")]
-    depths = [int(x) for x in a.depths.split(",")]
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dir", type=existing_dir,
+                    default=os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir(),
+                    help="filesystem to measure, not tmpfs (default: $VITRIFY_BENCH_DIR, else "
+                         "the system temp directory)")
+    ap.add_argument("--sizes-mib", type=positive_int_list, default=[1, 4], metavar="LIST",
+                    help="page sizes in MiB, comma-separated (default: 1,4)")
+    ap.add_argument("--depths", type=positive_int_list, default=[1, 4, 16], metavar="LIST",
+                    help="queue depths (I/O threads), comma-separated (default: 1,4,16)")
+    ap.add_argument("--total-mib", type=positive_int, default=384, metavar="MIB",
+                    help="MiB moved per measurement (default: 384)")
+    ap.add_argument("--repeat", type=positive_int, default=5, metavar="N",
+                    help="best (and median) of N per contender (default: 5)")
+    ap.add_argument("--load-slots", type=nonnegative_int, default=20000, metavar="N",
+                    help="live entries for the cold-start load section (0: skip it; default: "
+                         "20000)")
+    ap.add_argument("--quick", action="store_true",
+                    help="depth 4 only and 128 MiB per measurement")
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    return None  # CPU only; without fio the fio columns are left out (run() says so)
+
+
+def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    sizes = [x * MiB for x in a.sizes_mib]
+    depths = list(a.depths)
     total = a.total_mib * MiB
     if a.quick:
         depths, total = [4], 128 * MiB
+    have_fio = shutil.which("fio") is not None
+    contenders = CONTENDERS if have_fio else WITHOUT_FIO
+    skipped: dict[str, str] = {}
+    if not have_fio:
+        skipped["fio"] = ("fio is not installed (not on PATH): the fio baselines, the drive "
+                          "ceiling and their ratios are left out; install fio for them")
+        progress(f"note: {skipped['fio']}")
     work = tempfile.mkdtemp(prefix="vitrify-bench-disk-", dir=a.dir)
     shm = tempfile.mkdtemp(prefix="vitrify-bench-disk-", dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     rows, ratios = [], {}
@@ -284,21 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for page in sizes:
             for depth in depths:
-                measured[page, depth] = measure_config(work, page, depth, total, a.repeat)
+                progress(f"{page // MiB} MiB pages, depth {depth}: {', '.join(contenders)} "
+                         f"x{a.repeat}")
+                measured[page, depth] = measure_config(work, page, depth, total, a.repeat,
+                                                       contenders)
                 # the store's own ceiling (no disk): the same run on tmpfs, for diagnosis
                 sw = sr = float("nan")
                 if shm:
                     sw, sr, _ = bench_vitrify(shm, page, depth, min(total, 256 * MiB))
                 tmpfs[page, depth] = (sw, sr)
-                print(f"  {page // MiB}MiB_qd{depth}: done ({time.perf_counter() - t_start:.0f} s)",
-                      flush=True)
         if a.load_slots > 0:
             # 60 KiB pages: 64 KiB slots, one 4 KiB header read per slot (large-page stores);
             # 4 KiB slots: adjacent headers are batched into one read
             for label, page in (("64KiB_slots", 60 * 1024), ("4KiB_slots", 4096 - 64)):
+                progress(f"cold start load of {a.load_slots} entries, {label}")
                 load[label] = bench_load(work, a.load_slots, page, 3)
-                print(f"  load {label}: serial {load[label]['serial_s']:.2f} s, parallel "
-                      f"{load[label]['parallel_s']:.2f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if shm:
@@ -309,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
+
+    def mbps(x: float | None) -> float | None:
+        return None if x is None else x / 1e6
+
+    def over(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else x / y
 
     # Drive ceiling per (op, page): the best rate any fio variant reached at any depth measured
     # (psync, libaio, and for writes psync with group-commit fdatasync). No store on this drive
@@ -324,39 +351,40 @@ def main(argv: list[str] | None = None) -> int:
         smp, info = m["samples"], m["info"]
         tag = f"{page // MiB}MiB_qd{depth}"
         for op, sh in (("write", tmpfs[page, depth][0]), ("read", tmpfs[page, depth][1])):
-            t, f, fa, nv = (best(smp[n][op]) for n in CONTENDERS)
-            tm, fm, fam, nvm = (med(smp[n][op]) for n in CONTENDERS)
-            c = ceiling[op, page]
+            t, f, fa, nv = (best(smp[n][op]) if n in smp else None for n in CONTENDERS)
+            tm, fm, fam, nvm = (med(smp[n][op]) if n in smp else None for n in CONTENDERS)
+            c = ceiling.get((op, page))
             row = {"page_mib": page // MiB, "depth": depth, "op": op,
-                   "vitrify_MBps": t / 1e6, "fio_MBps": f / 1e6, "fio_libaio_MBps": fa / 1e6,
+                   "vitrify_MBps": t / 1e6, "fio_MBps": mbps(f), "fio_libaio_MBps": mbps(fa),
                    "naive_MBps": nv / 1e6, "vitrify_median_MBps": tm / 1e6,
-                   "fio_median_MBps": fm / 1e6, "fio_libaio_median_MBps": fam / 1e6,
+                   "fio_median_MBps": mbps(fm), "fio_libaio_median_MBps": mbps(fam),
                    "naive_median_MBps": nvm / 1e6, "vitrify_tmpfs_MBps": sh / 1e6,
-                   "drive_ceiling_MBps": c / 1e6,
-                   "vs_fio": t / f, "vs_fio_libaio": t / fa, "vs_naive": t / nv,
-                   "vs_fio_median": tm / fm, "vs_naive_median": tm / nvm,
-                   "naive_headroom": c / nv, "vs_ceiling": t / c,
+                   "drive_ceiling_MBps": mbps(c),
+                   "vs_fio": over(t, f), "vs_fio_libaio": over(t, fa), "vs_naive": t / nv,
+                   "vs_fio_median": over(tm, fm), "vs_naive_median": tm / nvm,
+                   "naive_headroom": over(c, nv), "vs_ceiling": over(t, c),
                    "pages": info["pages"], "direct_io": info["direct_io"]}
-            if op == "write":
+            if op == "write" and have_fio:
                 ws = best(m["psync_sync"])
                 row["fio_sync_MBps"] = ws / 1e6
                 row["vs_fio_sync"] = t / ws
                 ratios[f"write_{tag}_vs_fio_sync"] = t / ws
             rows.append(row)
-            ratios[f"{op}_{tag}_vs_fio"] = t / f
-            ratios[f"{op}_{tag}_vs_fio_libaio"] = t / fa
-            ratios[f"{op}_{tag}_vs_naive"] = t / nv
-            ratios[f"{op}_{tag}_naive_headroom"] = c / nv
-            ratios[f"{op}_{tag}_vs_ceiling"] = t / c
+            for key in ("vs_fio", "vs_fio_libaio", "vs_naive", "naive_headroom", "vs_ceiling"):
+                if row[key] is not None:
+                    ratios[f"{op}_{tag}_{key}"] = row[key]
     for op in ("write", "read"):
         mine = [r for r in rows if r["op"] == op]
         for k in ("vs_fio", "vs_fio_libaio", "vs_naive", "naive_headroom", "vs_ceiling",
                   "vs_fio_median", "vs_naive_median"):
-            ratios[f"{op}_geomean_{k}"] = geomean([r[k] for r in mine])
+            xs = [r[k] for r in mine if r[k] is not None]
+            if xs:
+                ratios[f"{op}_geomean_{k}"] = geomean(xs)
     # goals on the like-for-like baselines (fio psync with `depth` threads, naive); the libaio,
     # ceiling and headroom ratios are reported alongside without a goal
-    ratios["write_geomean_vs_fio_sync"] = geomean(
-        [r["vs_fio_sync"] for r in rows if r["op"] == "write"])
+    if have_fio:
+        ratios["write_geomean_vs_fio_sync"] = geomean(
+            [r["vs_fio_sync"] for r in rows if r["op"] == "write"])
     for label, l in load.items():
         ratios[f"load_{label}_parallel_speedup"] = l["speedup"]
     goals = {k: (0.90 if k.endswith("vs_fio") else 3.0) for k in ratios
@@ -373,54 +401,54 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load {label}: {l['slots']} slots of {l['slot_bytes']} B, serial {l['serial_s']:.2f} s "
               f"(median {l['serial_median_s']:.2f}), parallel {l['parallel_s']:.2f} s "
               f"(median {l['parallel_median_s']:.2f}), speedup {l['speedup']:.2f}x")
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
     elapsed = time.perf_counter() - t_start
     print(f"total {elapsed:.0f} s")
-    if a.out:
-        res = resultlib.result(
-            "disk", rows=rows, ratios=ratios, goals=goals, directory=a.dir,
-            method={"vitrify": "DiskStore, depth write/read threads, zero-copy slot buffers, "
-                            "fdatasync per batch of <= 32 writes per thread (max_batch default), CRC32C verify",
-                    "fio": "psync, direct=1, numjobs=depth threads each over its own "
-                           "contiguous 1/depth of the file (the store's I/O model: depth "
-                           "threads of synchronous pread/pwrite), sequential write then read, "
-                           "no fsync",
-                    "fio_libaio": "libaio, direct=1, iodepth=depth, one job, no fsync "
-                                  "(reported, no goal)",
-                    "fio_read_state": "fio reads follow a rewrite of the file with "
-                                      "fdatasync every 32 writes per job (the store's group "
-                                      "commit), so both read flushed data",
-                    "fio_sync": "psync write with fdatasync every 32 writes per job: the "
-                                "durability-equivalent write baseline (reported, no goal)",
-                    "naive": "one file per page, buffered write+fsync, depth threads; reads "
-                             "after posix_fadvise(DONTNEED)",
-                    "vitrify_tmpfs": "the vitrify measurement on /dev/shm: the store's own ceiling "
-                                  "without a disk (diagnostic, not a baseline)",
-                    "drive_ceiling_MBps": "per (op, page size): the best rate ANY fio variant "
-                                          "reached in this run at ANY depth measured (psync and "
-                                          "libaio, plain and with fdatasync every 32 writes) - "
-                                          "what this drive delivers to a good O_DIRECT client. "
-                                          "Write ceilings usually come from fio_sync, fio's "
-                                          "second pass over its file (blocks already written); "
-                                          "vitrify's measurement, like fio's first pass, writes "
-                                          "into a freshly preallocated file",
-                    "naive_headroom": "drive_ceiling / naive for the config: the largest "
-                                      "vs_naive ratio any store could reach on this drive. "
-                                      "Where it is < 3, the 3x vs_naive goal is unreachable "
-                                      "here because the naive store already runs near the "
-                                      "drive's rate, not because the store is slow",
-                    "vs_ceiling": "vitrify / drive_ceiling: the share of the drive's best "
-                                  "measured rate the store reaches in this config",
-                    "repeat": "each config: every contender measured `repeat` times, "
-                              "interleaved (all four per repeat, order rotated); *_MBps and "
-                              "vs_* are best-of-N, *_median_MBps and vs_*_median the medians",
-                    "load": "cold start load of `slots` live entries (tiny payloads) on the "
-                            "same filesystem: DiskStore(cold_start='load', load_threads=1) "
-                            "(one header read after another) vs the default parallel scan, "
-                            "alternating, best and median of 3; speedup = serial / parallel"},
-            total_bytes_per_measurement=total, repeat=a.repeat, elapsed_s=elapsed, load=load)
-        print(f"wrote {resultlib.write(res, a.out)}")
-    return 0
+    return resultlib.result(
+        "disk", rows=rows, ratios=ratios, goals=goals, directory=a.dir, skipped=skipped,
+        method=METHOD, total_bytes_per_measurement=total, repeat=a.repeat, elapsed_s=elapsed,
+        load=load)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+METHOD = {
+    "vitrify": "DiskStore, depth write/read threads, zero-copy slot buffers, "
+               "fdatasync per batch of <= 32 writes per thread (max_batch default), CRC32C verify",
+    "fio": "psync, direct=1, numjobs=depth threads each over its own "
+           "contiguous 1/depth of the file (the store's I/O model: depth "
+           "threads of synchronous pread/pwrite), sequential write then read, "
+           "no fsync",
+    "fio_libaio": "libaio, direct=1, iodepth=depth, one job, no fsync "
+                  "(reported, no goal)",
+    "fio_read_state": "fio reads follow a rewrite of the file with "
+                      "fdatasync every 32 writes per job (the store's group "
+                      "commit), so both read flushed data",
+    "fio_sync": "psync write with fdatasync every 32 writes per job: the "
+                "durability-equivalent write baseline (reported, no goal)",
+    "naive": "one file per page, buffered write+fsync, depth threads; reads "
+             "after posix_fadvise(DONTNEED)",
+    "vitrify_tmpfs": "the vitrify measurement on /dev/shm: the store's own ceiling "
+                     "without a disk (diagnostic, not a baseline)",
+    "drive_ceiling_MBps": "per (op, page size): the best rate ANY fio variant "
+                          "reached in this run at ANY depth measured (psync and "
+                          "libaio, plain and with fdatasync every 32 writes) - "
+                          "what this drive delivers to a good O_DIRECT client. "
+                          "Write ceilings usually come from fio_sync, fio's "
+                          "second pass over its file (blocks already written); "
+                          "vitrify's measurement, like fio's first pass, writes "
+                          "into a freshly preallocated file",
+    "naive_headroom": "drive_ceiling / naive for the config: the largest "
+                      "vs_naive ratio any store could reach on this drive. "
+                      "Where it is < 3, the 3x vs_naive goal is unreachable "
+                      "here because the naive store already runs near the "
+                      "drive's rate, not because the store is slow",
+    "vs_ceiling": "vitrify / drive_ceiling: the share of the drive's best "
+                  "measured rate the store reaches in this config",
+    "repeat": "each config: every contender measured `repeat` times, "
+              "interleaved (all four per repeat, order rotated); *_MBps and "
+              "vs_* are best-of-N, *_median_MBps and vs_*_median the medians",
+    "load": "cold start load of `slots` live entries (tiny payloads) on the "
+            "same filesystem: DiskStore(cold_start='load', load_threads=1) "
+            "(one header read after another) vs the default parallel scan, "
+            "alternating, best and median of 3; speedup = serial / parallel",
+}

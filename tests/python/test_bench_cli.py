@@ -1,0 +1,323 @@
+"""`vitrify bench`: small CPU runs write the result convention and print the table; benchmarks
+that cannot run here say why and exit 0 (3 with --strict); --plot with and without matplotlib;
+bad arguments are one line naming the argument. The GPU suite's script names only benchmarks
+that exist, and its summary step still folds result files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitrify import cli
+from vitrify.bench import BENCHMARKS
+from vitrify.bench.plot import goal_met
+
+ROOT = Path(__file__).resolve().parents[2]
+# the smallest disk run that still covers every section: one config, one repeat, 8 MiB, and a
+# cold start load of a few entries (a few seconds)
+SMALL_DISK = ["--sizes-mib", "1", "--depths", "1", "--total-mib", "8", "--repeat", "1",
+              "--load-slots", "64"]
+CONVENTION = {"name", "date", "git_sha", "machine", "rows", "ratios", "goals"}
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse errors
+        return int(e.code)
+
+
+def run_py(code: str, *, env: dict | None = None, cwd: Path | None = None,
+           timeout: int = 120) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.pop("VITRIFY_LOG_LEVEL", None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=str(cwd or ROOT / "tests"))
+
+
+def bench_in_subprocess(argv: list[str], *, hide: str | None = None, **kw):
+    """`vitrify bench ...` in a fresh process; `hide` makes that module unimportable there."""
+    pre = f"sys.modules[{hide!r}] = None; " if hide else ""
+    return run_py(f"import sys; {pre}from vitrify.cli import main; "
+                  f"sys.exit(main(['bench', *{argv!r}]))", **kw)
+
+
+def only_result(out: Path, name: str) -> dict:
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    files = sorted(out.glob("*.json"))
+    assert [f.name for f in files] == [f"{name}-{today}.json"], files
+    return json.loads(files[0].read_text())
+
+
+# ---- disk: a real run on the CPU ------------------------------------------------------------
+
+
+def test_disk_small_run_writes_the_result_and_prints_the_table(tmp_path, capsys):
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    assert run_cli(["bench", "disk", "--dir", str(scratch), "--out", str(out), *SMALL_DISK]) == 0
+    res = only_result(out, "disk")
+    assert CONVENTION <= set(res) and res["name"] == "disk"
+    assert res["machine"]["filesystem"]["path"] == str(scratch)
+    assert [(r["page_mib"], r["depth"], r["op"]) for r in res["rows"]] == [(1, 1, "write"),
+                                                                           (1, 1, "read")]
+    for r in res["rows"]:
+        assert r["vitrify_MBps"] > 0 and r["naive_MBps"] > 0 and r["pages"] == 8
+        assert r["vs_naive"] == pytest.approx(r["vitrify_MBps"] / r["naive_MBps"])
+    assert {"write_1MiB_qd1_vs_naive", "read_1MiB_qd1_vs_naive", "write_geomean_vs_naive",
+            "load_64KiB_slots_parallel_speedup", "load_4KiB_slots_parallel_speedup"} <= set(
+                res["ratios"])
+    assert res["goals"]["write_1MiB_qd1_vs_naive"] == 3.0
+    assert set(res["load"]) == {"64KiB_slots", "4KiB_slots"}
+    assert all(v["slots"] == 64 for v in res["load"].values())
+    if shutil.which("fio"):
+        assert res["skipped"] == {}
+        assert res["goals"]["read_1MiB_qd1_vs_fio"] == 0.9
+        assert all(r["fio_MBps"] > 0 and r["drive_ceiling_MBps"] > 0 for r in res["rows"])
+    assert not list(scratch.iterdir())  # its scratch files are gone
+    o = capsys.readouterr()
+    lines = o.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("page_mib"))
+    assert "vitrify_MBps" in lines[header] and "vs_naive" in lines[header]
+    assert set(lines[header + 1]) <= {"-", " "}
+    assert lines[header + 2].split()[:3] == ["1", "1", "write"]
+    assert lines[-1] == f"wrote {out / ('disk-' + res['date'][:10] + '.json')}"
+    progress = [line for line in o.err.splitlines() if line.startswith("[disk +")]
+    steps = [line for line in progress if "note: " not in line]  # the fio note where it lacks
+    assert len(steps) == 3 and "1 MiB pages, depth 1" in steps[0]
+    assert all("cold start load of 64 entries" in line for line in steps[1:])
+    assert all(len(line) < 100 for line in steps)
+
+
+def test_disk_without_fio_says_so_and_runs_the_rest(tmp_path, capsys, monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: None if cmd == "fio"
+                        else real_which(cmd, *a, **k))
+    out = tmp_path / "out"
+    argv = ["bench", "disk", "--dir", str(tmp_path), "--out", str(out), *SMALL_DISK,
+            "--load-slots", "0"]
+    assert run_cli(argv) == 0
+    res = only_result(out, "disk")
+    assert "fio is not installed" in res["skipped"]["fio"]
+    assert not [k for k in res["ratios"] if "fio" in k or "ceiling" in k or "headroom" in k]
+    assert {"write_1MiB_qd1_vs_naive", "read_geomean_vs_naive"} <= set(res["ratios"])
+    assert res["load"] == {}
+    for r in res["rows"]:
+        assert r["fio_MBps"] is None and r["drive_ceiling_MBps"] is None and r["vs_fio"] is None
+        assert r["vitrify_MBps"] > 0
+    o = capsys.readouterr()
+    assert "skipped fio: fio is not installed" in o.out
+    assert "fio is not installed" in o.err  # the progress note, before the measurements
+
+
+# ---- benchmarks that cannot run on this machine ---------------------------------------------
+
+NO_DRIVER = "/nonexistent/vitrify-test/libcuda.so.1"
+
+
+@pytest.mark.parametrize("name", ["region", "snapshot", "graphs"])
+def test_gpu_benchmark_without_a_driver_says_why_and_exits_0(name, tmp_path):
+    """VITRIFY_LIBCUDA_PATH at a missing file: no driver on any machine; the line carries the
+    driver loader's own reason (which names the path)."""
+    r = bench_in_subprocess([name, "--out", str(tmp_path)], env={"VITRIFY_LIBCUDA_PATH": NO_DRIVER})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout.startswith(f"vitrify bench {name}: skipped: needs a CUDA GPU: ")
+    assert NO_DRIVER in r.stdout
+    assert not list(tmp_path.iterdir())  # nothing written
+    strict = bench_in_subprocess([name, "--strict", "--out", str(tmp_path)],
+                                 env={"VITRIFY_LIBCUDA_PATH": NO_DRIVER})
+    assert strict.returncode == 3 and strict.stdout == r.stdout
+
+
+def test_host_without_a_driver_runs_gather_and_names_the_skipped_sections(tmp_path):
+    r = bench_in_subprocess(["host", "--quick", "--out", str(tmp_path)],
+                            env={"VITRIFY_LIBCUDA_PATH": NO_DRIVER})
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = only_result(tmp_path, "host-cpu")
+    assert set(res["skipped"]) == {"registration", "transfer"}
+    assert all(NO_DRIVER in why for why in res["skipped"].values())
+    assert {r_["section"] for r_ in res["rows"]} == {"gather"}
+    assert {"gather_llama8b_vs_memcpy_1t", "scatter_llama8b_vs_memcpy_1t"} <= set(res["ratios"])
+    assert "skipped registration: no CUDA GPU: " in r.stdout and NO_DRIVER in r.stdout
+    assert "[host +" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hicache_without_sglang_says_why(tmp_path):
+    r = bench_in_subprocess(["hicache", "--out", str(tmp_path)], hide="sglang")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("vitrify bench hicache: skipped: needs SGLang, which is not "
+                               "importable here (ModuleNotFoundError")
+    assert r.stdout.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.sglang
+def test_hicache_small_run_on_the_cpu(tmp_path):
+    """Both backends through SGLang's controller code, one small geometry, one repetition."""
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    r = bench_in_subprocess(["hicache", "--dir", str(scratch), "--out", str(out),
+                             "--geometry", "16x8x8x128", "--bytes-per-rep", str(8 << 20),
+                             "--reps", "1"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = only_result(out, "hicache")
+    assert CONVENTION <= set(res)
+    assert {(x["backend"], x["op"]) for x in res["rows"]} >= {
+        ("vitrify", "set"), ("vitrify", "get"), ("file", "set"), ("file", "get")}
+    assert res["ratios"]["get_vitrify_vs_file@512KiB"] > 0
+    assert res["goals"] == {"get_vitrify_vs_file@512KiB": 3.0}
+    assert "[hicache +" in r.stderr and "backend" in r.stdout
+
+
+# ---- --plot ---------------------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_is_one_line_and_runs_nothing(tmp_path):
+    r = bench_in_subprocess(["disk", "--plot", "--dir", str(tmp_path), "--out",
+                             str(tmp_path / "out"), *SMALL_DISK], hide="matplotlib")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("vitrify bench disk: error: --plot needs matplotlib")
+    assert "pip install matplotlib" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_with_matplotlib_writes_a_png_next_to_the_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert run_cli(["bench", "disk", "--plot", "--dir", str(tmp_path), "--out", str(out),
+                    *SMALL_DISK, "--load-slots", "0"]) == 0
+    res = only_result(out, "disk")
+    png = out / f"disk-{res['date'][:10]}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert f"wrote {png}" in capsys.readouterr().out
+
+
+def test_plot_of_a_result_with_no_finite_ratios(tmp_path):
+    pytest.importorskip("matplotlib")
+    from vitrify.bench.plot import plot_ratios
+
+    res = {"name": "x", "date": "2026-01-01T00:00:00+00:00", "git_sha": "unknown",
+           "ratios": {"a": float("nan")}, "goals": {"a": 1.0}}
+    png = plot_ratios(res, tmp_path / "sub" / "x.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_goal_direction():
+    res = {"ratios": {"up": 2.0, "down": 2.0, "free": 2.0, "nan": float("nan")},
+           "goals": {"up": 3.0, "down": 3.0, "nan": 1.0}, "goal_direction": {"down": "<="}}
+    assert [goal_met(res, k) for k in ("up", "down", "free", "nan")] == [False, True, None, None]
+
+
+# ---- bad arguments --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["bench"], "NAME"),
+    (["bench", "nosuch"], "'nosuch'"),
+    (["bench", "disk", "--repeat", "0"], "--repeat"),
+    (["bench", "disk", "--total-mib", "lots"], "--total-mib"),
+    (["bench", "disk", "--sizes-mib", "1,x"], "--sizes-mib"),
+    (["bench", "disk", "--depths", "0"], "--depths"),
+    (["bench", "disk", "--load-slots", "-1"], "--load-slots"),
+    (["bench", "disk", "--dir", "/nonexistent/vitrify"], "--dir"),
+    (["bench", "disk", "--dir", "A_FILE"], "--dir"),
+    (["bench", "disk", "--out", "A_FILE"], "--out"),
+    (["bench", "disk", "--out", "A_FILE/sub"], "--out"),
+    (["bench", "region", "--dir", "/tmp"], "--dir"),
+    (["bench", "region", "--quick", "extra"], "extra"),
+    (["bench", "snapshot", "--size-gib", "-1"], "--size-gib"),
+    (["bench", "graphs", "--graphs", "0"], "--graphs"),
+    (["bench", "hicache", "--geometry", "16x8x8"], "--geometry"),
+    (["bench", "hicache", "--layout", "diagonal"], "--layout"),
+])
+def test_bad_arguments_are_one_line_naming_the_argument(argv, names, capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    argv = [x.replace("A_FILE", str(a_file)) for x in argv]
+    assert run_cli(argv) == 2
+    o = capsys.readouterr()
+    assert o.out == ""
+    (line,) = o.err.splitlines()
+    assert line.startswith("vitrify bench") and ": error: " in line and names in line, line
+
+
+def test_every_benchmark_has_help():
+    for name in BENCHMARKS:
+        assert run_cli(["bench", name, "--help"]) == 0
+
+
+# ---- the GPU suite's use of the benchmarks --------------------------------------------------
+
+
+def test_gpu_suite_runs_every_gpu_benchmark_by_its_cli_name():
+    text = (ROOT / "scripts" / "gpu-suite.sh").read_text()
+    (listed,) = re.findall(r"^GPU_BENCHMARKS=\(([^)]*)\)", text, re.M)
+    assert set(listed.split()) == {"region", "snapshot", "host", "graphs"}
+    assert '-m vitrify bench "$b"' in text and "benchmarks/python" not in text
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu-suite.sh")]).returncode == 0
+
+
+def test_summarize_suite_folds_result_files(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "region-2026-01-01.json").write_text(json.dumps({"name": "region", "rows": []}))
+    junit = tmp_path / "j.xml"
+    junit.write_text('<testsuite><testcase classname="t" name="a"/>'
+                     '<testcase classname="t" name="b"><skipped/></testcase></testsuite>')
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"bench:bench_region": 0}))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize_suite.py"), "--out",
+                        str(tmp_path / "o"), "--bench-dir", str(bench), "--steps", str(steps),
+                        "--junit", f"pytest={junit}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (summary,) = (tmp_path / "o").glob("gpu-suite-*.json")
+    s = json.loads(summary.read_text())
+    assert s["tests"]["passed"] == 1 and s["tests"]["skipped"] == 1
+    assert s["benchmarks"]["region"]["name"] == "region" and s["steps"] == {"bench:bench_region": 0}
+    assert "1 benchmark(s)" in r.stdout
+
+
+def _load_resultlib_at(path: Path):
+    spec = importlib.util.spec_from_file_location(f"resultlib_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_sha_names_a_vitrify_checkout_never_another_repository(tmp_path, monkeypatch):
+    """resultlib in a vitrify checkout reports its HEAD; inside some other repository (a venv in
+    a user's project) "unknown"; VITRIFY_GIT_SHA wins over both."""
+    from vitrify.bench import resultlib
+
+    monkeypatch.delenv("VITRIFY_GIT_SHA", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    shas = {}
+    for kind, rel in (("vitrify", "python/vitrify/bench"), ("other", "venv/site/vitrify/bench")):
+        repo = tmp_path / kind
+        (repo / rel).mkdir(parents=True)
+        shutil.copy(resultlib.__file__, repo / rel / "resultlib.py")
+        (repo / rel).parent.joinpath("__init__.py").write_text("")
+        subprocess.run([*git, "init", "-q", str(repo)], check=True)
+        subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
+        subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        shas[kind] = (_load_resultlib_at(repo / rel / "resultlib.py").git_sha(), head)
+    assert shas["vitrify"][0] == shas["vitrify"][1]
+    assert shas["other"][0] == "unknown"
+    monkeypatch.setenv("VITRIFY_GIT_SHA", "f" * 40)
+    assert resultlib.git_sha() == "f" * 40
