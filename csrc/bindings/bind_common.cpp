@@ -157,7 +157,7 @@ void bind_common(nb::module_& m) {
       throw CudaOutOfMemory(2, "CUDA_ERROR_OUT_OF_MEMORY", "cuTest(x)", "here:1", "");
     if (kind == "unavailable") throw DriverUnavailable("no driver");
     if (kind == "space") throw OutOfSpace("region full");
-    if (kind == "os") detail::throw_errno(ENOENT, "open(\"/nonexistent\")", __FILE__, __LINE__);
+    if (kind == "os") detail::throw_errno(ENOENT, "open", "/nonexistent");
     if (kind == "value") VITRIFY_EXPECT(false, "bad value");
     throw std::runtime_error("unknown kind " + kind);
   });

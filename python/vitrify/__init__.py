@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import _native
 from ._logging import configure_from_env as _configure_from_env
 from ._logging import install_native_sink as _install_native_sink
+from ._check import ArgumentTypeError
 from ._native import CudaError, CudaOutOfMemoryError, CudaUnavailableError
 from .region import Region, RegionAddressError
 
@@ -33,6 +34,7 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "ArgumentTypeError",
     "CudaError",
     "CudaOutOfMemoryError",
     "CudaUnavailableError",

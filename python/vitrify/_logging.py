@@ -2,6 +2,11 @@
 
 ``VITRIFY_LOG_LEVEL`` (DEBUG, INFO, WARNING, ERROR or a number) attaches a stderr handler at that
 level when vitrify is imported. Native messages arrive on ``vitrify.native``.
+
+A bad ``VITRIFY_LOG_LEVEL`` never breaks ``import vitrify``: configuring the logger writes one
+line naming the variable to stderr and leaves logging quiet; reading the settings
+(:func:`vitrify.config.settings`) raises ``ValueError`` with the same text, and the ``vitrify``
+command exits non-zero with it.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 
 logger = logging.getLogger("vitrify")
 logger.addHandler(logging.NullHandler())
@@ -25,11 +31,29 @@ def parse_level(text: str | None) -> int | None:
         return _LEVELS[t]
     if t.isdigit():
         return int(t)
-    raise ValueError(f"VITRIFY_LOG_LEVEL={text!r}: expected one of {sorted(_LEVELS)} or a number")
+    raise ValueError(f"VITRIFY_LOG_LEVEL={text!r}: expected one of "
+                     f"{', '.join(sorted(_LEVELS))} or a number")
+
+
+_env_error: str | None = None
+
+
+def env_error() -> str | None:
+    """The message of a bad ``VITRIFY_LOG_LEVEL`` already reported on stderr, else None."""
+    return _env_error
 
 
 def configure_from_env() -> None:
-    level = parse_level(os.environ.get("VITRIFY_LOG_LEVEL"))
+    """Attach the stderr handler ``VITRIFY_LOG_LEVEL`` asks for; a bad value is reported as one
+    line on stderr (once) and logging stays quiet."""
+    global _env_error
+    try:
+        level = parse_level(os.environ.get("VITRIFY_LOG_LEVEL"))
+    except ValueError as e:
+        if _env_error != str(e):
+            _env_error = str(e)
+            sys.stderr.write(f"vitrify: {e} (logging stays quiet)\n")
+        return
     if level is None:
         return
     logger.setLevel(level)

@@ -43,7 +43,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import _native
+from . import _check, _native
 from . import snapshot as _snapshot
 
 log = logging.getLogger("vitrify.archive")
@@ -54,6 +54,7 @@ MANIFEST = "manifest.json"
 FINGERPRINT_FIELDS = ("gpu", "sm", "driver", "cuda", "torch", "engine", "engine_version", "model")
 _CHECKSUM_RE = re.compile(r"^crc32c:[0-9a-f]{8}$")
 _RANK_RE = re.compile(r"^rank(0|[1-9][0-9]{0,5})$")
+_MAX_RANK = 999999
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -123,6 +124,10 @@ class Fingerprint:
                 model: str | None = None, device: int = 0) -> Fingerprint:
         """This machine's fingerprint (GPU name and SM of ``device``, NVIDIA driver, CUDA
         driver API version, installed torch) plus the engine and model the caller names."""
+        for name, v in (("engine", engine), ("engine_version", engine_version), ("model", model)):
+            if v is not None and not isinstance(v, str):
+                raise _check.ArgumentTypeError(f"{name} must be a str or None, got {_check.got(v)}")
+        device = _check.integer("device", device, 0, (1 << 31) - 1)
         gpu = sm = cuda = driver = None
         if _native.cuda_available():
             info = _native.device_info(device)
@@ -160,7 +165,7 @@ class Region:
 
 def file_checksum(path: str | os.PathLike) -> str:
     """``"crc32c:xxxxxxxx"`` of a whole file (native, large reads, GIL released)."""
-    return f"crc32c:{_native.file_crc32c(os.fspath(path)):08x}"
+    return f"crc32c:{_native.file_crc32c(_check.existing_file('path', path)):08x}"
 
 
 def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -197,8 +202,11 @@ def write_shared(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary sibling is written and fsynced, then
     ``os.replace``d over ``path`` and the directory fsynced. A concurrent reader sees the old
     content or the new, never a half-written file."""
-    path = os.fspath(path)
+    path = _check.path("path", path)
+    _check.buffer("data", data)
     d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise FileNotFoundError(2, "path: the directory does not exist", d)
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "wb") as f:
@@ -243,17 +251,30 @@ class _FileWriter:
         return full
 
     def write_bytes(self, rel: str, data: bytes) -> str:
+        _check.buffer("data", data)
         full = self.file_path(rel)
         with open(full, "wb") as f:
             f.write(data)
         return full
 
     def write_json(self, rel: str, obj: Any) -> str:
-        return self.write_bytes(rel, _json_bytes(obj))
+        try:
+            data = _json_bytes(obj)
+        except (TypeError, ValueError) as e:
+            raise _check.ArgumentTypeError(f"obj for {rel!r} is not plain JSON: {e}") from None
+        return self.write_bytes(rel, data)
 
     def write_state(self, rank: int, state: Mapping[str, Any]) -> str:
         """``rank<N>/state.json``: engine-specific state (JSON only)."""
-        return self.write_json(f"rank{int(rank)}/state.json", dict(state))
+        rank = _check.integer("rank", rank, 0, _MAX_RANK)
+        if not isinstance(state, Mapping):
+            raise _check.ArgumentTypeError(f"state must be a mapping (JSON object), got "
+                                           f"{_check.got(state)}")
+        try:
+            data = _json_bytes(dict(state))
+        except (TypeError, ValueError) as e:
+            raise _check.ArgumentTypeError(f"state is not plain JSON: {e}") from None
+        return self.write_bytes(f"rank{rank}/state.json", data)
 
     def dump_span(self, rank: int, name: str, base: int, start: int, end: int,
                   **kw: Any) -> dict:
@@ -262,7 +283,9 @@ class _FileWriter:
         direct_io, progress). ``name`` ``"warmup"`` is the warmup gap; ``"weights"`` the
         optional weights span. Dump the warmup gap BEFORE the engine empties its caching
         allocator."""
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+        rank = _check.integer("rank", rank, 0, _MAX_RANK)
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) \
+                or name in (".", ".."):
             raise ValueError(f"span name {name!r}: use letters, digits, '_', '-', '.'")
         full = self.file_path(_snapshot.span_relpath(rank, name))
         return _snapshot.dump_to_file(full, base, start, end, **kw)
@@ -285,25 +308,43 @@ class ArchiveWriter(_FileWriter):
 
     def __init__(self, path: str | os.PathLike, fingerprint: Fingerprint, region: Region, *,
                  overwrite: bool = False):
-        self.path = os.path.abspath(os.fspath(path))
-        parent = os.path.dirname(self.path)
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(f"archive parent directory {parent} does not exist")
-        if os.path.lexists(self.path) and not overwrite:
-            raise FileExistsError(f"archive {self.path} already exists (pass overwrite=True)")
+        self._done = True  # nothing to abort until the temporary directory exists
+        self.path = os.path.abspath(_check.path("path", path))
+        if not isinstance(fingerprint, Fingerprint):
+            raise _check.ArgumentTypeError(f"fingerprint must be a vitrify.archive.Fingerprint, "
+                                           f"got {_check.got(fingerprint)}")
+        if not isinstance(region, Region):
+            raise _check.ArgumentTypeError(f"region must be a vitrify.archive.Region, got "
+                                           f"{_check.got(region)}")
+        overwrite = _check.boolean("overwrite", overwrite)
         for name, v in (("base", region.base), ("size", region.size),
                         ("granularity", region.granularity)):
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"region.{name} must be a non-negative int, got {v!r}")
+            _check.integer(f"region.{name}", v, 0, _check.U64_MAX)
+        if not isinstance(region.checkpoints, Mapping):
+            raise _check.ArgumentTypeError(f"region.checkpoints must be a mapping name -> offset, "
+                                           f"got {_check.got(region.checkpoints)}")
         for k, v in region.checkpoints.items():
-            if not isinstance(k, str) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"region checkpoint {k!r}: {v!r} must be str -> offset >= 0")
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"region.checkpoints[{k!r}] must map a str to an offset >= 0, "
+                                 f"got {v!r}")
+        parent = os.path.dirname(self.path)
+        if not os.path.exists(parent):
+            raise FileNotFoundError(2, "path: the parent directory does not exist", parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(20, "path: the parent is not a directory", parent)
+        if os.path.lexists(self.path) and not overwrite:
+            raise FileExistsError(17, "path: the archive already exists (pass overwrite=True)",
+                                  self.path)
         self.fingerprint = fingerprint
         self.region = region
         self.overwrite = overwrite
         self.temp_path = os.path.join(
             parent, f".{os.path.basename(self.path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        os.mkdir(self.temp_path, 0o755)
+        try:
+            os.mkdir(self.temp_path, 0o755)
+        except OSError as e:
+            raise type(e)(e.errno, f"path: cannot create the archive's temporary directory "
+                                   f"({e.strerror})", self.temp_path) from None
         self._done = False
 
     # -- commit --
@@ -391,16 +432,14 @@ class RankWriter(_FileWriter):
     """
 
     def __init__(self, temp_path: str | os.PathLike, rank: int):
-        self.temp_path = os.path.abspath(os.fspath(temp_path))
+        self.temp_path = os.path.abspath(_check.path("temp_path", temp_path))
         if not (os.path.basename(self.temp_path).startswith(".")
                 and ".tmp-" in os.path.basename(self.temp_path)):
             raise ValueError(f"{self.temp_path} is not an ArchiveWriter temporary directory")
         if not os.path.isdir(self.temp_path) or os.path.islink(self.temp_path):
             raise FileNotFoundError(f"archive temporary directory {self.temp_path} is missing "
                                     "(committed or aborted already?)")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
-        self._rank = rank
+        self._rank = _check.integer("rank", rank, 0, _MAX_RANK)
 
     def write_state(self, state: Mapping[str, Any]) -> str:  # type: ignore[override]
         """This rank's ``state.json``."""
@@ -495,6 +534,8 @@ class Archive:
         """Compare this process's region cursor at checkpoint ``name`` with the frozen one: THAW
         must walk the same cursor trajectory as FREEZE. A drift (or an unknown checkpoint) is an
         :class:`ArchiveMismatch` with both numbers."""
+        _check.string("name", name)
+        _check.integer("offset", offset, 0, _check.U64_MAX)
         found = self.region.checkpoints.get(name)
         if found != offset:
             raise ArchiveMismatch(self.path, f"region.checkpoints.{name}", offset, found)
@@ -555,7 +596,7 @@ class Archive:
 
     def state(self, rank: int) -> dict[str, Any]:
         """``rank<N>/state.json`` ({} when absent)."""
-        rel = f"rank{int(rank)}/state.json"
+        rel = f"rank{_check.integer('rank', rank, 0, _MAX_RANK)}/state.json"
         if rel not in self.files:
             return {}
         s = self.read_json(rel)
@@ -565,7 +606,7 @@ class Archive:
 
     def spans(self, rank: int) -> dict[str, str]:
         """Span name -> relative path of the rank's span files."""
-        prefix = f"rank{int(rank)}/region/"
+        prefix = f"rank{_check.integer('rank', rank, 0, _MAX_RANK)}/region/"
         return {rel[len(prefix):-len(".span")]: rel for rel in self.files
                 if rel.startswith(prefix) and rel.endswith(".span") and "/" not in rel[len(prefix):]}
 
@@ -599,6 +640,9 @@ class Archive:
 
 
 def _compare_fingerprint(path: str, found: Fingerprint, expect: Fingerprint | Mapping) -> None:
+    if not isinstance(expect, (Fingerprint, Mapping)):
+        raise _check.ArgumentTypeError(f"expect must be a Fingerprint, a mapping or None, got "
+                                       f"{_check.got(expect)}")
     exp = expect.to_dict() if isinstance(expect, Fingerprint) else dict(expect)
     unknown = set(exp) - set(FINGERPRINT_FIELDS)
     if unknown:
@@ -621,7 +665,8 @@ def open_archive(path: str | os.PathLike, *, expect: Fingerprint | Mapping | Non
     ``expect`` field that is not None (``fingerprint.<field>``), and every listed file's size.
     ``checksums=True`` also verifies every file's CRC32C (reads everything).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(_check.path("path", path))
+    checksums = _check.boolean("checksums", checksums)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no archive directory at {path}")
     mpath = os.path.join(path, MANIFEST)
@@ -645,6 +690,10 @@ def open_or_cold(path: str | os.PathLike, *,
                  expect: Fingerprint | Mapping | None = None) -> tuple[Archive | None, str]:
     """Like :func:`open_archive`, but a mismatch, a damaged archive or a missing one returns
     ``(None, reason)`` — the caller takes the cold path — and the reason is logged."""
+    _check.path("path", path)
+    if expect is not None and not isinstance(expect, (Fingerprint, Mapping)):
+        raise _check.ArgumentTypeError(f"expect must be a Fingerprint, a mapping or None, got "
+                                       f"{_check.got(expect)}")
     try:
         return open_archive(path, expect=expect), ""
     except (ArchiveError, FileNotFoundError) as e:
@@ -655,6 +704,7 @@ def open_or_cold(path: str | os.PathLike, *,
 
 def verify(path: str | os.PathLike) -> list[str]:
     """All problems of the archive at ``path`` (empty list: intact). Never raises for damage."""
+    _check.path("path", path)
     try:
         a = open_archive(path)
     except (ArchiveError, FileNotFoundError) as e:

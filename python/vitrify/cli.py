@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+
+log = logging.getLogger("vitrify.cli")
+
+
+class CliError(Exception):
+    """A command-line mistake: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (the usage itself stays behind ``--help``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
+    if not os.path.exists(args.dir):
+        raise CliError(f"--dir {args.dir}: no such directory")
+    if not os.path.isdir(args.dir):
+        raise CliError(f"--dir {args.dir}: not a directory")
     report = doctor.collect(args.dir)
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=True)
@@ -73,7 +91,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitrify", description=__import__("vitrify").__doc__.splitlines()[0])
+    p = _Parser(prog="vitrify", description=__import__("vitrify").__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"vitrify {__import__('vitrify').__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="report what this machine offers vitrify")
@@ -99,9 +117,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    first = text.splitlines()[0]
+    return first + (" ..." if first != text else "")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every error is one line on stderr and a non-zero exit status (2: a
+    command-line or settings mistake, 1: the command failed, 130: interrupted); the traceback
+    goes to the ``vitrify.cli`` logger at DEBUG (``VITRIFY_LOG_LEVEL=DEBUG`` shows it)."""
+    from . import _logging, config
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    prog = f"vitrify {args.command}"
+    try:
+        config.settings()  # a bad VITRIFY_* value stops here, named, before any work
+    except ValueError as e:
+        if str(e) != _logging.env_error():  # the import already printed that line
+            print(f"vitrify: {e}", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as e:  # one line for the user, the traceback for whoever asks for it
+        log.debug("%s failed", prog, exc_info=True)
+        print(f"{prog}: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import _native
+from . import _check, _native
 
 _log = logging.getLogger("vitrify.graphs")
 
@@ -90,6 +90,9 @@ def record_modules(extra_paths: list[str] | None = None) -> None:
     ``extra_paths`` and CUPTI from pip wheels. Idempotent. CUPTI allows one subscriber per
     process, so this cannot run together with torch's profiler or Nsight.
     """
+    if extra_paths is not None:
+        extra_paths = [_check.path(f"extra_paths[{i}]", p)
+                       for i, p in enumerate(_check.sequence("extra_paths", extra_paths))]
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized() and not recorder_info()["active"]:
         warnings.warn("vitrify.graphs.record_modules(): CUDA is already initialised in this "
@@ -111,6 +114,7 @@ def recorder_info() -> dict:
 
 def describe(data: bytes) -> dict:
     """The description (nodes, edges, events, relocations) of a serialized graph."""
+    _check.buffer("data", data)
     return dict(_native.graph_describe(bytes(data)))
 
 
@@ -120,6 +124,9 @@ def arena_mem_pool(arena: FixedArena):
     creates the same arena at the same base and allocates in the same order. Installs
     ``arena`` as the process-wide arena behind ``vitrify_graph_arena_malloc``. A stand-in for the
     region allocator in tests and benchmarks."""
+    if not isinstance(arena, FixedArena):
+        raise _check.ArgumentTypeError(f"arena must be a vitrify.graphs.FixedArena, got "
+                                       f"{_check.got(arena)}")
     import torch
 
     _native.graph_install_arena(arena)
@@ -144,6 +151,10 @@ class GraphCapture:
 
     def __init__(self, store: GraphStore, name: str, pool=None, stream=None,
                  capture_error_mode: str = "global"):
+        if not isinstance(store, GraphStore):
+            raise _check.ArgumentTypeError(f"store must be a GraphStore, got {_check.got(store)}")
+        _check.choice("capture_error_mode", capture_error_mode,
+                      ("global", "thread_local", "relaxed"))
         self.store = store
         self.name = _check_name(name)
         self._pool = pool
@@ -187,9 +198,18 @@ class GraphStore:
 
     def __init__(self, *, region: Any = None, region_base: int = 0, region_size: int = 0,
                  live: Any = None, device: int = 0):
+        if region is not None and not (hasattr(region, "base") and hasattr(region, "size") and
+                                       callable(getattr(region, "live_allocations", None))):
+            raise _check.ArgumentTypeError(f"region must be a vitrify.Region (or have base, size "
+                                           f"and live_allocations()), got {_check.got(region)}")
+        if live is not None and not callable(live):
+            _check.sequence("live", live)
         if region is not None:
             region_base, region_size = int(region.base), int(region.size)
             live = region.live_allocations
+        _check.integer("region_base", region_base, 0, _check.U64_MAX)
+        _check.integer("region_size", region_size, 0, _check.U64_MAX - region_base)
+        _check.integer("device", device, 0, (1 << 31) - 1)
         if region_base < 0 or region_size < 0:
             raise ValueError(f"region base/size must be >= 0, got {region_base}, {region_size}")
         self.region_base = int(region_base)
@@ -217,6 +237,7 @@ class GraphStore:
     def add_cuda_graph(self, name: str, handle: int) -> dict:
         """Walk a captured ``cudaGraph_t`` / ``CUgraph`` (an integer handle) into the store.
         Raises :class:`GraphFreezeError` naming the node when it cannot be frozen."""
+        _check.integer("handle", handle, 0, _check.U64_MAX)
         _check_name(name)
         if name in self._graphs:
             raise ValueError(f"graph {name!r} is already in the store")
@@ -232,12 +253,17 @@ class GraphStore:
 
     def add(self, name: str, data: bytes) -> None:
         """Add an already serialized graph (validated)."""
+        _check.buffer("data", data)
         _check_name(name)
         if name in self._graphs:
             raise ValueError(f"graph {name!r} is already in the store")
         data = bytes(data)
         _native.graph_describe(data)  # validates
         self._graphs[name] = data
+
+    def _require(self, name: Any) -> None:
+        if name not in self._graphs:
+            raise KeyError(f"no graph {name!r} in this store; it has {sorted(self._graphs)[:10]}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._graphs
@@ -255,6 +281,7 @@ class GraphStore:
     def data(self, name: str) -> bytes:
         """The serialized graph ``name``, with the integer evidence of every capture so far
         applied (a field that held a non-address in any launch is an integer everywhere)."""
+        self._require(name)
         data, _ = _native.graph_apply_evidence(self._graphs[name], self._evidence)
         return data
 
@@ -281,6 +308,7 @@ class GraphStore:
         """Write ``directory/modules/<sha256>.bin`` (only binaries the graphs use),
         ``directory/graphs/<n>.tgraph`` and ``directory/graphs/index.json``; returns the index.
         ``directory`` is one rank's directory of an archive (``ARCHIVE/rank<N>``)."""
+        _check.directory_to_create("directory", directory)
         root = Path(directory)
         (root / MODULES_DIR).mkdir(parents=True, exist_ok=True)
         (root / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
@@ -329,6 +357,10 @@ class GraphStore:
         """Save into ``rank<N>/`` of an archive being written (a
         :class:`vitrify.archive.ArchiveWriter` or :class:`vitrify.archive.RankWriter`): the same files
         as :meth:`save`, which the writer checksums into the manifest at commit."""
+        if not callable(getattr(writer, "file_path", None)):
+            raise _check.ArgumentTypeError(f"writer must be a vitrify.archive.ArchiveWriter or "
+                                           f"RankWriter, got {_check.got(writer)}")
+        _check.integer("rank", rank, 0, 999999)
         index_path = writer.file_path(f"rank{int(rank)}/{INDEX_FILE}")  # checks rank, makes dirs
         return self.save(Path(index_path).parent.parent)
 
@@ -411,6 +443,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # ------------------------------------------------------------------------------------- THAW
 def read_index(directory: str | os.PathLike) -> dict:
     """The validated ``graphs/index.json`` of a saved store."""
+    _check.path("directory", directory)
     path = Path(directory) / INDEX_FILE
     try:
         index = json.loads(path.read_text())
@@ -451,6 +484,10 @@ class LoadedGraphs:
         self._ids = ids
         self.skipped: dict[str, str] = {}  # graphs left out (non-relocatable), name -> reason
 
+    def _open(self) -> None:
+        if self._set is None:
+            raise ValueError("these graphs were closed")
+
     @property
     def names(self) -> list[str]:
         return list(self._ids)
@@ -471,20 +508,26 @@ class LoadedGraphs:
 
     def wait(self, name: str) -> None:
         """Block until graph ``name`` is built (re-raises its build error)."""
+        self._open()
         self._set.wait(self._id(name))
 
     def wait_all(self) -> None:
         """Block until every graph is built."""
+        self._open()
         self._set.wait_all()
 
     def template_of(self, name: str) -> int:
         """The index of the executable (topology template) graph ``name`` shares."""
+        self._open()
         return self._set.template_of(self._id(name))
 
     def replay(self, name: str, stream: Any = None) -> None:
         """Launch graph ``name`` on ``stream`` (a ``torch.cuda.Stream``, an integer
         ``cudaStream_t``, or None: torch's current stream when torch is imported, else the
         legacy default stream). Asynchronous, like ``CUDAGraph.replay``."""
+        self._open()
+        if isinstance(stream, (int, bool)):
+            _check.integer("stream", stream, 0, _check.U64_MAX)
         gid = self._id(name)
         self._set.launch(gid, _stream_handle(stream))
 
@@ -497,6 +540,7 @@ class LoadedGraphs:
     def stats(self) -> dict:
         """Counts: graphs, templates, built_templates, ready_graphs, modules_loaded,
         parameter_switches, nodes_updated, build_seconds (summed over build threads)."""
+        self._open()
         return dict(self._set.stats())
 
     def close(self) -> None:
@@ -533,6 +577,12 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     :class:`vitrify.archive.ArchiveCorrupt` naming the file, raised before any driver call.
     ``kw`` goes to :func:`load` (device, region_base, threads, names, share_templates).
     """
+    if not (hasattr(archive, "files") and hasattr(archive, "path")
+            and callable(getattr(archive, "check_file", None))):
+        raise _check.ArgumentTypeError(f"archive must be an opened vitrify.archive.Archive, got "
+                                       f"{_check.got(archive)}")
+    _check.integer("rank", rank, 0, 999999)
+    _check.boolean("verify", verify)
     prefix = f"rank{int(rank)}/"
     rels = [r for r in archive.files
             if r.startswith(prefix + GRAPHS_DIR + "/") or r.startswith(prefix + MODULES_DIR + "/")]
@@ -560,6 +610,14 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     Every module file is checked against its SHA-256 name and every graph file against its
     checksums before any driver call; a mismatch is a ValueError naming the file.
     """
+    _check.path("directory", directory)
+    _check.integer("device", device, 0, (1 << 31) - 1)
+    _check.optional_integer("region_base", region_base, 0, _check.U64_MAX)
+    _check.integer("threads", threads, 1, 256)
+    if names is not None:
+        for i, n in enumerate(_check.sequence("names", names)):
+            _check.string(f"names[{i}]", n)
+    _check.boolean("share_templates", share_templates)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if unrelocatable not in ("error", "skip"):

@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from . import _native
+from . import _check, _native
 from . import config as _config
 
 GiB = 1 << 30
@@ -61,13 +61,14 @@ def default_max_slab_bytes() -> int:
 
 def _address(obj: Any, nbytes: int | None, writable: bool, what: str) -> tuple[int, int, Any]:
     """(address, usable bytes, object to keep alive) of a host buffer."""
-    if isinstance(obj, bool):
-        raise TypeError(f"{what}: expected a buffer or an integer address, got a bool")
+    if isinstance(obj, bool) or isinstance(obj, str):
+        raise _check.ArgumentTypeError(f"{what} must be a buffer or an integer address, got {_check.got(obj)}")
+    if nbytes is not None:
+        nbytes = _check.integer(f"{what} size (nbytes)", nbytes, 0, _check.I64_MAX)
     if isinstance(obj, int):
         if nbytes is None:
             raise ValueError(f"{what} is a raw address: pass its size in bytes too")
-        if obj <= 0 or nbytes < 0:
-            raise ValueError(f"{what}: invalid address {obj:#x} / size {nbytes}")
+        _check.integer(f"{what} address", obj, 1, _check.U64_MAX)
         return obj, nbytes, None
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # a torch tensor
         if obj.device.type != "cpu":
@@ -76,7 +77,11 @@ def _address(obj: Any, nbytes: int | None, writable: bool, what: str) -> tuple[i
             raise ValueError(f"{what} is a non-contiguous torch tensor; pass .contiguous()")
         size = obj.numel() * obj.element_size()
         return obj.data_ptr(), _clip(size, nbytes, what), obj
-    mv = memoryview(obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise _check.ArgumentTypeError(f"{what} must be a buffer (bytes-like, numpy array, CPU tensor) or an "
+                        f"integer address, got {_check.got(obj)}") from None
     if not mv.c_contiguous:
         raise ValueError(f"{what} is not C-contiguous")
     if writable and mv.readonly:
@@ -107,13 +112,13 @@ def _clip(size: int, nbytes: int | None, what: str) -> int:
 def _stream_handle(stream: Any) -> int:
     if stream is None:
         return 0
-    if isinstance(stream, int):
-        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _check.integer("stream", stream, 0, _check.U64_MAX)
     for attr in ("cuda_stream", "handle"):  # torch.cuda.Stream, vitrify.host.Stream
         h = getattr(stream, attr, None)
         if isinstance(h, int):
             return h
-    raise TypeError(f"stream must be an int CUstream, a torch.cuda.Stream or a vitrify Stream, "
+    raise _check.ArgumentTypeError(f"stream must be an int CUstream, a torch.cuda.Stream or a vitrify Stream, "
                     f"got {type(stream).__name__}")
 
 
@@ -127,7 +132,11 @@ def plan_slabs(total_bytes: int, page_bytes: int, max_slab_bytes: int | None = N
     that cannot be planned (naming them).
     """
     ceiling = default_max_slab_bytes() if max_slab_bytes is None else max_slab_bytes
-    return list(_native.host_plan_slabs(total_bytes, page_bytes, ceiling, map_align))
+    return list(_native.host_plan_slabs(
+        _check.integer("total_bytes", total_bytes, 1, _check.I64_MAX),
+        _check.integer("page_bytes", page_bytes, 1, _check.I64_MAX),
+        _check.integer("max_slab_bytes", ceiling, 1, _check.I64_MAX),
+        _check.integer("map_align", map_align, 1, 1 << 40)))
 
 
 def check_hugetlbfs_capacity(mount: str, needed: int, *, fs_magic: int, block_size: int,
@@ -137,7 +146,11 @@ def check_hugetlbfs_capacity(mount: str, needed: int, *, fs_magic: int, block_si
     ValueError when ``fs_magic`` is not hugetlbfs; MemoryError (needed vs free, the huge page
     size, and what to change) when the free huge pages are too few.
     """
-    _native.host_check_hugetlbfs_capacity(mount, needed, fs_magic, block_size, free_blocks)
+    _native.host_check_hugetlbfs_capacity(
+        _check.path("mount", mount), _check.integer("needed", needed, 0, _check.U64_MAX),
+        _check.integer("fs_magic", fs_magic, 0, _check.U64_MAX),
+        _check.integer("block_size", block_size, 0, _check.U64_MAX),
+        _check.integer("free_blocks", free_blocks, 0, _check.U64_MAX))
 
 
 def batch_copy_available() -> bool:
@@ -185,15 +198,28 @@ class HostPool:
                  parallel: bool = True, registration_threads: int = 16, prefault: bool = True,
                  device: int = 0,
                  _fake_statfs: tuple[int, int, int] | None = None) -> None:
+        self._pool = None
+        total_bytes = _check.integer("total_bytes", total_bytes, 1, _check.I64_MAX)
+        page_bytes = _check.integer("page_bytes", page_bytes, 1, _check.I64_MAX)
+        if total_bytes % page_bytes:
+            raise ValueError(f"total_bytes must be a multiple of page_bytes={page_bytes} (a pool "
+                             f"holds whole pages), got {total_bytes}")
         reg = {True: "on", False: "off"}.get(register, register) if isinstance(register, bool) \
             else register
-        if reg not in ("auto", "on", "off"):
+        if not isinstance(reg, str) or reg not in ("auto", "on", "off"):
             raise ValueError(f"register must be 'auto', True or False, got {register!r}")
-        if registration_threads < 1:
-            raise ValueError(f"registration_threads must be >= 1, got {registration_threads}")
+        registration_threads = _check.integer("registration_threads", registration_threads, 1,
+                                              1024)
+        device = _check.integer("device", device, 0, (1 << 31) - 1)
+        for name, v in (("parallel", parallel), ("prefault", prefault)):
+            if not isinstance(v, (bool, int)):
+                raise _check.ArgumentTypeError(f"{name} must be True or False, got {_check.got(v)}")
         ceiling = default_max_slab_bytes() if max_slab_bytes is None else max_slab_bytes
-        self._pool = _native.HostPool(total_bytes, page_bytes, ceiling,
-                                      os.fspath(hugetlbfs_mount) if hugetlbfs_mount else "",
+        ceiling = _check.integer("max_slab_bytes", ceiling, 1, _check.I64_MAX)
+        mount = "" if hugetlbfs_mount is None else _check.path("hugetlbfs_mount", hugetlbfs_mount)
+        if mount and _fake_statfs is None and not os.path.isdir(mount):
+            raise FileNotFoundError(2, "hugetlbfs_mount: no such directory", mount)
+        self._pool = _native.HostPool(total_bytes, page_bytes, ceiling, mount,
                                       reg, bool(parallel), registration_threads, bool(prefault),
                                       device,
                                       _fake_statfs)
@@ -255,25 +281,38 @@ class HostPool:
         return dict(self._pool.registration())
 
     # -- addresses
+    def _open(self) -> Any:
+        if self._pool.closed:
+            raise ValueError("the HostPool is closed")
+        return self._pool
+
+    def _slab(self, slab: Any) -> int:
+        return _check.integer("slab", slab, 0, self._open().num_slabs - 1)
+
+    def _page(self, page: Any, name: str = "page") -> int:
+        return _check.integer(name, page, 0, self._open().num_pages - 1)
+
     def slab_address(self, slab: int) -> int:
         """Base address of slab ``slab``."""
-        return self._pool.slab_address(slab)
+        return self._pool.slab_address(self._slab(slab))
 
     def slab_of(self, page: int) -> int:
         """The slab holding ``page``."""
-        return self._pool.slab_of(page)
+        return self._pool.slab_of(self._page(page))
 
     def page_address(self, page: int) -> int:
         """Address of page ``page`` (its ``page_bytes`` are contiguous)."""
-        return self._pool.page_address(page)
+        return self._pool.page_address(self._page(page))
 
     def segments(self, first_page: int, count: int = 1) -> list[Segment]:
         """Pages [first_page, first_page + count) as pieces that never straddle two slabs."""
+        first_page = self._page(first_page, "first_page")
+        count = _check.integer("count", count, 0, self.num_pages - first_page)
         return [Segment(*s) for s in self._pool.segments(first_page, count)]
 
     def slab_array(self, slab: int):
         """A numpy uint8 array over slab ``slab``'s pages, without copying."""
-        return self._pool.slab_array(slab)
+        return self._pool.slab_array(self._slab(slab))
 
     def slab_tensor(self, slab: int):
         """A CPU torch uint8 tensor over slab ``slab``'s pages, without copying (needs torch)."""
@@ -293,12 +332,12 @@ class HostPool:
         where the driver has it), ``"batch"`` (require it) or ``"loop"`` (one async copy per
         segment). Returns ``path``, ``copies``, ``driver_calls``, ``bytes``.
         """
-        return self._pool.transfer("h2d", _runs(runs), _stream_handle(stream), path)
+        return self._open().transfer("h2d", _runs(runs), _stream_handle(stream), _path(path))
 
     def to_host(self, runs: Sequence[int] | Iterable[Sequence[int]], stream: Any = None, *,
                 path: str = "auto") -> dict:
         """Enqueue copies of device memory into pool pages; the reverse of :meth:`to_device`."""
-        return self._pool.transfer("d2h", _runs(runs), _stream_handle(stream), path)
+        return self._open().transfer("d2h", _runs(runs), _stream_handle(stream), _path(path))
 
     # -- lifetime
     def close(self) -> None:
@@ -318,15 +357,21 @@ class HostPool:
                 f"registered={self.registered})")
 
 
+def _path(path: Any) -> str:
+    return _check.choice("path", path, ("auto", "batch", "loop"))
+
+
 def _runs(runs) -> list[tuple[int, int, int]]:
-    runs = list(runs)
+    runs = _check.sequence("runs", runs)
     if runs and isinstance(runs[0], int):
         runs = [runs]
     out = []
-    for r in runs:
-        if len(r) != 3:
-            raise ValueError(f"a page run is (first_page, count, device_ptr), got {r!r}")
-        out.append((int(r[0]), int(r[1]), int(r[2])))
+    for i, r in enumerate(runs):
+        if isinstance(r, (str, bytes)) or not isinstance(r, (tuple, list)) or len(r) != 3:
+            raise ValueError(f"runs[{i}] must be (first_page, count, device_ptr), got {r!r}")
+        out.append((_check.integer(f"runs[{i}] first_page", r[0], 0, _check.U64_MAX),
+                    _check.integer(f"runs[{i}] count", r[1], 0, _check.U64_MAX),
+                    _check.integer(f"runs[{i}] device_ptr", r[2], 0, _check.U64_MAX)))
     return out
 
 
@@ -340,8 +385,10 @@ class HostRegistration:
 
     def __init__(self, buffer: Any, nbytes: int | None = None, *, device: int = 0,
                  max_bytes: int | None = None) -> None:
-        addr, n, self._keep = _address(buffer, nbytes, True, "registration buffer")
+        addr, n, self._keep = _address(buffer, nbytes, True, "buffer")
+        device = _check.integer("device", device, 0, (1 << 31) - 1)
         ceiling = default_max_slab_bytes() if max_bytes is None else max_bytes
+        ceiling = _check.integer("max_bytes", ceiling, 1, _check.U64_MAX)
         self._reg = _native.HostRegistration(addr, n, device, ceiling)
 
     @property
@@ -369,7 +416,7 @@ class Stream:
     """A non-blocking CUstream on ``device``'s primary context (``.handle`` is the CUstream)."""
 
     def __init__(self, device: int = 0) -> None:
-        self._s = _native.Stream(device)
+        self._s = _native.Stream(_check.integer("device", device, 0, (1 << 31) - 1))
 
     @property
     def handle(self) -> int:
@@ -387,18 +434,37 @@ class Stream:
 def _component_addresses(components: Any) -> list[int]:
     if isinstance(components, (int, str, bytes)) or not isinstance(components, (list, tuple)):
         components = [components]
+    if not components:
+        raise ValueError("components must name at least one base address, got an empty list")
     out = []
-    for c in components:
-        if isinstance(c, int):
-            out.append(c)
-        elif hasattr(c, "data_ptr"):
+    for i, c in enumerate(components):
+        if isinstance(c, int) and not isinstance(c, bool):
+            out.append(_check.integer(f"components[{i}]", c, 1, _check.U64_MAX))
+        elif hasattr(c, "data_ptr") and hasattr(c, "device"):
             if c.device.type != "cpu":
-                raise ValueError(f"layout component is a tensor on {c.device}; host memory needed")
+                raise ValueError(f"components[{i}] is a tensor on {c.device}; host memory is "
+                                 f"needed")
             out.append(c.data_ptr())
         else:
-            raise TypeError(f"layout components are addresses (int) or CPU tensors, got "
-                            f"{type(c).__name__}")
+            raise _check.ArgumentTypeError(f"components[{i}] must be an address (int) or a CPU tensor, got "
+                            f"{_check.got(c)}")
     return out
+
+
+def _model_numbers(**kw: Any) -> list[int]:
+    """layers, pages, page_tokens, heads, head_dim, item_bytes: each an int >= 1."""
+    return [_check.integer(name, v, 1, _check.I64_MAX) for name, v in kw.items()]
+
+
+def _layout(layout: Any) -> Any:
+    if not isinstance(layout, PageLayout):
+        raise _check.ArgumentTypeError(f"layout must be a vitrify.host.PageLayout, got {_check.got(layout)}")
+    return layout._l
+
+
+def _pages(name: str, pages: Any, layout: PageLayout) -> list[int]:
+    return [_check.integer(f"{name}[{i}]", p, 0, layout.pages - 1)
+            for i, p in enumerate(_check.sequence(name, pages))]
 
 
 class PageLayout:
@@ -418,26 +484,30 @@ class PageLayout:
     def layer_first(cls, components: Any, *, layers: int, pages: int, page_tokens: int,
                     heads: int, head_dim: int, item_bytes: int) -> PageLayout:
         """``[layer][page][token][head][dim]`` per component (SGLang's host ``layer_first``)."""
-        return cls(_native.PageLayout.layer_first(_component_addresses(components), layers, pages,
-                                                  page_tokens, heads, head_dim, item_bytes))
+        return cls(_native.PageLayout.layer_first(
+            _component_addresses(components),
+            *_model_numbers(layers=layers, pages=pages, page_tokens=page_tokens, heads=heads,
+                            head_dim=head_dim, item_bytes=item_bytes)))
 
     @classmethod
     def page_first(cls, components: Any, *, layers: int, pages: int, page_tokens: int,
                    heads: int, head_dim: int, item_bytes: int) -> PageLayout:
         """``[page][layer][token][head][dim]`` per component."""
-        return cls(_native.PageLayout.page_first(_component_addresses(components), layers, pages,
-                                                 page_tokens, heads, head_dim, item_bytes))
+        return cls(_native.PageLayout.page_first(
+            _component_addresses(components),
+            *_model_numbers(layers=layers, pages=pages, page_tokens=page_tokens, heads=heads,
+                            head_dim=head_dim, item_bytes=item_bytes)))
 
     @classmethod
     def strided(cls, components: Any, *, component_bytes: int, layers: int, pages: int,
                 slice_bytes: int, layer_stride: int, page_stride: int) -> PageLayout:
         """Any layout: slice (layer, page) of a component is ``slice_bytes`` at
         ``base + layer * layer_stride + page * page_stride``, inside ``component_bytes``."""
-        for name, v in (("component_bytes", component_bytes), ("layers", layers),
-                        ("pages", pages), ("slice_bytes", slice_bytes),
-                        ("layer_stride", layer_stride), ("page_stride", page_stride)):
-            if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
+        component_bytes, layers, pages, slice_bytes, layer_stride, page_stride = (
+            _check.integer(name, v, 0, _check.I64_MAX) for name, v in (
+                ("component_bytes", component_bytes), ("layers", layers), ("pages", pages),
+                ("slice_bytes", slice_bytes), ("layer_stride", layer_stride),
+                ("page_stride", page_stride)))
         native = _native.PageLayout(_component_addresses(components), component_bytes, layers,
                                     pages, slice_bytes, layer_stride, page_stride)
         native.validate()
@@ -456,27 +526,50 @@ class PageLayout:
         layer_dim=1, token_dim=2``; ``page_first`` ``[2, tokens, layers, heads, dim]`` →
         ``component_dim=0, token_dim=1`` (each page is one slice holding all layers).
         """
-        if hasattr(tensor, "data_ptr"):  # torch: strides in elements
+        if hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size"):  # torch: elements
             if tensor.device.type != "cpu":
                 raise ValueError(f"tensor is on {tensor.device}; a host tensor is needed")
             item = tensor.element_size()
             base, shape = tensor.data_ptr(), tuple(tensor.shape)
             strides = tuple(s * item for s in tensor.stride())
             nbytes = tensor.numel() * item
-        else:  # numpy: strides in bytes
+        elif hasattr(tensor, "ctypes") and hasattr(tensor, "strides"):  # numpy: strides in bytes
             item = tensor.itemsize
             base, shape, strides = tensor.ctypes.data, tuple(tensor.shape), tuple(tensor.strides)
             nbytes = tensor.nbytes
+        else:
+            raise _check.ArgumentTypeError(f"tensor must be a CPU torch tensor or a numpy array, got "
+                            f"{_check.got(tensor)}")
         nd = len(shape)
-        for name, d in (("token_dim", token_dim), ("layer_dim", layer_dim),
-                        ("component_dim", component_dim)):
-            if d is not None and not 0 <= d < nd:
-                raise ValueError(f"{name}={d} is not a dimension of a {nd}-d tensor")
-            if d is not None and d != token_dim and d > token_dim:
+        if nd == 0:
+            raise ValueError("tensor must have at least one dimension (tokens), got a 0-d tensor")
+        token_dim = _check.integer("token_dim", token_dim, 0, nd - 1)
+        layer_dim = _check.optional_integer("layer_dim", layer_dim, 0, nd - 1)
+        component_dim = _check.optional_integer("component_dim", component_dim, 0, nd - 1)
+        page_tokens = _check.integer("page_tokens", page_tokens, 1, _check.I64_MAX)
+        named = {"token_dim": token_dim}
+        for name, d in (("layer_dim", layer_dim), ("component_dim", component_dim)):
+            if d is None:
+                continue
+            if d >= token_dim:
                 raise ValueError(f"{name}={d} must come before token_dim={token_dim}")
-        if page_tokens < 1 or shape[token_dim] % page_tokens:
+            for other, od in named.items():
+                if od == d:
+                    raise ValueError(f"{name}={d} is the same dimension as {other}={od}")
+            named[name] = d
+        # A dimension before token_dim that is not named would be read at index 0 only (the
+        # others never gathered): refuse it unless it has size 1.
+        for d in range(token_dim):
+            if d not in named.values() and shape[d] != 1:
+                raise ValueError(
+                    f"dimension {d} of the {tuple(shape)} tensor (size {shape[d]}) is not named: "
+                    f"pass it as layer_dim or component_dim (only dimensions of size 1 may be "
+                    f"left out)")
+        if shape[token_dim] % page_tokens:
             raise ValueError(f"page_tokens={page_tokens} must divide the {shape[token_dim]} "
                              f"tokens of dim {token_dim}")
+        if shape[token_dim] == 0 or nbytes == 0:
+            raise ValueError(f"tensor of shape {tuple(shape)} holds no tokens")
         dense = item
         for d in range(nd - 1, token_dim, -1):
             if strides[d] != dense:
@@ -529,8 +622,9 @@ class Copier:
             self._c = _native_copier
         else:
             t = _native.host_default_threads() if threads is None else threads
-            if t < 1:
-                raise ValueError(f"threads must be >= 1, got {t}")
+            t = _check.integer("threads", t, 1, 1024)
+            if not isinstance(streaming, (bool, int)):
+                raise _check.ArgumentTypeError(f"streaming must be True or False, got {_check.got(streaming)}")
             self._c = _native.Copier(t, bool(streaming))
 
     @property
@@ -549,31 +643,41 @@ class Copier:
         ``dst`` may be an int address (then ``capacity`` is required), e.g. a disk slot
         buffer's address plus its 64-byte header.
         """
-        addr, cap, keep = _address(dst, capacity, True, "gather destination")
-        self._c.gather(layout._l, page, addr, cap)
+        lay = _layout(layout)
+        page = _check.integer("page", page, 0, layout.pages - 1)
+        addr, cap, keep = _address(dst, capacity, True, "dst")
+        self._c.gather(lay, page, addr, cap)
         del keep
         return layout.blob_bytes
 
     def scatter(self, src: Any, layout: PageLayout, page: int, nbytes: int | None = None) -> None:
         """Copy a blob from ``src`` back into page ``page``."""
-        addr, n, keep = _address(src, nbytes, False, "scatter source")
-        self._c.scatter(addr, n, layout._l, page)
+        lay = _layout(layout)
+        page = _check.integer("page", page, 0, layout.pages - 1)
+        addr, n, keep = _address(src, nbytes, False, "src")
+        self._c.scatter(addr, n, lay, page)
         del keep
 
     def gather_pages(self, layout: PageLayout, pages: Sequence[int], dst: Any,
                      stride: int | None = None, capacity: int | None = None) -> None:
         """Gather ``pages[i]`` to ``dst + i * stride`` (default stride: the blob size)."""
-        addr, cap, keep = _address(dst, capacity, True, "gather destination")
-        self._c.gather_pages(layout._l, list(pages), addr,
-                             layout.blob_bytes if stride is None else stride, cap)
+        lay = _layout(layout)
+        pages = _pages("pages", pages, layout)
+        stride = layout.blob_bytes if stride is None else _check.integer("stride", stride, 0,
+                                                                          _check.I64_MAX)
+        addr, cap, keep = _address(dst, capacity, True, "dst")
+        self._c.gather_pages(lay, pages, addr, stride, cap)
         del keep
 
     def scatter_pages(self, src: Any, layout: PageLayout, pages: Sequence[int],
                       stride: int | None = None, nbytes: int | None = None) -> None:
         """Scatter blobs at ``src + i * stride`` into ``pages[i]`` (pages must be distinct)."""
-        addr, n, keep = _address(src, nbytes, False, "scatter source")
-        self._c.scatter_pages(addr, layout.blob_bytes if stride is None else stride, n,
-                              layout._l, list(pages))
+        lay = _layout(layout)
+        pages = _pages("pages", pages, layout)
+        stride = layout.blob_bytes if stride is None else _check.integer("stride", stride, 0,
+                                                                          _check.I64_MAX)
+        addr, n, keep = _address(src, nbytes, False, "src")
+        self._c.scatter_pages(addr, stride, n, lay, pages)
         del keep
 
 
@@ -582,24 +686,34 @@ class Copier:
         """Gather ``pages[i]`` into its own buffer ``dsts[i]`` (e.g. separate slot buffers,
         each an int address past its header with ``each_bytes`` given, or a writable buffer),
         all in one parallel copy."""
-        addrs, keep = self._each(dsts, each_bytes, True, "gather_each destination")
-        self._c.gather_each(layout._l, list(pages), [a for a, _ in addrs],
+        lay = _layout(layout)
+        pages = _pages("pages", pages, layout)
+        addrs, keep = self._each(dsts, each_bytes, True, "dsts")
+        if len(addrs) != len(pages):
+            raise ValueError(f"pages and dsts differ in length: {len(pages)} pages, "
+                             f"{len(addrs)} destinations")
+        self._c.gather_each(lay, pages, [a for a, _ in addrs],
                             min(n for _, n in addrs) if addrs else 0)
         del keep
 
     def scatter_each(self, srcs: Sequence[Any], layout: PageLayout, pages: Sequence[int],
                      each_bytes: int | None = None) -> None:
         """Scatter the blob in ``srcs[i]`` into ``pages[i]`` (pages must be distinct)."""
-        addrs, keep = self._each(srcs, each_bytes, False, "scatter_each source")
+        lay = _layout(layout)
+        pages = _pages("pages", pages, layout)
+        addrs, keep = self._each(srcs, each_bytes, False, "srcs")
+        if len(addrs) != len(pages):
+            raise ValueError(f"pages and srcs differ in length: {len(pages)} pages, "
+                             f"{len(addrs)} sources")
         self._c.scatter_each([a for a, _ in addrs], min(n for _, n in addrs) if addrs else 0,
-                             layout._l, list(pages))
+                             lay, pages)
         del keep
 
     @staticmethod
     def _each(bufs, each_bytes, writable, what):
         addrs, keep = [], []
-        for i, b in enumerate(bufs):
-            a, n, k = _address(b, each_bytes, writable, f"{what} {i}")
+        for i, b in enumerate(_check.sequence(what, bufs)):
+            a, n, k = _address(b, each_bytes, writable, f"{what}[{i}]")
             addrs.append((a, n))
             keep.append(k)
         return addrs, keep

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from . import _native
+from . import _check, _native
 
 RegionAddressError = _native.RegionAddressError
 RegionAddressError.__doc__ = (
@@ -38,11 +38,13 @@ SEARCH_LIMIT: int = _native.REGION_SEARCH_LIMIT
 DEFAULT_PREALLOC_CHUNK: int = _native.REGION_DEFAULT_PREALLOC_CHUNK
 
 
-def _int(name: str, value: object, *, minimum: int = 0) -> int:
+def _int(name: str, value: object, *, minimum: int = 0, maximum: int = _check.U64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise _check.ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -75,7 +77,7 @@ class Region:
         _int("size", size, minimum=1)
         if base is not None:
             _int("base", base, minimum=1)
-        _int("device", device)
+        _int("device", device, maximum=(1 << 31) - 1)
         self._r = _native.Region(base, size, device)
 
     # --- facts --------------------------------------------------------------------------------
@@ -179,8 +181,7 @@ class Region:
     def checkpoint(self, name: str) -> int:
         """Record the cursor under ``name`` (unique per region) and return it, so FREEZE and THAW
         can compare their trajectories."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"checkpoint name must be a non-empty str, got {name!r}")
+        _check.string("checkpoint name", name)
         return self._r.checkpoint(name)
 
     @property
@@ -204,7 +205,16 @@ class Region:
     # --- data ---------------------------------------------------------------------------------
     def write(self, ptr: int, data: bytes) -> None:
         """Copy ``data`` to ``ptr`` (synchronous); the range must lie in one live allocation."""
-        self._r.write(_int("ptr", ptr), bytes(data))
+        ptr = _int("ptr", ptr)
+        if isinstance(data, str):
+            raise _check.ArgumentTypeError(f"data must be bytes-like, got {_check.got(data)} "
+                                           f"(encode it first)")
+        try:
+            raw = data if isinstance(data, bytes) else memoryview(data).tobytes()
+        except TypeError:
+            raise _check.ArgumentTypeError(f"data must be bytes-like, got {_check.got(data)}") \
+                from None
+        self._r.write(ptr, raw)
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` from ``ptr`` (synchronous); the range must lie in one live allocation."""

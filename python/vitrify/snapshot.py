@@ -28,13 +28,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Union
 
-from . import _native, config
+from . import _check, _native, config
 
 log = logging.getLogger("vitrify.snapshot")
 
-HostBackend = _native.HostBackend
 Snapshot = _native.Snapshot
-ScratchSpan = _native.ScratchSpan
 SpanFileError = _native.SpanFileError
 
 Target = Union[int, "_native.HostBackend"]
@@ -48,51 +46,134 @@ WEIGHTS_SPAN = "weights"
 
 # ---- interval arithmetic ---------------------------------------------------------------------
 
+def _intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    out = []
+    for i, iv in enumerate(_check.sequence("intervals", intervals)):
+        if isinstance(iv, (str, bytes)) or not isinstance(iv, (tuple, list)) or len(iv) != 2:
+            raise _check.ArgumentTypeError(f"intervals[{i}] must be a (begin, end) pair of ints, got "
+                            f"{_check.got(iv)}")
+        b = _check.integer(f"intervals[{i}] begin", iv[0], 0, _check.U64_MAX)
+        e = _check.integer(f"intervals[{i}] end", iv[1], 0, _check.U64_MAX)
+        out.append((b, e))
+    return out
+
+
+class HostBackend(_native.HostBackend):
+    """Host memory posing as device memory (for CPU-only tests): ``size`` bytes at ``base``, the
+    ``holes`` (``(begin, end)`` offsets) unmapped, aligned to ``alignment``."""
+
+    def __init__(self, size: int, holes: Iterable[Interval] = (),
+                 alignment: int = DEFAULT_GRANULARITY) -> None:
+        size = _check.integer("size", size, 1, 1 << 40)
+        alignment = _check.integer("alignment", alignment, 1, 1 << 30)
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        super().__init__(size, _intervals(holes), alignment)
+
+
+class ScratchSpan(_native.ScratchSpan):
+    """A VMM reservation of ``size`` bytes on ``device`` near ``base_hint`` with the granules
+    flagged in ``mapped`` (one bool per granule) backed by memory (GPU tests, benchmarks)."""
+
+    def __init__(self, device: int, size: int, base_hint: int, mapped: Iterable[bool]) -> None:
+        device = _check.integer("device", device, 0, (1 << 31) - 1)
+        size = _check.integer("size", size, 1, 1 << 46)
+        base_hint = _check.integer("base_hint", base_hint, 0, _check.U64_MAX)
+        flags = _check.sequence("mapped", mapped)
+        for i, f in enumerate(flags):
+            if not isinstance(f, (bool, int)) or f not in (0, 1):
+                raise _check.ArgumentTypeError(f"mapped[{i}] must be True or False, got "
+                                               f"{_check.got(f)}")
+        super().__init__(device, size, base_hint, [bool(f) for f in flags])
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy ``data`` to ``base + offset``."""
+        if not isinstance(data, bytes):
+            _check.buffer("data", data)
+            data = memoryview(data).tobytes()
+        super().write(_check.integer("offset", offset, 0, _check.U64_MAX), data)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` from ``base + offset``."""
+        return super().read(_check.integer("offset", offset, 0, _check.U64_MAX),
+                            _check.integer("nbytes", nbytes, 0, _check.I64_MAX))
+
+
 def merge(intervals: Iterable[Interval]) -> list[Interval]:
     """Sort, drop empty intervals, merge overlapping and touching ones."""
-    return list(_native.span_merge(list(intervals)))
+    return list(_native.span_merge(_intervals(intervals)))
 
 
 def clamp(intervals: Iterable[Interval], ceiling: int) -> list[Interval]:
     """Cut every interval to ``[0, ceiling)``; what lies at or above ``ceiling`` is dropped."""
-    return list(_native.span_clamp(list(intervals), ceiling))
+    return list(_native.span_clamp(_intervals(intervals),
+                                   _check.integer("ceiling", ceiling, 0, _check.U64_MAX)))
 
 
 def intersect(intervals: Iterable[Interval], lo: int, hi: int) -> list[Interval]:
     """Intersect every interval with ``[lo, hi)``; empty results are dropped."""
-    return list(_native.span_intersect(list(intervals), lo, hi))
+    return list(_native.span_intersect(_intervals(intervals),
+                                       _check.integer("lo", lo, 0, _check.U64_MAX),
+                                       _check.integer("hi", hi, 0, _check.U64_MAX)))
 
 
 def total_bytes(intervals: Iterable[Interval]) -> int:
     """Sum of the interval sizes (empty intervals count 0)."""
-    return _native.span_total(list(intervals))
+    return _native.span_total(_intervals(intervals))
 
 
 def split_aligned(base: int, start: int, end: int, granularity: int) -> list[Interval]:
     """``[start, end)`` split where ``base + offset`` crosses a multiple of ``granularity``."""
-    return list(_native.span_split_aligned(base, start, end, granularity))
+    _check_span(base, start, end)
+    return list(_native.span_split_aligned(
+        base, start, end, _check.integer("granularity", granularity, 1, _check.U64_MAX)))
 
 
 # ---- validation ------------------------------------------------------------------------------
 
-def _check_span(base: int, start: int, end: int) -> None:
-    for name, v in (("base", base), ("start", start), ("end", end)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+def _check_span(base: int, start: int, end: int, end_name: str = "end") -> None:
+    for name, v in (("base", base), ("start", start), (end_name, end)):
+        _check.integer(name, v, 0, _check.U64_MAX)
     if start > end:
-        raise ValueError(f"span start {start:#x} is past its end {end:#x}")
+        raise ValueError(f"span start {start:#x} is past its {end_name} {end:#x}")
+    if base + end > _check.U64_MAX:
+        raise ValueError(f"base {base:#x} + {end_name} {end:#x} is past the 64-bit address space")
+
+
+def _target(target: Target) -> Target:
+    if isinstance(target, HostBackend):
+        return target
+    if isinstance(target, bool) or not isinstance(target, int):
+        raise _check.ArgumentTypeError(f"target must be a device ordinal (int) or a HostBackend, got "
+                        f"{_check.got(target)}")
+    return _check.integer("target", target, 0, (1 << 31) - 1)
+
+
+def _snapshot(snapshot: Snapshot) -> Snapshot:
+    if not isinstance(snapshot, Snapshot):
+        raise _check.ArgumentTypeError(f"snapshot must be a vitrify.snapshot.Snapshot (from dump), got "
+                        f"{_check.got(snapshot)}")
+    return snapshot
 
 
 def _direct_io(direct_io: str | None) -> str:
     v = config.settings().direct_io if direct_io is None else direct_io
-    if v not in ("auto", "on", "off"):
-        raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {v!r}")
-    return v
+    return _check.choice("direct_io", v, ("auto", "on", "off"))
+
+
+def _parent_dir(name: str, path: str) -> None:
+    """The directory a new file at ``path`` goes into must exist (one-line OSError naming it)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise FileNotFoundError(2, f"{name}: the directory does not exist", parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(20, f"{name}: not a directory", parent)
 
 
 def progress_logger(what: str, every_bytes: int = 1 << 30) -> Callable[[int, int], None]:
     """A progress callback that logs ``what`` through the ``vitrify`` logger about every
     ``every_bytes`` (and at the end), with the rate so far."""
+    _check.integer("every_bytes", every_bytes, 1, _check.U64_MAX)
     t0 = time.monotonic()
     state = {"next": every_bytes}
 
@@ -120,7 +201,11 @@ def dump(base: int, start: int, end: int, *, target: Target = 0,
     Call it BEFORE the engine empties its caching allocator.
     """
     _check_span(base, start, end)
-    return _native.span_dump(target, base, start, end, granularity, pin)
+    target = _target(target)
+    granularity = _check.integer("granularity", granularity, 1, 1 << 40)
+    if not isinstance(pin, (bool, int)):
+        raise _check.ArgumentTypeError(f"pin must be True or False, got {_check.got(pin)}")
+    return _native.span_dump(target, base, start, end, granularity, bool(pin))
 
 
 def restore(snapshot: Snapshot, base: int, ceiling: int, *, target: Target = 0) -> dict:
@@ -132,8 +217,9 @@ def restore(snapshot: Snapshot, base: int, ceiling: int, *, target: Target = 0) 
     release the idle chunks it skips, restored bytes included). Returns ``bytes_written``,
     ``bytes_dropped`` and ``intervals_written``.
     """
-    _check_span(base, 0, ceiling)
-    return dict(_native.span_restore(target, snapshot, base, ceiling))
+    _snapshot(snapshot)
+    _check_span(base, 0, ceiling, "ceiling")
+    return dict(_native.span_restore(_target(target), snapshot, base, ceiling))
 
 
 # ---- span files ------------------------------------------------------------------------------
@@ -149,11 +235,18 @@ def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, ta
     accepts it). ``progress(done, total)`` is called per chunk; by default large spans are logged
     on the ``vitrify.snapshot`` logger. Returns ``bytes``, ``intervals``, ``direct_io``, ``seconds``.
     """
+    path = _check.path("path", path)
     _check_span(base, start, end)
+    target = _target(target)
+    chunk_bytes = _check.integer("chunk_bytes", chunk_bytes, 4096, 1 << 34)
+    granularity = _check.integer("granularity", granularity, 1, 1 << 40)
+    direct_io = _direct_io(direct_io)
+    _check.callable_or_none("progress", progress)
+    _parent_dir("path", path)
     if progress is None:
-        progress = progress_logger(f"dump {os.fspath(path)}")
-    out = dict(_native.span_dump_file(target, os.fspath(path), base, start, end, chunk_bytes,
-                                      granularity, _direct_io(direct_io), progress))
+        progress = progress_logger(f"dump {path}")
+    out = dict(_native.span_dump_file(target, path, base, start, end, chunk_bytes,
+                                      granularity, direct_io, progress))
     log.info("dumped span [%#x, %#x) to %s: %d bytes in %d intervals, %.2f s (O_DIRECT %s)",
              start, end, os.fspath(path), out["bytes"], len(out["intervals"]), out["seconds"],
              "on" if out["direct_io"] else "off")
@@ -170,11 +263,14 @@ def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, targe
     fall back to re-running warmup). Returns ``bytes``, ``bytes_written``, ``bytes_dropped``,
     ``intervals``, ``direct_io``, ``seconds``.
     """
-    _check_span(base, 0, ceiling)
+    path = _check.existing_file("path", path)
+    _check_span(base, 0, ceiling, "ceiling")
+    target = _target(target)
+    direct_io = _direct_io(direct_io)
+    _check.callable_or_none("progress", progress)
     if progress is None:
-        progress = progress_logger(f"restore {os.fspath(path)}")
-    out = dict(_native.span_restore_file(target, os.fspath(path), base, ceiling,
-                                         _direct_io(direct_io), progress))
+        progress = progress_logger(f"restore {path}")
+    out = dict(_native.span_restore_file(target, path, base, ceiling, direct_io, progress))
     log.info("restored %s: %d bytes written, %d dropped above the ceiling %#x, %.2f s",
              os.fspath(path), out["bytes_written"], out["bytes_dropped"], ceiling, out["seconds"])
     return out
@@ -182,12 +278,12 @@ def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, targe
 
 def file_info(path: str | os.PathLike) -> dict:
     """Header and tables of a span file (validated; raises :class:`SpanFileError`)."""
-    return dict(_native.span_file_info(os.fspath(path)))
+    return dict(_native.span_file_info(_check.existing_file("path", path)))
 
 
 def verify_file(path: str | os.PathLike, *, direct_io: str | None = None) -> None:
     """Read a span file and check every chunk CRC32C; raises :class:`SpanFileError`."""
-    _native.span_verify_file(os.fspath(path), _direct_io(direct_io))
+    _native.span_verify_file(_check.existing_file("path", path), _direct_io(direct_io))
 
 
 # ---- restore or re-run warmup ----------------------------------------------------------------
@@ -203,7 +299,10 @@ class RestorePlan:
 
 def span_relpath(rank: int, name: str = WARMUP_SPAN) -> str:
     """Where an archive keeps span ``name`` of ``rank``: ``rank<N>/region/<name>.span``."""
-    return f"rank{int(rank)}/region/{name}.span"
+    rank = _check.integer("rank", rank, 0, 999999)
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise ValueError(f"name must be a span name (no '/', not starting with '.'), got {name!r}")
+    return f"rank{rank}/region/{name}.span"
 
 
 def plan_restore(archive, rank: int) -> RestorePlan:
@@ -213,6 +312,10 @@ def plan_restore(archive, rank: int) -> RestorePlan:
     ``VITRIFY_WARMUP_RESTORE=0`` forces re-running warmup; an archive without the rank's warmup
     dump falls back to it automatically.
     """
+    rank = _check.integer("rank", rank, 0, 999999)
+    if not (callable(getattr(archive, "has_file", None)) and hasattr(archive, "files")):
+        raise _check.ArgumentTypeError(f"archive must be an opened vitrify.archive.Archive, got "
+                                       f"{_check.got(archive)}")
     if not config.settings().warmup_restore:
         plan = RestorePlan("rerun-warmup", "VITRIFY_WARMUP_RESTORE=0 forces re-running warmup")
         log.info("rank %d: %s", rank, plan.reason)

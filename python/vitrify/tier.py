@@ -58,30 +58,33 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import _native, config
+from . import _check, _native, config
 
 KEY_BYTES: int = _native.DISK_KEY_BYTES
 SLOT_HEADER_BYTES: int = _native.DISK_SLOT_HEADER_BYTES
+_FILE_HEADER_BYTES: int = _native.DISK_FILE_HEADER_BYTES
 
 _KEY_PREFIX = b"vitrify-disk-key\0"
+#: The largest page (payload) size of one kind (a slot's length field is 32-bit).
+_MAX_PAGE_BYTES = (1 << 32) - 4096
 _STORED, _DUPLICATE = 0, 1
 PUT_RESULTS = {0: "stored", 1: "duplicate", 2: "full", 3: "error", 4: "cancelled"}
 
 
-def make_key(key: str | bytes | bytearray | memoryview) -> bytes:
+def make_key(key: str | bytes | bytearray | memoryview, what: str = "key") -> bytes:
     """The 32-byte store key of ``key``: SHA-256 over a fixed prefix and the key's bytes."""
     if isinstance(key, str):
         data = key.encode("utf-8")
     elif isinstance(key, (bytes, bytearray, memoryview)):
         data = bytes(key)
     else:
-        raise TypeError(f"disk keys are str or bytes-like, got {type(key).__name__}")
+        raise _check.ArgumentTypeError(f"{what} must be a str or bytes-like, got {_check.got(key)}")
     return hashlib.sha256(_KEY_PREFIX + data).digest()
 
 
 def slot_bytes_for(page_bytes: int) -> int:
     """Bytes one slot of ``page_bytes`` payload takes on disk (header + payload, 4 KiB rounded)."""
-    return _native.disk_slot_bytes_for(page_bytes)
+    return _native.disk_slot_bytes_for(_check.integer("page_bytes", page_bytes, 0, _MAX_PAGE_BYTES))
 
 
 class SlotBuffer:
@@ -156,46 +159,63 @@ class GetTicket:
 
 
 def _parse_kinds(kinds: int | Mapping[str, Any]) -> tuple[list[str], list[int], list[float]]:
-    if isinstance(kinds, bool):
-        raise TypeError("kinds must be a page size in bytes or a mapping name -> page size")
+    if isinstance(kinds, bool) or not isinstance(kinds, (int, Mapping)):
+        raise _check.ArgumentTypeError(f"kinds must be a page size in bytes (int) or a mapping name -> page "
+                        f"size, got {_check.got(kinds)}")
     if isinstance(kinds, int):
-        kinds = {"default": kinds}
-    if not isinstance(kinds, Mapping) or not kinds:
-        raise ValueError(f"kinds must be a positive page size or a non-empty mapping, got {kinds!r}")
+        kinds = {"default": _check.integer("kinds (page size)", kinds, 1, _MAX_PAGE_BYTES)}
+    if not kinds:
+        raise ValueError("kinds must be a positive page size or a non-empty mapping, got {}")
     names, pages, shares = [], [], []
     for name, spec in kinds.items():
+        if not isinstance(name, str) or not name:
+            raise _check.ArgumentTypeError(f"kinds: kind names must be non-empty str, got {_check.got(name)}")
         if isinstance(spec, (tuple, list)):
             if len(spec) != 2:
-                raise ValueError(f"kind {name!r}: expected (page_bytes, share), got {spec!r}")
+                raise ValueError(f"kinds[{name!r}]: expected (page_bytes, share), got {spec!r}")
             page, share = spec
         else:
             page, share = spec, 1.0
-        if isinstance(page, bool) or not isinstance(page, int) or page <= 0:
-            raise ValueError(f"kind {name!r}: page_bytes must be a positive int, got {page!r}")
-        share = float(share)
-        if not share > 0 or share != share or share == float("inf"):
-            raise ValueError(f"kind {name!r}: share must be a finite number > 0, got {share!r}")
-        names.append(str(name))
+        page = _check.integer(f"kinds[{name!r}] page_bytes", page, 1, _MAX_PAGE_BYTES)
+        share = _check.number(f"kinds[{name!r}] share", share, 0.0, None, lo_open=True)
+        names.append(name)
         pages.append(page)
         shares.append(share)
     return names, pages, shares
 
 
-def _positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return v
-
-
-def _slot_buffers(keys: Sequence[Any], buffers: Sequence[SlotBuffer]) -> tuple[list, list]:
-    """``keys`` and ``buffers`` as lists, checked to pair up one SlotBuffer per key."""
-    keys, buffers = list(keys), list(buffers)
+def _slot_buffers(keys: list, buffers: Sequence[SlotBuffer], kind_name: str) -> tuple[list, list]:
+    """``keys`` and ``buffers`` as lists, checked to pair up one SlotBuffer of the kind per key."""
+    buffers = _check.sequence("buffers", buffers)
     if len(keys) != len(buffers):
-        raise ValueError(f"got {len(keys)} keys and {len(buffers)} buffers")
+        raise ValueError(f"keys and buffers differ in length: {len(keys)} keys, "
+                         f"{len(buffers)} buffers")
     for i, b in enumerate(buffers):
         if not isinstance(b, SlotBuffer):
-            raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+            raise _check.ArgumentTypeError(f"buffers[{i}] must be a SlotBuffer, got {_check.got(b)}")
+        if b.kind_name != kind_name:
+            raise ValueError(f"buffers[{i}] is a buffer of kind {b.kind_name!r}, not of kind "
+                             f"{kind_name!r}")
     return keys, buffers
+
+
+def _check_budget(budget_bytes: int, drives: int, names: list[str], pages: list[int],
+                  shares: list[float]) -> None:
+    """Every kind must get at least one slot (plus its file header) on every drive."""
+    total = sum(shares)
+    for name, page, share in zip(names, pages, shares):
+        per_drive = int(budget_bytes * share / total / drives)
+        slot = slot_bytes_for(page)
+        if per_drive < _FILE_HEADER_BYTES + slot:
+            raise ValueError(f"budget_bytes={budget_bytes} leaves kind {name!r} {per_drive} bytes "
+                             f"per drive, less than one {slot}-byte slot plus a "
+                             f"{_FILE_HEADER_BYTES}-byte header")
+
+
+def _nbytes(data: Any) -> int:
+    if hasattr(data, "data_ptr") and hasattr(data, "element_size"):  # a torch tensor
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
 
 
 class DiskStore:
@@ -226,37 +246,39 @@ class DiskStore:
         self._s = None
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
-        dirs = [os.fspath(d) for d in dirs]
+        dirs = [_check.path(f"dirs[{i}]", d) for i, d in enumerate(_check.sequence("dirs", dirs))]
         if not dirs:
-            raise ValueError("DiskStore needs at least one directory")
+            raise ValueError("dirs must name at least one directory, got an empty list")
         if len(set(os.path.realpath(d) for d in dirs)) != len(dirs):
-            raise ValueError(f"DiskStore directories must be distinct, got {dirs!r}")
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-        if cold_start not in ("clear", "load"):
-            raise ValueError(f"cold_start must be 'clear' or 'load', got {cold_start!r}")
+            raise ValueError(f"dirs must be distinct directories, got {dirs!r}")
+        budget_bytes = _check.integer("budget_bytes", budget_bytes, 1, _check.I64_MAX)
+        cold_start = _check.choice("cold_start", cold_start, ("clear", "load"))
         if direct_io is None:
             direct_io = config.settings().direct_io
-        if direct_io not in ("auto", "on", "off"):
-            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
-        if not isinstance(name, str) or not name or "/" in name:
+        direct_io = _check.choice("direct_io", direct_io, ("auto", "on", "off"))
+        name = _check.string("name", name)
+        if "/" in name:
             raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
-        if not (0 < gc_low < gc_high <= 1):
-            raise ValueError(f"need 0 < gc_low < gc_high <= 1, got gc_low={gc_low!r} gc_high={gc_high!r}")
-        if (isinstance(load_threads, bool) or not isinstance(load_threads, int)
-                or not 0 <= load_threads <= 256):
-            raise ValueError(f"load_threads must be an int in [0, 256], got {load_threads!r}")
+        gc_high = _check.number("gc_high", gc_high, 0.0, 1.0, lo_open=True)
+        gc_low = _check.number("gc_low", gc_low, 0.0, 1.0, lo_open=True)
+        if not gc_low < gc_high:
+            raise ValueError(f"gc_low must be below gc_high, got gc_low={gc_low!r} "
+                             f"gc_high={gc_high!r}")
+        load_threads = _check.integer("load_threads", load_threads, 0, 256)
+        threads = {n: _check.integer(n, v, 1, hi) for n, v, hi in (
+            ("write_threads", write_threads, 256), ("read_threads", read_threads, 256),
+            ("queue_capacity", queue_capacity, 1 << 20), ("max_batch", max_batch, 1 << 16))}
         self.kind_names, pages, shares = _parse_kinds(kinds)
+        _check_budget(budget_bytes, len(dirs), self.kind_names, pages, shares)
         self._kind_index = {n: i for i, n in enumerate(self.kind_names)}
-        for d in dirs:
-            os.makedirs(d, exist_ok=True)
+        for i, d in enumerate(dirs):
+            _check.directory_to_create(f"dirs[{i}]", d)
         self.name = name
         self.dirs = dirs
         self._s = _native.DiskStore(
             dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
-            _positive_int("write_threads", write_threads), _positive_int("read_threads", read_threads),
-            _positive_int("queue_capacity", queue_capacity), _positive_int("max_batch", max_batch),
-            float(gc_high), float(gc_low), load_threads)
+            threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
+            threads["max_batch"], gc_high, gc_low, load_threads)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -302,18 +324,28 @@ class DiskStore:
     def _kind(self, kind: str | int | None) -> int:
         if kind is None:
             if len(self.kind_names) != 1:
-                raise ValueError(f"this store has kinds {self.kind_names}: name one")
+                raise ValueError(f"kind must be given: this store has kinds {self.kind_names}")
             return 0
-        if isinstance(kind, int) and not isinstance(kind, bool):
+        if isinstance(kind, bool) or not isinstance(kind, (int, str)):
+            raise _check.ArgumentTypeError(f"kind must be a kind name (str) or index (int), got "
+                            f"{_check.got(kind)}; this store has {self.kind_names}")
+        if isinstance(kind, int):
             if 0 <= kind < len(self.kind_names):
                 return kind
         elif kind in self._kind_index:
             return self._kind_index[kind]
-        raise ValueError(f"unknown payload kind {kind!r}; this store has {self.kind_names}")
+        raise ValueError(f"kind {kind!r} is not a kind of this store; it has {self.kind_names}")
 
     @staticmethod
     def _keys(keys: Iterable[Any]) -> list[bytes]:
-        return [make_key(k) for k in keys]
+        return [make_key(k, f"keys[{i}]") for i, k in enumerate(_check.sequence("keys", keys))]
+
+    @staticmethod
+    def _datas(datas: Any, what: str, writable: bool) -> list:
+        datas = _check.sequence(what, datas)
+        for i, d in enumerate(datas):
+            _check.buffer(f"{what}[{i}]", d, writable=writable)
+        return datas
 
     def page_bytes(self, kind: str | int | None = None) -> int:
         """Largest payload of ``kind`` in bytes."""
@@ -324,16 +356,25 @@ class DiskStore:
 
     def slab_path(self, kind: str | int | None = None, drive: int = 0) -> str:
         """Path of the slab file of ``kind`` on drive ``drive``."""
-        return self._native().slab_path(self._kind(kind), drive)
+        return self._native().slab_path(self._kind(kind), self._drive(drive))
 
     def direct_io(self, kind: str | int | None = None, drive: int = 0) -> bool:
         """True when that slab file uses O_DIRECT (False: buffered + fdatasync fallback)."""
-        return self._native().slab_direct(self._kind(kind), drive)
+        return self._native().slab_direct(self._kind(kind), self._drive(drive))
+
+    def _drive(self, drive: Any) -> int:
+        return _check.integer("drive", drive, 0, len(self.dirs) - 1)
 
     # -- puts ------------------------------------------------------------------------------
     def put(self, key: Any, data: Any, kind: str | int | None = None) -> bool:
         """Store ``data`` under ``key``; True when the page is in the store after the call."""
-        return self.batch_put([key], [data], kind)[0]
+        make_key(key, "key")
+        _check.buffer("data", data)
+        k = self._kind(kind)
+        if _nbytes(data) > self.page_bytes(k):
+            raise ValueError(f"data is {_nbytes(data)} bytes, more than the page size "
+                             f"{self.page_bytes(k)} of kind {self.kind_names[k]!r}")
+        return self.batch_put([key], [data], k)[0]
 
     def batch_put(self, keys: Sequence[Any], datas: Sequence[Any],
                   kind: str | int | None = None) -> list[bool]:
@@ -343,11 +384,18 @@ class DiskStore:
     def put_async(self, keys: Sequence[Any], datas: Sequence[Any],
                   kind: str | int | None = None) -> PutTicket:
         """Copy the pages into slot buffers and queue them; the data may be reused at return."""
-        keys, datas = list(keys), list(datas)
+        keys, datas = self._keys(keys), self._datas(datas, "datas", False)
         if len(keys) != len(datas):
-            raise ValueError(f"got {len(keys)} keys and {len(datas)} payloads")
+            raise ValueError(f"keys and datas differ in length: {len(keys)} keys, "
+                             f"{len(datas)} payloads")
         k = self._kind(kind)
-        return PutTicket(self._native().put_async(k, self._keys(keys), datas))
+        limit = self.page_bytes(k)
+        for i, d in enumerate(datas):
+            n = _nbytes(d)
+            if n > limit:
+                raise ValueError(f"datas[{i}] is {n} bytes, more than the page size {limit} of "
+                                 f"kind {self.kind_names[k]!r}")
+        return PutTicket(self._native().put_async(k, keys, datas))
 
     def buffer(self, kind: str | int | None = None) -> SlotBuffer:
         """A fresh zero-copy slot buffer for ``kind``."""
@@ -362,21 +410,28 @@ class DiskStore:
     def put_buffers_async(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
                           sizes: Sequence[int], kind: str | int | None = None) -> PutTicket:
         """Queue slot buffers for writing; do not modify them until the ticket is done."""
-        keys, buffers, sizes = list(keys), list(buffers), [int(n) for n in sizes]
+        keys, buffers = self._keys(keys), _check.sequence("buffers", buffers)
+        sizes = [_check.integer(f"sizes[{i}]", n, 0, _check.U64_MAX)
+                 for i, n in enumerate(_check.sequence("sizes", sizes))]
         if not len(keys) == len(buffers) == len(sizes):
-            raise ValueError(f"got {len(keys)} keys, {len(buffers)} buffers, {len(sizes)} sizes")
+            raise ValueError(f"keys, buffers and sizes differ in length: {len(keys)} keys, "
+                             f"{len(buffers)} buffers, {len(sizes)} sizes")
+        k = self._kind(kind)
         for i, (b, n) in enumerate(zip(buffers, sizes)):
             if not isinstance(b, SlotBuffer):
-                raise TypeError(f"buffer {i} is a {type(b).__name__}, not a SlotBuffer")
+                raise _check.ArgumentTypeError(f"buffers[{i}] must be a SlotBuffer, got {_check.got(b)}")
+            if b.kind_name != self.kind_names[k]:
+                raise ValueError(f"buffers[{i}] is a buffer of kind {b.kind_name!r}, not of "
+                                 f"kind {self.kind_names[k]!r}")
             if not 0 <= n <= b.capacity:
-                raise ValueError(f"size {n} of buffer {i} is outside [0, {b.capacity}]")
-        k = self._kind(kind)
-        t = self._native().put_buffers_async(k, self._keys(keys), [b._b for b in buffers], sizes)
+                raise ValueError(f"sizes[{i}] must be in [0, {b.capacity}], got {n}")
+        t = self._native().put_buffers_async(k, keys, [b._b for b in buffers], sizes)
         return PutTicket(t, buffers)
 
     # -- gets ------------------------------------------------------------------------------
     def get(self, key: Any, kind: str | int | None = None) -> bytes | None:
         """The bytes stored under ``key``, or None (absent, evicted, or failed verification)."""
+        make_key(key, "key")
         return self.batch_get([key], kind)[0]
 
     def batch_get(self, keys: Sequence[Any], kind: str | int | None = None) -> list[bytes | None]:
@@ -387,36 +442,48 @@ class DiskStore:
         """Read the page into the writable buffer ``out``; its length, or None on a miss.
 
         ``out`` must hold at least the stored length (``size_of``); ValueError otherwise."""
+        make_key(key, "key")
+        _check.buffer("out", out, writable=True)
+        n = self.size_of(key, kind)
+        if n is not None and n > _nbytes(out):
+            raise ValueError(f"out holds {_nbytes(out)} bytes, smaller than the {n} bytes stored "
+                             f"under key {key!r:.60}")
         return self.batch_get_into([key], [out], kind)[0]
 
     def batch_get_into(self, keys: Sequence[Any], outs: Sequence[Any],
                        kind: str | int | None = None) -> list[int | None]:
-        keys, outs = list(keys), list(outs)
+        keys, outs = self._keys(keys), self._datas(outs, "outs", True)
         if len(keys) != len(outs):
-            raise ValueError(f"got {len(keys)} keys and {len(outs)} outputs")
+            raise ValueError(f"keys and outs differ in length: {len(keys)} keys, {len(outs)} outputs")
         k = self._kind(kind)
-        r = self._native().get_into(k, self._keys(keys), outs)
+        stored = self._native().lookup(k, keys)
+        for i, (n, out) in enumerate(zip(stored, outs)):
+            if n > _nbytes(out):
+                raise ValueError(f"outs[{i}] holds {_nbytes(out)} bytes, smaller than the {n} "
+                                 f"bytes stored under keys[{i}]")
+        r = self._native().get_into(k, keys, outs)
         return [n if n >= 0 else None for n in r]
 
     def get_buffers(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
                     kind: str | int | None = None) -> list[int | None]:
         """Read each page straight into its slot buffer; payload lengths, None on a miss."""
-        keys, buffers = _slot_buffers(keys, buffers)
         k = self._kind(kind)
-        r = self._native().get_buffers(k, self._keys(keys), [b._b for b in buffers])
+        keys, buffers = _slot_buffers(self._keys(keys), buffers, self.kind_names[k])
+        r = self._native().get_buffers(k, keys, [b._b for b in buffers])
         return [n if n >= 0 else None for n in r]
 
     def get_buffers_async(self, keys: Sequence[Any], buffers: Sequence[SlotBuffer],
                           kind: str | int | None = None) -> GetTicket:
         """Queue reads straight into slot buffers; do not touch them until the ticket is done."""
-        keys, buffers = _slot_buffers(keys, buffers)
         k = self._kind(kind)
-        return GetTicket(self._native().get_buffers_async(k, self._keys(keys), [b._b for b in buffers]),
+        keys, buffers = _slot_buffers(self._keys(keys), buffers, self.kind_names[k])
+        return GetTicket(self._native().get_buffers_async(k, keys, [b._b for b in buffers]),
                          buffers)
 
     # -- index -----------------------------------------------------------------------------
     def exists(self, key: Any, kind: str | int | None = None) -> bool:
         """True when ``key`` is indexed (no I/O; a later get may still miss if the slot rots)."""
+        make_key(key, "key")
         return self.batch_exists([key], kind)[0]
 
     def batch_exists(self, keys: Sequence[Any], kind: str | int | None = None) -> list[bool]:
@@ -424,11 +491,12 @@ class DiskStore:
 
     def size_of(self, key: Any, kind: str | int | None = None) -> int | None:
         """Stored length of ``key`` in bytes, or None."""
-        n = self._native().lookup(self._kind(kind), [make_key(key)])[0]
+        n = self._native().lookup(self._kind(kind), [make_key(key, "key")])[0]
         return n if n >= 0 else None
 
     def delete(self, key: Any, kind: str | int | None = None) -> bool:
         """Remove ``key`` (index entry first, then the slot); True when it was present."""
+        make_key(key, "key")
         return self.batch_delete([key], kind)[0]
 
     def batch_delete(self, keys: Sequence[Any], kind: str | int | None = None) -> list[bool]:

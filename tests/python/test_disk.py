@@ -111,7 +111,7 @@ def test_zero_copy_slot_buffers(d):
             assert bytes(back[i].view()[: page - i]) == bytes([i + 1]) * (page - i)
         assert s.get_buffers(["p0", "nope"], [back[4], back[3]]) == [page, None]
         assert bytes(back[4].view()) == bytes([1]) * page
-        with pytest.raises(ValueError, match="outside"):
+        with pytest.raises(ValueError, match=r"sizes\[0\] must be in \[0, "):
             s.put_buffers(["x"], [bufs[0]], [page + 1])
         with pytest.raises(TypeError):
             s.put_buffers(["x"], [bytearray(10)], [1])
@@ -126,16 +126,16 @@ def test_kinds_budget_split_and_names(d):
             assert os.path.exists(os.path.join(d2, "vitrify.kind1.slab"))
             assert s.put("x", b"k-bytes", kind="k") and s.put("x", b"v-bytes", kind="v")
             assert s.get("x", kind="k") == b"k-bytes" and s.get("x", kind="v") == b"v-bytes"
-            with pytest.raises(ValueError, match="name one"):
+            with pytest.raises(ValueError, match="kind must be given"):
                 s.get("x")
-            with pytest.raises(ValueError, match="unknown payload kind 'q'"):
+            with pytest.raises(ValueError, match="kind 'q' is not a kind of this store"):
                 s.get("x", kind="q")
     finally:
         shutil.rmtree(d2, ignore_errors=True)
 
 
 def test_bad_arguments_are_clear_errors(d):
-    with pytest.raises(ValueError, match="cold_start must be 'clear' or 'load', got 'warm'"):
+    with pytest.raises(ValueError, match="cold_start must be one of 'clear', 'load', got 'warm'"):
         DiskStore(d, 1 << 20, 4096, cold_start="warm")
     with pytest.raises(ValueError, match="direct_io"):
         DiskStore(d, 1 << 20, 4096, direct_io="sometimes")
@@ -148,7 +148,7 @@ def test_bad_arguments_are_clear_errors(d):
     with pytest.raises(ValueError, match="gc_low"):
         DiskStore(d, 1 << 20, 4096, gc_low=0.95)
     s = DiskStore(d, 1 << 20, 4096)
-    with pytest.raises(ValueError, match="exceeds page_bytes 4096"):
+    with pytest.raises(ValueError, match="more than the page size 4096"):
         s.put("big", b"x" * 4097)
     with pytest.raises(TypeError):
         s.put(123, b"x")

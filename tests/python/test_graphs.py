@@ -278,7 +278,7 @@ def test_load_subset_and_argument_checks(tmp_path):
         tg.load(tmp_path, names=["bs9"])
     with pytest.raises(ValueError, match="threads"):
         tg.load(tmp_path, threads=0)
-    with pytest.raises(ValueError, match="region base/size"):
+    with pytest.raises(ValueError, match=r"region_base must be an int in \[0, "):
         tg.GraphStore(region_base=-1)
 
 

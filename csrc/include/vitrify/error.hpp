@@ -1,7 +1,9 @@
 // vitrify error types and checking macros.
 //
-// Every CUDA driver call and syscall result is checked. Messages name the call, the result
-// (CUresult name / errno text) and the place (file:line), and are built only on failure.
+// Every CUDA driver call and syscall result is checked. Messages are built only on failure and
+// speak the user's words: the called function's name (never the stringified source expression),
+// the result (CUresult name / errno text) and, for syscalls, the path; CudaError also carries the
+// place (file:line) as its `where` attribute, for bug reports, outside the message.
 //   vitrify::CudaError        -> Python vitrify.CudaError (a RuntimeError)
 //   vitrify::CudaOutOfMemory  -> Python vitrify.CudaOutOfMemoryError (CudaError and MemoryError)
 //   vitrify::OutOfSpace       -> Python MemoryError (a vitrify pool or region is full)
@@ -56,9 +58,18 @@ class OutOfSpace : public Error {
 };
 
 namespace detail {
+// The called function of a stringified call expression: "d.cuMemMap(p, n, 0, h, 0)" ->
+// "cuMemMap", "CU_NEED(cuGraphLaunch)(e, s)" -> "cuGraphLaunch", "::statfs(p, &st)" -> "statfs";
+// the expression itself when it calls nothing.
+std::string call_name(const char* expr);
+// `call` is used as given (a description such as "cuModuleLoadData(module ab12...)");
+// throw_cuda_expr reduces a stringified expression to its call_name first.
 [[noreturn]] void throw_cuda(int result, const char* call, const char* file, int line);
-[[noreturn]] void throw_errno(int err, const char* call, const char* file, int line);
-[[noreturn]] void throw_invalid(const std::string& msg, const char* file, int line);
+[[noreturn]] void throw_cuda_expr(int result, const char* expr, const char* file, int line);
+// std::system_error "call(\"path\"): <strerror>" (just "call: <strerror>" without a path).
+[[noreturn]] void throw_errno(int err, const std::string& call, const std::string& path);
+[[noreturn]] void throw_syscall(int err, const char* expr, const std::string& path);
+[[noreturn]] void throw_invalid(const std::string& msg);
 std::string where(const char* file, int line);
 }  // namespace detail
 
@@ -69,24 +80,27 @@ std::string where(const char* file, int line);
   do {                                                                             \
     const int vitrify_cu_result_ = static_cast<int>(expr);                            \
     if (vitrify_cu_result_ != 0)                                                      \
-      ::vitrify::detail::throw_cuda(vitrify_cu_result_, #expr, __FILE__, __LINE__);      \
+      ::vitrify::detail::throw_cuda_expr(vitrify_cu_result_, #expr, __FILE__, __LINE__);      \
   } while (0)
 
-// Check a syscall returning -1 and setting errno: VITRIFY_SYSCALL(::fdatasync(fd));
-#define VITRIFY_SYSCALL(expr)                                                         \
-  do {                                                                             \
-    if ((expr) == -1) ::vitrify::detail::throw_errno(errno, #expr, __FILE__, __LINE__); \
+// Check a syscall returning -1 and setting errno, naming the file it worked on:
+// VITRIFY_SYSCALL(::fdatasync(fd), path) -> OSError "fdatasync("/x/y.slab"): Input/output error".
+#define VITRIFY_SYSCALL(expr, path)                                                       \
+  do {                                                                                    \
+    if ((expr) == -1) ::vitrify::detail::throw_syscall(errno, #expr, (path));              \
   } while (0)
 
-// Check a call returning an errno value directly (posix_fallocate, pthread_*).
-#define VITRIFY_ERRNO_RESULT(expr)                                                    \
-  do {                                                                             \
-    const int vitrify_err_ = (expr);                                                  \
-    if (vitrify_err_ != 0) ::vitrify::detail::throw_errno(vitrify_err_, #expr, __FILE__, __LINE__); \
+// Check a call returning an errno value directly (posix_fallocate, pthread_*), naming the path
+// ("" when there is none).
+#define VITRIFY_ERRNO_RESULT(expr, path)                                                  \
+  do {                                                                                    \
+    const int vitrify_err_ = (expr);                                                      \
+    if (vitrify_err_ != 0) ::vitrify::detail::throw_syscall(vitrify_err_, #expr, (path)); \
   } while (0)
 
-// Argument validation: VITRIFY_EXPECT(size > 0, "size must be positive, got " + std::to_string(size));
-#define VITRIFY_EXPECT(cond, msg)                                                     \
-  do {                                                                             \
-    if (!(cond)) ::vitrify::detail::throw_invalid((msg), __FILE__, __LINE__);         \
+// Argument validation, a message in the user's words (argument names, values, valid range):
+// VITRIFY_EXPECT(size > 0, "size must be positive, got " + std::to_string(size));
+#define VITRIFY_EXPECT(cond, msg)                                                         \
+  do {                                                                                    \
+    if (!(cond)) ::vitrify::detail::throw_invalid((msg));                                 \
   } while (0)

@@ -158,9 +158,9 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
   try {
     const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
     struct stat st{};
-    VITRIFY_SYSCALL(::fstat(fd_, &st));
+    VITRIFY_SYSCALL(::fstat(fd_, &st), path);
     const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
-    if (static_cast<uint64_t>(st.st_size) > size) VITRIFY_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)));
+    if (static_cast<uint64_t>(st.st_size) > size) VITRIFY_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)), path);
     const int fa = ::posix_fallocate(fd_, 0, static_cast<off_t>(size));
     if (fa != 0)
       throw std::system_error(fa, std::generic_category(),

@@ -86,7 +86,7 @@ std::vector<SlabPlan> plan_slabs(size_t total_bytes, size_t page_bytes, size_t m
 
 FsCapacity statfs_capacity(const std::string& path) {
   struct statfs st{};
-  VITRIFY_SYSCALL(::statfs(path.c_str(), &st));
+  VITRIFY_SYSCALL(::statfs(path.c_str(), &st), path);
   FsCapacity c;
   c.fs_magic = static_cast<uint64_t>(st.f_type);
   c.block_size = static_cast<uint64_t>(st.f_bsize);
@@ -206,7 +206,7 @@ uint8_t* map_hugetlbfs(const std::string& mount, size_t bytes) {
   const std::string path = mount + "/vitrify-hostpool-" + std::to_string(::getpid()) + "-" +
                            std::to_string(g_file_counter.fetch_add(1));
   const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd == -1) detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  if (fd == -1) detail::throw_errno(errno, "open", path);
   ::unlink(path.c_str());
   void* p = MAP_FAILED;
   int err = 0;
@@ -220,9 +220,8 @@ uint8_t* map_hugetlbfs(const std::string& mount, size_t bytes) {
   }
   ::close(fd);
   if (p == MAP_FAILED)
-    detail::throw_errno(err, (std::string(what) + " of " + n(bytes) + " bytes on \"" + path +
-                              "\" (too few free huge pages?)").c_str(),
-                        __FILE__, __LINE__);
+    detail::throw_errno(err, std::string(what) + " of " + n(bytes) + " bytes (too few free huge pages?)",
+                        path);
   return static_cast<uint8_t*>(p);
 }
 
@@ -272,9 +271,8 @@ HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions option
         void* m = ::mmap(nullptr, s.map_bytes, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (m == MAP_FAILED)
-          detail::throw_errno(errno, ("mmap of slab " + n(s.index) + " (" + n(s.map_bytes) +
-                                      " bytes)").c_str(),
-                              __FILE__, __LINE__);
+          detail::throw_errno(errno, "mmap of slab " + n(s.index) + " (" + n(s.map_bytes) + " bytes)",
+                              "");
         p = static_cast<uint8_t*>(m);
       }
       maps_.push_back({p, s.map_bytes});

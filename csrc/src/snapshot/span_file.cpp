@@ -88,11 +88,11 @@ int open_file(const std::string& path, int flags, DirectIo mode, bool* direct) {
       return fd;
     }
     if (mode == DirectIo::kOn || errno != EINVAL)
-      vitrify::detail::throw_errno(errno, ("open(\"" + path + "\", O_DIRECT)").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, "open with O_DIRECT", path);
   }
   *direct = false;
   const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-  if (fd < 0) vitrify::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  if (fd < 0) vitrify::detail::throw_errno(errno, "open", path);
   return fd;
 }
 
@@ -101,9 +101,9 @@ void pwrite_all(int fd, const uint8_t* p, size_t n, uint64_t off, const std::str
     const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
     if (w < 0) {
       if (errno == EINTR) continue;
-      vitrify::detail::throw_errno(errno, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, "pwrite", path);
     }
-    if (w == 0) vitrify::detail::throw_errno(EIO, ("pwrite(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+    if (w == 0) vitrify::detail::throw_errno(EIO, "pwrite", path);
     p += w;
     n -= static_cast<size_t>(w);
     off += static_cast<uint64_t>(w);
@@ -117,7 +117,7 @@ void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& pa
     const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
     if (r < 0) {
       if (errno == EINTR) continue;
-      vitrify::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+      vitrify::detail::throw_errno(errno, "pread", path);
     }
     if (r == 0) corrupt(path, "truncated: end of file inside " + what);
     p += r;
@@ -175,7 +175,7 @@ SpanFileInfo read_info(int fd, const std::string& path) {
       h.file_bytes != h.table_offset + round_up(h.table_bytes, kBlock))
     corrupt(path, "inconsistent header fields");
   struct stat st{};
-  VITRIFY_SYSCALL(::fstat(fd, &st));
+  VITRIFY_SYSCALL(::fstat(fd, &st), path);
   if (static_cast<uint64_t>(st.st_size) < h.file_bytes)
     corrupt(path, "truncated: " + std::to_string(st.st_size) + " bytes, the header says " +
                       std::to_string(h.file_bytes));
@@ -330,12 +330,12 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
     hd.table_crc = crc32c(nullptr, 0);
   }
   // Invariant 7: data and tables are durable before the header that makes the file valid.
-  VITRIFY_SYSCALL(::fdatasync(fd.get()));
+  VITRIFY_SYSCALL(::fdatasync(fd.get()), path);
   hd.header_crc = crc32c(&hd, offsetof(RawHeader, header_crc));
   AlignedBuffer hb(kBlock, kBlock);
   std::memcpy(hb.data(), &hd, sizeof hd);
   pwrite_all(fd.get(), hb.data(), kBlock, 0, path);
-  VITRIFY_SYSCALL(::fdatasync(fd.get()));
+  VITRIFY_SYSCALL(::fdatasync(fd.get()), path);
   st.seconds = seconds_since(t0);
   return st;
 }
@@ -458,7 +458,7 @@ void verify_span_file(const std::string& path, const FileOptions& opt) {
 
 uint32_t file_crc32c(const std::string& path) {
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (raw < 0) vitrify::detail::throw_errno(errno, ("open(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+  if (raw < 0) vitrify::detail::throw_errno(errno, "open", path);
   Fd fd(raw);
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   constexpr size_t kBuf = 8 << 20;
@@ -475,7 +475,7 @@ uint32_t file_crc32c(const std::string& path) {
         ssize_t r;
         do r = ::pread(fd.get(), buf[s].data(), kBuf, static_cast<off_t>(off));
         while (r < 0 && errno == EINTR);
-        if (r < 0) vitrify::detail::throw_errno(errno, ("pread(\"" + path + "\")").c_str(), __FILE__, __LINE__);
+        if (r < 0) vitrify::detail::throw_errno(errno, "pread", path);
         if (r == 0) {
           h.release(s);
           h.close();

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _native
+from .. import _check, _native
 from ..region import Region
 
 MALLOC_SYMBOL = "vitrify_region_malloc"
@@ -51,6 +51,16 @@ def _torch():
     return torch
 
 
+def _region(region: Any) -> Region:
+    """``region`` checked: an open :class:`vitrify.Region` (before torch or the driver is used)."""
+    if not isinstance(region, Region):
+        raise _check.ArgumentTypeError(f"region must be a vitrify.Region, got "
+                                       f"{_check.got(region)}")
+    if region.closed:
+        raise ValueError("region is closed")
+    return region
+
+
 def library_path() -> str:
     """The shared object that exports the C allocator (the ``vitrify._native`` extension)."""
     return _native.__file__
@@ -69,6 +79,7 @@ def pluggable_allocator():
 
 def mem_pool(region: Region):
     """The ``torch.cuda.MemPool`` backed by ``region`` (one per region, kept as long as it)."""
+    _region(region)
     torch = _torch()
     pool = getattr(region, "_vitrify_torch_pool", None)
     if pool is None:
@@ -85,15 +96,14 @@ def pool_id(region: Region):
 
 def active_base(device: int = 0) -> int | None:
     """Base of the region vitrify's C allocator currently serves on ``device`` (None: none)."""
-    return _native.region_active_base(device)
+    return _native.region_active_base(_check.integer("device", device, 0, (1 << 31) - 1))
 
 
 @contextlib.contextmanager
 def activated(region: Region) -> Iterator[Region]:
     """Make ``region`` the target of vitrify's C allocator on its device for the block (nestable;
     the previous target comes back on exit). Does not change torch's current pool."""
-    if not isinstance(region, Region):
-        raise TypeError(f"expected a vitrify.Region, got {type(region).__name__}")
+    _region(region)
     dev = region.device
     with _lock:
         _native.region_set_active(region._r, dev)
@@ -127,6 +137,7 @@ def region_allocations(region: Region) -> Iterator[Region]:
     carrying the region's message (never a silent fallback). While ``region`` is stopped
     (:meth:`Region.paused`) the pool's new segments come from ordinary device memory.
     """
+    _region(region)
     torch = _torch()
     pool = mem_pool(region)
     with activated(region), _memory_error_from_region(torch), \
@@ -138,6 +149,7 @@ def region_allocations(region: Region) -> Iterator[Region]:
 def graph_capture(region: Region, graph, **kwargs) -> Iterator[Any]:
     """``torch.cuda.graph(graph, pool=pool_id(region), **kwargs)`` with ``region`` active: the
     capture's allocations (and the graph's outputs) live in the region."""
+    _region(region)
     torch = _torch()
     with activated(region), _memory_error_from_region(torch), \
             torch.cuda.graph(graph, pool=pool_id(region), **kwargs):

@@ -75,10 +75,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
@@ -108,6 +110,7 @@ _VITRIFY_KEYS = frozenset({
 })
 _KIND = "kv"
 _MiB = 1 << 20
+_MAX_BUDGET = (1 << 63) - 1  # bytes: the disk tier's budget is a signed 64-bit count
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -130,6 +133,9 @@ class VitrifyStorageSettings:
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "VitrifyStorageSettings":
         """Parse and validate; ValueError names the offending key and value."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"vitrify HiCache backend: the extra config must be a JSON object "
+                             f"(dict), got {type(extra).__name__} {extra!r:.60}")
         extra = dict(extra or {})
         unknown = sorted(k for k in extra if k not in _SGLANG_KEYS and k not in _VITRIFY_KEYS)
         if unknown:
@@ -142,6 +148,10 @@ class VitrifyStorageSettings:
                 not all(isinstance(d, str) and d for d in dirs):
             raise ValueError(f"vitrify HiCache backend: 'dirs' must be a directory or a non-empty "
                              f"list of directories (one per drive), got {extra.get('dirs')!r}")
+        for d in dirs:
+            problem = _dir_problem(d)
+            if problem:
+                raise ValueError(f"vitrify HiCache backend: 'dirs' entry {d!r} {problem}")
         has_b, has_g = "budget_bytes" in extra, "budget_gb" in extra
         if has_b == has_g:
             raise ValueError("vitrify HiCache backend: give exactly one of 'budget_bytes' (int) or "
@@ -150,14 +160,16 @@ class VitrifyStorageSettings:
                              f"budget_gb={extra.get('budget_gb')!r}")
         if has_b:
             budget = extra["budget_bytes"]
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-                raise ValueError(f"vitrify HiCache backend: 'budget_bytes' must be a positive int, "
-                                 f"got {budget!r}")
+            if isinstance(budget, bool) or not isinstance(budget, int) or \
+                    not 0 < budget <= _MAX_BUDGET:
+                raise ValueError(f"vitrify HiCache backend: 'budget_bytes' must be an int in "
+                                 f"[1, {_MAX_BUDGET}], got {budget!r}")
         else:
             gb = extra["budget_gb"]
-            if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
-                raise ValueError(f"vitrify HiCache backend: 'budget_gb' must be a number > 0, "
-                                 f"got {gb!r}")
+            if isinstance(gb, bool) or not isinstance(gb, (int, float)) or \
+                    not 0 < gb <= _MAX_BUDGET / 1e9:
+                raise ValueError(f"vitrify HiCache backend: 'budget_gb' must be a number in "
+                                 f"(0, {_MAX_BUDGET / 1e9:.0f}], got {gb!r}")
             budget = int(gb * 1e9)
         cold = extra.get("cold_start", "load")
         if cold not in ("load", "clear"):
@@ -168,12 +180,12 @@ class VitrifyStorageSettings:
             raise ValueError(f"vitrify HiCache backend: 'direct_io' must be 'auto', 'on' or 'off', "
                              f"got {dio!r}")
         ints = {}
-        for key, default, low in (("staging_bytes", 256 * _MiB, 1), ("read_threads", 8, 1),
-                                  ("write_threads", 2, 1)):
+        for key, default, low, high in (("staging_bytes", 256 * _MiB, 1, 1 << 40),
+                                        ("read_threads", 8, 1, 256), ("write_threads", 2, 1, 256)):
             v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"vitrify HiCache backend: '{key}' must be an int >= {low}, "
-                                 f"got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"vitrify HiCache backend: '{key}' must be an int in "
+                                 f"[{low}, {high}], got {v!r}")
             ints[key] = v
         name = extra.get("name", "hicache")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
@@ -187,6 +199,23 @@ class VitrifyStorageSettings:
                              f"[0, budget_bytes={budget}), got {extra_budget!r}")
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, **ints)
+
+
+def _dir_problem(d: str) -> str:
+    """Why directory ``d`` cannot hold slab files ("" when it can, or can be created)."""
+    if "\0" in d:
+        return "contains a NUL character"
+    p = os.path.abspath(d)
+    if os.path.exists(p):
+        return "" if os.path.isdir(p) else "exists and is not a directory"
+    parent = p
+    while not os.path.exists(parent):  # the nearest existing ancestor must be a directory
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return ""
 
 
 def _slug(text: str, limit: int = 40) -> str:
