@@ -151,6 +151,25 @@ def demo_tiers(scratch: str, p: Printer, shape: KVShape = KVShape(), seed: int =
         p.step("ok", "spill -> host", f"{shape.pages} pages gathered into the host pool "
                f"({slabs}), {pinned}", dt)
 
+        def drop() -> None:
+            """Forget the pages: zero every pool page and the KV cache."""
+            zeros = bytes(page)
+            for v in slots:
+                v[:] = zeros
+            for c in kv:
+                c[:] = bytes(len(c))
+
+        def reload(s) -> None:
+            """Disk -> pool pages -> KV cache, then compare with the original bytes."""
+            got = s.batch_get_into(keys, slots)
+            missing = [k for k, n in zip(keys, got) if n != page]
+            if missing:
+                raise DemoFailure(f"{len(missing)} of {len(keys)} pages not read back "
+                                  f"from disk (first: {missing[0]})")
+            host.scatter_each(slots, layout, pages)
+            for i, (c, o) in enumerate(zip(kv, original)):
+                compare(o, c, f"KV component {i} after reload")
+
         store = open_store("clear")
         try:
             acks, dt = _timed(store.batch_put, keys, slots)
@@ -160,27 +179,10 @@ def demo_tiers(scratch: str, p: Printer, shape: KVShape = KVShape(), seed: int =
             p.step("ok", "spill -> disk", f"{len(acks)} pages written and fdatasync'd to "
                    f"{os.path.basename(store.slab_path())}, {odirect}", dt)
 
-            def drop() -> None:
-                zeros = bytes(page)
-                for v in slots:
-                    v[:] = zeros
-                for c in kv:
-                    c[:] = bytes(len(c))
-
             _, dt = _timed(drop)
             if any(bytes(c) == o for c, o in zip(kv, original)):
                 raise DemoFailure("dropping the pages left the KV cache unchanged")
             p.step("ok", "drop", "host pool pages and KV cache zeroed", dt)
-
-            def reload(s) -> None:
-                got = s.batch_get_into(keys, slots)
-                missing = [k for k, n in zip(keys, got) if n != page]
-                if missing:
-                    raise DemoFailure(f"{len(missing)} of {len(keys)} pages not read back "
-                                      f"from disk (first: {missing[0]})")
-                host.scatter_each(slots, layout, pages)
-                for i, (c, o) in enumerate(zip(kv, original)):
-                    compare(o, c, f"KV component {i} after reload")
 
             _, dt = _timed(reload, store)
             p.step("ok", "reload", f"{shape.pages} pages disk -> host pool -> KV cache: "
