@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The disk-tier benchmarks (bench_disk.py, bench_hicache.py: no GPU needed) on another machine's
+# The disk-tier benchmarks (`vitrify bench disk`, `vitrify bench hicache`: no GPU needed) on another machine's
 # drive, e.g. the GPU machine's local disk, so their ratios are measured on a second drive.
 #
 #   bash scripts/device-disk-bench.sh OUTDIR [TAG]
 #
 # Results: OUTDIR/disk-TAG-<date>.json and OUTDIR/hicache-TAG-<date>.json (TAG default: the
 # host name). Needs vitrify importable (installs it from this tree when it is not).
-# fio: from PATH, else from .whl/fio-bundle.tar.xz (a fio binary plus lib/ holding its shared
-# libraries, carried from a machine that has fio). SGLang (bench_hicache): importable, else
-# unpacked from .whl/sglang-site.tar.xz (see shared/sglang-on-gpu). What is missing is skipped
-# with a line saying so. VITRIFY_BENCH_QUICK=1 runs both with --quick; the exit code is that of the last benchmark that failed, else 0.
+# fio: from PATH, else from .whl/fio-bundle.tar.xz (Debian's fio plus the libraries it links;
+# build it with `bash scripts/fio-bundle.sh` on a Debian/Ubuntu machine). SGLang (bench hicache):
+# importable, else unpacked from .whl/sglang-site.tar.xz (build it with
+# `bash scripts/sglang-bundle/build.sh`; see scripts/sglang-bundle/README.md). Both bundles are
+# optional: what is missing is skipped with a line saying so and how to build it.
+# VITRIFY_BENCH_QUICK=1 runs both with --quick; the exit code is that of the last benchmark that
+# failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=$(realpath -m "${1:?usage: device-disk-bench.sh OUTDIR [TAG]}")
@@ -22,7 +25,7 @@ RC=0
 QUICK=()
 [ "${VITRIFY_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
 
-if ! (cd /tmp && "$PY" -c "import vitrify.tier") 2>/dev/null; then
+if ! (cd /tmp && "$PY" -c "import vitrify.tier, vitrify.bench") 2>/dev/null; then
   echo "== installing vitrify from this tree"
   "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . || exit 2
 fi
@@ -34,9 +37,18 @@ if ! command -v fio >/dev/null 2>&1 && [ -f .whl/fio-bundle.tar.xz ]; then
   printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/fio-bundle/lib exec /tmp/fio-bundle/fio "$@"\n' \
     >/tmp/fio-bundle/bin/fio
   chmod +x /tmp/fio-bundle/bin/fio
-  export PATH="/tmp/fio-bundle/bin:$PATH"
+  if err=$(/tmp/fio-bundle/bin/fio --version 2>&1); then
+    export PATH="/tmp/fio-bundle/bin:$PATH"
+  else  # e.g. built against a newer glibc than this machine's
+    echo "== the carried fio bundle does not run here: $(echo "$err" | head -1)"
+  fi
 fi
-echo "== fio: $(fio --version 2>/dev/null || echo 'not available: fio baselines are skipped')"
+if command -v fio >/dev/null 2>&1; then
+  echo "== fio: $(fio --version 2>&1)"
+else
+  echo "== fio: not on PATH and no .whl/fio-bundle.tar.xz (bash scripts/fio-bundle.sh builds it):" \
+       "the fio baselines are skipped"
+fi
 
 rename_result() {  # NAME: move WORK/NAME-<date>.json to OUTDIR/NAME-TAG-<date>.json
   for f in "$WORK/$1"-*.json; do
@@ -46,7 +58,7 @@ rename_result() {  # NAME: move WORK/NAME-<date>.json to OUTDIR/NAME-TAG-<date>.
   done
 }
 
-echo "== bench_disk (scratch $SCRATCH)"
+echo "== vitrify bench disk (scratch $SCRATCH)"
 "$PY" -m vitrify bench disk --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
 rename_result disk
 
@@ -58,11 +70,12 @@ if ! "$PY" -c "import sglang" 2>/dev/null && [ -f .whl/sglang-site.tar.xz ]; the
   SGPATH=(env "PYTHONPATH=/tmp/sgsite${PYTHONPATH:+:$PYTHONPATH}" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1)
 fi
 if "${SGPATH[@]}" "$PY" -c "import sglang.srt.mem_cache.hicache_storage" 2>/dev/null; then
-  echo "== bench_hicache (scratch $SCRATCH)"
+  echo "== vitrify bench hicache (scratch $SCRATCH)"
   "${SGPATH[@]}" "$PY" -m vitrify bench hicache --out "$WORK" --dir "$SCRATCH" "${QUICK[@]}" || RC=$?
   rename_result hicache
 else
-  echo "== bench_hicache skipped: sglang is not importable and no bundle was carried"
+  echo "== vitrify bench hicache skipped: sglang is not importable and no .whl/sglang-site.tar.xz was" \
+       "carried (bash scripts/sglang-bundle/build.sh builds it)"
 fi
 rm -rf "$WORK" "$SCRATCH"
 exit $RC

@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# Prepare a fresh Linux machine for building and testing vitrify (no GPU needed):
-# system packages (apt, when run as root or with sudo), then a virtual environment in .venv.
+# Prepare a fresh Linux machine for vitrify (no GPU needed): system packages (apt, when run as
+# root or with sudo), then a virtual environment in .venv.
+#
+#   bash scripts/setup.sh [demo|test]      (default: test)
+#
+# demo  what building vitrify and running `vitrify demo` need, nothing more: cmake, ninja, g++
+#       from apt; scikit-build-core and nanobind from PyPI (requirements-build.txt).
+# test  everything for `make test` on top: GoogleTest, Google Benchmark and fio from apt; pytest,
+#       hypothesis, numpy, ... (requirements-dev.txt); the pinned SGLang test environment
+#       (requirements-sglang-test.txt, with CPU torch; VITRIFY_SGLANG_TESTS=0 leaves it out).
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODE=${1:-test}
+case "$MODE" in
+  demo | test) ;;
+  *) echo "setup: unknown mode '$MODE' (use demo or test)" >&2; exit 2 ;;
+esac
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-APT_PKGS=(cmake ninja-build g++ libgtest-dev libbenchmark-dev fio)
+APT_PKGS=(cmake ninja-build g++)
+[ "$MODE" = test ] && APT_PKGS+=(libgtest-dev libbenchmark-dev fio)
 
 need_apt=()
 for p in "${APT_PKGS[@]}"; do
@@ -43,6 +57,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
+if [ "$MODE" = demo ]; then
+  "$VENV/bin/python" -m pip install -q -r requirements-build.txt
+  echo "setup: done (demo: build requirements only; make test adds the test stack)"
+  exit 0
+fi
 "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
 
 # SGLang for the `sglang`-marked tests (list and reasons: requirements-sglang-test.txt).

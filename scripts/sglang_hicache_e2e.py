@@ -4,7 +4,7 @@
     python3 scripts/sglang_hicache_e2e.py --dry-run      # print the server command lines only
 
 The GPU machine has no internet: SGLang comes from a carried bundle (a site directory packed by
-/work/shared/sglang-on-gpu/build.sh), unpacked once to ``--site``. The model is a config-only
+``scripts/sglang-bundle/build.sh``), unpacked once to ``--site``. The model is a config-only
 tiny Qwen3 (``--load-format dummy``: random weights, seeded per parameter with SGLang's fixed
 seed 1234 in ``initialize_dummy_weights``, so every launch on the same GPU gets the same
 weights), requests send ``input_ids`` (``--skip-tokenizer-init``).
@@ -68,7 +68,7 @@ _spec.loader.exec_module(resultlib)
 NAME = "sglang-hicache-e2e"
 MiB = 1 << 20
 
-# The tiny Qwen3 of /work/shared/sglang-on-gpu (8 layers, 8 KV heads of 64, bf16).
+# A tiny Qwen3 (8 layers, 8 KV heads of 64, bf16); scripts/sglang-bundle/serve.py uses it too.
 MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 32000,
     "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
