@@ -44,7 +44,7 @@ step build-python "$PY" -m pip install --no-build-isolation --no-deps --no-index
 GTEST_ARG=()
 [ -d .device/googletest ] && GTEST_ARG=(-DVITRIFY_GTEST_SOURCE_DIR="$PWD/.device/googletest")
 step configure-cpp cmake -S . -B build/gpu-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DVITRIFY_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PY")" "${GTEST_ARG[@]}"
+  -DVITRIFY_BUILD_TESTS=ON "${GTEST_ARG[@]}"
 step build-cpp cmake --build build/gpu-cpp -j "$(nproc)"
 # Run from outside the source tree so `import vitrify` finds the installed build.
 step doctor bash -c "cd /tmp && '$PY' -m vitrify doctor --json --dir '$PWD/$WORK' > '$PWD/$WORK/doctor.json' && '$PY' -m vitrify doctor --dir '$PWD/$WORK'"
