@@ -359,12 +359,7 @@ void bind_graph(nb::module_& m) {
       .def_prop_ro("base", &FixedArena::base)
       .def_prop_ro("size", &FixedArena::size)
       .def_prop_ro("used", &FixedArena::used)
-      .def("live_allocations", [](const FixedArena& a) {
-        // A bump arena never frees: everything below the cursor is live.
-        std::vector<std::pair<uint64_t, uint64_t>> out;
-        if (a.used() > 0) out.emplace_back(0, a.used());
-        return out;
-      })
+      .def("live_allocations", &FixedArena::live_ranges)
       .def("allocate", &FixedArena::allocate, nb::arg("nbytes"), nb::arg("align") = 512)
       .def("write", [](FixedArena& a, size_t offset, nb::bytes data) {
         const char* p = data.c_str();

@@ -14,7 +14,11 @@ using vitrify::region::kMiB;
 using vitrify::region::kTiB;
 using vitrify::region::Layout;
 using vitrify::region::round_up;
+using vitrify::region::skip_guards;
 using vitrify::region::Span;
+using vitrify::region::kGuardBytes;
+using vitrify::region::kGuardPhase;
+using vitrify::region::kWindow;
 
 namespace {
 constexpr uint64_t G = 2 * kMiB;
@@ -58,7 +62,85 @@ TEST(RegionSearch, CandidatesAreDeterministicDisjointAndInsideTheWindow) {  // R
   EXPECT_TRUE(candidate_bases(0).empty());
   EXPECT_TRUE(candidate_bases(64 * kTiB).empty());  // larger than the whole window
   EXPECT_EQ(candidate_bases(30 * kTiB).size(), 1u);
-  EXPECT_TRUE(candidate_bases(31 * kTiB).empty());  // the window starts 4 GiB above 96 TiB
+  EXPECT_TRUE(candidate_bases(31 * kTiB).empty());  // the window starts 6 GiB above 96 TiB
+  // Every candidate is 2 GiB into a 4 GiB address window, so window starts fall on the guards.
+  for (uint64_t b : a) EXPECT_EQ((b + kGuardPhase) % kWindow, 0u) << std::hex << b;
+}
+
+namespace {
+bool overlaps_a_guard(uint64_t o, uint64_t n) {
+  const uint64_t first = o < kGuardPhase ? 0 : (o - kGuardPhase) / kWindow;
+  for (uint64_t k = first; kGuardPhase + k * kWindow < o + n; ++k) {
+    const uint64_t g = kGuardPhase + k * kWindow;
+    if (g < o + n && o < g + kGuardBytes) return true;
+  }
+  return false;
+}
+}  // namespace
+
+TEST(RegionGuards, SkipGuardsPlacesAllocationsPastEachWindowStart) {  // R13
+  EXPECT_EQ(skip_guards(0, G, G), 0u);
+  EXPECT_EQ(skip_guards(kGuardPhase - G, G, G), kGuardPhase - G);  // ends where the guard starts
+  EXPECT_EQ(skip_guards(kGuardPhase - G, 2 * G, G), kGuardPhase + kGuardBytes);
+  EXPECT_EQ(skip_guards(kGuardPhase, G, G), kGuardPhase + kGuardBytes);
+  EXPECT_EQ(skip_guards(kGuardPhase + 1, 1, 4096), kGuardPhase + kGuardBytes);
+  EXPECT_EQ(skip_guards(kGuardPhase + kGuardBytes, kWindow - kGuardBytes, G),
+            kGuardPhase + kGuardBytes);  // exactly fills the space between two guards
+  EXPECT_EQ(skip_guards(kGuardPhase + kGuardBytes + G, kWindow - kGuardBytes, G),
+            kGuardPhase + kWindow + kGuardBytes);
+  EXPECT_EQ(skip_guards(kGuardPhase + kWindow + 100, 1, 4096), kGuardPhase + kWindow + kGuardBytes);
+  EXPECT_EQ(skip_guards(5, kWindow, G), G);  // too large to avoid a guard: only aligned
+  EXPECT_EQ(skip_guards(UINT64_MAX - 5, 1, G), UINT64_MAX);
+}
+
+TEST(RegionGuards, RandomPlacementsAvoidEveryGuardAndNeverMoveBack) {  // R13
+  std::mt19937_64 rng(99);
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t align = uint64_t(1) << (rng() % 23);  // 1 B .. 4 MiB
+    const uint64_t start = rng() % (40 * kGiB);
+    const uint64_t bytes = i % 3 == 0 ? 1 + rng() % (5 * kGiB) : 1 + rng() % (64 * kMiB);
+    const uint64_t o = skip_guards(start, bytes, align);
+    ASSERT_GE(o, start);
+    ASSERT_EQ(o % align, 0u);
+    if (bytes <= kWindow - kGuardBytes) {
+      ASSERT_FALSE(overlaps_a_guard(o, bytes)) << start << " " << bytes << " " << align;
+      // Least: the aligned start itself is taken whenever it is clear of every guard.
+      const uint64_t a0 = (start + align - 1) / align * align;
+      if (!overlaps_a_guard(a0, bytes)) ASSERT_EQ(o, a0);
+    } else {
+      ASSERT_EQ(o, (start + align - 1) / align * align);
+    }
+  }
+}
+
+TEST(RegionGuards, LayoutSkipsAGuardAndReleasesTheIdleChunksItPassed) {  // R13, R6, R7
+  Layout l(16 * kGiB, G);
+  l.commit_chunks(l.plan_preallocate(kGuardPhase + kGiB, kGiB));  // [0,1G) [1G,2G) [2G,3G)
+  EXPECT_EQ(alloc(l, G), 0u);
+  l.set_offset(kGuardPhase - 4 * G);
+  auto p = l.plan_allocate(8 * G);
+  EXPECT_EQ(p.alloc.offset, kGuardPhase + kGuardBytes);
+  EXPECT_FALSE(p.new_chunk.has_value());  // inside the preallocated [2G, 3G)
+  const std::vector<Span> released = l.commit_allocate(p);
+  ASSERT_EQ(released.size(), 1u);  // [1G, 2G): idle, now behind the cursor; [0,1G) holds offset 0
+  EXPECT_EQ(released[0].offset, kGiB);
+  EXPECT_EQ(l.cursor(), kGuardPhase + kGuardBytes + 8 * G);
+  EXPECT_FALSE(l.allocation_containing(kGuardPhase).has_value());
+  // Beyond the frontier the skipped guard is not mapped at all.
+  Layout m(16 * kGiB, G);
+  m.set_offset(kGuardPhase + kWindow - G);
+  p = m.plan_allocate(2 * G);
+  EXPECT_EQ(p.alloc.offset, kGuardPhase + kWindow + kGuardBytes);
+  ASSERT_TRUE(p.new_chunk.has_value());
+  EXPECT_EQ(p.new_chunk->offset, p.alloc.offset);
+  EXPECT_TRUE(m.commit_allocate(p).empty());
+  // Larger than the space between two guards: placed at the cursor, across the guard.
+  EXPECT_EQ(alloc(m, 5 * kGiB), kGuardPhase + kWindow + kGuardBytes + 2 * G);
+  // Out of space is judged after the skip, and changes nothing.
+  Layout n(kGuardPhase + 2 * kGuardBytes, G);
+  n.set_offset(kGuardPhase - G);
+  EXPECT_THROW(n.plan_allocate(3 * kGuardBytes), vitrify::OutOfSpace);
+  EXPECT_EQ(n.cursor(), kGuardPhase - G);
 }
 
 TEST(RegionLayout, ConstructorValidates) {
@@ -211,7 +293,8 @@ TEST(RegionLayout, AllocationContaining) {
 TEST(RegionLayout, RandomSequencesKeepTheInvariants) {
   std::mt19937_64 rng(1234);
   for (int round = 0; round < 40; ++round) {
-    Layout l(4096 * G, G);
+    Layout l(8192 * G, G);
+    if (round % 2) l.set_offset(kGuardPhase - 16 * G);  // half the rounds cross the first guard
     std::vector<Span> live;
     std::set<uint64_t> handed_out;
     for (int step = 0; step < 300; ++step) {
@@ -221,6 +304,7 @@ TEST(RegionLayout, RandomSequencesKeepTheInvariants) {
           const auto p = l.plan_allocate(1 + rng() % (5 * G));
           l.commit_allocate(p);
           EXPECT_TRUE(handed_out.insert(p.alloc.offset).second) << "address reused";
+          EXPECT_FALSE(overlaps_a_guard(p.alloc.offset, p.alloc.size)) << "allocation on a guard";
           live.push_back(p.alloc);
         } else if (op < 8 && !live.empty()) {
           const size_t i = rng() % live.size();

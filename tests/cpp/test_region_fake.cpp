@@ -246,3 +246,19 @@ TEST(RegionFake, CAbiRoutesToTheActiveRegion) {  // R11
   EXPECT_EQ(vitrify::region::active(0), nullptr);
   EXPECT_THROW(vitrify::region::set_active(&r, 0), std::invalid_argument);
 }
+
+TEST(RegionFake, AllocationsSkipTheWindowGuardAndMapNothingThere) {  // R13
+  const uint64_t base = free_base() + vitrify::region::kGuardPhase;  // a default-phase base
+  Region r(base, 4 * kGiB, 0);
+  const Counts before = counts();
+  r.set_offset(vitrify::region::kGuardPhase - G);
+  const uint64_t p = r.allocate(2 * G);  // would cover the window start at base + 2 GiB
+  EXPECT_EQ(p, base + vitrify::region::kGuardPhase + vitrify::region::kGuardBytes);
+  EXPECT_EQ(p % (4 * kGiB), vitrify::region::kGuardBytes);  // 2 MiB past a 4 GiB window start
+  EXPECT_EQ(counts().mappings, before.mappings + 1);  // one chunk, at p: the guard stays unmapped
+  const auto live = r.live_allocations();
+  ASSERT_EQ(live.size(), 1u);
+  EXPECT_EQ(live[0].offset, p - base);
+  EXPECT_EQ(r.offset(), p - base + 2 * G);
+  r.free(p);
+}

@@ -14,8 +14,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).with_name("graph_worker.py")
-BASE_A = 0x7E0000000000
-BASE_B = 0x7D0000000000
+# 2 GiB into a 4 GiB window, like every default region base (region DESIGN R2, R13).
+BASE_A = 0x7E0080000000
+BASE_B = 0x7D0080000000
 
 
 def run_worker(*args: str, timeout: int = 400) -> dict:
@@ -101,6 +102,8 @@ def test_relocation_to_another_base_gives_identical_outputs(frozen):
         r = json.loads(lines[-1])
         if not r["ok"]:
             failures[name] = r["error"]
+        elif name in r["refused"]:
+            failures[name] = f"refused as non-relocatable: {r['refused'][name]}"
         elif not (r["equal"][name] and r["equal_after_back_to_back"][name]):
             failures[name] = f"output differs from FREEZE at byte {r['first_diff'].get(name)}"
         else:
@@ -111,6 +114,7 @@ def test_relocation_to_another_base_gives_identical_outputs(frozen):
 
 def test_relocation_all_graphs_in_one_process(thawed_other_base):
     r = thawed_other_base
+    assert not r["refused"], f"graphs refused as non-relocatable: {r['refused']}"
     for n in r["equal"]:
         assert r["equal"][n], f"{n} differs after relocation (first byte {r['first_diff'].get(n)})"
 
@@ -133,10 +137,16 @@ def test_unsupported_copy_fails_at_freeze(tmp_path):
 
 # ------------------------------------------------------------------ relocation safety
 # Real cuBLAS, attention, norm and softmax kernels whose dimensions equal the upper half of the
-# region base (24576 = 0x6000): frozen at 0x600000000000, thawed relocated by several shifts in
-# fresh processes — every output byte identical. The arena's whole used part counts as live (the
-# weakest provenance), so only parameter layouts and cross-launch evidence keep integers intact.
-BASE_DIMS = 0x600000000000
+# arena base (base >> 32), so that pairs of 32-bit integers (x, dim) read as addresses in the
+# base's 4 GiB window. The arena's whole used part counts as live (the weakest provenance).
+# At the default phase (2 GiB into a window: 0x600180000000, dim 24577) such words lie below
+# the arena or on a window guard (region R13), so every graph is relocatable and, thawed
+# relocated by several shifts in fresh processes, every output byte is identical.
+# At a 4 GiB-aligned base (0x600000000000, dim 24576) the window starts at the arena's first
+# allocation: words (x < 1 MiB, 24576) that point into it are unclassified, the graphs holding
+# them are refused at another base, and every graph that is thawed gives identical bytes.
+BASE_DIMS = 0x600180000000
+BASE_DIMS_ALIGNED = 0x600000000000
 DIM_SHIFTS = {"plus_2MiB": 2 << 20, "plus_1GiB": 1 << 30, "plus_64GiB": 64 << 30,
               "minus_1TiB": -(1 << 40)}
 
@@ -156,10 +166,25 @@ def test_dimension_cases_are_relocatable(frozen_dims):
 
 @pytest.mark.parametrize("shift", list(DIM_SHIFTS))
 def test_kernels_at_dimensions_equal_to_the_base_upper_half_survive_relocation(frozen_dims, shift):
-    d, _ = frozen_dims
+    d, fz = frozen_dims
     r = run_worker("thaw", "dims", str(d), hex(BASE_DIMS + DIM_SHIFTS[shift]))
     assert r["base"] == BASE_DIMS + DIM_SHIFTS[shift]
+    assert not r["refused"], r["refused"]
+    assert set(r["equal"]) == set(fz["outputs"])
     for name, ok in r["equal"].items():
         assert ok, (f"{name} relocated by {shift}: output differs at byte {r['first_diff'][name]}; "
                     f"relocations {r['info'][name]['relocations_by_kind']}")
         assert r["equal_after_back_to_back"][name], name
+
+
+def test_at_a_window_aligned_base_ambiguous_graphs_are_refused_never_wrong(tmp_path):
+    fz = run_worker("freeze", "dims", str(tmp_path), hex(BASE_DIMS_ALIGNED))
+    r = run_worker("thaw", "dims", str(tmp_path), hex(BASE_DIMS_ALIGNED + DIM_SHIFTS["plus_64GiB"]))
+    non_relocatable = {n for n, i in fz["info"].items() if not i["relocatable"]}
+    assert set(r["refused"]) == non_relocatable
+    for name in r["refused"]:
+        assert fz["info"][name]["unclassified"]["count"] > 0, fz["info"][name]
+    assert set(r["equal"]) == set(fz["outputs"]) - non_relocatable
+    for name, ok in r["equal"].items():
+        assert ok and r["equal_after_back_to_back"][name], (
+            f"{name} thawed relocated with different bytes (first at {r['first_diff'].get(name)})")

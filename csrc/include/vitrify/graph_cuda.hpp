@@ -158,8 +158,12 @@ class FixedArena {
   uint64_t base() const noexcept { return base_; }
   size_t size() const noexcept { return size_; }
   size_t used() const;
-  // Next `n` bytes aligned to `align` (a power of two); vitrify::OutOfSpace when full.
+  // Next `n` bytes aligned to `align` (a power of two) and clear of the region's window guards
+  // (region R13); vitrify::OutOfSpace when full.
   uint64_t allocate(size_t n, size_t align = 512);
+  // What relocation may treat as live, as (offset, size) ascending: everything below the cursor
+  // (a bump arena never frees) except the window guards allocations skipped.
+  std::vector<std::pair<uint64_t, uint64_t>> live_ranges() const;
   // Synchronous copies at an offset into the arena (checked against its size).
   void write(size_t offset, const void* src, size_t n);
   void read(size_t offset, void* dst, size_t n) const;
@@ -174,6 +178,7 @@ class FixedArena {
   bool reserved_ = false, created_ = false, mapped_ = false;
   mutable std::mutex mu_;
   size_t cursor_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> skipped_;  // [from, to) passed over for a guard
 };
 
 // The arena vitrify_graph_arena_malloc allocates from (nullptr: none; malloc then fails).

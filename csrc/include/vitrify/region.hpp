@@ -1,7 +1,7 @@
 // The VMM region allocator: one reserved virtual range [base, base+size) per Region, physical
 // memory mapped into it at a monotonic cursor, so the same allocation sequence lands at the same
 // addresses in every process (the determinism FREEZE/THAW relies on).
-// Invariants are numbered in csrc/src/region/DESIGN.md (R1..R12); tests cite them.
+// Invariants are numbered in csrc/src/region/DESIGN.md (R1..R13); tests cite them.
 //
 //   region::Layout   pure bookkeeping (cursor, rounding, chunks, checkpoints): no driver calls
 //   Region           Layout + the driver objects (reservation, physical handles, mappings)
@@ -43,15 +43,31 @@ constexpr uint64_t kTiB = uint64_t(1) << 40;
 // The deterministic base search (base=None), invariant R2: candidates are
 // kSearchFirst + k * round_up(size, 1 TiB) for k = 0, 1, ..., at most kSearchMaxCandidates of
 // them, each ending at or below kSearchLimit. The first candidate the driver reserves exactly wins.
-// The upper 32 bits of every address of a region starting here are 0x6001 + k = 24577 + k, odd
-// numbers no multiple of 64 for the first 63 GiB: integers models use (dimensions, products
-// of batch size and hidden size) rarely look like its addresses. Graph relocation does not rely
-// on this (it classifies words by parameter layout and live allocations; graph DESIGN.md).
-constexpr uint64_t kSearchFirst = 0x600100000000ull;  // 96 TiB + 4 GiB
+// kSearchFirst sits 2 GiB into a 4 GiB window (upper address half 0x6001 = 24577): a pair of
+// 32-bit integers (x, 24577) with x < 2 GiB reads as an address *below* the region, and the next
+// window starts at region offset kGuardPhase, where R13 keeps the first kGuardBytes free. Graph
+// relocation still classifies words by parameter layout and live allocations (graph DESIGN.md);
+// this layout is what keeps integer pairs from pointing into a live allocation.
+constexpr uint64_t kSearchFirst = 0x600180000000ull;  // 96 TiB + 6 GiB
 constexpr uint64_t kSearchLimit = 0x7f0000000000ull;  // 127 TiB (exclusive end)
 constexpr int kSearchMaxCandidates = 16;
 // Default chunk for preallocate(): one cuMemMap per GiB (~110 µs on H200 vs ~53 µs per 2 MiB).
 constexpr uint64_t kDefaultPreallocChunk = kGiB;
+
+// R13 window guards. Where a 4 GiB address window starts, a word holding two 32-bit integers
+// (x, w) reads as window w's start + x: a dimension w (24577) next to a small x is the pattern
+// relocation must never mistake for a pointer. Region offsets kGuardPhase + k * kWindow (the
+// window starts when the base is 2 GiB into a window, as every default base is) begin a guard of
+// kGuardBytes that no allocation covers, so such words point into no live allocation and stay
+// integers. An allocation larger than kWindow - kGuardBytes cannot avoid a guard and is placed at
+// the cursor (relocation then refuses ambiguous words there; graph DESIGN.md).
+constexpr uint64_t kWindow = uint64_t(4) << 30;
+constexpr uint64_t kGuardPhase = uint64_t(2) << 30;
+constexpr uint64_t kGuardBytes = 2 * kMiB;
+// The least offset o >= start, a multiple of `align` (a power of two), at which [o, o + bytes)
+// overlaps no guard; `start` rounded up to `align` where no such placement exists (bytes too
+// large). Pure; never overflows (returns UINT64_MAX when rounding would).
+uint64_t skip_guards(uint64_t start, uint64_t bytes, uint64_t align) noexcept;
 
 // n rounded up to a multiple of `granularity` (> 0). Throws std::invalid_argument on overflow.
 uint64_t round_up(uint64_t n, uint64_t granularity);
@@ -87,12 +103,13 @@ class Layout {
   Layout(uint64_t size, uint64_t granularity);
 
   struct AllocPlan {
-    Span alloc;                      // where the allocation goes (offset == cursor)
+    Span alloc;                      // where the allocation goes (the cursor, or past a guard: R13)
     std::optional<Span> new_chunk;   // the part beyond the mapped frontier, to map now
   };
   // Throws std::invalid_argument for bytes == 0, vitrify::OutOfSpace when it does not fit.
   AllocPlan plan_allocate(uint64_t bytes) const;
-  void commit_allocate(const AllocPlan& plan);
+  // Returns the chunks to release now: idle ones that a guard skip (R13) moved the cursor past.
+  std::vector<Span> commit_allocate(const AllocPlan& plan);
   // Frees the allocation starting at `offset`; returns the chunks that must be released now
   // (R6). Throws std::invalid_argument when no live allocation starts there.
   std::vector<Span> free(uint64_t offset);
@@ -206,6 +223,9 @@ class Region {
  private:
   void check_open() const;
   std::unique_ptr<region::detail::Mapping> map_chunk(const region::Span& s) const;
+  // Unmaps the chunks the Layout gave up (R6); returns "" or the failures, for one warning
+  // logged after the lock is dropped. Caller holds mu_.
+  std::string release_chunks(const std::vector<region::Span>& release);
   // Locates the live allocation (region or fallback) holding [ptr, ptr+n).
   void check_live_range(uint64_t ptr, size_t n, const char* what) const;
 

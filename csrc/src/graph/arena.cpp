@@ -2,6 +2,7 @@
 #include "graph/cuda_util.hpp"
 #include "vitrify/graph_cuda.hpp"
 #include "vitrify/log.hpp"
+#include "vitrify/region.hpp"
 
 namespace vitrify::graph {
 
@@ -74,14 +75,29 @@ uint64_t FixedArena::allocate(size_t n, size_t align) {
   VITRIFY_EXPECT(align > 0 && (align & (align - 1)) == 0,
               "alignment must be a power of two, got " + std::to_string(align));
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t start = (cursor_ + align - 1) & ~(align - 1);
+  // The region's window guards (region R13), so integer pairs never point into a live allocation.
+  const uint64_t aligned = (uint64_t(cursor_) + align - 1) & ~uint64_t(align - 1);
+  const uint64_t start = region::skip_guards(cursor_, n, align);
   if (start > size_ || n > size_ - start)
     throw OutOfSpace("FixedArena at " + std::to_string(base_) + " is full: " +
                      std::to_string(n) + " bytes requested, " +
                      std::to_string(size_ - std::min(start, size_)) + " of " +
                      std::to_string(size_) + " left");
+  if (start != aligned) skipped_.emplace_back(cursor_, start);
   cursor_ = start + n;
   return base_ + start;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> FixedArena::live_ranges() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  uint64_t from = 0;
+  for (const auto& [a, b] : skipped_) {
+    if (a > from) out.emplace_back(from, a - from);
+    from = b;
+  }
+  if (cursor_ > from) out.emplace_back(from, cursor_ - from);
+  return out;
 }
 
 void FixedArena::write(size_t offset, const void* src, size_t n) {

@@ -34,6 +34,32 @@ uint64_t round_up(uint64_t n, uint64_t granularity) {
   return n + (granularity - r);
 }
 
+uint64_t skip_guards(uint64_t start, uint64_t bytes, uint64_t align) noexcept {
+  auto align_up = [align](uint64_t v) -> uint64_t {
+    const uint64_t m = align - 1;
+    return v > UINT64_MAX - m ? UINT64_MAX : (v + m) & ~m;
+  };
+  uint64_t o = align_up(start);
+  const uint64_t n = std::max<uint64_t>(bytes, 1);
+  if (n > kWindow - kGuardBytes) return o;  // no placement avoids every guard
+  // The guard at or after o's window phase: at most two moves (past one guard, then aligned).
+  for (int i = 0; i < 4 && o != UINT64_MAX; ++i) {
+    const uint64_t k = o < kGuardPhase ? 0 : (o - kGuardPhase) / kWindow;
+    const uint64_t g = kGuardPhase + k * kWindow;  // the last guard starting at or below o, or the first
+    uint64_t next = o;
+    if (o >= g && o < g + kGuardBytes) {
+      next = g + kGuardBytes;  // starts inside a guard
+    } else {
+      const uint64_t ng = o < g ? g : g + kWindow;  // the next guard above o
+      if (n > ng - o) next = ng + kGuardBytes;     // would run into it
+    }
+    next = align_up(next);
+    if (next == o) return o;
+    o = next;
+  }
+  return o;
+}
+
 std::vector<uint64_t> candidate_bases(uint64_t size) {
   std::vector<uint64_t> out;
   if (size == 0 || size > kSearchLimit - kSearchFirst) return out;
@@ -59,21 +85,26 @@ Layout::AllocPlan Layout::plan_allocate(uint64_t bytes) const {
   // R3: round up; an allocation that does not fit is OutOfSpace with the numbers (R5).
   const bool overflow = bytes > UINT64_MAX - granularity_;
   const uint64_t rounded = overflow ? 0 : round_up(bytes, granularity_);
-  if (overflow || rounded > size_ - cursor_) {
+  // R13: past a window guard the allocation would cover.
+  const uint64_t start = overflow ? cursor_ : skip_guards(cursor_, rounded, granularity_);
+  if (overflow || start > size_ || rounded > size_ - start) {
     throw OutOfSpace("region full: an allocation of " + std::to_string(bytes) +
                      " bytes (rounded to " + (overflow ? std::string("overflow") : std::to_string(rounded)) +
-                     ") at offset " + std::to_string(cursor_) + " does not fit in the region of " +
-                     std::to_string(size_) + " bytes (" + std::to_string(size_ - cursor_) +
-                     " bytes left above the cursor)");
+                     ") at offset " + std::to_string(std::min(start, size_)) +
+                     " does not fit in the region of " + std::to_string(size_) + " bytes (" +
+                     std::to_string(size_ - cursor_) + " bytes left above the cursor)");
   }
   AllocPlan p;
-  p.alloc = Span{cursor_, rounded};
-  const uint64_t mapped_to = std::max(cursor_, frontier_);  // R7: [cursor, frontier) is mapped
+  p.alloc = Span{start, rounded};
+  // R7: [cursor, frontier) is mapped; what the allocation needs beyond it is one new chunk (a
+  // guard skipped beyond the frontier stays unmapped).
+  const uint64_t mapped_to = std::max(start, frontier_);
   if (p.alloc.end() > mapped_to) p.new_chunk = Span{mapped_to, p.alloc.end() - mapped_to};
   return p;
 }
 
-void Layout::commit_allocate(const AllocPlan& p) {
+std::vector<Span> Layout::commit_allocate(const AllocPlan& p) {
+  const bool skipped = p.alloc.offset > cursor_;  // R13 moved it past a guard
   if (p.new_chunk) commit_chunks({*p.new_chunk});
   allocs_.emplace(p.alloc.offset, p.alloc.size);
   // R6 bookkeeping: every chunk overlapping the allocation counts it.
@@ -83,6 +114,8 @@ void Layout::commit_allocate(const AllocPlan& p) {
     if (it->first + it->second.size > p.alloc.offset) ++it->second.live;
   cursor_ = p.alloc.end();  // R1: the cursor only moves forward
   ++counters_.allocations_total;
+  // Chunks a guard skip passed over that hold nothing go now (R6).
+  return skipped ? release_idle_below_cursor() : std::vector<Span>{};
 }
 
 std::vector<Span> Layout::free(uint64_t offset) {

@@ -152,25 +152,54 @@ std::unique_ptr<Mapping> Region::map_chunk(const Span& s) const {
   return std::make_unique<Mapping>(base_ + s.offset, std::move(mem), device_);
 }
 
+std::string Region::release_chunks(const std::vector<Span>& release) {
+  std::string problems;
+  if (release.empty()) return problems;
+  std::optional<driver::ContextGuard> ctx;
+  try {
+    ctx.emplace(device_);
+  } catch (...) {
+  }
+  for (const Span& s : release) {
+    auto it = mappings_.find(s.offset);
+    if (it == mappings_.end()) continue;
+    const int r = it->second->release();
+    if (r != 0) {
+      problems += ' ';
+      problems += format_range(base_ + s.offset, base_ + s.end());
+      problems += ": " + driver::result_name(r) + ";";
+    }
+    mappings_.erase(it);
+  }
+  return problems;
+}
+
 uint64_t Region::allocate(uint64_t bytes) {
   VITRIFY_EXPECT(bytes > 0, "allocation size must be positive, got 0");
-  std::lock_guard<std::mutex> lk(mu_);
-  check_open();
-  if (stopped_) {  // R8: ordinary memory, the cursor does not move
-    auto f = std::make_unique<Fallback>(Fallback{DeviceBuffer(bytes, device_)});
-    const uint64_t p = f->buffer.ptr();
-    fallback_.emplace(p, std::move(f));
-    return p;
+  std::string problems;
+  uint64_t ptr = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    if (stopped_) {  // R8: ordinary memory, the cursor does not move
+      auto f = std::make_unique<Fallback>(Fallback{DeviceBuffer(bytes, device_)});
+      const uint64_t p = f->buffer.ptr();
+      fallback_.emplace(p, std::move(f));
+      return p;
+    }
+    const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes);  // may throw OutOfSpace
+    std::unique_ptr<Mapping> m;
+    if (plan.new_chunk) {
+      driver::ContextGuard ctx(device_);
+      m = map_chunk(*plan.new_chunk);  // a failure unwinds here; nothing was committed (R9)
+    }
+    const std::vector<Span> release = layout_->commit_allocate(plan);
+    if (m) mappings_.emplace(plan.new_chunk->offset, std::move(m));
+    problems = release_chunks(release);
+    ptr = base_ + plan.alloc.offset;
   }
-  const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes);  // may throw OutOfSpace
-  std::unique_ptr<Mapping> m;
-  if (plan.new_chunk) {
-    driver::ContextGuard ctx(device_);
-    m = map_chunk(*plan.new_chunk);  // a failure unwinds here; nothing was committed (R9)
-  }
-  layout_->commit_allocate(plan);
-  if (m) mappings_.emplace(plan.new_chunk->offset, std::move(m));
-  return base_ + plan.alloc.offset;
+  if (!problems.empty()) log::warning("region " + describe() + ": releasing chunks failed:" + problems);
+  return ptr;
 }
 
 void Region::free(uint64_t ptr) {
@@ -184,25 +213,7 @@ void Region::free(uint64_t ptr) {
     }
     VITRIFY_EXPECT(contains(ptr), "pointer " + hex(ptr) + " is neither in the region " + describe() +
                                    " nor an allocation made while it was stopped");
-    const std::vector<Span> release = layout_->free(ptr - base_);
-    if (!release.empty()) {
-      std::optional<driver::ContextGuard> ctx;
-      try {
-        ctx.emplace(device_);
-      } catch (...) {
-      }
-      for (const Span& s : release) {
-        auto it = mappings_.find(s.offset);
-        if (it == mappings_.end()) continue;
-        const int r = it->second->release();
-        if (r != 0) {
-          problems += ' ';
-          problems += format_range(base_ + s.offset, base_ + s.end());
-          problems += ": " + driver::result_name(r) + ";";
-        }
-        mappings_.erase(it);
-      }
-    }
+    problems = release_chunks(layout_->free(ptr - base_));
   }
   if (!problems.empty()) log::warning("region " + describe() + ": releasing chunks failed:" + problems);
 }
@@ -243,18 +254,7 @@ void Region::set_offset(uint64_t n) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_open();
-    const std::vector<Span> release = layout_->set_offset(n);
-    for (const Span& s : release) {
-      auto it = mappings_.find(s.offset);
-      if (it == mappings_.end()) continue;
-      const int r = it->second->release();
-      if (r != 0) {
-        problems += ' ';
-        problems += hex(base_ + s.offset);
-        problems += ": " + driver::result_name(r) + ";";
-      }
-      mappings_.erase(it);
-    }
+    problems = release_chunks(layout_->set_offset(n));
   }
   if (!problems.empty()) log::warning("region " + describe() + ": releasing chunks failed:" + problems);
 }
