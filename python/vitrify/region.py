@@ -31,7 +31,8 @@ RegionAddressError.__doc__ = (
     "another address). The message names the range and what came back. A RuntimeError."
 )
 
-#: The first candidate base of the search (96 TiB + 4 GiB) and the end of the search window (127 TiB).
+#: The first candidate base of the search (96 TiB + 6 GiB: 2 GiB into a 4 GiB address window, so
+#: window starts fall on the window guards, region DESIGN R13) and the end of the search window (127 TiB).
 SEARCH_FIRST: int = _native.REGION_SEARCH_FIRST
 SEARCH_LIMIT: int = _native.REGION_SEARCH_LIMIT
 #: Default chunk size of :meth:`Region.preallocate` (1 GiB: one cuMemMap per GiB).

@@ -30,7 +30,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).with_name("decoder_worker.py")
-BASES = {"default-base": None, "base-0x600000000000": 0x600000000000}
+BASES = {"default_base": None, "aligned_base": 0x600000000000}
 DEFAULT_BASE = 0x600180000000  # region.hpp kSearchFirst
 STEPS = 8
 SHIFTS = {"same base": 0, "+64 GiB": 64 << 30, "-1 TiB": -(1 << 40)}
