@@ -91,6 +91,8 @@ fi
   echo "}"
 } >"$WORK/steps.json"
 
+JUNIT=("pytest=$WORK/pytest-gpu.xml")  # a missing file counts as a failure in the summary
+[ "$CTEST" = 1 ] && JUNIT=("ctest=$WORK/ctest-gpu.xml" "${JUNIT[@]}")
 "$PY" scripts/summarize_suite.py --out "$OUTDIR" --doctor "$WORK/doctor.json" \
   --steps "$WORK/steps.json" --bench-dir "$WORK/bench" \
-  --junit "ctest=$WORK/ctest-gpu.xml" "pytest=$WORK/pytest-gpu.xml" | tee -a "$LOG"
+  --junit "${JUNIT[@]}" | tee -a "$LOG"

@@ -25,6 +25,7 @@ The on-disk layout is documented in ``csrc/src/graph/DESIGN.md``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -118,6 +119,9 @@ def describe(data: bytes) -> dict:
     return dict(_native.graph_describe(bytes(data)))
 
 
+_arena_exit_hook = False
+
+
 def arena_mem_pool(arena: FixedArena):
     """A ``torch.cuda.MemPool`` whose allocations come from ``arena`` (bump-allocated, never
     reused), so a capture made inside it has the same addresses in a fresh process that
@@ -129,7 +133,11 @@ def arena_mem_pool(arena: FixedArena):
                                        f"{_check.got(arena)}")
     import torch
 
+    global _arena_exit_hook
     _native.graph_install_arena(arena)
+    if not _arena_exit_hook:  # give the slot's reference back before the interpreter goes, so
+        _arena_exit_hook = True  # the arena is destroyed with its Python object (frees are no-ops)
+        atexit.register(_native.graph_install_arena, None)
     alloc = torch.cuda.memory.CUDAPluggableAllocator(
         _native.__file__, "vitrify_graph_arena_malloc", "vitrify_graph_arena_free"
     )
