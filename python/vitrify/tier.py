@@ -342,10 +342,14 @@ class DiskStore:
 
     @staticmethod
     def _datas(datas: Any, what: str, writable: bool) -> list:
-        datas = _check.sequence(what, datas)
-        for i, d in enumerate(datas):
-            _check.buffer(f"{what}[{i}]", d, writable=writable)
-        return datas
+        """Checked buffers; buffer-protocol ones as flat byte views, so that any item format
+        (a ctypes char array is '<c') reaches the native side as plain bytes."""
+        out = []
+        for i, d in enumerate(_check.sequence(what, datas)):
+            d = _check.buffer(f"{what}[{i}]", d, writable=writable)
+            out.append(memoryview(d).cast("B") if isinstance(d, memoryview) or not
+                       hasattr(d, "data_ptr") else d)
+        return out
 
     def page_bytes(self, kind: str | int | None = None) -> int:
         """Largest payload of ``kind`` in bytes."""

@@ -72,6 +72,22 @@ def test_round_trip_many_sizes_and_buffer_types(d):
         assert len(make_key("a")) == tier.KEY_BYTES == 32
 
 
+def test_any_item_format_is_stored_as_its_bytes(d):
+    """ctypes char arrays (format '<c'), structs and multi-dimensional arrays go in as their raw
+    bytes (a '<c' buffer once crashed the native conversion)."""
+    import ctypes
+
+    with DiskStore(d, 1 << 20, 4096) as s:
+        chars = (ctypes.c_char * 4096).from_buffer_copy(content(7, 4096))
+        assert s.batch_put(["c"], [chars]) == [True] and s.put("c2", chars)
+        assert s.get("c") == s.get("c2") == content(7, 4096)
+        two_d = np.arange(64, dtype=np.int32).reshape(8, 8)
+        assert s.put("2d", two_d) and s.get("2d") == two_d.tobytes()
+        out = (ctypes.c_char * 4096)()
+        assert s.get_into("c", out) == 4096 and bytes(out) == content(7, 4096)
+        assert s.batch_get_into(["2d"], [np.zeros((8, 8), np.int32)]) == [256]
+
+
 @pytest.mark.odirect
 def test_slabs_use_o_direct_on_this_filesystem(d):
     with DiskStore(d, 1 << 20, 4096) as s:
