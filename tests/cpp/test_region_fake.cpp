@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "vitrify/region.hpp"
+#include "vitrify/snapshot.hpp"
 
 using vitrify::Region;
 using vitrify::region::kGiB;
@@ -261,4 +262,34 @@ TEST(RegionFake, AllocationsSkipTheWindowGuardAndMapNothingThere) {  // R13
   EXPECT_EQ(live[0].offset, p - base);
   EXPECT_EQ(r.offset(), p - base + 2 * G);
   r.free(p);
+}
+
+// ScratchSpan (snapshot tests and benchmarks) holds its reservation and mappings through the
+// region's VMM owners: one mapping per mapped run, everything returned when it goes.
+TEST(RegionFake, ScratchSpanMapsEachRunOnceAndReturnsEverything) {  // R9
+  const Counts before = counts();
+  {
+    const std::vector<bool> mapped = {true, true, false, true, false, false, true, true};
+    vitrify::snapshot::ScratchSpan s(0, mapped.size() * G, free_base(), mapped);
+    EXPECT_EQ(s.granularity(), G);
+    EXPECT_EQ(counts().reservations, before.reservations + 1);
+    EXPECT_EQ(counts().mappings, before.mappings + 3);  // runs [0,2), [3,4), [6,8)
+    std::vector<uint8_t> src(G, 0x5a), back(G, 0);
+    s.write(3 * G, src.data(), src.size());
+    s.read(3 * G, back.data(), back.size());
+    EXPECT_EQ(back, src);
+    EXPECT_THROW(s.write(7 * G + 1, src.data(), G), std::invalid_argument);  // leaves the span
+    EXPECT_THROW(vitrify::snapshot::ScratchSpan(0, 3 * G, 0, {true, false}), std::invalid_argument);
+  }
+  EXPECT_EQ(counts(), before);
+}
+
+// Any granularity-aligned base is honoured: the reservation starts at the 1 GiB boundary at or
+// below it (the driver honours hints with a 1 GiB alignment), the region starts at the base.
+TEST(RegionFake, AGranuleAlignedBaseIsExact) {  // R2
+  const uint64_t base = free_base() + 3 * G;
+  Region r(base, 4 * kMiB, 0);
+  EXPECT_EQ(r.base(), base);
+  EXPECT_EQ(r.allocate(G), base);
+  EXPECT_THROW(Region(base + 2 * G, G, 0), vitrify::AddressUnavailable);  // inside r's reservation
 }

@@ -250,11 +250,10 @@ class ScratchSpan {
   void read(uint64_t offset, void* dst, size_t n) const;
 
  private:
-  struct Mapping { uint64_t offset, bytes; unsigned long long handle; };
-  void release() noexcept;
+  struct Owners;  // the region's VMM owners (src/region/vmm.hpp): one reservation, its mappings
   int device_;
   uint64_t base_ = 0, size_ = 0, granularity_ = 0;
-  std::vector<Mapping> maps_;
+  std::unique_ptr<Owners> owners_;
 };
 
 // The hardware baseline for restore benchmarks: seconds of the fastest of `reps` single

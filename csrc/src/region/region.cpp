@@ -29,22 +29,27 @@ std::string gib(uint64_t n) {
   return b;
 }
 
-// R2: one reserve at exactly `base`; anything else is freed and reported. At least
-// kMinReservation of address space is reserved (the region still hands out only `size`): the
-// H200 driver places small reservations in its own heap whatever the hint, depending on what
-// the process did before (a 64 MiB reserve at a 1 GiB-aligned hint came back exact in a fresh
-// process and elsewhere in a pytest process that had used torch); 512 MiB and more were always
-// honoured (scripts/experiments/va_hints.py).
+// R2: one reserve that covers exactly [base, base + size); anything else is freed and reported.
+// The reservation starts at the 1 GiB boundary at or below `base` (the driver honours hints
+// reliably only with a 1 GiB alignment: scripts/experiments/va_hints.py), so any
+// granularity-aligned base can be had (a relocation by 2 MiB), and spans at least
+// kMinReservation: the H200 driver places small reservations in its own heap whatever the hint,
+// depending on what the process did before (a 64 MiB reserve at a 1 GiB-aligned hint came back
+// exact in a fresh process and elsewhere in a pytest process that had used torch); 512 MiB and
+// more were always honoured. The region still hands out only `size` from `base`.
 std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::string* why) {
+  const uint64_t start = base & ~(region::kGiB - 1);
+  const uint64_t span = (base - start) + std::max(size, region::kMinReservation);
   std::unique_ptr<Reservation> r;
   try {
-    r = std::make_unique<Reservation>(base, std::max(size, region::kMinReservation));
+    r = std::make_unique<Reservation>(start, span);
   } catch (const CudaError& e) {
     *why = "cuMemAddressReserve failed: " + e.name();
     return nullptr;
   }
-  if (r->ptr() == base) return r;
-  *why = "the driver returned " + format_range(r->ptr(), r->ptr() + size) + " instead";
+  if (r->ptr() == start) return r;
+  *why = "the driver returned " + format_range(r->ptr(), r->ptr() + span) + " for " +
+         format_range(start, start + span) + " instead";
   r.reset();  // free the stray reservation before reporting
   return nullptr;
 }
@@ -94,7 +99,7 @@ Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device
                                                                  region::kSearchLimit)
                                               : ", tried:" + tried));
   }
-  base_ = reservation_->ptr();
+  base_ = base ? *base : reservation_->ptr();
   layout_ = std::make_unique<region::Layout>(size_, granularity_);
   region::register_region(this);
   log::debug("region " + describe() + " reserved");

@@ -3,80 +3,58 @@
 #include <chrono>
 #include <string>
 
+#include "region/vmm.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/snapshot.hpp"
 
 namespace vitrify::snapshot {
 
+// Every driver object has its one owner from the region's VMM layer (region/vmm.hpp, R9): a
+// failure midway unwinds by letting the owners built so far die.
+struct ScratchSpan::Owners {
+  std::unique_ptr<region::detail::Reservation> reservation;
+  std::vector<std::unique_ptr<region::detail::Mapping>> mappings;  // released before the reservation
+
+  ~Owners() { mappings.clear(); }
+};
+
 ScratchSpan::ScratchSpan(int device, uint64_t size, uint64_t base_hint,
                          const std::vector<bool>& mapped)
     : device_(device) {
   driver::ContextGuard ctx(device);
-  const auto& d = driver::cu();
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  size_t g = 0;
-  VITRIFY_CU(d.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  granularity_ = g;
+  granularity_ = region::detail::granularity(device);
+  const uint64_t g = granularity_;
   VITRIFY_EXPECT(size > 0 && size % g == 0, "ScratchSpan size must be a positive multiple of the "
               "granularity " + std::to_string(g) + ", got " + std::to_string(size));
   VITRIFY_EXPECT(mapped.size() == size / g, "ScratchSpan needs one mapped flag per granule (" +
               std::to_string(size / g) + "), got " + std::to_string(mapped.size()));
-  CUdeviceptr p = 0;
-  VITRIFY_CU(d.cuMemAddressReserve(&p, size, base_hint ? driver::reserve_alignment(base_hint) : g,
-                                static_cast<CUdeviceptr>(base_hint), 0));
-  base_ = p;
-  size_ = size;
-  try {
-    CUmemAccessDesc access{};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    for (size_t i = 0; i < mapped.size();) {
-      if (!mapped[i]) { ++i; continue; }
-      size_t j = i;
-      while (j < mapped.size() && mapped[j]) ++j;
-      const uint64_t off = i * g, bytes = (j - i) * g;
-      CUmemGenericAllocationHandle hnd = 0;
-      VITRIFY_CU(d.cuMemCreate(&hnd, bytes, &prop, 0));
-      const CUresult r = d.cuMemMap(base_ + off, bytes, 0, hnd, 0);
-      if (r != CUDA_SUCCESS) {
-        (void)d.cuMemRelease(hnd);
-        VITRIFY_CU(r);
-      }
-      maps_.push_back({off, bytes, hnd});
-      VITRIFY_CU(d.cuMemSetAccess(base_ + off, bytes, &access, 1));
-      i = j;
-    }
-  } catch (...) {
-    release();
-    throw;
+  auto owners = std::make_unique<Owners>();
+  owners->reservation = std::make_unique<region::detail::Reservation>(base_hint, size);
+  const uint64_t base = owners->reservation->ptr();
+  for (size_t i = 0; i < mapped.size();) {
+    if (!mapped[i]) { ++i; continue; }
+    size_t j = i;
+    while (j < mapped.size() && mapped[j]) ++j;  // one physical allocation per mapped run
+    const uint64_t off = i * g, bytes = (j - i) * g;
+    owners->mappings.push_back(std::make_unique<region::detail::Mapping>(
+        base + off, region::detail::PhysicalMemory(bytes, device), device));
+    i = j;
   }
+  base_ = base;
+  size_ = size;
+  owners_ = std::move(owners);
 }
 
-ScratchSpan::~ScratchSpan() { release(); }
-
-void ScratchSpan::release() noexcept {
-  if (base_ == 0) return;
+ScratchSpan::~ScratchSpan() {
+  if (!owners_) return;
   try {
     driver::ContextGuard ctx(device_);
-    const auto& d = driver::cu();
-    (void)d.cuCtxSynchronize();
-    for (const Mapping& m : maps_) {
-      (void)d.cuMemUnmap(base_ + m.offset, m.bytes);
-      (void)d.cuMemRelease(m.handle);
-    }
-    (void)d.cuMemAddressFree(base_, size_);
+    (void)driver::cu().cuCtxSynchronize();  // nothing in flight touches the span when it goes
+    owners_.reset();
   } catch (...) {
+    owners_.reset();  // no context: the owners still try, and never throw
   }
-  maps_.clear();
-  base_ = 0;
 }
-
-}  // namespace vitrify::snapshot
-
-namespace vitrify::snapshot {
 
 void ScratchSpan::write(uint64_t offset, const void* src, size_t n) {
   VITRIFY_EXPECT(offset <= size_ && n <= size_ - offset, "write of " + std::to_string(n) +
