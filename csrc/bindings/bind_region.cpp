@@ -38,10 +38,10 @@ void bind_region(nb::module_& m) {
       .def_prop_ro("granularity", &Region::granularity)
       .def_prop_ro("device", &Region::device)
       .def("describe", &Region::describe)
-      .def("allocate", [](Region& r, uint64_t n) {
+      .def("allocate", [](Region& r, uint64_t n, bool at_cursor) {
         nb::gil_scoped_release nogil;
-        return r.allocate(n);
-      }, nb::arg("nbytes"))
+        return r.allocate(n, at_cursor);
+      }, nb::arg("nbytes"), nb::arg("at_cursor") = false)
       .def("free", [](Region& r, uint64_t p) {
         nb::gil_scoped_release nogil;
         r.free(p);

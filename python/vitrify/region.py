@@ -130,6 +130,28 @@ class Region:
         """
         return self._r.allocate(_int("nbytes", nbytes, minimum=1))
 
+    def claim(self, upto: int) -> int:
+        """THAW: one allocation covering exactly ``[offset, upto)`` (``upto`` rounded up to the
+        granularity), at the cursor even where a window guard lies inside it (a frozen layout
+        restored as one block), so restored bytes stay mapped. Returns its address."""
+        upto = _int("upto", upto, minimum=1)
+        if upto <= self.offset:
+            raise ValueError(f"upto {upto} is not above the cursor {self.offset}")
+        return self._r.allocate(upto - self.offset, True)
+
+    def allocate_at(self, offset: int, nbytes: int) -> int:
+        """THAW: reproduce a frozen allocation at ``offset`` (a multiple of the granularity, at
+        or above the cursor): the cursor moves there (releasing idle chunks it skips, like
+        :meth:`set_offset`) and ``nbytes`` are allocated exactly there. Returns the address."""
+        offset = _int("offset", offset)
+        nbytes = _int("nbytes", nbytes, minimum=1)
+        if offset < self.offset:
+            raise ValueError(f"offset {offset} is below the cursor {self.offset} (the cursor only "
+                             f"moves forward)")
+        if offset > self.offset:
+            self.set_offset(offset)
+        return self._r.allocate(nbytes, True)
+
     def free(self, ptr: int) -> None:
         """Free the allocation starting at ``ptr``. Its physical memory is released once every
         allocation sharing its chunk is freed; its addresses are never reused."""
@@ -170,7 +192,7 @@ class Region:
         ``size``). Moving it backwards is a ``ValueError``. Idle chunks skipped over are
         released — including preallocated ones, with whatever was written into them. To keep
         bytes restored into ``[cursor, offset)`` (THAW), claim the range with
-        ``allocate(offset - cursor)`` instead."""
+        :meth:`claim` instead."""
         self._r.set_offset(_int("offset", offset))
 
     def preallocate(self, upto: int, chunk_bytes: int = DEFAULT_PREALLOC_CHUNK) -> int:

@@ -213,7 +213,7 @@ def restore(snapshot: Snapshot, base: int, ceiling: int, *, target: Target = 0) 
 
     ``ceiling`` is the region's final mapped offset: bytes at or above it are dropped, never
     written. The target range must be mapped and stay so: with a :class:`vitrify.Region`, claim
-    ``[0, ceiling)`` with ``region.allocate(ceiling)`` before restoring (``set_offset`` would
+    ``[0, ceiling)`` with ``region.claim(ceiling)`` before restoring (``set_offset`` would
     release the idle chunks it skips, restored bytes included). Returns ``bytes_written``,
     ``bytes_dropped`` and ``intervals_written``.
     """

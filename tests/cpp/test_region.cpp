@@ -136,6 +136,13 @@ TEST(RegionGuards, LayoutSkipsAGuardAndReleasesTheIdleChunksItPassed) {  // R13,
   EXPECT_TRUE(m.commit_allocate(p).empty());
   // Larger than the space between two guards: placed at the cursor, across the guard.
   EXPECT_EQ(alloc(m, 5 * kGiB), kGuardPhase + kWindow + kGuardBytes + 2 * G);
+  // THAW claims a frozen range exactly at the cursor, guard or not.
+  Layout c(16 * kGiB, G);
+  c.set_offset(kGuardPhase - G);
+  p = c.plan_allocate(3 * G, /*at_cursor=*/true);
+  EXPECT_EQ(p.alloc.offset, kGuardPhase - G);
+  EXPECT_TRUE(c.commit_allocate(p).empty());
+  EXPECT_TRUE(c.allocation_containing(kGuardPhase).has_value());
   // Out of space is judged after the skip, and changes nothing.
   Layout n(kGuardPhase + 2 * kGuardBytes, G);
   n.set_offset(kGuardPhase - G);

@@ -196,7 +196,7 @@ def thaw(path: str, base: int) -> dict:
     region = Region(size, base=base)
     final = state["final_offset"]
     region.preallocate(final)
-    if region.allocate(final) != region.base:
+    if region.claim(final) != region.base:
         raise RuntimeError("the thawed region did not start at its base")
     for name in SPANS:
         archive.restore_span(0, name, region.base, final)

@@ -107,6 +107,27 @@ def case_set_offset():  # R4
         assert r.offset == 66 * MiB
 
 
+def case_window_guards_and_thaw_claims():  # R13, R2
+    with Region(8 * GiB) as r:
+        # Default bases lie 2 GiB into a 4 GiB address window: window starts are at offset 2 GiB.
+        assert (r.base + 2 * GiB) % (4 * GiB) == 0, f"{r.base:#x}"
+        r.set_offset(2 * GiB - 2 * MiB)
+        p = r.allocate(4 * MiB)  # would cover the window start: placed past its 2 MiB guard
+        assert p == r.base + 2 * GiB + 2 * MiB, f"{p - r.base:#x}"
+        assert all(not (o <= 2 * GiB < o + n) for o, n in r.live_allocations())
+    with Region(8 * GiB) as r:
+        # THAW claims a frozen range where it was, guard or not.
+        r.set_offset(2 * GiB - 4 * MiB)
+        assert r.claim(2 * GiB + 4 * MiB) == r.base + 2 * GiB - 4 * MiB
+        assert r.live_allocations() == [(2 * GiB - 4 * MiB, 8 * MiB)]
+        assert r.allocate_at(3 * GiB, 3 * MiB) == r.base + 3 * GiB
+        assert r.offset == 3 * GiB + 4 * MiB
+        with pytest.raises(ValueError, match="below the cursor"):
+            r.allocate_at(GiB, MiB)
+        with pytest.raises(ValueError, match="not above the cursor"):
+            r.claim(r.offset)
+
+
 def case_preallocate_fast_path():  # R7
     with Region(4 * GiB) as r:
         assert r.preallocate(256 * MiB, chunk_bytes=64 * MiB) == 256 * MiB

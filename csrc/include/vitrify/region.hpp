@@ -107,7 +107,9 @@ class Layout {
     std::optional<Span> new_chunk;   // the part beyond the mapped frontier, to map now
   };
   // Throws std::invalid_argument for bytes == 0, vitrify::OutOfSpace when it does not fit.
-  AllocPlan plan_allocate(uint64_t bytes) const;
+  // at_cursor: exactly at the cursor even over a window guard (THAW claiming a frozen range,
+  // R13); otherwise past any guard the allocation would cover.
+  AllocPlan plan_allocate(uint64_t bytes, bool at_cursor = false) const;
   // Returns the chunks to release now: idle ones that a guard skip (R13) moved the cursor past.
   std::vector<Span> commit_allocate(const AllocPlan& plan);
   // Frees the allocation starting at `offset`; returns the chunks that must be released now
@@ -191,9 +193,10 @@ class Region {
   int device() const { return device_; }
   bool contains(uint64_t ptr) const { return ptr >= base_ && ptr < base_ + size_; }
 
-  // `bytes` rounded up to the granularity at the cursor; maps what is not mapped yet.
+  // `bytes` rounded up to the granularity at the cursor (past a window guard it would cover,
+  // R13, unless at_cursor); maps what is not mapped yet.
   // While stopped: an ordinary cuMemAlloc allocation, cursor untouched (R8).
-  uint64_t allocate(uint64_t bytes);
+  uint64_t allocate(uint64_t bytes, bool at_cursor = false);
   // Frees an allocation of this region (its start address) or a fallback allocation.
   void free(uint64_t ptr);
   // True when `ptr` is the start of a live allocation of this region or a fallback one.

@@ -80,13 +80,13 @@ Layout::Layout(uint64_t size, uint64_t granularity) : size_(size), granularity_(
                   std::to_string(granularity) + ", got " + std::to_string(size));
 }
 
-Layout::AllocPlan Layout::plan_allocate(uint64_t bytes) const {
+Layout::AllocPlan Layout::plan_allocate(uint64_t bytes, bool at_cursor) const {
   VITRIFY_EXPECT(bytes > 0, "allocation size must be positive, got 0");
   // R3: round up; an allocation that does not fit is OutOfSpace with the numbers (R5).
   const bool overflow = bytes > UINT64_MAX - granularity_;
   const uint64_t rounded = overflow ? 0 : round_up(bytes, granularity_);
   // R13: past a window guard the allocation would cover.
-  const uint64_t start = overflow ? cursor_ : skip_guards(cursor_, rounded, granularity_);
+  const uint64_t start = overflow || at_cursor ? cursor_ : skip_guards(cursor_, rounded, granularity_);
   if (overflow || start > size_ || rounded > size_ - start) {
     throw OutOfSpace("region full: an allocation of " + std::to_string(bytes) +
                      " bytes (rounded to " + (overflow ? std::string("overflow") : std::to_string(rounded)) +

@@ -179,7 +179,7 @@ std::string Region::release_chunks(const std::vector<Span>& release) {
   return problems;
 }
 
-uint64_t Region::allocate(uint64_t bytes) {
+uint64_t Region::allocate(uint64_t bytes, bool at_cursor) {
   VITRIFY_EXPECT(bytes > 0, "allocation size must be positive, got 0");
   std::string problems;
   uint64_t ptr = 0;
@@ -192,7 +192,7 @@ uint64_t Region::allocate(uint64_t bytes) {
       fallback_.emplace(p, std::move(f));
       return p;
     }
-    const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes);  // may throw OutOfSpace
+    const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes, at_cursor);  // may throw OutOfSpace
     std::unique_ptr<Mapping> m;
     if (plan.new_chunk) {
       driver::ContextGuard ctx(device_);

@@ -170,7 +170,7 @@ def thaw(path: str) -> dict:
     region.preallocate(final)  # 1 GiB cuMemMaps instead of one per 2 MiB
     # Claim [0, final) as one live allocation: the cursor lands where FREEZE's ended and the
     # chunks stay mapped (set_offset would release chunks it skips that hold no allocation, R4).
-    if region.allocate(final) != region.base:
+    if region.claim(final) != region.base:
         raise RuntimeError("the thawed region did not start at its base")
     for name in (WEIGHTS_SPAN, WARMUP_SPAN):
         archive.restore_span(0, name, region.base, final)
