@@ -28,6 +28,7 @@ from .settings import _KIND, VitrifyStorageSettings, logger
 from .v1 import _V1Path
 from .v2 import _ExtraPools
 
+
 class _SharedLock:
     """Many holders in ``shared()`` (the I/O calls) or one in ``exclusive()`` (store swap)."""
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ... import host as _host
+from .... import host as _host
 
 
 @dataclass(frozen=True)
