@@ -73,7 +73,7 @@ done
 # bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.
 if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
   if [ -f .whl/sglang-site.tar.xz ]; then
-    step sglang-e2e "$PY" scripts/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
+    step sglang-e2e "$PY" benchmarks/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
       --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
   else
     echo "=== sglang-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"

@@ -6,7 +6,7 @@
 #
 #   bash scripts/sglang-bundle/build.sh [OUT] [WORKDIR]
 #
-# OUT      default .whl/sglang-site.tar.xz (what scripts/sglang_hicache_e2e.py, gpu-suite.sh and
+# OUT      default .whl/sglang-site.tar.xz (what benchmarks/sglang_hicache_e2e.py, gpu-suite.sh and
 #          device-disk-bench.sh look for)
 # WORKDIR  where wheels are downloaded and unpacked (default: a temporary directory, removed)
 # Target:  CPython 3.12 on x86_64 Linux (SGLANG_BUNDLE_PYTHON=3.11 etc. to change the version).

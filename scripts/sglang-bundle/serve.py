@@ -16,7 +16,7 @@ request returned what it asked for. The server log is written to ``--out``.
 
 Unpacking, the environment (offline Hugging Face, NVLS off, the JIT toolchain SGLang's kernels
 need: CUDA_HOME, ninja, an unversioned libcudart for the linker) and the server process are
-shared with ``scripts/sglang_hicache_e2e.py``.
+shared with ``benchmarks/sglang_hicache_e2e.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
 import sglang_hicache_e2e as e2e  # noqa: E402
 
 SHAPES = {

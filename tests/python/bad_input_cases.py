@@ -1622,6 +1622,26 @@ def hc_extra_budget_whole_budget(t):
     hc(t, extra_pool_budget_bytes=16 << 20)
 
 
+@case(ValueError, "'stats_path'", "5")
+def hc_stats_path_int(t):
+    hc(t, stats_path=5)
+
+
+@case(ValueError, "'stats_path'", "''")
+def hc_stats_path_empty(t):
+    hc(t, stats_path="")
+
+
+@case(ValueError, "'stats_path'", "{t}", "is a directory")
+def hc_stats_path_is_a_directory(t):
+    hc(t, stats_path=str(t))
+
+
+@case(ValueError, "'stats_path'", "{t}/file", "not a directory")
+def hc_stats_path_under_a_file(t):
+    hc(t, stats_path=str(a_file(t) / "stats.json"))
+
+
 for _c in [c for c in CASES.values() if c.id.startswith("hc_")]:
     CASES[_c.id] = dataclasses.replace(_c, group="sglang")
 

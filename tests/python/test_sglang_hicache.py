@@ -12,6 +12,9 @@ picks ``torch.cuda`` for its streams and events at import; these tests swap in `
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 import time
 
@@ -418,6 +421,100 @@ def test_stats_hook_feeds_sglang_metrics(tmp_path):
         b.close()
 
 
+# ---- counters: counters() and the stats_path file --------------------------------------------
+
+_ZERO = {k: 0 for k in ("set_pages", "set_bytes", "set_dedup", "set_failed", "get_pages",
+                        "get_bytes", "get_misses", "exists_queries", "errors", "v2_refused")}
+
+
+def test_counters_are_the_running_totals(tmp_path):
+    """counters(): one int per total, a copy, the same numbers vitrify_stats() reports."""
+    _, host = _mha_host("page_first")
+    _fill_random(host, 15)
+    b = _backend(host, _extra(tmp_path))
+    try:
+        assert b.counters() == _ZERO
+        _, keys = _keys(4)
+        idx = host.alloc(4 * PAGE)
+        assert b.batch_set_v1(keys[:3], idx[:3 * PAGE]) == [True] * 3
+        assert b.batch_set_v1(keys[:3], idx[:3 * PAGE]) == [True] * 3   # already stored
+        assert b.batch_get_v1(keys, host.alloc(4 * PAGE)) == [True] * 3 + [False]
+        assert b.batch_exists(keys) == 3
+        assert b.batch_set_v1(keys, idx[:PAGE]) == [False] * 4           # an error
+        c = b.counters()
+        assert c == {**_ZERO, "set_pages": 3, "set_bytes": 3 * BLOB, "set_dedup": 3,
+                     "get_pages": 3, "get_bytes": 3 * BLOB, "get_misses": 1,
+                     "exists_queries": 1, "errors": 1}
+        c["set_pages"] = 99
+        assert b.counters()["set_pages"] == 3
+        stats = b.vitrify_stats()
+        assert {k: stats[k] for k in _ZERO} == b.counters()
+    finally:
+        b.close()
+    assert b.counters()["get_pages"] == 3   # still readable after close
+
+
+def test_stats_path_file_follows_the_counters(tmp_path):
+    """With stats_path the backend keeps counters() and its store's identity in a JSON file,
+    replaced whole once the store is open and after every batch, error, clear and close."""
+    path = tmp_path / "stats" / "hicache.json"   # its directory is created
+
+    def read():
+        return json.loads(path.read_text())
+
+    _, host = _mha_host("page_first")
+    _fill_random(host, 16)
+    b = _backend(host, _extra(tmp_path / "d", stats_path=str(path)))
+    try:
+        d = read()
+        assert d["pid"] == os.getpid() and d["closed"] is False
+        assert d["counters"] == _ZERO
+        st = d["store"]
+        assert st["page_bytes"] == BLOB and st["page_tokens"] == PAGE
+        assert st["layout"] == "page_first" and st["cold_start"] == "load"
+        assert st["slabs"] == b.slab_paths and st["name"] in st["slabs"][0]
+        assert isinstance(st["o_direct"], bool) and st["budget_bytes"] == 16 << 20
+        _, keys = _keys(2)
+        idx = host.alloc(2 * PAGE)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        assert read()["counters"]["set_pages"] == 2
+        assert b.batch_get_v1(keys, host.alloc(2 * PAGE)) == [True, True]
+        assert read()["counters"]["get_pages"] == 2
+        assert b.batch_get_v1(keys, idx[:1]) == [False, False]        # an error
+        assert read()["counters"]["errors"] == 1
+        b.batch_exists(keys)
+        assert b.clear() is True
+        assert read()["counters"] == b.counters() and b.counters()["exists_queries"] == 1
+        assert [p.name for p in path.parent.iterdir()] == ["hicache.json"]   # no temporary
+    finally:
+        b.close()
+    d = read()
+    assert d["closed"] is True and d["counters"]["set_pages"] == 2
+
+
+def test_stats_path_per_rank_and_a_failed_write_never_fails_a_call(tmp_path, caplog):
+    _, host = _mha_host("page_first")
+    one = _extra(tmp_path, stats_path=str(tmp_path / "s.json"))
+    with pytest.raises(ValueError, match=r"'stats_path' must contain \{rank\}.*tp_size=2"):
+        StorageBackendFactory.create_backend("dynamic", _config(one, tp_size=2), None)
+    b = _backend(host, _extra(tmp_path, stats_path=str(tmp_path / "s-{rank}.json")),
+                 tp_rank=1, tp_size=2)
+    try:
+        path = tmp_path / "s-tp1of2-pp0of1-cp0of1.json"
+        assert json.loads(path.read_text())["counters"] == _ZERO
+        path.unlink()
+        path.mkdir()   # the file can no longer be replaced
+        _, keys = _keys(1)
+        with caplog.at_level(logging.WARNING, logger="vitrify.sglang.hicache"):
+            assert b.batch_set_v1(keys, host.alloc(PAGE)) == [True]
+            assert b.batch_get_v1(keys, host.alloc(PAGE)) == [True]
+        assert caplog.text.count("cannot write 'stats_path'") == 1
+        assert b.counters()["set_pages"] == 1 and b.counters()["errors"] == 0
+        assert sorted(p.name for p in tmp_path.glob("s-*")) == [path.name]   # no temporary
+    finally:
+        b.close()
+
+
 # ---- configuration ---------------------------------------------------------------------------
 
 
@@ -430,6 +527,8 @@ def test_stats_hook_feeds_sglang_metrics(tmp_path):
     ({"direct_io": "maybe"}, "direct_io"),
     ({"staging_bytes": -1}, "staging_bytes"),
     ({"name": "a/b"}, "name"),
+    ({"stats_path": 5}, "stats_path"),
+    ({"stats_path": ""}, "stats_path"),
 ])
 def test_config_errors_name_the_value(tmp_path, bad, match):
     extra = _extra(tmp_path)
@@ -511,6 +610,7 @@ def test_v2_pool_without_budget_answers_nothing_stored(tmp_path):
         assert b.batch_exists_v2(keys, None).kv_hit_pages == 2
         assert b.batch_set_v2([t]) == {PoolName.MAMBA: [False, False]}
         assert b.batch_get_v2([t]) == {PoolName.MAMBA: [False, False]}
+        assert b.counters()["v2_refused"] == 2
     finally:
         b.close()
 

@@ -1,10 +1,10 @@
-"""The CPU pieces of scripts/sglang_hicache_e2e.py (the real-server run needs a GPU).
+"""The CPU pieces of benchmarks/sglang_hicache_e2e.py (the real-server run needs a GPU).
 
 The server command lines go through SGLang's own CLI parser (``ServerArgs.add_cli_args``), the
 vitrify extra config through HiRadixCache's own extra-config parser and the ``dynamic`` backend
 factory into a ``VitrifyStorage`` attached to a real ``MHATokenToKVPoolHost`` of the script's model
-geometry; the write observable parses log lines the backend really emits; the client parses a
-stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``).
+geometry; the write observable reads the stats file the backend really writes (its
+``stats_path``); the client parses a stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("sglang_hicache_e2e",
-                                               REPO / "scripts" / "sglang_hicache_e2e.py")
+                                               REPO / "benchmarks" / "sglang_hicache_e2e.py")
 e2e = importlib.util.module_from_spec(_spec)
 sys.modules["sglang_hicache_e2e"] = e2e
 _spec.loader.exec_module(e2e)
@@ -110,6 +109,7 @@ def test_extra_config_reaches_vitrify_through_sglang(tmp_path, scenario):
         assert b.settings.dirs == (s.vitrify_dir,)
         assert b.settings.budget_bytes == s.vitrify_budget_bytes
         assert b.settings.cold_start == extra["cold_start"]
+        assert b.settings.stats_path == e2e.stats_path_of(s, scenario)
         m = e2e.MODEL_CONFIG
         dev = MHATokenToKVPool(size=256, page_size=a.page_size, dtype=torch.bfloat16,
                                head_num=m["num_key_value_heads"], head_dim=m["head_dim"],
@@ -142,8 +142,9 @@ def test_file_backend_directory_reaches_sglang(tmp_path, monkeypatch):
     assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR" not in vitrify_env
 
 
-def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
-    """The counter the script waits on comes from the INFO line batch_set_v1 really logs."""
+def test_write_observable_reads_the_backends_stats_file(tmp_path):
+    """The counter the script waits on is set_pages from the file the real backend keeps at its
+    stats_path (through SGLang's factory), not a log line."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -156,30 +157,37 @@ def test_write_observable_parses_the_backends_real_log_lines(tmp_path, caplog):
                            enable_alt_stream=False)
     host = MHATokenToKVPoolHost(dev, 2.0, 0, page, "page_first", pin_memory=False,
                                 device="cpu")
+    stats = str(tmp_path / "stats.json")
+    assert e2e.vitrify_pages_written(stats) == 0 and e2e.backend_stats(stats) == {}
     extra = {"backend_name": "vitrify", "module_path": "vitrify.integrations.sglang.hicache",
-             "class_name": "VitrifyStorage", "interface_v1": 1, "dirs": [str(tmp_path)],
-             "budget_bytes": 8 << 20, "cold_start": "clear"}
+             "class_name": "VitrifyStorage", "interface_v1": 1, "dirs": [str(tmp_path / "d")],
+             "budget_bytes": 8 << 20, "cold_start": "clear", "stats_path": stats}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                is_page_first_layout=True, model_name="m", extra_config=extra)
     b = StorageBackendFactory.create_backend("dynamic", cfg, host)
     b.register_mem_pool_host(host)
-    log = tmp_path / "server.log"
     try:
-        with caplog.at_level(logging.INFO, logger="vitrify.sglang.hicache"):
-            keys = get_hash_str(list(range(5 * page)), None, page_size=page)
-            idx = host.alloc(5 * page)
-            assert all(b.batch_set_v1(keys[:3], idx[:3 * page]))
-            assert all(b.batch_set_v1(keys, idx))        # 3 already stored, 2 new
-            assert all(b.batch_get_v1(keys, idx))
-        lines = [r.getMessage() for r in caplog.records if "batch_" in r.getMessage()]
-        assert len(lines) == 3                           # one summary line per batch
-        log.write_text("".join(f"[2026-01-01 00:00:00 TP0] {m}\n" for m in lines))
-        assert e2e.vitrify_pages_written(str(log)) == 5
-        assert not e2e.VITRIFY_ERRORS.search(log.read_text())
+        st = e2e.backend_stats(stats)
+        assert st["store"]["cold_start"] == "clear"
+        assert st["store"]["page_bytes"] == b.vitrify_stats()["page_bytes"]
+        assert e2e.vitrify_pages_written(stats) == 0
+        keys = get_hash_str(list(range(5 * page)), None, page_size=page)
+        idx = host.alloc(5 * page)
+        assert all(b.batch_set_v1(keys[:3], idx[:3 * page]))
+        assert e2e.vitrify_pages_written(stats) == 3
+        assert all(b.batch_set_v1(keys, idx))        # 3 already stored, 2 new
+        assert all(b.batch_get_v1(keys, idx))
+        assert e2e.vitrify_pages_written(stats) == 5
+        st = e2e.backend_stats(stats)
+        assert st["counters"] == b.counters()
+        assert st["counters"]["get_pages"] == 5 and st["counters"]["errors"] == 0
     finally:
         b.close()
-    assert e2e.vitrify_pages_written(str(tmp_path / "absent.log")) == 0
+    assert e2e.backend_stats(stats)["closed"] is True
+    (tmp_path / "half.json").write_text('{"counters": {"set_pa')
+    assert e2e.backend_stats(str(tmp_path / "half.json")) == {}
+    assert e2e.vitrify_pages_written(str(tmp_path / "half.json")) == 0
 
 
 def test_file_observable_counts_final_files_only(tmp_path):
@@ -337,7 +345,7 @@ def test_dry_run_prints_every_command(capsys):
 
 
 def test_dry_run_runs_as_a_script():
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "sglang_hicache_e2e.py"),
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_hicache_e2e.py"),
                         "--dry-run"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "--hicache-storage-backend dynamic" in r.stdout
@@ -348,9 +356,9 @@ def test_dry_run_runs_as_a_script():
 _FAKE_LAUNCH_SERVER = r'''
 """Stand-in for `python -m sglang.launch_server` (test only): the same CLI, the HTTP endpoints
 the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
-test (vitrify: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and the
-log lines the real vitrify backend writes."""
-import argparse, hashlib, json, os, sys, threading, http.server
+test (vitrify: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and, for
+vitrify, the counters file the real backend keeps at the extra config's stats_path."""
+import argparse, hashlib, json, os, sys, threading, time, http.server
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int)
@@ -374,6 +382,19 @@ else:
 device = set()
 total = [0]
 
+def publish():  # like the backend: the whole file, renamed into place
+    if backend != "dynamic":
+        return
+    doc = {"pid": os.getpid(), "time": time.time(), "closed": False,
+           "store": {"name": "hicache-fake", "page_bytes": 1 << 20, "page_tokens": page,
+                     "o_direct": True, "cold_start": extra["cold_start"]},
+           "counters": {"set_pages": total[0], "errors": 0}}
+    with open(extra["stats_path"] + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(extra["stats_path"] + ".tmp", extra["stats_path"])
+
+publish()
+
 save_lock = threading.RLock()  # handlers run on threads (ThreadingHTTPServer)
 
 def save():  # atomic: the e2e script may stop this server at any moment
@@ -396,8 +417,7 @@ def _store(ks):
     total[0] += len(new)
     if backend == "dynamic":
         save()
-        print(f"[t TP0] vitrify HiCache backend: batch_set_v1 {len(ks)} pages: {len(new)} written, "
-              f"0 already stored, 0 failed, 1.0 MiB in 1.0 ms; totals: {total[0]} pages written, 0 pages read", flush=True)
+        publish()
     else:
         for k in new:
             open(os.path.join(fdir, k + "_m_0_1.bin"), "wb").close()
@@ -482,6 +502,13 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
                       ("file", "miss"), ("file", "device_hit"), ("file", "l3_hit")]
     assert res["checks"]["vitrify_restart.first_request_from_storage"] is True
     assert res["scenarios"]["vitrify"]["pages_written"] >= res["scenarios"]["vitrify"]["pages_needed"]
+    for sc in ("vitrify", "vitrify_restart"):   # read from the stats file, not the log
+        info = res["scenarios"][sc]
+        assert info["backend_errors"] == 0 and res["checks"][f"{sc}.no_backend_errors"] is True
+        assert info["store"]["name"] == "hicache-fake"
+        assert info["store"]["cold_start"] == ("clear" if sc == "vitrify" else "load")
+    assert res["scenarios"]["vitrify"]["backend_counters"]["set_pages"] == \
+        res["scenarios"]["vitrify"]["pages_written"]
     assert "l3_hit_ttft_file_over_vitrify" in res["ratios"]
     for sc in e2e.SCENARIOS:
         assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")

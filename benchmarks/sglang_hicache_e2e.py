@@ -1,7 +1,7 @@
 """vitrify's HiCache L3 backend in a REAL SGLang 0.5.17 server on a GPU machine, end to end.
 
-    python3 scripts/sglang_hicache_e2e.py [--bundle .whl/sglang-site.tar.xz] [--out DIR]
-    python3 scripts/sglang_hicache_e2e.py --dry-run      # print the server command lines only
+    python3 benchmarks/sglang_hicache_e2e.py [--bundle .whl/sglang-site.tar.xz] [--out DIR]
+    python3 benchmarks/sglang_hicache_e2e.py --dry-run      # print the server command lines only
 
 The GPU machine has no internet: SGLang comes from a carried bundle (a site directory packed by
 ``scripts/sglang-bundle/build.sh``), unpacked once to ``--site``. The model is a config-only
@@ -15,11 +15,12 @@ waited for instead of recomputed), ``--page-size 64`` (16 KiB of KV per token ->
 
   vitrify       vitrify backend (``dynamic``, ``interface_v1``), ``cold_start="clear"``. Passes:
                 ``miss`` (fresh), ``device_hit`` (same prompts again: prefix on the GPU), wait
-                until the backend has written every prompt page (its INFO summary lines in the
-                server log), ``/flush_cache`` (drops the radix tree and the host pool but not
-                the L3 storage, read in 0.5.17's HiRadixCache.reset), drop the page cache of the
-                L3 files, one untimed L3 warm-up request, then ``l3_hit`` (prefix must come
-                from L3). A warm-up prompt before ``miss`` takes the JIT/Triton compiles.
+                until the backend has written every prompt page (its ``set_pages`` counter, read
+                from the JSON file it keeps at the extra config's ``stats_path``),
+                ``/flush_cache`` (drops the radix tree and the host pool but not the L3 storage,
+                read in 0.5.17's HiRadixCache.reset), drop the page cache of the L3 files, one
+                untimed L3 warm-up request, then ``l3_hit`` (prefix must come from L3). A
+                warm-up prompt before ``miss`` takes the JIT/Triton compiles.
   vitrify_restart  a second launch, ``cold_start="load"`` on the same slabs: ``l3_restart`` (the
                 FIRST request of the new process must hit L3), then flush + clear the storage
                 (``/hicache/storage-backend/clear``) and ``miss_after_clear``: a fresh miss that
@@ -31,7 +32,8 @@ waited for instead of recomputed), ``--page-size 64`` (16 KiB of KV per token ->
 Checks (JSON ``checks``): per scenario, output tokens of the L3 pass equal the miss pass; the
 logprobs of the L3 pass equal the ``device_hit`` pass bit for bit (both compute the same tail on
 the same cached prefix length, so any KV byte lost in L3 would show); every L3 request reports
-cached tokens from storage (``meta_info.cached_tokens_details.storage``). Requests are sent one
+cached tokens from storage (``meta_info.cached_tokens_details.storage``); the vitrify backend's
+``errors`` counter (its stats file) is 0 (``no_backend_errors``). Requests are sent one
 at a time (prefetch admission is rate-limited by the host pool, and TTFT stays comparable).
 Writes ``sglang-hicache-e2e-<date>.json`` (python/vitrify/bench/resultlib.py) and every server log
 into ``--out``; prints a table. Exit status 0 only when every check of every scenario run passed.
@@ -46,7 +48,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 import shlex
 import shutil
 import signal
@@ -80,10 +81,6 @@ MODEL_CONFIG: dict[str, Any] = {
     "sliding_window": None, "max_window_layers": 8, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "bfloat16", "dtype": "bfloat16",
 }
-
-VITRIFY_TOTALS = re.compile(r"vitrify HiCache backend: batch_set_v1 .*totals: (\d+) pages written")
-VITRIFY_ERRORS = re.compile(r"vitrify HiCache backend: \S+ failed .*treated as a miss")
-
 
 def kv_bytes_per_token(cfg: dict) -> int:
     """K and V of every layer for one token (bf16)."""
@@ -139,8 +136,14 @@ class Settings:
         return os.path.join(self.work, "file")
 
 
-def vitrify_extra_config(s: Settings, cold_start: str) -> dict:
-    """The ``--hicache-storage-backend-extra-config`` of the vitrify scenarios."""
+def stats_path_of(s: Settings, scenario: str) -> str:
+    """The file a vitrify scenario's backend keeps its counters in (extra config ``stats_path``)."""
+    return os.path.join(s.work, f"vitrify-stats-{scenario}.json")
+
+
+def vitrify_extra_config(s: Settings, scenario: str) -> dict:
+    """The ``--hicache-storage-backend-extra-config`` of a vitrify scenario: a fresh store for
+    ``vitrify``, the slabs it left for ``vitrify_restart``."""
     return {
         "backend_name": "vitrify",
         "module_path": "vitrify.integrations.sglang.hicache",
@@ -148,9 +151,10 @@ def vitrify_extra_config(s: Settings, cold_start: str) -> dict:
         "interface_v1": 1,
         "dirs": [s.vitrify_dir],
         "budget_bytes": s.vitrify_budget_bytes,
-        "cold_start": cold_start,
+        "cold_start": "clear" if scenario == "vitrify" else "load",
         "direct_io": "auto",
         "staging_bytes": 64 * MiB,
+        "stats_path": stats_path_of(s, scenario),
     }
 
 
@@ -183,10 +187,9 @@ def server_args(s: Settings, scenario: str) -> list[str]:
     if scenario == "file":
         cmd += ["--hicache-storage-backend", "file"]
     else:
-        cold = "clear" if scenario == "vitrify" else "load"
         cmd += ["--hicache-storage-backend", "dynamic",
                 "--hicache-storage-backend-extra-config",
-                json.dumps(vitrify_extra_config(s, cold), separators=(",", ":"))]
+                json.dumps(vitrify_extra_config(s, scenario), separators=(",", ":"))]
     return cmd
 
 
@@ -407,12 +410,6 @@ class Server:
             self._log.close()
             self._log = None
 
-    def log_text(self) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
 
 def log_tail(path: str, lines: int = 80) -> list[str]:
     try:
@@ -424,14 +421,20 @@ def log_tail(path: str, lines: int = 80) -> list[str]:
 # ---- observables: has the backend written every prompt page? ---------------------------------
 
 
-def vitrify_pages_written(log_path: str) -> int:
-    """The backend's running total from its last ``batch_set_v1`` INFO summary line."""
+def backend_stats(stats_path: str) -> dict:
+    """What the vitrify backend last wrote to its ``stats_path`` (``store`` and ``counters``, see
+    ``vitrify.integrations.sglang.hicache``); {} before its first write. The backend renames a
+    complete file into place, so a read never sees half of one."""
     try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        return 0
-    m = VITRIFY_TOTALS.findall(text)
-    return int(m[-1]) if m else 0
+        d = json.loads(Path(stats_path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def vitrify_pages_written(stats_path: str) -> int:
+    """KV pages the backend has written so far (its ``set_pages`` counter)."""
+    return int((backend_stats(stats_path).get("counters") or {}).get("set_pages", 0))
 
 
 def file_pages_written(directory: str) -> int:
@@ -562,7 +565,7 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
                   "max_total_tokens": s.max_total_tokens, "hicache_ratio": s.hicache_ratio,
                   "io_backend": s.io_backend, "mem_layout": s.mem_layout,
                   "prefetch_policy": "wait_complete", "write_policy": "write_through",
-                  "vitrify_extra_config": vitrify_extra_config(s, "clear")},
+                  "vitrify_extra_config": vitrify_extra_config(s, "vitrify")},
         comparison=("L3-hit tokens vs the same launch's miss pass; L3-hit logprobs vs the same "
                     "launch's device_hit pass (same cached prefix length); vitrify_restart vs the "
                     "vitrify launch (dummy weights are seeded per parameter with 1234 in SGLang "
@@ -646,8 +649,22 @@ class Run:
             self.checks[f"{scenario}.{k}"] = v
         info["ok"] = all(ck.values())
 
+    def _backend_counters(self, scenario: str, info: dict, ck: dict) -> None:
+        """The backend's counters and store, from its stats file: errors must be 0."""
+        st = backend_stats(stats_path_of(self.s, scenario))
+        counters = st.get("counters") or {}
+        info["backend_counters"] = counters
+        info["backend_errors"] = counters.get("errors")
+        store = st.get("store") or {}
+        if store:
+            info["store"] = {k: store.get(k) for k in ("name", "page_bytes", "o_direct",
+                                                       "cold_start")}
+        ck["no_backend_errors"] = info["backend_errors"] == 0
+
     def _launch(self, scenario: str) -> Server:
         s = self.s
+        if scenario != "file":  # counters of this launch only
+            Path(stats_path_of(s, scenario)).unlink(missing_ok=True)
         log = os.path.join(s.log_dir or s.out, f"sglang-{scenario}.log")
         srv = Server(server_args(s, scenario), server_env(s, scenario), log)
         return srv
@@ -683,7 +700,7 @@ class Run:
                 self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
                 needed = self.needed_pages(self.prompts + self.warmup)
                 observe = (lambda: file_pages_written(store)) if backend == "file" else \
-                    (lambda: vitrify_pages_written(srv.log_path))
+                    (lambda: vitrify_pages_written(stats_path_of(s, scenario)))
                 info["pages_needed"] = needed
                 info["pages_written"], wait = wait_written(
                     observe, needed, max(5.0, min(60.0, self.left() - 40)))
@@ -711,17 +728,7 @@ class Run:
                 if scenario == "file":
                     info["miss_tokens_equal_vitrify_launch"] = r_miss.get("tokens_identical")
                 if backend == "vitrify":
-                    text = srv.log_text()
-                    info["backend_errors_logged"] = len(VITRIFY_ERRORS.findall(text))
-                    info["backend_summary_lines"] = len(re.findall(
-                        r"vitrify HiCache backend: batch_(?:set|get)_v1 ", text))
-                    m = re.search(r"vitrify HiCache backend: (hicache-\S+), page (\d+) B.*"
-                                  r"O_DIRECT=(\S+), cold_start=(\w+)", text)
-                    if m:
-                        info["store"] = {"name": m.group(1), "page_bytes": int(m.group(2)),
-                                         "o_direct": m.group(3).rstrip(","),
-                                         "cold_start": m.group(4)}
-                    ck["no_backend_errors"] = info["backend_errors_logged"] == 0
+                    self._backend_counters(scenario, info, ck)
                 self._record_checks(scenario, info, ck)
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"
@@ -762,9 +769,7 @@ class Run:
                 # too: recorded, not a check (the tokens are)
                 info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
                     logprob_diff(l3, dev_a)
-                text = srv.log_text()
-                info["backend_errors_logged"] = len(VITRIFY_ERRORS.findall(text))
-                ck["no_backend_errors"] = info["backend_errors_logged"] == 0
+                self._backend_counters(sc, info, ck)
                 self._record_checks(sc, info, ck)
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"

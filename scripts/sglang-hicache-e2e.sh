@@ -1,3 +1,0 @@
-#!/usr/bin/env bash
-# vitrify's HiCache L3 backend in a real SGLang server on the GPU machine (scripts/sglang_hicache_e2e.py).
-cd "$(dirname "$0")/.." && exec python3 scripts/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz --out "${OUT:-build/sglang-hicache-e2e}" "$@"
