@@ -1,5 +1,5 @@
 // Graph persistence: the file format and its description as Python dicts, relocation,
-// topology, kernel binaries, the CUPTI recorder, capture (FREEZE), GraphSet (THAW), FixedArena.
+// topology, kernel binaries, the CUPTI recorder, capture (FREEZE), GraphSet (THAW).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -350,33 +350,6 @@ void bind_graph(nb::module_& m) {
       .def("template_of", &GraphSet::template_of)
       .def("__len__", &GraphSet::size)
       .def("stats", [](const GraphSet& s) { return stats_dict(s.stats()); });
-
-  nb::class_<FixedArena>(m, "FixedArena", "Device memory at a chosen address (VMM), bump-allocated.")
-      .def("__init__", [](FixedArena* self, uint64_t base, size_t size, int device) {
-        nb::gil_scoped_release nogil;
-        new (self) FixedArena(base, size, device);
-      }, nb::arg("base"), nb::arg("size"), nb::arg("device") = 0)
-      .def_prop_ro("base", &FixedArena::base)
-      .def_prop_ro("size", &FixedArena::size)
-      .def_prop_ro("used", &FixedArena::used)
-      .def("live_allocations", &FixedArena::live_ranges)
-      .def("allocate", &FixedArena::allocate, nb::arg("nbytes"), nb::arg("align") = 512)
-      .def("write", [](FixedArena& a, size_t offset, nb::bytes data) {
-        const char* p = data.c_str();
-        const size_t n = data.size();
-        nb::gil_scoped_release nogil;
-        a.write(offset, p, n);
-      }, nb::arg("offset"), nb::arg("data"))
-      .def("read", [](const FixedArena& a, size_t offset, size_t nbytes) {
-        std::string out(nbytes, '\0');
-        {
-          nb::gil_scoped_release nogil;
-          a.read(offset, out.data(), nbytes);
-        }
-        return nb::bytes(out.data(), out.size());
-      }, nb::arg("offset"), nb::arg("nbytes"));
-  m.def("graph_install_arena", [](std::shared_ptr<FixedArena> a) { install_arena(std::move(a)); },
-        nb::arg("arena").none());
 }
 
 }  // namespace vitrify::bindings

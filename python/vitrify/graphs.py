@@ -25,7 +25,6 @@ The on-disk layout is documented in ``csrc/src/graph/DESIGN.md``.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -45,32 +44,6 @@ GraphFreezeError.__doc__ = (
 )
 
 
-class FixedArena(_native.FixedArena):
-    """One VMM reservation at ``base`` (0: wherever the driver likes) of ``size`` bytes on
-    ``device``, mapped in full and bump-allocated: a stand-in for the region in tests and
-    benchmarks. Allocations keep clear of the region's window guards (region DESIGN R13)."""
-
-    def __init__(self, base: int, size: int, device: int = 0) -> None:
-        super().__init__(_check.integer("base", base, 0, _check.U64_MAX),
-                         _check.integer("size", size, 1, _check.I64_MAX),
-                         _check.integer("device", device, 0, (1 << 31) - 1))
-
-    def allocate(self, nbytes: int, align: int = 512) -> int:
-        align = _check.integer("align", align, 1, 1 << 40)
-        if align & (align - 1):
-            raise ValueError(f"align must be a power of two, got {align}")
-        return super().allocate(_check.integer("nbytes", nbytes, 0, _check.I64_MAX), align)
-
-    def write(self, offset: int, data: bytes) -> None:
-        if not isinstance(data, bytes):
-            raise _check.ArgumentTypeError(f"data must be bytes, got {_check.got(data)}")
-        super().write(_check.integer("offset", offset, 0, _check.I64_MAX), data)
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return super().read(_check.integer("offset", offset, 0, _check.I64_MAX),
-                            _check.integer("nbytes", nbytes, 0, _check.I64_MAX))
-
-
 INDEX_FORMAT = "vitrify-graphs"
 INDEX_VERSION = 1
 MODULES_DIR = "modules"
@@ -78,13 +51,11 @@ GRAPHS_DIR = "graphs"
 INDEX_FILE = "graphs/index.json"
 
 __all__ = [
-    "FixedArena",
     "GraphNotRelocatable",
     "GraphCapture",
     "GraphFreezeError",
     "GraphStore",
     "LoadedGraphs",
-    "arena_mem_pool",
     "describe",
     "load",
     "load_from_archive",
@@ -143,31 +114,6 @@ def describe(data: bytes) -> dict:
     """The description (nodes, edges, events, relocations) of a serialized graph."""
     _check.buffer("data", data)
     return dict(_native.graph_describe(bytes(data)))
-
-
-_arena_exit_hook = False
-
-
-def arena_mem_pool(arena: FixedArena):
-    """A ``torch.cuda.MemPool`` whose allocations come from ``arena`` (bump-allocated, never
-    reused), so a capture made inside it has the same addresses in a fresh process that
-    creates the same arena at the same base and allocates in the same order. Installs
-    ``arena`` as the process-wide arena behind ``vitrify_graph_arena_malloc``. A stand-in for the
-    region allocator in tests and benchmarks."""
-    if not isinstance(arena, FixedArena):
-        raise _check.ArgumentTypeError(f"arena must be a vitrify.graphs.FixedArena, got "
-                                       f"{_check.got(arena)}")
-    import torch
-
-    global _arena_exit_hook
-    _native.graph_install_arena(arena)
-    if not _arena_exit_hook:  # give the slot's reference back before the interpreter goes, so
-        _arena_exit_hook = True  # the arena is destroyed with its Python object (frees are no-ops)
-        atexit.register(_native.graph_install_arena, None)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(
-        _native.__file__, "vitrify_graph_arena_malloc", "vitrify_graph_arena_free"
-    )
-    return torch.cuda.MemPool(alloc.allocator())
 
 
 # ----------------------------------------------------------------------------------- FREEZE

@@ -21,7 +21,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from . import _check, _native
 
@@ -218,6 +221,19 @@ class Region:
         capture uses them to tell pointers from integers (``vitrify.graphs.GraphStore``)."""
         return [(int(o), int(n)) for o, n in self._r.live_allocations()]
 
+    def read_allocations(self) -> list[tuple[int, bytes]]:
+        """``(offset, bytes)`` of every live allocation, ascending: a region's contents for tests
+        and benchmarks (engines dump spans with :mod:`vitrify.snapshot`, which streams and
+        checksums). :meth:`restore_allocations` puts them back, at this base or another."""
+        return [(o, self.read(self.base + o, n)) for o, n in self.live_allocations()]
+
+    def restore_allocations(self, parts: list[tuple[int, bytes]]) -> None:
+        """Allocate each ``(offset, data)`` of :meth:`read_allocations` where it was
+        (:meth:`allocate_at`: ascending offsets, at or above the cursor) and write its bytes."""
+        for offset, data in _check.sequence("parts", parts):
+            ptr = self.allocate_at(offset, len(data))
+            self.write(ptr, data)
+
     def stats(self) -> dict:
         """``reserved``, ``mapped``, ``cursor``, ``frontier``, ``chunks``, ``live_allocations``,
         ``live_bytes``, totals (``allocations_total``, ``frees_total``, ``chunks_created``,
@@ -275,5 +291,29 @@ class Region:
         return f"Region({self._r.describe()}, {state})"
 
 
-__all__ = ["DEFAULT_PREALLOC_CHUNK", "Region", "RegionAddressError", "SEARCH_FIRST",
+def save_allocations(region: Region, directory: str | os.PathLike) -> int:
+    """Write every live allocation of ``region`` into ``directory`` (``allocations.json``: the
+    offsets and sizes, ``allocations.bin``: the bytes); returns the bytes written. For tests and
+    benchmarks: engines dump spans with :mod:`vitrify.snapshot`."""
+    d = Path(directory)
+    parts = region.read_allocations()
+    (d / "allocations.json").write_text(json.dumps([[o, len(b)] for o, b in parts]))
+    (d / "allocations.bin").write_bytes(b"".join(b for _, b in parts))
+    return sum(len(b) for _, b in parts)
+
+
+def load_allocations(region: Region, directory: str | os.PathLike) -> None:
+    """Put what :func:`save_allocations` wrote back into ``region`` where it was
+    (:meth:`Region.restore_allocations`), at its base or another."""
+    d = Path(directory)
+    raw, pos, parts = (d / "allocations.bin").read_bytes(), 0, []
+    for o, n in json.loads((d / "allocations.json").read_text()):
+        parts.append((o, raw[pos:pos + n]))
+        pos += n
+    if pos != len(raw):
+        raise ValueError(f"{d / 'allocations.bin'} holds {len(raw)} bytes, the index {pos}")
+    region.restore_allocations(parts)
+
+
+__all__ = ["load_allocations", "save_allocations", "DEFAULT_PREALLOC_CHUNK", "Region", "RegionAddressError", "SEARCH_FIRST",
            "SEARCH_LIMIT", "candidate_bases"]

@@ -1141,30 +1141,6 @@ def ar_fingerprint_device_negative(t):
 
 # ---- vitrify.graphs (argument validation) ----------------------------------------------------
 
-@case(TypeError, "base", "str")
-def gr_arena_base_str(t):
-    from vitrify import graphs
-    graphs.FixedArena("0x600180000000", 1 << 21)
-
-
-@case(ValueError, "size", "-4096")
-def gr_arena_size_negative(t):
-    from vitrify import graphs
-    graphs.FixedArena(0, -4096)
-
-
-@case(ValueError, "size", "0")
-def gr_arena_size_zero(t):
-    from vitrify import graphs
-    graphs.FixedArena(0, 0)
-
-
-@case(ValueError, "device", "-1")
-def gr_arena_device_negative(t):
-    from vitrify import graphs
-    graphs.FixedArena(0, 1 << 21, -1)
-
-
 @case(ValueError, "region_base", "-1")
 def gr_store_base_negative(t):
     from vitrify import graphs
@@ -1277,12 +1253,6 @@ def gr_save_to_archive_bad_writer(t):
 def gr_load_from_archive_bad_archive(t):
     from vitrify import graphs
     graphs.load_from_archive(str(t))
-
-
-@case(TypeError, "arena", "int")
-def gr_arena_mem_pool_not_an_arena(t):
-    from vitrify import graphs
-    graphs.arena_mem_pool(4096)
 
 
 def closed_graphs():

@@ -7,9 +7,10 @@ graphs in separate, fresh processes.
     python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
     python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
 
-Memory: one FixedArena of ARENA bytes at BASE backs every torch allocation (a torch MemPool
-through CUDAPluggableAllocator), so FREEZE saves the used part of the arena as an image and
-THAW writes it back at BASE (or at another base: relocation). The last stdout line is JSON.
+Memory: one vitrify Region of ARENA bytes at BASE backs every torch allocation
+(``vitrify.integrations.torch``: a MemPool over the region's C allocator), so FREEZE saves every
+live allocation (offsets and bytes) and THAW puts them back where they were (``Region.
+restore_allocations``) at BASE or at another base (relocation). The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-ARENA = 2 << 30  # torch.cuda.graph() empties the cache at each capture; the arena never reuses
+ARENA = 2 << 30  # torch.cuda.graph() empties the cache at each capture; the region never reuses
+
 
 
 def _cases(torch, out_skipped):
@@ -76,7 +78,7 @@ def _cases(torch, out_skipped):
 
 def _dim_cases(torch, out_skipped, base):
     """Real cuBLAS and attention kernels at shapes whose dimensions equal the upper half of the
-    arena base (base >> 32: 24576 = 6 x 4096 = 24 x 1024 at 0x600000000000, 24577 at the default
+    region base (base >> 32: 24576 = 6 x 4096 = 24 x 1024 at 0x600000000000, 24577 at the default
     0x600180000000): the integers that a relocation by value alone corrupted."""
     dim = base >> 32
     torch.manual_seed(1)
@@ -126,20 +128,23 @@ def freeze(case: str, out: Path, base: int) -> dict:
         tg.record_modules()
     import torch
 
-    arena = tg.FixedArena(base, 6 << 30 if case == "dims" else ARENA)
-    pool = tg.arena_mem_pool(arena)
-    store = tg.GraphStore(region=arena)
-    result: dict = {"base": arena.base, "size": arena.size, "skipped": {}, "outputs": {},
+    from vitrify import Region
+    from vitrify.integrations import torch as vt
+
+    region = Region(6 << 30 if case == "dims" else ARENA, base=base)
+    pool = vt.mem_pool(region)
+    store = tg.GraphStore(region=region)
+    result: dict = {"base": region.base, "size": region.size, "skipped": {}, "outputs": {},
                     "info": {}, "capture_seconds": {}}
     if case in ("missing", "unsupported"):
-        with torch.cuda.use_mem_pool(pool):
+        with vt.region_allocations(region):
             x = torch.randn(1024, device="cuda")
             pinned = torch.randn(1024).pin_memory()
             x * 2.0  # warm up
         torch.cuda.synchronize()
         y = None
         try:
-            with store.capture("bad", pool=pool.id):
+            with vt.activated(region), store.capture("bad", pool=pool.id):
                 if case == "missing":
                     y = x * 2.0
                 else:
@@ -155,12 +160,12 @@ def freeze(case: str, out: Path, base: int) -> dict:
             result["capture_error"] = f"{type(e).__name__}: {e}"
         del y
         return result
-    with torch.cuda.use_mem_pool(pool):
+    with vt.region_allocations(region):
         cases = (_dim_cases(torch, result["skipped"], base) if case == "dims"
                  else _cases(torch, result["skipped"]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+    with torch.cuda.stream(side), vt.region_allocations(region):
         for _, fn in cases:
             for _ in range(3):
                 fn()
@@ -169,31 +174,32 @@ def freeze(case: str, out: Path, base: int) -> dict:
     caps = {}
     for name, fn in cases:
         t0 = time.perf_counter()
-        with store.capture(name, pool=pool.id) as cap:
+        with vt.activated(region), store.capture(name, pool=pool.id) as cap:
             o = fn()
         result["capture_seconds"][name] = time.perf_counter() - t0
         caps[name] = (cap, o)
         result["info"][name] = cap.info
     torch.cuda.synchronize()
-    image = arena.read(0, arena.used)  # inputs and weights, before any replay
+    from vitrify.region import save_allocations
+
+    result["image_bytes"] = save_allocations(region, out)  # inputs and weights, before any replay
     for name, (cap, o) in caps.items():
         cap.graph.replay()
     torch.cuda.synchronize()
     expected = out / "expected"
     expected.mkdir(parents=True, exist_ok=True)
     for name, (cap, o) in caps.items():
-        if not o.is_contiguous() or not (arena.base <= o.data_ptr() < arena.base + arena.size):
-            raise RuntimeError(f"output of {name} is not a contiguous tensor in the arena")
-        off, n = o.data_ptr() - arena.base, o.numel() * o.element_size()
-        (expected / f"{name}.bin").write_bytes(arena.read(off, n))
+        if not o.is_contiguous() or not region.contains(o.data_ptr()):
+            raise RuntimeError(f"output of {name} is not a contiguous tensor in the region")
+        off, n = o.data_ptr() - region.base, o.numel() * o.element_size()
+        (expected / f"{name}.bin").write_bytes(region.read(o.data_ptr(), n))
         result["outputs"][name] = {"offset": off, "nbytes": n}
-    (out / "arena.bin").write_bytes(image)
     t0 = time.perf_counter()
     from vitrify import archive as ar
 
     fp = ar.Fingerprint.current(engine="graph_worker", engine_version="1", model=case)
-    with ar.ArchiveWriter(out / "archive", fp, ar.Region(base=arena.base, size=arena.size,
-                                                         granularity=2 << 20),
+    with ar.ArchiveWriter(out / "archive", fp, ar.Region(base=region.base, size=region.size,
+                                                         granularity=region.granularity),
                           overwrite=True) as w:
         result["index"] = store.save_to_archive(w, rank=0)
     result["save_seconds"] = time.perf_counter() - t0
@@ -208,8 +214,10 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     if only is not None:  # one graph alone (a fault in one graph cannot hide the others)
         meta["outputs"] = {only: meta["outputs"][only]}
     t0 = time.perf_counter()
-    arena = tg.FixedArena(base, meta["size"])
-    arena.write(0, (out / "arena.bin").read_bytes())
+    from vitrify.region import Region, load_allocations
+
+    region = Region(meta["size"], base=base)
+    load_allocations(region, out)
     t1 = time.perf_counter()
     from vitrify import archive as ar
 
@@ -218,7 +226,7 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
         engine="graph_worker", engine_version="1", model=case))
     # Graphs FREEZE marked non-relocatable are refused at another base: left out and reported
     # (the callers assert which), never run.
-    graphs = tg.load_from_archive(archive, 0, region_base=arena.base,
+    graphs = tg.load_from_archive(archive, 0, region_base=region.base,
                                   names=None if only is None else [only], unrelocatable="skip")
     graphs.wait_all()
     for name in graphs.skipped:
@@ -228,7 +236,7 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     for name, o in meta["outputs"].items():
         graphs.replay(name, stream=0)
         graphs.synchronize()
-        got = arena.read(o["offset"], o["nbytes"])
+        got = region.read(region.base + o["offset"], o["nbytes"])
         want = (out / "expected" / f"{name}.bin").read_bytes()
         equal[name] = got == want
         if got != want:
@@ -237,14 +245,14 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
     for name in meta["outputs"]:
         graphs.replay(name, stream=0)
     graphs.synchronize()
-    again = {name: arena.read(o["offset"], o["nbytes"]) ==
+    again = {name: region.read(region.base + o["offset"], o["nbytes"]) ==
              (out / "expected" / f"{name}.bin").read_bytes()
              for name, o in meta["outputs"].items()}
     return {"equal": equal, "equal_after_back_to_back": again, "first_diff": first_diff,
             "templates": {n: graphs.template_of(n) for n in graphs.names},
             "stats": graphs.stats(), "restore_seconds": t1 - t0, "rebuild_seconds": t2 - t1,
             "skipped": meta["skipped"], "info": meta["info"], "freeze_base": meta["base"],
-            "base": arena.base, "refused": graphs.skipped}
+            "base": region.base, "refused": graphs.skipped}
 
 
 def main() -> int:

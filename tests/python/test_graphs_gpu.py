@@ -137,12 +137,12 @@ def test_unsupported_copy_fails_at_freeze(tmp_path):
 
 # ------------------------------------------------------------------ relocation safety
 # Real cuBLAS, attention, norm and softmax kernels whose dimensions equal the upper half of the
-# arena base (base >> 32), so that pairs of 32-bit integers (x, dim) read as addresses in the
-# base's 4 GiB window. The arena's whole used part counts as live (the weakest provenance).
+# region base (base >> 32), so that pairs of 32-bit integers (x, dim) read as addresses in the
+# base's 4 GiB window. The region's live allocations tell what may hold a pointer.
 # At the default phase (2 GiB into a window: 0x600180000000, dim 24577) such words lie below
-# the arena or on a window guard (region R13), so every graph is relocatable and, thawed
+# the region or on a window guard (region R13), so every graph is relocatable and, thawed
 # relocated by several shifts in fresh processes, every output byte is identical.
-# At a 4 GiB-aligned base (0x600000000000, dim 24576) the window starts at the arena's first
+# At a 4 GiB-aligned base (0x600000000000, dim 24576) the window starts at the region's first
 # allocation: words (x < 1 MiB, 24576) that point into it are unclassified, the graphs holding
 # them are refused at another base, and every graph that is thawed gives identical bytes.
 BASE_DIMS = 0x600180000000

@@ -1,8 +1,8 @@
 """CUDA graph persistence benchmark (GPU): capture vs rebuild.
 
 FREEZE (this process): record kernel binaries, capture one decode-like MLP graph per batch size
-(cuBLAS GEMMs + elementwise) into a FixedArena, walk each into a GraphStore, save.
-THAW (a fresh subprocess, no torch): restore the arena image, load + rebuild every graph with
+(cuBLAS GEMMs + elementwise) into a vitrify Region, walk each into a GraphStore, save.
+THAW (a fresh subprocess, no torch): restore the region's allocations, load + rebuild every graph with
 topology templates and, as the baseline, with one executable per graph; replay all graphs
 round-robin (parameter switches) and compare outputs with FREEZE's byte for byte.
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from . import resultlib
 from .cli import existing_dir, positive_int
 
-BASE = 0x7E0000000000
-ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the arena never reuses
+BASE = 0x7E0080000000  # 2 GiB into a 4 GiB window, like the default bases
+ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the region never reuses
 HIDDEN = 512
 LAYERS = 4
 
@@ -42,10 +42,13 @@ def freeze(work: Path, n_graphs: int) -> dict:
     tg.record_modules()
     import torch
 
-    arena = tg.FixedArena(BASE, ARENA)
-    pool = tg.arena_mem_pool(arena)
-    store = tg.GraphStore(region=arena)
-    with torch.cuda.use_mem_pool(pool):
+    from ..integrations import torch as vt
+    from ..region import Region, save_allocations
+
+    region = Region(ARENA, base=BASE)
+    pool = vt.mem_pool(region)
+    store = tg.GraphStore(region=region)
+    with vt.region_allocations(region):
         torch.manual_seed(0)
         ws = [torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.half) * 0.05
               for _ in range(LAYERS)]
@@ -53,7 +56,6 @@ def freeze(work: Path, n_graphs: int) -> dict:
         batch_sizes = list(range(1, n_graphs + 1))
         xs = {bs: torch.randn(bs, HIDDEN, device="cuda", dtype=torch.half) for bs in batch_sizes}
     torch.cuda.synchronize()
-    inputs_end = arena.used  # weights and inputs: all THAW must restore (the rest is scratch)
 
     def step(x):
         for w, b in zip(ws, bs_):
@@ -62,7 +64,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+    with torch.cuda.stream(side), vt.region_allocations(region):
         for bs in batch_sizes:
             step(xs[bs])
     torch.cuda.current_stream().wait_stream(side)
@@ -72,7 +74,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
     for bs in batch_sizes:
         g = torch.cuda.CUDAGraph(keep_graph=True)
         t0 = time.perf_counter()
-        with torch.cuda.graph(g, pool=pool.id):
+        with vt.graph_capture(region, g):
             outs[bs] = step(xs[bs])
         t1 = time.perf_counter()
         g.instantiate()
@@ -84,7 +86,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
         walk_s += t3 - t2
         graphs[bs] = g
     torch.cuda.synchronize()
-    image = arena.read(0, inputs_end)
+    image_bytes = save_allocations(region, work)  # weights, inputs, the graphs' pool; before replay
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
@@ -96,12 +98,13 @@ def freeze(work: Path, n_graphs: int) -> dict:
             g.replay()
     torch.cuda.synchronize()
     torch_replay_s = (time.perf_counter() - t0) / (rounds * len(graphs))
-    expected = {f"bs{bs}": {"offset": o.data_ptr() - arena.base, "nbytes": o.numel() * o.element_size()}
+    expected = {f"bs{bs}": {"offset": o.data_ptr() - region.base, "nbytes": o.numel() * o.element_size()}
                 for bs, o in outs.items()}
     (work / "expected").mkdir(parents=True, exist_ok=True)
     for name, e in expected.items():
-        (work / "expected" / f"{name}.bin").write_bytes(arena.read(e["offset"], e["nbytes"]))
-    (work / "arena.bin").write_bytes(image)
+        (work / "expected" / f"{name}.bin").write_bytes(region.read(region.base + e["offset"],
+                                                                    e["nbytes"]))
+
     t0 = time.perf_counter()
     index = store.save(work / "rank0")
     save_s = time.perf_counter() - t0
@@ -111,8 +114,8 @@ def freeze(work: Path, n_graphs: int) -> dict:
             "graph_bytes": sizes, "templates": len(index["templates"]),
             "module_bytes": sum(m["bytes"] for m in index["modules"].values()),
             "modules": len(index["modules"]), "nodes": index["graphs"][-1]["nodes"],
-            "expected": expected, "size": arena.size, "image_bytes": len(image),
-            "arena_used": arena.used}
+            "expected": expected, "size": region.size,
+            "image_bytes": image_bytes, "region_cursor": region.offset}
     (work / "meta.json").write_text(json.dumps(meta))
     return meta
 
@@ -120,9 +123,11 @@ def freeze(work: Path, n_graphs: int) -> dict:
 def thaw(work: Path) -> dict:
     import vitrify.graphs as tg
 
+    from ..region import Region, load_allocations
+
     meta = json.loads((work / "meta.json").read_text())
-    arena = tg.FixedArena(BASE, meta["size"])
-    arena.write(0, (work / "arena.bin").read_bytes())
+    region = Region(meta["size"], base=BASE)
+    load_allocations(region, work)
     out = {}
     for label, share in (("none", False), ("templates", True)):
         t0 = time.perf_counter()
@@ -138,7 +143,8 @@ def thaw(work: Path) -> dict:
         graphs.replay(n, stream=0)
         graphs.synchronize()
         e = meta["expected"][n]
-        if arena.read(e["offset"], e["nbytes"]) != (work / "expected" / f"{n}.bin").read_bytes():
+        if region.read(region.base + e["offset"], e["nbytes"]) != \
+                (work / "expected" / f"{n}.bin").read_bytes():
             out.setdefault("mismatch", []).append(n)
     rounds = 5
     t0 = time.perf_counter()
