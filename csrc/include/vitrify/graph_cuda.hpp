@@ -36,10 +36,14 @@ class FreezeError : public Error {
 class ModuleRecorder {
  public:
   static ModuleRecorder& instance();
-  // dlopen()s the first loadable candidate path (VITRIFY_CUPTI_PATH, then libcupti.so.13,
-  // libcupti.so, then CUDA's lib64 directories, then the given extra paths), subscribes and
-  // enables the callback. Idempotent. Errors name every path tried and the CUPTI result.
+  // dlopen()s the first loadable candidate path (the set_cupti_path() one alone when set, else
+  // libcupti.so.13, libcupti.so, then CUDA's lib64 directories, then the given extra paths),
+  // subscribes and enables the callback. Idempotent. Errors name every path tried and the CUPTI
+  // result.
   void start(const std::vector<std::string>& extra_paths = {});
+  // The one libcupti a later start() tries ("" restores the search); the Python layer passes
+  // VITRIFY_CUPTI_PATH through it at import. No effect once a libcupti is loaded.
+  void set_cupti_path(const std::string& path);
   void stop();  // unsubscribes; the registry keeps what was recorded
   bool active() const;
   std::string library_path() const;  // the libcupti that was loaded ("" before start)
@@ -57,6 +61,7 @@ class ModuleRecorder {
   void* lib_ = nullptr;
   void* subscriber_ = nullptr;
   std::string lib_path_;
+  std::string cupti_path_;  // set_cupti_path()
   size_t seen_ = 0;
   bool active_ = false;
 };
