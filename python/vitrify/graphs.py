@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import _check, _native
+from ._units import TiB
 
 _log = logging.getLogger("vitrify.graphs")
 
@@ -56,7 +57,7 @@ class FixedArena(_native.FixedArena):
                          _check.integer("device", device, 0, (1 << 31) - 1))
 
     def allocate(self, nbytes: int, align: int = 512) -> int:
-        align = _check.integer("align", align, 1, 1 << 40)
+        align = _check.integer("align", align, 1, TiB)
         if align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
         return super().allocate(_check.integer("nbytes", nbytes, 0, _check.I64_MAX), align)

@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vitrify._units import GiB
+
 from . import resultlib
 from .cli import existing_dir, positive_int
 
 BASE = 0x7E0000000000
-ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the arena never reuses
+ARENA = 2 * GiB  # every torch.cuda.graph() entry empties the cache; the arena never reuses
 HIDDEN = 512
 LAYERS = 4
 
