@@ -93,6 +93,23 @@ struct RebuildStats {
 // start(); wait()/wait_all() block until built; launch() replays one graph on a stream.
 // Graphs sharing a topology share one CUgraphExec; launching another graph of the template
 // first applies its parameters with cuGraphExec*SetParams (no device synchronisation).
+//
+// Thread safety (rebuild.cpp): every method except the destructor may be called from any thread,
+// concurrently with the others. mu_ guards the module/graph/template tables, the build queue,
+// each template's done/error and the stats; add() refuses once start() ran, so after start()
+// the graphs and templates no longer change and the build threads read them without the lock.
+//  - add_module(), add(), start(): serialised by mu_ (start() at most once; add() before it).
+//  - wait(), wait_all(), size(), template_of(), stats(), synchronize(): any time, from any
+//    number of threads (wait() blocks on cv_ until the graph's template is built or failed).
+//  - launch(): concurrent launches of graphs of different templates run in parallel; launches
+//    of graphs sharing a template are serialised by that template's launch_mu (apply the
+//    parameters, then cuGraphLaunch), so the executable never holds a mix of two graphs'
+//    parameters. A parameter switch affects only later launches (the driver's SetParams
+//    semantics), never one already enqueued on another stream.
+//  - Lock order: load_mu_ (module loads) -> mu_, and launch_mu -> mu_; never the reverse.
+//  - The destructor must not race with any other call: it stops queued builds, joins the
+//    build threads (a build in progress finishes), synchronises the device when anything was
+//    built, then releases executables before the modules their kernels live in.
 class GraphSet {
  public:
   // share_templates=false builds one executable per graph (the baseline templates beat).
