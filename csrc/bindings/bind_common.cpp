@@ -1,15 +1,19 @@
-// Errors, logging and build facts shared by every area.
+// Errors, logging, settings and build facts shared by every area.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <optional>
 #include <string>
 #include <system_error>
 
 #include "bind.hpp"
 #include "vitrify/build_info.hpp"
 #include "vitrify/crc32c.hpp"
+#include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/fs.hpp"
+#include "vitrify/graph_cuda.hpp"
 #include "vitrify/log.hpp"
 
 namespace nb = nanobind;
@@ -111,6 +115,21 @@ void bind_common(nb::module_& m) {
   m.def("_set_log_sink", &set_log_sink, nb::arg("callable").none(), nb::arg("level"),
         "Route native log messages at `level` and above to callable(level, message); "
         "None removes the sink.");
+  // The settings the core needs, read and validated once by vitrify.config and passed down at
+  // import (the core itself reads no VITRIFY_* variable).
+  m.def(
+      "configure",
+      [](const std::string& libcuda_path, std::optional<int> log_level,
+         const std::string& cupti_path) {
+        driver::set_library_path(libcuda_path);
+        if (log_level) log::set_stderr_level(*log_level);
+        graph::ModuleRecorder::instance().set_cupti_path(cupti_path);
+      },
+      nb::kw_only(), nb::arg("libcuda_path") = "", nb::arg("log_level").none() = nb::none(),
+      nb::arg("cupti_path") = "",
+      "Hand the core its settings: the CUDA driver library (\"\": libcuda.so.1; before anything "
+      "loads the driver), the stderr log level without a sink (None: WARNING), the libcupti "
+      "to load (\"\": search).");
   m.def("_log", [](int level, const std::string& msg) { log::write(level, msg); },
         "Emit a native log message (for tests of the log path).");
 

@@ -6,16 +6,15 @@ Importing vitrify never touches the GPU driver; :func:`cuda_available` loads it 
 from __future__ import annotations
 
 from . import _native
-from ._logging import configure_from_env as _configure_from_env
-from ._logging import install_native_sink as _install_native_sink
+from . import config as _config
 from ._check import ArgumentTypeError
 from ._native import CudaError, CudaOutOfMemoryError, CudaUnavailableError
 from .region import Region, RegionAddressError
 
 __version__ = _native.build_info()["version"]
 
-_configure_from_env()
-_install_native_sink(_native)
+# Before anything can load the driver: the core gets its settings from the one table.
+_config.configure_native(_native)
 
 
 def cuda_available() -> bool:

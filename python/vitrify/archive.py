@@ -45,6 +45,7 @@ from typing import Any
 
 from . import _check, _native
 from . import snapshot as _snapshot
+from ._units import GiB, KiB, MiB
 
 log = logging.getLogger("vitrify.archive")
 
@@ -764,7 +765,7 @@ def _relocation_counts(index_path: str) -> dict[str, Any]:
 
 
 def _size(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"

@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Every error is one line on stderr and a non-zero exit status (2: a
     command-line or settings mistake, 1: the command failed, 130: interrupted); the traceback
     goes to the ``vitrify.cli`` logger at DEBUG (``VITRIFY_LOG_LEVEL=DEBUG`` shows it)."""
-    from . import _logging, config
+    from . import config
 
     args = build_parser().parse_args(argv)
     prog = f"vitrify {args.command}"
     try:
         config.settings()  # a bad VITRIFY_* value stops here, named, before any work
     except ValueError as e:
-        if str(e) != _logging.env_error():  # the import already printed that line
+        if str(e) != config.reported_at_import():  # the import already printed that line
             print(f"vitrify: {e}", file=sys.stderr)
         return 2
     try:

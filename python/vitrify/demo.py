@@ -37,8 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import vitrify
-
-MiB = 1 << 20
+from vitrify._units import MiB
 
 
 class DemoFailure(RuntimeError):

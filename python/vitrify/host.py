@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 from . import _check, _native
 from . import config as _config
+from ._units import GiB, TiB
 
-GiB = 1 << 30
 
 __all__ = [
     "Copier",
@@ -136,7 +136,7 @@ def plan_slabs(total_bytes: int, page_bytes: int, max_slab_bytes: int | None = N
         _check.integer("total_bytes", total_bytes, 1, _check.I64_MAX),
         _check.integer("page_bytes", page_bytes, 1, _check.I64_MAX),
         _check.integer("max_slab_bytes", ceiling, 1, _check.I64_MAX),
-        _check.integer("map_align", map_align, 1, 1 << 40)))
+        _check.integer("map_align", map_align, 1, TiB)))
 
 
 def check_hugetlbfs_capacity(mount: str, needed: int, *, fs_magic: int, block_size: int,

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Union
 
 from . import _check, _native, config
+from ._units import GiB, MiB, TiB
 
 log = logging.getLogger("vitrify.snapshot")
 
@@ -38,8 +39,8 @@ SpanFileError = _native.SpanFileError
 Target = Union[int, "_native.HostBackend"]
 Interval = tuple[int, int]
 
-DEFAULT_GRANULARITY = 2 << 20
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_GRANULARITY = 2 * MiB
+DEFAULT_CHUNK_BYTES = 64 * MiB
 WARMUP_SPAN = "warmup"
 WEIGHTS_SPAN = "weights"
 
@@ -64,8 +65,8 @@ class HostBackend(_native.HostBackend):
 
     def __init__(self, size: int, holes: Iterable[Interval] = (),
                  alignment: int = DEFAULT_GRANULARITY) -> None:
-        size = _check.integer("size", size, 1, 1 << 40)
-        alignment = _check.integer("alignment", alignment, 1, 1 << 30)
+        size = _check.integer("size", size, 1, TiB)
+        alignment = _check.integer("alignment", alignment, 1, GiB)
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         super().__init__(size, _intervals(holes), alignment)
@@ -170,7 +171,7 @@ def _parent_dir(name: str, path: str) -> None:
         raise NotADirectoryError(20, f"{name}: not a directory", parent)
 
 
-def progress_logger(what: str, every_bytes: int = 1 << 30) -> Callable[[int, int], None]:
+def progress_logger(what: str, every_bytes: int = GiB) -> Callable[[int, int], None]:
     """A progress callback that logs ``what`` through the ``vitrify`` logger about every
     ``every_bytes`` (and at the end), with the rate so far."""
     _check.integer("every_bytes", every_bytes, 1, _check.U64_MAX)
@@ -182,7 +183,7 @@ def progress_logger(what: str, every_bytes: int = 1 << 30) -> Callable[[int, int
             return
         state["next"] = done + every_bytes
         dt = max(time.monotonic() - t0, 1e-9)
-        log.info("%s: %.2f / %.2f GiB (%.0f%%, %.2f GB/s)", what, done / 2**30, total / 2**30,
+        log.info("%s: %.2f / %.2f GiB (%.0f%%, %.2f GB/s)", what, done / GiB, total / GiB,
                  100.0 * done / total if total else 100.0, done / dt / 1e9)
 
     return report
@@ -202,7 +203,7 @@ def dump(base: int, start: int, end: int, *, target: Target = 0,
     """
     _check_span(base, start, end)
     target = _target(target)
-    granularity = _check.integer("granularity", granularity, 1, 1 << 40)
+    granularity = _check.integer("granularity", granularity, 1, TiB)
     if not isinstance(pin, (bool, int)):
         raise _check.ArgumentTypeError(f"pin must be True or False, got {_check.got(pin)}")
     return _native.span_dump(target, base, start, end, granularity, bool(pin))
@@ -239,7 +240,7 @@ def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, ta
     _check_span(base, start, end)
     target = _target(target)
     chunk_bytes = _check.integer("chunk_bytes", chunk_bytes, 4096, 1 << 34)
-    granularity = _check.integer("granularity", granularity, 1, 1 << 40)
+    granularity = _check.integer("granularity", granularity, 1, TiB)
     direct_io = _direct_io(direct_io)
     _check.callable_or_none("progress", progress)
     _parent_dir("path", path)

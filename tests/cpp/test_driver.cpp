@@ -2,7 +2,9 @@
 // pretend to be old, incomplete, or without devices.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "driver/loader.hpp"
@@ -88,6 +90,31 @@ TEST(DriverSeam, ResultNamesWithoutADriverFallBackToNumbers) {
   // In this process the global table may or may not be loaded; either way a name comes back.
   const std::string n = vitrify::driver::result_name(1);
   EXPECT_TRUE(n == "CUDA_ERROR_INVALID_VALUE" || n == "CUresult 1") << n;
+}
+
+TEST(DriverSeam, LibraryPathIsChosenBeforeTheFirstLoadOnly) {
+  // In a fresh child process (threadsafe style re-runs this binary), so that neither this
+  // binary's other tests nor main()'s VITRIFY_LIBCUDA_PATH have loaded the driver yet.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string path = "/nonexistent/libcuda-chosen.so.1";
+  EXPECT_EXIT(
+      {
+        using namespace vitrify::driver;
+        set_library_path(path);
+        bool ok = library_path() == path && !available() &&
+                  unavailable_reason().find(path) != std::string::npos;
+        set_library_path(path);  // the same path again is fine
+        try {
+          set_library_path("");  // libcuda.so.1: too late
+          ok = false;
+        } catch (const std::invalid_argument& e) {
+          ok = ok && std::string(e.what()).find("libcuda_path") != std::string::npos &&
+               std::string(e.what()).find(path) != std::string::npos;
+        }
+        std::fputs(ok ? "chosen path used\n" : "wrong\n", stderr);
+        std::_Exit(ok ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "chosen path used");
 }
 
 TEST(DriverSeam, ReserveAlignmentHonoursHints) {

@@ -588,7 +588,7 @@ TEST(GraphSetCpu, TemplatesAndLifecycleWithoutADriver) {
 }
 
 TEST(ModuleRecorderCpu, UnloadableCuptiIsAClearError) {
-  ::setenv("VITRIFY_CUPTI_PATH", "/nonexistent/libcupti.so.13", 1);
+  ModuleRecorder::instance().set_cupti_path("/nonexistent/libcupti.so.13");
   try {
     ModuleRecorder::instance().start();
     FAIL() << "no error";
@@ -597,7 +597,7 @@ TEST(ModuleRecorderCpu, UnloadableCuptiIsAClearError) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("VITRIFY_CUPTI_PATH"), std::string::npos) << e.what();
   }
-  ::unsetenv("VITRIFY_CUPTI_PATH");
+  ModuleRecorder::instance().set_cupti_path("");
   EXPECT_FALSE(ModuleRecorder::instance().active());
 }
 

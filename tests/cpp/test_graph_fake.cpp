@@ -18,10 +18,12 @@ using namespace vitrify::graph;
 namespace {
 
 // Before anything loads the driver: this test binary runs against the fake.
-const int kUseFake = [] {
-  ::setenv("VITRIFY_LIBCUDA_PATH", VITRIFY_FAKE_GRAPH_CUDA_PATH, 1);
-  return 0;
-}();
+class FakeDriver : public ::testing::Environment {
+ public:
+  void SetUp() override { vitrify::driver::set_library_path(VITRIFY_FAKE_GRAPH_CUDA_PATH); }
+};
+[[maybe_unused]] ::testing::Environment* const kUseFake =
+    ::testing::AddGlobalTestEnvironment(new FakeDriver);
 
 void* fake() {
   static void* h = ::dlopen(VITRIFY_FAKE_GRAPH_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);

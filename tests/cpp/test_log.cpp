@@ -10,13 +10,17 @@ std::vector<std::pair<int, std::string>> g_seen;
 void sink(int level, const char* m) noexcept { g_seen.emplace_back(level, m); }
 }  // namespace
 
-TEST(Log, ParseLevel) {
-  EXPECT_EQ(vitrify::log::parse_level("debug", 99), 10);
-  EXPECT_EQ(vitrify::log::parse_level("WARN", 99), 30);
-  EXPECT_EQ(vitrify::log::parse_level("25", 99), 25);
-  EXPECT_EQ(vitrify::log::parse_level("", 99), 99);
-  EXPECT_EQ(vitrify::log::parse_level(nullptr, 99), 99);
-  EXPECT_EQ(vitrify::log::parse_level("loud", 99), 99);
+TEST(Log, StderrLevelAppliesWithoutASink) {
+  EXPECT_FALSE(vitrify::log::enabled(vitrify::log::kInfo)) << "default: WARNING";
+  EXPECT_TRUE(vitrify::log::enabled(vitrify::log::kWarning));
+  vitrify::log::set_stderr_level(vitrify::log::kDebug);
+  EXPECT_TRUE(vitrify::log::enabled(vitrify::log::kDebug));
+  vitrify::log::set_sink(&sink, vitrify::log::kError);  // a sink's level wins while installed
+  EXPECT_FALSE(vitrify::log::enabled(vitrify::log::kWarning));
+  vitrify::log::set_sink(nullptr, 0);  // back to the stderr level
+  EXPECT_TRUE(vitrify::log::enabled(vitrify::log::kDebug));
+  vitrify::log::set_stderr_level(vitrify::log::kWarning);
+  EXPECT_FALSE(vitrify::log::enabled(vitrify::log::kInfo));
 }
 
 TEST(Log, SinkReceivesMessagesAtOrAboveItsLevel) {

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "vitrify/driver.hpp"
 #include "vitrify/region.hpp"
 #include "vitrify/snapshot.hpp"
 
@@ -21,11 +22,15 @@ namespace {
 constexpr uint64_t G = 2 * kMiB;
 
 // Before anything loads the driver: this binary runs on the fake with one device.
-const bool kFakeDriver = [] {
-  ::setenv("VITRIFY_LIBCUDA_PATH", VITRIFY_FAKE_CUDA_PATH, 1);
-  ::setenv("FAKE_CUDA_DEVICES", "1", 1);
-  return true;
-}();
+class FakeDriver : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    ::setenv("FAKE_CUDA_DEVICES", "1", 1);
+    vitrify::driver::set_library_path(VITRIFY_FAKE_CUDA_PATH);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kFakeDriver =
+    ::testing::AddGlobalTestEnvironment(new FakeDriver);
 
 struct Env {
   Env(const char* k, const char* v) : key(k) { ::setenv(k, v, 1); }

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vitrify._units import KiB, MiB
+
 HUGE = 1 << 70  # past every native integer
-KiB, MiB = 1 << 10, 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,8 @@ import pytest
 
 import vitrify
 from vitrify import _native
+from vitrify._units import GiB, MiB
 from vitrify.region import Region, RegionAddressError, candidate_bases
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 def rng(lo: int, hi: int) -> str:

@@ -298,26 +298,27 @@ def _load_resultlib_at(path: Path):
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_git_sha_names_a_vitrify_checkout_never_another_repository(tmp_path, monkeypatch):
+def test_git_sha_names_a_vitrify_checkout_never_another_repository(tmp_path):
     """resultlib in a vitrify checkout reports its HEAD; inside some other repository (a venv in
-    a user's project) "unknown"; VITRIFY_GIT_SHA wins over both."""
+    a user's project) "unknown"; VITRIFY_GIT_SHA (config's git_sha) wins over both."""
+    from vitrify import config
     from vitrify.bench import resultlib
 
-    monkeypatch.delenv("VITRIFY_GIT_SHA", raising=False)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     shas = {}
-    for kind, rel in (("vitrify", "python/vitrify/bench"), ("other", "venv/site/vitrify/bench")):
-        repo = tmp_path / kind
-        (repo / rel).mkdir(parents=True)
-        shutil.copy(resultlib.__file__, repo / rel / "resultlib.py")
-        (repo / rel).parent.joinpath("__init__.py").write_text("")
-        subprocess.run([*git, "init", "-q", str(repo)], check=True)
-        subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
-        subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        shas[kind] = (_load_resultlib_at(repo / rel / "resultlib.py").git_sha(), head)
+    with config.override(git_sha=None):  # whatever this process's VITRIFY_GIT_SHA says
+        for kind, rel in (("vitrify", "python/vitrify/bench"), ("other", "venv/site/vitrify/bench")):
+            repo = tmp_path / kind
+            (repo / rel).mkdir(parents=True)
+            shutil.copy(resultlib.__file__, repo / rel / "resultlib.py")
+            (repo / rel).parent.joinpath("__init__.py").write_text("")
+            subprocess.run([*git, "init", "-q", str(repo)], check=True)
+            subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
+            subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
+            head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            shas[kind] = (_load_resultlib_at(repo / rel / "resultlib.py").git_sha(), head)
     assert shas["vitrify"][0] == shas["vitrify"][1]
     assert shas["other"][0] == "unknown"
-    monkeypatch.setenv("VITRIFY_GIT_SHA", "f" * 40)
-    assert resultlib.git_sha() == "f" * 40
+    with config.override(git_sha="f" * 40):
+        assert resultlib.git_sha() == "f" * 40

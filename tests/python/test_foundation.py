@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -152,6 +155,66 @@ def test_bad_log_level_env_is_one_line_at_import_not_a_traceback():
     r = run_py("import vitrify; from vitrify import config; config.settings()",
                VITRIFY_LOG_LEVEL="loud")
     assert r.returncode != 0 and "ValueError: VITRIFY_LOG_LEVEL='loud'" in r.stderr
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SCRIPT_ONLY = {"VITRIFY_SGLANG_E2E"}  # README rows read by scripts/gpu-suite.sh, not the package
+
+
+def test_config_table_is_the_readme_table():
+    """README's Configuration rows name every variable of config.VARIABLES with the same values
+    and default, and no other variable the package would read."""
+    text = README.read_text()
+    section = text[text.index("## Configuration"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0].startswith("`VITRIFY_"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    table = {v.name: (v.values, v.default) for v in config.VARIABLES}
+    assert set(rows) - SCRIPT_ONLY == set(table)
+    for name, cells in table.items():
+        assert rows[name] == cells, name
+    fields = {f.name for f in dataclasses.fields(config.Settings)}
+    assert {v.field for v in config.VARIABLES} == fields
+    assert len({v.field for v in config.VARIABLES}) == len(config.VARIABLES)
+
+
+def test_only_config_reads_vitrify_variables():
+    """The package reads VITRIFY_* variables through config's table alone; the core none."""
+    root = Path(vitrify.__file__).resolve().parent
+    read = re.compile(r"""(environ\.get\(|environ\[|getenv\()\s*["']VITRIFY_""")
+    offenders = [str(f.relative_to(root)) for f in root.rglob("*.py")
+                 if f.name != "config.py" and read.search(f.read_text())]
+    assert offenders == []
+    src = Path(__file__).resolve().parents[2] / "csrc"
+    if src.is_dir():
+        offenders = [str(f) for f in src.rglob("*.[ch]pp")
+                     if re.search(r'getenv\("VITRIFY_', f.read_text())]
+        assert offenders == []
+
+
+def test_core_settings_come_from_python_at_import(tmp_path):
+    """VITRIFY_CUPTI_PATH and VITRIFY_LOG_LEVEL reach the core through config.configure_native."""
+    missing = str(tmp_path / "libcupti-missing.so.13")
+    r = run_py("import vitrify.graphs as g; g.record_modules()", VITRIFY_CUPTI_PATH=missing)
+    assert r.returncode != 0 and missing in r.stderr and "VITRIFY_CUPTI_PATH" in r.stderr
+    # Without the Python sink the core writes to stderr at the level config handed it.
+    code = ("import vitrify; from vitrify import _native; _native._set_log_sink(None, 0); "
+            "_native._log(20, 'core info')")
+    assert "vitrify[20]: core info" in run_py(code, VITRIFY_LOG_LEVEL="INFO").stderr
+    assert "core info" not in run_py(code, VITRIFY_LOG_LEVEL="").stderr
+    assert "core info" not in run_py(code, VITRIFY_LOG_LEVEL="loud").stderr
+
+
+def test_driver_library_cannot_change_once_loaded():
+    vitrify.cuda_available()  # loads (or fails to load) the driver
+    with pytest.raises(ValueError, match=r"^libcuda_path=/elsewhere/libcuda\.so\.1: the CUDA "
+                                         r"driver is already loaded from "):
+        _native.configure(libcuda_path="/elsewhere/libcuda.so.1")
+    s = config.settings()  # the same library again is fine
+    _native.configure(libcuda_path=s.libcuda_path, cupti_path=s.cupti_path or "")
 
 
 def test_doctor_json_is_valid_and_complete(tmp_path):

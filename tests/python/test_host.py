@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import vitrify
 from vitrify import config, host
+from vitrify._units import GiB, KiB, MiB
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 import region_cases
+from vitrify._units import GiB, MiB
 from vitrify.region import Region
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
-MiB, GiB = 1 << 20, 1 << 30
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch is not importable")
 

@@ -11,10 +11,10 @@ import textwrap
 import pytest
 
 from vitrify import _native, snapshot
+from vitrify._units import MiB
 from vitrify.snapshot import ScratchSpan
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 
 
 def _span(mapped, base_hint=0):

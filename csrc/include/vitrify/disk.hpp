@@ -284,6 +284,25 @@ struct GetItem {
   bool miss_if_small = false;   // a too-small dst is a miss instead of std::invalid_argument
 };
 
+// Thread safety (store.cpp): every public method may be called from any thread, concurrently
+// with the others, except that construction and destruction must not race with any call.
+//  - mu_ guards the index, slot pools, GC heaps, pending puts and counters; each drive queue
+//    has its own mutex; the I/O threads work outside mu_ (slot I/O on SlabFile is safe on
+//    one fd). submit_put(), submit_put_copy(), submit_get(), lookup()/exists(), remove() and
+//    stats() only take mu_ (and a queue mutex) briefly; a submit blocks while the drive
+//    queue is full (queue_capacity), until an I/O thread takes a job.
+//  - clear() and close() are serialised with each other (clear_mu_); clear() also waits at the
+//    gate until no slot I/O is in progress. Puts and gets racing a clear() are either
+//    cancelled/missed or served after it; close() is idempotent, and calls after it complete
+//    at once (kCancelled, miss).
+//  - A Ticket (Completion) may be waited on or polled from any thread. Put buffers must stay
+//    unmodified, and get destinations valid, until their ticket completes.
+//  - kind_count(), page_bytes(), slot_bytes(), make_buffer() and config() read state fixed at
+//    construction. slab() is for tests and tools: its geometry/path are fixed, but slab_id()
+//    changes during clear() and must not be read concurrently with it.
+//  - The I/O threads, close() and clear() log errors through vitrify::log, sometimes holding
+//    mu_ or the gate; the Python sink takes the GIL, so a caller holding the GIL must release
+//    it around calls that can wait for them (csrc/bindings/bind_disk.cpp does).
 class Store {
  public:
   explicit Store(StoreConfig config);

@@ -1,5 +1,6 @@
-// The CUDA driver seam: libcuda.so.1 is dlopen()ed on first use (VITRIFY_LIBCUDA_PATH overrides the
-// path) and every entry point is resolved through cuGetProcAddress into one typed table.
+// The CUDA driver seam: libcuda.so.1 is dlopen()ed on first use (set_library_path() chooses
+// another library; the Python layer passes VITRIFY_LIBCUDA_PATH through it at import) and every
+// entry point is resolved through cuGetProcAddress into one typed table.
 // Nothing here links libcuda, so programs using vitrify_core run on machines without a GPU;
 // `available()` says whether the driver loaded and `unavailable_reason()` why not.
 #pragma once
@@ -24,6 +25,13 @@ struct Table {
   int driver_version = 0;  // cuDriverGetVersion, e.g. 13000
   std::string library_path;  // what dlopen() was given
 };
+
+// The library the first load dlopen()s: "libcuda.so.1" unless set_library_path() chose another.
+std::string library_path();
+// Chooses the library to dlopen() ("" restores "libcuda.so.1"). Only before the first load: once
+// anything has loaded the driver, a different path throws std::invalid_argument naming
+// libcuda_path (the same path again is accepted). The core reads no environment variable.
+void set_library_path(const std::string& path);
 
 // Loads the driver and runs cuInit(0) once; never throws. False on machines without a GPU.
 bool available() noexcept;

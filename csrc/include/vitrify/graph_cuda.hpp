@@ -36,10 +36,14 @@ class FreezeError : public Error {
 class ModuleRecorder {
  public:
   static ModuleRecorder& instance();
-  // dlopen()s the first loadable candidate path (VITRIFY_CUPTI_PATH, then libcupti.so.13,
-  // libcupti.so, then CUDA's lib64 directories, then the given extra paths), subscribes and
-  // enables the callback. Idempotent. Errors name every path tried and the CUPTI result.
+  // dlopen()s the first loadable candidate path (the set_cupti_path() one alone when set, else
+  // libcupti.so.13, libcupti.so, then CUDA's lib64 directories, then the given extra paths),
+  // subscribes and enables the callback. Idempotent. Errors name every path tried and the CUPTI
+  // result.
   void start(const std::vector<std::string>& extra_paths = {});
+  // The one libcupti a later start() tries ("" restores the search); the Python layer passes
+  // VITRIFY_CUPTI_PATH through it at import. No effect once a libcupti is loaded.
+  void set_cupti_path(const std::string& path);
   void stop();  // unsubscribes; the registry keeps what was recorded
   bool active() const;
   std::string library_path() const;  // the libcupti that was loaded ("" before start)
@@ -57,6 +61,7 @@ class ModuleRecorder {
   void* lib_ = nullptr;
   void* subscriber_ = nullptr;
   std::string lib_path_;
+  std::string cupti_path_;  // set_cupti_path()
   size_t seen_ = 0;
   bool active_ = false;
 };
@@ -88,6 +93,23 @@ struct RebuildStats {
 // start(); wait()/wait_all() block until built; launch() replays one graph on a stream.
 // Graphs sharing a topology share one CUgraphExec; launching another graph of the template
 // first applies its parameters with cuGraphExec*SetParams (no device synchronisation).
+//
+// Thread safety (rebuild.cpp): every method except the destructor may be called from any thread,
+// concurrently with the others. mu_ guards the module/graph/template tables, the build queue,
+// each template's done/error and the stats; add() refuses once start() ran, so after start()
+// the graphs and templates no longer change and the build threads read them without the lock.
+//  - add_module(), add(), start(): serialised by mu_ (start() at most once; add() before it).
+//  - wait(), wait_all(), size(), template_of(), stats(), synchronize(): any time, from any
+//    number of threads (wait() blocks on cv_ until the graph's template is built or failed).
+//  - launch(): concurrent launches of graphs of different templates run in parallel; launches
+//    of graphs sharing a template are serialised by that template's launch_mu (apply the
+//    parameters, then cuGraphLaunch), so the executable never holds a mix of two graphs'
+//    parameters. A parameter switch affects only later launches (the driver's SetParams
+//    semantics), never one already enqueued on another stream.
+//  - Lock order: load_mu_ (module loads) -> mu_, and launch_mu -> mu_; never the reverse.
+//  - The destructor must not race with any other call: it stops queued builds, joins the
+//    build threads (a build in progress finishes), synchronises the device when anything was
+//    built, then releases executables before the modules their kernels live in.
 class GraphSet {
  public:
   // share_templates=false builds one executable per graph (the baseline templates beat).

@@ -2,8 +2,8 @@
 
 #include <dlfcn.h>
 
-#include <cstdlib>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "driver/loader.hpp"
@@ -71,9 +71,14 @@ LoadResult load_table(const std::string& path) {
 
 namespace {
 
+constexpr const char* kDefaultLibrary = "libcuda.so.1";
+
 struct Global {
   std::once_flag once;
   LoadResult result;
+  std::mutex mu;  // guards path and loading
+  std::string path = kDefaultLibrary;
+  bool loading = false;  // the first load has begun: the path is fixed
 };
 
 Global& global() {
@@ -86,8 +91,12 @@ Global& global() {
 const LoadResult& loaded() noexcept {
   Global& g = global();
   std::call_once(g.once, [&g] {
-    const char* env = std::getenv("VITRIFY_LIBCUDA_PATH");
-    const std::string path = (env != nullptr && *env != '\0') ? env : "libcuda.so.1";
+    std::string path;
+    {
+      std::lock_guard<std::mutex> lock(g.mu);
+      g.loading = true;
+      path = g.path;
+    }
     try {
       g.result = load_table(path);
     } catch (const std::exception& e) {
@@ -99,6 +108,22 @@ const LoadResult& loaded() noexcept {
 }
 
 }  // namespace
+
+std::string library_path() {
+  Global& g = global();
+  std::lock_guard<std::mutex> lock(g.mu);
+  return g.path;
+}
+
+void set_library_path(const std::string& path) {
+  const std::string want = path.empty() ? kDefaultLibrary : path;
+  Global& g = global();
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (g.loading && want != g.path)
+    throw std::invalid_argument("libcuda_path=" + want + ": the CUDA driver is already loaded from " +
+                                g.path + " (choose the library before anything uses the driver)");
+  g.path = want;
+}
 
 bool available() noexcept { return loaded().ok; }
 

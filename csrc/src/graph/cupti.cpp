@@ -56,10 +56,11 @@ void callback(void* userdata, int domain, uint32_t cbid, const void* cbdata) {
   static_cast<ModuleRecorder*>(userdata)->on_module_loaded(md->cubin, md->cubin_size);
 }
 
-std::vector<std::string> candidates(const std::vector<std::string>& extra) {
+std::vector<std::string> candidates(const std::string& explicit_path,
+                                    const std::vector<std::string>& extra) {
   std::vector<std::string> out;
-  if (const char* p = std::getenv("VITRIFY_CUPTI_PATH"); p != nullptr && *p != '\0') {
-    out.emplace_back(p);
+  if (!explicit_path.empty()) {
+    out.push_back(explicit_path);
     return out;  // an explicit path is the only one tried
   }
   out.push_back("libcupti.so.13");
@@ -107,7 +108,7 @@ void ModuleRecorder::start(const std::vector<std::string>& extra_paths) {
 void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
   if (lib_ == nullptr) {
     std::string tried;
-    for (const std::string& p : candidates(extra_paths)) {
+    for (const std::string& p : candidates(cupti_path_, extra_paths)) {
       void* h = ::dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
       if (h != nullptr) {
         lib_ = h;
@@ -147,6 +148,11 @@ void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
   }
   subscriber_ = sub;
   active_ = true;
+}
+
+void ModuleRecorder::set_cupti_path(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cupti_path_ = path;
 }
 
 void ModuleRecorder::stop() {

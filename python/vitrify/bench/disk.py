@@ -53,12 +53,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vitrify import tier
+from vitrify import config, tier
+from vitrify._units import MiB
 
 from . import resultlib
 from .cli import existing_dir, nonnegative_int, positive_int, positive_int_list
 
-MiB = 1 << 20
 MAX_BATCH = 32  # DiskStore's default group commit: writes per fdatasync per write thread
 
 
@@ -260,7 +260,7 @@ def measure_config(work: str, page: int, depth: int, total: int, repeat: int,
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dir", type=existing_dir,
-                    default=os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir(),
+                    default=config.get("bench_dir") or tempfile.gettempdir(),
                     help="filesystem to measure, not tmpfs (default: $VITRIFY_BENCH_DIR, else "
                          "the system temp directory)")
     ap.add_argument("--sizes-mib", type=positive_int_list, default=[1, 4], metavar="LIST",

@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vitrify._units import GiB
+
 from . import resultlib
 from .cli import existing_dir, positive_int
 
 BASE = 0x7E0080000000  # 2 GiB into a 4 GiB window, like the default bases
-ARENA = 2 << 30  # every torch.cuda.graph() entry empties the cache; the region never reuses
+ARENA = 2 * GiB  # every torch.cuda.graph() entry empties the cache; the region never reuses
 HIDDEN = 512
 LAYERS = 4
 

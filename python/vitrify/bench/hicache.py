@@ -42,10 +42,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from vitrify import config
+from vitrify._units import GiB, KiB, MiB
 from . import resultlib
 from .cli import existing_dir, nonnegative_int, positive_int
-
-MiB = 1 << 20
 
 
 def fio_read_limit(scratch, nbytes):
@@ -104,7 +104,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "Llama-3-8B's KV (32 layers, 8 KV heads of 128) as one rank holds it: "
                     "64x32x8x128 = 8 MiB pages at TP1 with 64-token pages, 16x32x4x128 = 1 MiB "
                     "at TP2 with 16-token pages, 16x32x1x128 = 256 KiB at TP8)")
-    ap.add_argument("--bytes-per-rep", type=positive_int, default=1 << 30, metavar="BYTES",
+    ap.add_argument("--bytes-per-rep", type=positive_int, default=GiB, metavar="BYTES",
                     help="bytes written/read per repetition and backend (default 1 GiB)")
     ap.add_argument("--reps", type=positive_int, default=3, metavar="N",
                     help="repetitions per backend and operation, best of N (default: 3)")
@@ -123,7 +123,7 @@ def unavailable(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     if args.quick:
-        args.geometry, args.bytes_per_rep, args.reps = [geometry("16x8x8x128")], 64 << 20, 2
+        args.geometry, args.bytes_per_rep, args.reps = [geometry("16x8x8x128")], 64 * MiB, 2
     geoms = args.geometry or [geometry(g) for g in ("64x32x8x128", "16x32x4x128", "16x32x1x128")]
 
     import torch
@@ -133,8 +133,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     if not torch.cuda.is_available():
         ccm.device_module = torch.cpu  # the controller's streams/events: no device here
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
-    base = (args.dir or os.environ.get("VITRIFY_BENCH_DIR") or os.environ.get("VITRIFY_TEST_DIR")
-            or "/var/tmp")
+    s = config.settings()
+    base = args.dir or s.bench_dir or s.test_dir or "/var/tmp"
     scratch = tempfile.mkdtemp(prefix="bench-hicache-", dir=base)
     vitrify_dir, file_dir = os.path.join(scratch, "vitrify"), os.path.join(scratch, "file")
     os.makedirs(vitrify_dir)
@@ -185,7 +185,7 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
     P, layers, heads, head_dim = geom
     page_bytes = 2 * layers * P * heads * head_dim * 2
     n = max(1, args.bytes_per_rep // page_bytes)
-    page = f"{page_bytes >> 10}KiB" if page_bytes < (1 << 20) else f"{page_bytes / (1 << 20):g}MiB"
+    page = f"{page_bytes // KiB}KiB" if page_bytes < MiB else f"{page_bytes / MiB:g}MiB"
 
     dev_tokens = 2 * n * P
     dev = MHATokenToKVPool(size=dev_tokens, page_size=P, dtype=torch.bfloat16,
@@ -199,7 +199,7 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
     src = host.alloc(n * P)
     dst = host.alloc(n * P)
 
-    budget = (args.reps + 1) * n * (page_bytes + 8192) + (64 << 20)
+    budget = (args.reps + 1) * n * (page_bytes + 8192) + 64 * MiB
     controllers = {}
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
         extra_vitrify = {"backend_name": "vitrify", "module_path": "vitrify.integrations.sglang.hicache",

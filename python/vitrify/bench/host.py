@@ -22,10 +22,9 @@ from collections.abc import Callable
 
 import vitrify
 from vitrify import _native, host
+from vitrify._units import GiB, MiB
 
 from . import resultlib
-
-MiB, GiB = 1 << 20, 1 << 30
 
 
 def best_of(fn, reps: int) -> float:

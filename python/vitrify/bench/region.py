@@ -21,11 +21,10 @@ import time
 from collections.abc import Callable
 
 import vitrify
+from vitrify._units import GiB, MiB
 from vitrify.region import Region
 
 from . import resultlib
-
-MiB, GiB = 1 << 20, 1 << 30
 
 
 def timed(fn) -> float:

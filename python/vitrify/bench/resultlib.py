@@ -15,6 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from vitrify import config
+
 PACKAGE = Path(__file__).resolve().parents[1]  # .../vitrify
 
 
@@ -31,7 +33,7 @@ def git_sha() -> str:
     no usable .git), else HEAD of the vitrify checkout this package lives in (a source tree, an
     editable install, or a virtual environment inside the checkout); "unknown" otherwise (an
     installed wheel: ``machine["vitrify"]`` names the version)."""
-    env = os.environ.get("VITRIFY_GIT_SHA", "").strip()
+    env = config.get("git_sha")
     if env:
         return env
     top = _git("rev-parse", "--show-toplevel")

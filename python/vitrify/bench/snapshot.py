@@ -23,12 +23,11 @@ import time
 from collections.abc import Callable
 
 import vitrify
-from vitrify import _native, snapshot
+from vitrify import _native, config, snapshot
+from vitrify._units import GiB, MiB
 
 from . import resultlib
 from .cli import existing_dir, positive_float
-
-GiB = 1 << 30
 
 
 def dd_read_rate(path: str, direct: bool) -> tuple[float, str]:
@@ -61,17 +60,17 @@ def unavailable(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    size = int((2.0 if args.quick else args.size_gib) * GiB) // (2 << 20) * (2 << 20)
+    size = int((2.0 if args.quick else args.size_gib) * GiB) // (2 * MiB) * (2 * MiB)
     if size <= 0:
         raise ValueError(f"--size-gib {args.size_gib}: below the 2 MiB granularity")
-    root = args.dir or os.environ.get("VITRIFY_BENCH_DIR") or tempfile.gettempdir()
+    root = args.dir or config.settings().bench_dir or tempfile.gettempdir()
     work = tempfile.mkdtemp(prefix="bench-snapshot-", dir=root)
     probe = _native.probe_direct_io(work)
     direct = "on" if probe["supported"] else "off"
     rows: list[dict] = []
     try:
         t0 = time.perf_counter()
-        span = snapshot.ScratchSpan(0, size, 0, [True] * (size // (2 << 20)))
+        span = snapshot.ScratchSpan(0, size, 0, [True] * (size // (2 * MiB)))
 
         progress(f"pinned H2D limit: one {size >> 20} MiB copy")
         # limit 1: one big pinned H2D copy (it overwrites the span, so it runs before the fill)
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         rows.append({"path": "pinned H2D limit (one copy)", "GB/s": h2d_limit / 1e9,
                      "seconds": t_lim})
 
-        block = os.urandom(64 << 20)
+        block = os.urandom(64 * MiB)
         for off in range(0, size, len(block)):
             span.write(off, block[: min(len(block), size - off)])
 
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                      if probe["supported"] else "disk read limit (dd, buffered)",
                      "GB/s": disk_rate / 1e9, "seconds": os.path.getsize(path) / disk_rate})
 
-        span.write(0, b"\0" * (64 << 20))  # make a wrong restore visible
+        span.write(0, b"\0" * (64 * MiB))  # make a wrong restore visible
         best_file = None
         for _ in range(2):
             r = snapshot.restore_from_file(path, span.base, size, target=0, direct_io=direct)
@@ -116,7 +115,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         file_rate = size / best_file["seconds"]
         rows.append({"path": f"restore file->GPU (O_DIRECT {direct})", "GB/s": file_rate / 1e9,
                      "seconds": best_file["seconds"]})
-        assert span.read(0, 64 << 20) == block, "file restore produced wrong bytes"
+        assert span.read(0, 64 * MiB) == block, "file restore produced wrong bytes"
         disk_rate2, _ = dd_read_rate(path, probe["supported"])
         rows.append({"path": "disk read limit, again after restore", "GB/s": disk_rate2 / 1e9,
                      "seconds": os.path.getsize(path) / disk_rate2})
