@@ -12,6 +12,7 @@
 #include "vitrify/disk.hpp"
 
 using namespace vitrify::disk;
+using vitrify::file_io::DirectIo;
 
 namespace {
 

@@ -12,6 +12,7 @@
 #include "vitrify/crc32c.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
 #include "vitrify/graph_cuda.hpp"
 #include "vitrify/log.hpp"
@@ -150,6 +151,18 @@ void bind_common(nb::module_& m) {
       [](nb::bytes data, uint32_t crc) { return crc32c(data.c_str(), data.size(), crc); },
       nb::arg("data"), nb::arg("crc") = 0,
       "CRC32C (Castagnoli) of `data`, continuing from `crc`.");
+
+  // The direct-I/O modes (VITRIFY_DIRECT_IO, every `direct_io` argument): the names of the one
+  // native enum, and its parser (any letter case -> the canonical name; else ValueError).
+  m.attr("DIRECT_IO_MODES") = nb::make_tuple(file_io::direct_io_name(file_io::DirectIo::kAuto),
+                                             file_io::direct_io_name(file_io::DirectIo::kOn),
+                                             file_io::direct_io_name(file_io::DirectIo::kOff));
+  m.def(
+      "parse_direct_io",
+      [](const std::string& text) {
+        return std::string(file_io::direct_io_name(file_io::parse_direct_io(text)));
+      },
+      nb::arg("text"));
 
   m.def(
       "probe_direct_io",

@@ -9,6 +9,7 @@
 #include "bind.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 
 namespace nb = nanobind;
 
@@ -155,7 +156,7 @@ void bind_disk(nb::module_& m) {
               c.kinds.push_back(disk::KindConfig{page_bytes[i], shares[i]});
             c.name = std::move(name);
             c.cold_start = disk::parse_cold_start(cold_start);
-            c.direct_io = disk::parse_direct_io(direct_io);
+            c.direct_io = file_io::parse_direct_io(direct_io);
             c.write_threads = write_threads;
             c.read_threads = read_threads;
             c.queue_capacity = queue_capacity;

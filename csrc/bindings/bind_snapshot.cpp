@@ -11,6 +11,7 @@
 #include <string>
 
 #include "bind.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/snapshot.hpp"
 
 namespace nb = nanobind;
@@ -74,7 +75,7 @@ FileOptions options(uint64_t chunk_bytes, uint64_t granularity, const std::strin
   FileOptions o;
   o.chunk_bytes = chunk_bytes;
   o.granularity = granularity;
-  o.direct_io = parse_direct_io(direct_io);
+  o.direct_io = file_io::parse_direct_io(direct_io);
   o.progress = to_progress(std::move(progress));
   return o;
 }
@@ -220,7 +221,7 @@ void bind_snapshot(nb::module_& m) {
   m.def("span_verify_file",
         [](const std::string& path, const std::string& direct_io) {
           FileOptions o;
-          o.direct_io = parse_direct_io(direct_io);
+          o.direct_io = file_io::parse_direct_io(direct_io);
           nb::gil_scoped_release nogil;
           verify_span_file(path, o);
         },

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from . import _native
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -62,10 +64,10 @@ def _text(name: str, text: str) -> str | None:
 
 
 def _direct_io(name: str, text: str) -> str:
-    v = text.strip().lower()
-    if v not in ("auto", "on", "off"):
-        raise _bad(name, text, "expected auto, on or off")
-    return v
+    try:  # the one direct-I/O mode enum's parser: any case -> "auto" / "on" / "off"
+        return _native.parse_direct_io(text.strip())
+    except ValueError:
+        raise _bad(name, text, "expected auto, on or off") from None
 
 
 def _positive_gib(name: str, text: str) -> float:

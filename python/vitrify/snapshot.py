@@ -159,7 +159,7 @@ def _snapshot(snapshot: Snapshot) -> Snapshot:
 
 def _direct_io(direct_io: str | None) -> str:
     v = config.settings().direct_io if direct_io is None else direct_io
-    return _check.choice("direct_io", v, ("auto", "on", "off"))
+    return _check.choice("direct_io", v, _native.DIRECT_IO_MODES)
 
 
 def _parent_dir(name: str, path: str) -> None:

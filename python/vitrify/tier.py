@@ -255,7 +255,7 @@ class DiskStore:
         cold_start = _check.choice("cold_start", cold_start, ("clear", "load"))
         if direct_io is None:
             direct_io = config.settings().direct_io
-        direct_io = _check.choice("direct_io", direct_io, ("auto", "on", "off"))
+        direct_io = _check.choice("direct_io", direct_io, _native.DIRECT_IO_MODES)
         name = _check.string("name", name)
         if "/" in name:
             raise ValueError(f"name must be a non-empty str without '/', got {name!r}")

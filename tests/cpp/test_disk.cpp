@@ -20,11 +20,13 @@
 
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
 #include "vitrify/log.hpp"
 
 namespace fs = std::filesystem;
 using namespace vitrify::disk;
+using vitrify::file_io::DirectIo;
 
 namespace {
 
@@ -126,11 +128,7 @@ int read_check(Store& s, uint64_t i, size_t max_len) {
 }  // namespace
 
 // ------------------------------------------------------------------------------- parsing
-TEST(DiskParse, ModesAndErrors) {
-  EXPECT_EQ(parse_direct_io("AUTO"), DirectIo::kAuto);
-  EXPECT_EQ(parse_direct_io("on"), DirectIo::kOn);
-  EXPECT_EQ(parse_direct_io("off"), DirectIo::kOff);
-  EXPECT_THROW(parse_direct_io("maybe"), std::invalid_argument);
+TEST(DiskParse, ModesAndErrors) {  // direct_io: test_file_io.cpp
   EXPECT_EQ(parse_cold_start("clear"), ColdStart::kClear);
   EXPECT_EQ(parse_cold_start("load"), ColdStart::kLoad);
   try {

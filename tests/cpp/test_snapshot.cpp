@@ -10,10 +10,12 @@
 #include <vector>
 
 #include "vitrify/crc32c.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
 #include "vitrify/snapshot.hpp"
 
 using namespace vitrify::snapshot;
+using vitrify::file_io::DirectIo;
 namespace fsys = std::filesystem;
 
 namespace {
@@ -312,6 +314,4 @@ TEST(SpanFile, OptionsAreValidated) {
   FileOptions opt;
   opt.chunk_bytes = 5000;
   EXPECT_THROW(dump_to_file(be, be.base(), 0, kG, "/tmp/never.span", opt), std::invalid_argument);
-  EXPECT_THROW(parse_direct_io("maybe"), std::invalid_argument);
-  EXPECT_EQ(parse_direct_io("off"), DirectIo::kOff);
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "vitrify/aligned.hpp"
+#include "vitrify/file_io.hpp"
 
 namespace vitrify::disk {
 
@@ -72,11 +73,8 @@ struct FileHeader {
 };
 static_assert(sizeof(FileHeader) == 56, "file header layout");
 
-enum class DirectIo { kAuto, kOn, kOff };
 enum class ColdStart { kClear, kLoad };
 
-// "auto" | "on" | "off" (case-insensitive); anything else is std::invalid_argument naming it.
-DirectIo parse_direct_io(const std::string& text);
 // "clear" | "load"; anything else is std::invalid_argument naming it.
 ColdStart parse_cold_start(const std::string& text);
 
@@ -110,9 +108,10 @@ class SlabFile {
   // Opens or creates `path`, preallocates it (posix_fallocate) and, with kClear — or with kLoad
   // when the existing file header does not verify or describes another geometry/store — formats
   // it (new file header with a new slab id, so every old slot becomes inert). `formatted()` says
-  // which happened. Throws std::system_error (OSError) on I/O errors, and for DirectIo::kOn
-  // where the directory refuses O_DIRECT.
-  SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode, DirectIo dio);
+  // which happened. Opened by file_io::open_file (`dio`: O_DIRECT or buffered). Throws
+  // std::system_error (OSError) on I/O errors, and for DirectIo::kOn where O_DIRECT is refused.
+  SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
+           file_io::DirectIo dio);
   ~SlabFile();
   SlabFile(const SlabFile&) = delete;
   SlabFile& operator=(const SlabFile&) = delete;
@@ -176,7 +175,7 @@ class SlabFile {
 
   std::string path_;
   SlabGeometry geo_;
-  int fd_ = -1;
+  file_io::Fd fd_;
   bool direct_ = false;
   bool formatted_ = false;
   uint32_t slab_id_ = 0;
@@ -198,7 +197,7 @@ struct StoreConfig {
   std::vector<KindConfig> kinds;   // kind i is payload kind i
   std::string name = "vitrify";       // files are <dir>/<name>.kind<i>.slab
   ColdStart cold_start = ColdStart::kClear;
-  DirectIo direct_io = DirectIo::kAuto;
+  file_io::DirectIo direct_io = file_io::DirectIo::kAuto;
   unsigned write_threads = 2;      // per drive
   unsigned read_threads = 2;       // per drive
   unsigned queue_capacity = 64;    // jobs per drive queue; submitters wait when full

@@ -66,9 +66,12 @@ std::string call_name(const char* expr);
 // throw_cuda_expr reduces a stringified expression to its call_name first.
 [[noreturn]] void throw_cuda(int result, const char* call, const char* file, int line);
 [[noreturn]] void throw_cuda_expr(int result, const char* expr, const char* file, int line);
-// std::system_error "call(\"path\"): <strerror>" (just "call: <strerror>" without a path).
-[[noreturn]] void throw_errno(int err, const std::string& call, const std::string& path);
-[[noreturn]] void throw_syscall(int err, const char* expr, const std::string& path);
+// std::system_error "call(\"path\"): <strerror>" (just "call: <strerror>" without a path); a
+// non-empty `detail` follows the path: "pread(\"/x.slab\", 4096 bytes at 8192): <strerror>".
+[[noreturn]] void throw_errno(int err, const std::string& call, const std::string& path,
+                              const std::string& detail = {});
+[[noreturn]] void throw_syscall(int err, const char* expr, const std::string& path,
+                                const std::string& detail = {});
 [[noreturn]] void throw_invalid(const std::string& msg);
 std::string where(const char* file, int line);
 }  // namespace detail
@@ -88,6 +91,18 @@ std::string where(const char* file, int line);
 #define VITRIFY_SYSCALL(expr, path)                                                       \
   do {                                                                                    \
     if ((expr) == -1) ::vitrify::detail::throw_syscall(errno, #expr, (path));              \
+  } while (0)
+
+// VITRIFY_SYSCALL for a call that EINTR may interrupt (pread, pwrite, open): repeats `expr` while
+// it fails with EINTR and stores its last result in `out`; any other failure throws as
+// VITRIFY_SYSCALL does, with `what` (evaluated only then) after the path:
+// VITRIFY_SYSCALL_RETRY(r, ::pread(fd, p, n, off), path, std::to_string(n) + " bytes at " + ...)
+// -> OSError "pread("/x/y.slab", 4096 bytes at 8192): Input/output error".
+#define VITRIFY_SYSCALL_RETRY(out, expr, path, what)                                      \
+  do {                                                                                    \
+    do (out) = (expr);                                                                    \
+    while ((out) == -1 && errno == EINTR);                                                \
+    if ((out) == -1) ::vitrify::detail::throw_syscall(errno, #expr, (path), (what));       \
   } while (0)
 
 // Check a call returning an errno value directly (posix_fallocate, pthread_*), naming the path

@@ -22,6 +22,7 @@
 
 #include "vitrify/aligned.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 
 namespace vitrify::snapshot {
 
@@ -167,9 +168,6 @@ RestoreStats restore(CopyBackend& be, const Snapshot& snap, uint64_t base, uint6
 
 // ---- span files (the bulk path) ------------------------------------------------------------------
 
-enum class DirectIo { kAuto, kOn, kOff };
-DirectIo parse_direct_io(const std::string& s);  // "auto" | "on" | "off"; else ValueError
-
 // A span file is corrupt, truncated, or not a span file. Names the file and the part (header,
 // table, chunk index) that failed.
 class SpanFileError : public Error {
@@ -183,7 +181,7 @@ using Progress = std::function<void(uint64_t done, uint64_t total)>;
 struct FileOptions {
   uint64_t chunk_bytes = 64ull << 20;   // staging buffer size; multiple of 4096
   uint64_t granularity = 2ull << 20;    // trial-copy piece size on a span with holes
-  DirectIo direct_io = DirectIo::kAuto;
+  file_io::DirectIo direct_io = file_io::DirectIo::kAuto;
   Progress progress;                    // optional
 };
 

@@ -61,13 +61,15 @@ void throw_cuda(int result, const char* call, const char* file, int line) {
   throw CudaError(result, name, call, where(file, line), text);
 }
 
-void throw_errno(int err, const std::string& call, const std::string& path) {
-  throw std::system_error(err, std::generic_category(),
-                          path.empty() ? call : call + "(\"" + path + "\")");
+void throw_errno(int err, const std::string& call, const std::string& path,
+                 const std::string& detail) {
+  std::string args = path.empty() ? std::string() : "\"" + path + "\"";
+  if (!detail.empty()) args += (args.empty() ? "" : ", ") + detail;
+  throw std::system_error(err, std::generic_category(), args.empty() ? call : call + "(" + args + ")");
 }
 
-void throw_syscall(int err, const char* expr, const std::string& path) {
-  throw_errno(err, call_name(expr), path);
+void throw_syscall(int err, const char* expr, const std::string& path, const std::string& detail) {
+  throw_errno(err, call_name(expr), path, detail);
 }
 
 void throw_invalid(const std::string& msg) { throw std::invalid_argument(msg); }

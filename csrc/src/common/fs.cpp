@@ -11,6 +11,7 @@
 
 #include "vitrify/aligned.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 
 namespace vitrify::fs {
 
@@ -40,49 +41,46 @@ std::string fs_type_name(uint64_t magic) {
 DirectIoProbe probe_direct_io(const std::string& directory) {
   DirectIoProbe out;
   struct stat st{};
-  if (::stat(directory.c_str(), &st) != 0)
-    throw std::system_error(errno, std::generic_category(), "stat(\"" + directory + "\")");
-  if (!S_ISDIR(st.st_mode))
-    throw std::system_error(ENOTDIR, std::generic_category(), "\"" + directory + "\"");
+  VITRIFY_SYSCALL(::stat(directory.c_str(), &st), directory);
+  if (!S_ISDIR(st.st_mode)) vitrify::detail::throw_errno(ENOTDIR, "stat", directory);
   struct statfs sfs{};
-  if (::statfs(directory.c_str(), &sfs) != 0)
-    throw std::system_error(errno, std::generic_category(), "statfs(\"" + directory + "\")");
+  VITRIFY_SYSCALL(::statfs(directory.c_str(), &sfs), directory);
   out.fs_magic = static_cast<uint64_t>(sfs.f_type);
   out.fs_type = fs_type_name(out.fs_magic);
   out.block_size = static_cast<uint64_t>(sfs.f_bsize);
 
+  // From here on a failure is the answer (`reason`), not an error; the file is always removed.
   std::string tmpl = directory + "/.vitrify-odirect-probe-XXXXXX";
-  const int fd0 = ::mkstemp(tmpl.data());
-  if (fd0 < 0) {
+  file_io::Fd created(::mkstemp(tmpl.data()));
+  if (!created) {
     out.reason = std::string("cannot create a file there: ") + std::strerror(errno);
     return out;
   }
-  ::close(fd0);
-  const int fd = ::open(tmpl.c_str(), O_RDWR | O_DIRECT);
-  if (fd < 0) {
+  created.reset();
+  file_io::Fd fd(::open(tmpl.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  if (!fd) {
     out.reason = std::string("open(O_DIRECT) refused: ") + std::strerror(errno);
-    ::unlink(tmpl.c_str());
-    return out;
-  }
-  AlignedBuffer buf(8192, 4096);
-  for (size_t i = 0; i < 4096; ++i) buf.data()[i] = static_cast<uint8_t>(i * 31 + 7);
-  const ssize_t w = ::pwrite(fd, buf.data(), 4096, 0);
-  if (w != 4096) {
-    out.reason = std::string("aligned O_DIRECT write failed: ") +
-                 (w < 0 ? std::strerror(errno) : "short write");
   } else {
-    uint8_t* back = buf.data() + 4096;
-    const ssize_t r = ::pread(fd, back, 4096, 0);
-    if (r != 4096)
-      out.reason = std::string("aligned O_DIRECT read failed: ") +
-                   (r < 0 ? std::strerror(errno) : "short read");
-    else if (std::memcmp(buf.data(), back, 4096) != 0)
-      out.reason = "O_DIRECT read-back differs from what was written";
-    else
-      out.supported = true;
+    AlignedBuffer buf(8192, 4096);
+    for (size_t i = 0; i < 4096; ++i) buf.data()[i] = static_cast<uint8_t>(i * 31 + 7);
+    const ssize_t w = ::pwrite(fd.get(), buf.data(), 4096, 0);
+    if (w != 4096) {
+      out.reason = std::string("aligned O_DIRECT write failed: ") +
+                   (w < 0 ? std::strerror(errno) : "short write");
+    } else {
+      uint8_t* back = buf.data() + 4096;
+      const ssize_t r = ::pread(fd.get(), back, 4096, 0);
+      if (r != 4096)
+        out.reason = std::string("aligned O_DIRECT read failed: ") +
+                     (r < 0 ? std::strerror(errno) : "short read");
+      else if (std::memcmp(buf.data(), back, 4096) != 0)
+        out.reason = "O_DIRECT read-back differs from what was written";
+      else
+        out.supported = true;
+    }
+    fd.reset();
   }
-  ::close(fd);
-  ::unlink(tmpl.c_str());
+  (void)::unlink(tmpl.c_str());  // best effort: a probe file left behind is harmless
   return out;
 }
 

@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <algorithm>
@@ -15,7 +14,7 @@
 #include "vitrify/crc32c.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
-#include "vitrify/fs.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/log.hpp"
 
 namespace vitrify::disk {
@@ -39,48 +38,6 @@ std::string lower(std::string s) {
   return s;
 }
 
-std::string dirname_of(const std::string& path) {
-  const auto p = path.find_last_of('/');
-  if (p == std::string::npos) return ".";
-  if (p == 0) return "/";
-  return path.substr(0, p);
-}
-
-// Full pread/pwrite: loops over EINTR and short transfers; returns bytes moved (< n only at EOF)
-// or -1 with errno set.
-ssize_t pread_full(int fd, void* buf, size_t n, uint64_t off) noexcept {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::pread(fd, static_cast<uint8_t*>(buf) + done, n - done,
-                              static_cast<off_t>(off + done));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -1;
-    }
-    if (r == 0) break;
-    done += static_cast<size_t>(r);
-  }
-  return static_cast<ssize_t>(done);
-}
-
-void pwrite_full(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::pwrite(fd, static_cast<const uint8_t*>(buf) + done, n - done,
-                               static_cast<off_t>(off + done));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw std::system_error(errno, std::generic_category(),
-                              "pwrite(\"" + path + "\", " + std::to_string(n) + " bytes at " +
-                                  std::to_string(off) + ")");
-    }
-    if (r == 0)
-      throw std::system_error(EIO, std::generic_category(),
-                              "pwrite(\"" + path + "\") wrote nothing at " + std::to_string(off));
-    done += static_cast<size_t>(r);
-  }
-}
-
 uint32_t new_slab_id() {
   std::random_device rd;
   uint32_t v = rd() ^ static_cast<uint32_t>(
@@ -89,15 +46,6 @@ uint32_t new_slab_id() {
 }
 
 }  // namespace
-
-DirectIo parse_direct_io(const std::string& text) {
-  const std::string t = lower(text);
-  if (t == "auto") return DirectIo::kAuto;
-  if (t == "on") return DirectIo::kOn;
-  if (t == "off") return DirectIo::kOff;
-  VITRIFY_EXPECT(false, "direct I/O mode must be auto, on or off, got \"" + text + "\"");
-  return DirectIo::kAuto;
-}
 
 ColdStart parse_cold_start(const std::string& text) {
   const std::string t = lower(text);
@@ -117,7 +65,7 @@ uint64_t store_tag(const std::string& name) noexcept {
 }
 
 SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
-                   DirectIo dio)
+                   file_io::DirectIo dio)
     : path_(path), geo_(geometry) {
   VITRIFY_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
                   geo_.slot_bytes <= (uint64_t{1} << 32),
@@ -125,82 +73,49 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
                   std::to_string(geo_.slot_bytes));
   VITRIFY_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
               "slot_count must be in [1, 2^32), got " + std::to_string(geo_.slot_count));
-  const std::string dir = dirname_of(path);
-  bool want_direct = dio != DirectIo::kOff;
-  if (want_direct) {
-    const fs::DirectIoProbe p = fs::probe_direct_io(dir);
-    if (!p.supported) {
-      if (dio == DirectIo::kOn)
-        throw std::system_error(EINVAL, std::generic_category(),
-                                "VITRIFY_DIRECT_IO=on but O_DIRECT is refused in \"" + dir + "\" (" +
-                                    p.fs_type + "): " + p.reason);
-      buffered_reason_ = "O_DIRECT refused in " + dir + " (" + p.fs_type + "): " + p.reason;
-      want_direct = false;
-    }
-  } else {
-    buffered_reason_ = "VITRIFY_DIRECT_IO=off";
-  }
-  int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-  fd_ = ::open(path.c_str(), flags | (want_direct ? O_DIRECT : 0), 0644);
-  if (fd_ < 0 && want_direct && errno == EINVAL) {
-    if (dio == DirectIo::kOn)
-      throw std::system_error(EINVAL, std::generic_category(),
-                              "VITRIFY_DIRECT_IO=on but open(\"" + path + "\", O_DIRECT) is refused");
-    buffered_reason_ = "open(O_DIRECT) refused for " + path;
-    want_direct = false;
-    fd_ = ::open(path.c_str(), flags, 0644);
-  }
-  if (fd_ < 0)
-    throw std::system_error(errno, std::generic_category(), "open(\"" + path + "\")");
-  direct_ = want_direct;
+  file_io::OpenedFile f = file_io::open_file(path, O_RDWR | O_CREAT, dio);
+  fd_ = std::move(f.fd);  // closed by its owner if the rest of the constructor throws
+  direct_ = f.direct;
+  buffered_reason_ = std::move(f.buffered_reason);
   if (!direct_) log::info("vitrify.disk: buffered I/O for " + path + ": " + buffered_reason_);
 
-  try {
-    const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
-    struct stat st{};
-    VITRIFY_SYSCALL(::fstat(fd_, &st), path);
-    const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
-    if (static_cast<uint64_t>(st.st_size) > size) VITRIFY_SYSCALL(::ftruncate(fd_, static_cast<off_t>(size)), path);
-    const int fa = ::posix_fallocate(fd_, 0, static_cast<off_t>(size));
-    if (fa != 0)
-      throw std::system_error(fa, std::generic_category(),
-                              "posix_fallocate(\"" + path + "\", " + std::to_string(size) + " bytes)");
+  const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
+  struct stat st{};
+  VITRIFY_SYSCALL(::fstat(fd_.get(), &st), path);
+  const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
+  if (static_cast<uint64_t>(st.st_size) > size)
+    VITRIFY_SYSCALL(::ftruncate(fd_.get(), static_cast<off_t>(size)), path);
+  const int fa = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size));
+  if (fa != 0)
+    vitrify::detail::throw_errno(fa, "posix_fallocate", path, std::to_string(size) + " bytes");
 
-    AlignedBuffer hb(kFileHeaderBytes);
-    const ssize_t r = pread_full(fd_, hb.data(), kFileHeaderBytes, 0);
-    if (r < 0) throw std::system_error(errno, std::generic_category(), "pread(\"" + path + "\")");
-    FileHeader fh{};
-    std::memcpy(&fh, hb.data(), sizeof fh);
-    const bool valid = r == static_cast<ssize_t>(kFileHeaderBytes) && fh.magic == kFileMagic &&
-                       fh.version == kFormatVersion &&
-                       fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc));
-    const bool matches = valid && fh.kind == geo_.kind && fh.slot_bytes == geo_.slot_bytes &&
-                         fh.slot_count == geo_.slot_count && fh.store_tag == geo_.store_tag &&
-                         fh.slab_id != 0;
-    if (mode == ColdStart::kLoad && matches) {
-      slab_id_ = fh.slab_id;
-    } else {
-      if (mode == ColdStart::kLoad && fresh)
-        log::info("vitrify.disk: " + path + " is new; formatted it empty");
-      else if (mode == ColdStart::kLoad)
-        log::warning("vitrify.disk: " + path + (valid ? " belongs to another store or geometry"
-                                                   : " has no valid slab header") +
-                     "; starting it empty");
-      // The next generation of a valid slab is id + 1, so its old slots never match again.
-      slab_id_ = valid ? fh.slab_id + 1 : new_slab_id();
-      if (slab_id_ == 0) slab_id_ = 1;
-      format();
-    }
-  } catch (...) {
-    ::close(fd_);
-    fd_ = -1;
-    throw;
+  AlignedBuffer hb(kFileHeaderBytes);
+  const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path);
+  FileHeader fh{};
+  std::memcpy(&fh, hb.data(), sizeof fh);
+  const bool valid = r == kFileHeaderBytes && fh.magic == kFileMagic &&
+                     fh.version == kFormatVersion &&
+                     fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc));
+  const bool matches = valid && fh.kind == geo_.kind && fh.slot_bytes == geo_.slot_bytes &&
+                       fh.slot_count == geo_.slot_count && fh.store_tag == geo_.store_tag &&
+                       fh.slab_id != 0;
+  if (mode == ColdStart::kLoad && matches) {
+    slab_id_ = fh.slab_id;
+  } else {
+    if (mode == ColdStart::kLoad && fresh)
+      log::info("vitrify.disk: " + path + " is new; formatted it empty");
+    else if (mode == ColdStart::kLoad)
+      log::warning("vitrify.disk: " + path + (valid ? " belongs to another store or geometry"
+                                                 : " has no valid slab header") +
+                   "; starting it empty");
+    // The next generation of a valid slab is id + 1, so its old slots never match again.
+    slab_id_ = valid ? fh.slab_id + 1 : new_slab_id();
+    if (slab_id_ == 0) slab_id_ = 1;
+    format();
   }
 }
 
-SlabFile::~SlabFile() {
-  if (fd_ >= 0) ::close(fd_);
-}
+SlabFile::~SlabFile() = default;
 
 void SlabFile::format() {
   AlignedBuffer hb(kFileHeaderBytes);
@@ -216,15 +131,12 @@ void SlabFile::format() {
       std::chrono::system_clock::now().time_since_epoch() / std::chrono::nanoseconds(1));
   fh.header_crc = crc32c(&fh, offsetof(FileHeader, header_crc));
   std::memcpy(hb.data(), &fh, sizeof fh);
-  pwrite_full(fd_, hb.data(), kFileHeaderBytes, 0, path_);
+  file_io::pwrite_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path_);
   sync();
   formatted_ = true;
 }
 
-void SlabFile::sync() {
-  if (::fdatasync(fd_) != 0)
-    throw std::system_error(errno, std::generic_category(), "fdatasync(\"" + path_ + "\")");
-}
+void SlabFile::sync() { VITRIFY_SYSCALL(::fdatasync(fd_.get()), path_); }
 
 void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
                              uint32_t seq) {
@@ -250,13 +162,13 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   std::memcpy(buf, &h, sizeof h);
   const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
   std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
-  pwrite_full(fd_, buf, n, slot_offset(slot), path_);
+  file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
 }
 
 void SlabFile::invalidate(uint64_t slot) {
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
   AlignedBuffer zero(kBlock);
-  pwrite_full(fd_, zero.data(), kBlock, slot_offset(slot), path_);
+  file_io::pwrite_full(fd_.get(), zero.data(), kBlock, slot_offset(slot), path_);
 }
 
 bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept {
@@ -276,7 +188,11 @@ ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
     n = round_up(kSlotHeaderBytes + expected_len, kBlock);
   }
   if (buf_bytes < n) return -1;
-  return pread_full(fd_, buf, n, slot_offset(slot));
+  try {
+    return static_cast<ssize_t>(file_io::pread_full(fd_.get(), buf, n, slot_offset(slot), path_));
+  } catch (...) {  // an I/O error reads as a miss
+    return -1;
+  }
 }
 
 std::optional<size_t> SlabFile::verify_read(uint64_t slot, const Key& key, const uint8_t* buf,
@@ -307,14 +223,10 @@ std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) con
   for (uint64_t s0 = first; s0 < last; s0 += per_read) {
     const uint64_t n = std::min(per_read, last - s0);
     const size_t bytes = n == 1 ? kBlock : static_cast<size_t>(n * geo_.slot_bytes);
-    const ssize_t r = pread_full(fd_, b.data(), bytes, slot_offset(s0));
-    if (r < 0)
-      throw std::system_error(errno, std::generic_category(),
-                              "pread(\"" + path_ + "\", " + std::to_string(bytes) + " bytes at " +
-                                  std::to_string(slot_offset(s0)) + ")");
+    const size_t r = file_io::pread_full(fd_.get(), b.data(), bytes, slot_offset(s0), path_);
     for (uint64_t i = 0; i < n; ++i) {
       const uint64_t at = i * geo_.slot_bytes;
-      if (static_cast<uint64_t>(r) < at + kSlotHeaderBytes) break;  // truncated file
+      if (r < at + kSlotHeaderBytes) break;  // truncated file
       SlotHeader h;
       std::memcpy(&h, b.data() + at, sizeof h);
       if (!verify_header(h, s0 + i)) continue;

@@ -12,7 +12,7 @@
 
 #include "snapshot/handoff.hpp"
 #include "vitrify/crc32c.hpp"
-#include "vitrify/fs.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/log.hpp"
 #include "vitrify/snapshot.hpp"
 
@@ -48,82 +48,19 @@ uint64_t chunk_count(uint64_t data_bytes, uint64_t chunk_bytes) {
   throw SpanFileError("span file " + path + ": " + what);
 }
 
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-
- private:
-  int fd_ = -1;
-};
-
-std::string dir_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-// Opens `path` with O_DIRECT when the mode and the filesystem allow it.
-int open_file(const std::string& path, int flags, DirectIo mode, bool* direct) {
-  bool want = false;
-  if (mode == DirectIo::kOn) {
-    want = true;
-  } else if (mode == DirectIo::kAuto) {
-    const fs::DirectIoProbe p = fs::probe_direct_io(dir_of(path));
-    want = p.supported;
-    if (!p.supported && log::enabled(log::kDebug))
-      log::debug("snapshot: no O_DIRECT for " + path + ": " + p.reason);
-  }
-  if (want) {
-    const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      *direct = true;
-      return fd;
-    }
-    if (mode == DirectIo::kOn || errno != EINVAL)
-      vitrify::detail::throw_errno(errno, "open with O_DIRECT", path);
-  }
-  *direct = false;
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-  if (fd < 0) vitrify::detail::throw_errno(errno, "open", path);
-  return fd;
-}
-
-void pwrite_all(int fd, const uint8_t* p, size_t n, uint64_t off, const std::string& path) {
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      vitrify::detail::throw_errno(errno, "pwrite", path);
-    }
-    if (w == 0) vitrify::detail::throw_errno(EIO, "pwrite", path);
-    p += w;
-    n -= static_cast<size_t>(w);
-    off += static_cast<uint64_t>(w);
-  }
+// Opens a span file through the file-I/O layer; says at debug level why `auto` chose buffered I/O.
+file_io::OpenedFile open_span_file(const std::string& path, int flags, file_io::DirectIo mode) {
+  file_io::OpenedFile f = file_io::open_file(path, flags, mode);
+  if (!f.direct && mode == file_io::DirectIo::kAuto && log::enabled(log::kDebug))
+    log::debug("snapshot: no O_DIRECT for " + path + ": " + f.buffered_reason);
+  return f;
 }
 
 // Reads exactly n bytes; a short file is a SpanFileError naming `what`.
 void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& path,
                const std::string& what) {
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      vitrify::detail::throw_errno(errno, "pread", path);
-    }
-    if (r == 0) corrupt(path, "truncated: end of file inside " + what);
-    p += r;
-    n -= static_cast<size_t>(r);
-    off += static_cast<uint64_t>(r);
-  }
+  if (file_io::pread_full(fd, p, n, off, path) < n)
+    corrupt(path, "truncated: end of file inside " + what);
 }
 
 void check_options(const FileOptions& opt) {
@@ -222,14 +159,6 @@ class Joiner {
 
 }  // namespace
 
-DirectIo parse_direct_io(const std::string& s) {
-  if (s == "auto") return DirectIo::kAuto;
-  if (s == "on") return DirectIo::kOn;
-  if (s == "off") return DirectIo::kOff;
-  VITRIFY_EXPECT(false, "direct_io must be auto, on or off, got \"" + s + "\"");
-  return DirectIo::kAuto;
-}
-
 FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t end,
                        const std::string& path, const FileOptions& opt) {
   check_options(opt);
@@ -238,7 +167,9 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   VITRIFY_EXPECT(base + end >= base, "span end overflows the address space");
   const auto t0 = std::chrono::steady_clock::now();
   FileStats st;
-  Fd fd(open_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io, &st.direct_io));
+  const file_io::OpenedFile file = open_span_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io);
+  st.direct_io = file.direct;
+  const int fd = file.fd.get();
   const uint64_t cb = opt.chunk_bytes;
   // A span smaller than a chunk needs (and pins) only its own size.
   Staging stage(be, std::max(kBlock, round_up(std::min(cb, end - start), kBlock)));
@@ -257,7 +188,7 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
         crcs.push_back(crc32c(p, n));
         const uint64_t padded = round_up(n, kBlock);
         std::memset(p + n, 0, padded - n);
-        pwrite_all(fd.get(), p, padded, kBlock + k * cb, path);
+        file_io::pwrite_full(fd, p, padded, kBlock + k * cb, path);
         h.release(s);
       }
     } catch (...) {
@@ -325,33 +256,34 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
     std::memcpy(tb.data(), st.intervals.data(), st.intervals.size() * 16);
     std::memcpy(tb.data() + st.intervals.size() * 16, crcs.data(), crcs.size() * 4);
     hd.table_crc = crc32c(tb.data(), hd.table_bytes);
-    pwrite_all(fd.get(), tb.data(), tb.size(), hd.table_offset, path);
+    file_io::pwrite_full(fd, tb.data(), tb.size(), hd.table_offset, path);
   } else {
     hd.table_crc = crc32c(nullptr, 0);
   }
   // Invariant 7: data and tables are durable before the header that makes the file valid.
-  VITRIFY_SYSCALL(::fdatasync(fd.get()), path);
+  VITRIFY_SYSCALL(::fdatasync(fd), path);
   hd.header_crc = crc32c(&hd, offsetof(RawHeader, header_crc));
   AlignedBuffer hb(kBlock, kBlock);
   std::memcpy(hb.data(), &hd, sizeof hd);
-  pwrite_all(fd.get(), hb.data(), kBlock, 0, path);
-  VITRIFY_SYSCALL(::fdatasync(fd.get()), path);
+  file_io::pwrite_full(fd, hb.data(), kBlock, 0, path);
+  VITRIFY_SYSCALL(::fdatasync(fd), path);
   st.seconds = seconds_since(t0);
   return st;
 }
 
 SpanFileInfo read_span_file_info(const std::string& path) {
-  bool direct = false;
-  Fd fd(open_file(path, O_RDONLY, DirectIo::kOff, &direct));
-  return read_info(fd.get(), path);
+  const file_io::OpenedFile file = file_io::open_file(path, O_RDONLY, file_io::DirectIo::kOff);
+  return read_info(file.fd.get(), path);
 }
 
 FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t base,
                             uint64_t ceiling, const FileOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   FileStats st;
-  Fd fd(open_file(path, O_RDONLY, opt.direct_io, &st.direct_io));
-  const SpanFileInfo info = read_info(fd.get(), path);
+  const file_io::OpenedFile file = open_span_file(path, O_RDONLY, opt.direct_io);
+  st.direct_io = file.direct;
+  const int fd = file.fd.get();
+  const SpanFileInfo info = read_info(fd, path);
   VITRIFY_EXPECT(base + info.end >= base, "restore base overflows the address space");
   const uint64_t cb = info.chunk_bytes;
   const uint64_t chunks = info.chunk_crcs.size();
@@ -366,7 +298,7 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
         const int s = h.acquire_free();
         if (s < 0) return;
         len[s] = std::min(cb, info.data_bytes - k * cb);
-        pread_all(fd.get(), stage.buf[s].data(), round_up(len[s], kBlock), kBlock + k * cb, path,
+        pread_all(fd, stage.buf[s].data(), round_up(len[s], kBlock), kBlock + k * cb, path,
                   "chunk " + std::to_string(k));
         h.publish(s);
       }
@@ -439,14 +371,14 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
 }
 
 void verify_span_file(const std::string& path, const FileOptions& opt) {
-  bool direct = false;
-  Fd fd(open_file(path, O_RDONLY, opt.direct_io, &direct));
-  const SpanFileInfo info = read_info(fd.get(), path);
+  const file_io::OpenedFile file = open_span_file(path, O_RDONLY, opt.direct_io);
+  const int fd = file.fd.get();
+  const SpanFileInfo info = read_info(fd, path);
   AlignedBuffer buf(std::max(kBlock, round_up(std::min(info.chunk_bytes, info.data_bytes), kBlock)),
                     kBlock);
   for (uint64_t k = 0; k < info.chunk_crcs.size(); ++k) {
     const uint64_t n = std::min(info.chunk_bytes, info.data_bytes - k * info.chunk_bytes);
-    pread_all(fd.get(), buf.data(), round_up(n, kBlock), kBlock + k * info.chunk_bytes, path,
+    pread_all(fd, buf.data(), round_up(n, kBlock), kBlock + k * info.chunk_bytes, path,
               "chunk " + std::to_string(k));
     if (crc32c(buf.data(), n) != info.chunk_crcs[k])
       corrupt(path, "chunk " + std::to_string(k) + " of " + std::to_string(info.chunk_crcs.size()) +
@@ -457,10 +389,9 @@ void verify_span_file(const std::string& path, const FileOptions& opt) {
 }
 
 uint32_t file_crc32c(const std::string& path) {
-  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (raw < 0) vitrify::detail::throw_errno(errno, "open", path);
-  Fd fd(raw);
-  (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  const file_io::OpenedFile file = file_io::open_file(path, O_RDONLY, file_io::DirectIo::kOff);
+  const int fd = file.fd.get();
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint; no answer changes anything
   constexpr size_t kBuf = 8 << 20;
   AlignedBuffer buf[2] = {AlignedBuffer(kBuf, kBlock), AlignedBuffer(kBuf, kBlock)};
   size_t got[2] = {0, 0};
@@ -472,17 +403,14 @@ uint32_t file_crc32c(const std::string& path) {
       for (;;) {
         const int s = h.acquire_free();
         if (s < 0) return;
-        ssize_t r;
-        do r = ::pread(fd.get(), buf[s].data(), kBuf, static_cast<off_t>(off));
-        while (r < 0 && errno == EINTR);
-        if (r < 0) vitrify::detail::throw_errno(errno, "pread", path);
+        const size_t r = file_io::pread_full(fd, buf[s].data(), kBuf, off, path);
         if (r == 0) {
           h.release(s);
           h.close();
           return;
         }
-        got[s] = static_cast<size_t>(r);
-        off += static_cast<uint64_t>(r);
+        got[s] = r;
+        off += r;
         h.publish(s);
       }
     } catch (...) {

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from .... import _native
+
 logger = logging.getLogger("vitrify.sglang.hicache")
 
 # Keys SGLang itself reads from the extra config (they reach the backend too).
@@ -89,7 +91,7 @@ class VitrifyStorageSettings:
             raise ValueError(f"vitrify HiCache backend: 'cold_start' must be 'load' or 'clear', "
                              f"got {cold!r}")
         dio = extra.get("direct_io")
-        if dio is not None and dio not in ("auto", "on", "off"):
+        if dio is not None and dio not in _native.DIRECT_IO_MODES:
             raise ValueError(f"vitrify HiCache backend: 'direct_io' must be 'auto', 'on' or 'off', "
                              f"got {dio!r}")
         ints = {}

@@ -1,0 +1,142 @@
+// The file-I/O layer (see vitrify/file_io.hpp).
+#include "vitrify/file_io.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "vitrify/error.hpp"
+
+namespace vitrify::file_io {
+namespace {
+
+constexpr const char* kModeNames[] = {"auto", "on", "off"};  // in DirectIo order
+
+std::string ascii_lower(std::string s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return s;
+}
+
+// "<n> bytes at <off>", the detail of a transfer error.
+std::string transfer_detail(size_t n, uint64_t off) {
+  return std::to_string(n) + " bytes at " + std::to_string(off);
+}
+
+int sys_open(const char* path, int flags, mode_t perm) { return ::open(path, flags, perm); }
+ssize_t sys_pread(int fd, void* buf, size_t n, off_t off) { return ::pread(fd, buf, n, off); }
+ssize_t sys_pwrite(int fd, const void* buf, size_t n, off_t off) {
+  return ::pwrite(fd, buf, n, off);
+}
+
+constexpr detail::Syscalls kSystemCalls{sys_open, sys_pread, sys_pwrite, fs::probe_direct_io};
+
+}  // namespace
+
+DirectIo parse_direct_io(const std::string& text) {
+  const std::string t = ascii_lower(text);
+  for (DirectIo mode : {DirectIo::kAuto, DirectIo::kOn, DirectIo::kOff})
+    if (t == direct_io_name(mode)) return mode;
+  VITRIFY_EXPECT(false, "direct_io must be auto, on or off, got \"" + text + "\"");
+  return DirectIo::kAuto;
+}
+
+const char* direct_io_name(DirectIo mode) noexcept {
+  return kModeNames[static_cast<int>(mode)];
+}
+
+void Fd::reset(int fd) noexcept {
+  if (fd_ >= 0 && fd_ != fd) (void)::close(fd_);  // released even when close reports an error
+  fd_ = fd;
+}
+
+std::string directory_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+OpenedFile open_file(const std::string& path, int flags, DirectIo mode, mode_t perm) {
+  return detail::open_file(kSystemCalls, path, flags, mode, perm);
+}
+
+size_t pread_full(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
+  return detail::pread_full(kSystemCalls, fd, buf, n, off, path);
+}
+
+void pwrite_full(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
+  detail::pwrite_full(kSystemCalls, fd, buf, n, off, path);
+}
+
+namespace detail {
+
+const Syscalls& system_calls() noexcept { return kSystemCalls; }
+
+OpenedFile open_file(const Syscalls& os, const std::string& path, int flags, DirectIo mode,
+                     mode_t perm) {
+  OpenedFile out;
+  flags |= O_CLOEXEC;
+  bool want_direct = mode == DirectIo::kOn;
+  if (mode == DirectIo::kOff) {
+    out.buffered_reason = "VITRIFY_DIRECT_IO=off";
+  } else if (mode == DirectIo::kAuto) {
+    const std::string dir = directory_of(path);
+    const fs::DirectIoProbe p = os.probe_direct_io(dir);
+    want_direct = p.supported;
+    if (!p.supported)
+      out.buffered_reason = "O_DIRECT refused in " + dir + " (" + p.fs_type + "): " + p.reason;
+  }
+  int fd = -1;
+  if (want_direct) {
+    do fd = os.open(path.c_str(), flags | O_DIRECT, perm);
+    while (fd == -1 && errno == EINTR);
+    if (fd >= 0) {
+      out.fd.reset(fd);
+      out.direct = true;
+      return out;
+    }
+    const int err = errno;
+    if (err == EINVAL && mode == DirectIo::kOn)
+      vitrify::detail::throw_errno(err, "open", path, "O_DIRECT with direct_io=on");
+    if (err != EINVAL) vitrify::detail::throw_errno(err, "open", path, "O_DIRECT");
+    out.buffered_reason = "open(O_DIRECT) refused for " + path;  // kAuto: fall back
+  }
+  VITRIFY_SYSCALL_RETRY(fd, os.open(path.c_str(), flags, perm), path, std::string());
+  out.fd.reset(fd);
+  return out;
+}
+
+size_t pread_full(const Syscalls& os, int fd, void* buf, size_t n, uint64_t off,
+                  const std::string& path) {
+  auto* p = static_cast<uint8_t*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = -1;
+    VITRIFY_SYSCALL_RETRY(r, os.pread(fd, p + done, n - done, static_cast<off_t>(off + done)),
+                          path, transfer_detail(n, off));
+    if (r == 0) break;  // end of file
+    done += static_cast<size_t>(r);
+  }
+  return done;
+}
+
+void pwrite_full(const Syscalls& os, int fd, const void* buf, size_t n, uint64_t off,
+                 const std::string& path) {
+  const auto* p = static_cast<const uint8_t*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = -1;
+    VITRIFY_SYSCALL_RETRY(w, os.pwrite(fd, p + done, n - done, static_cast<off_t>(off + done)),
+                          path, transfer_detail(n, off));
+    if (w == 0)
+      vitrify::detail::throw_errno(EIO, "pwrite", path,
+                                   transfer_detail(n, off) + ", nothing written at byte " +
+                                       std::to_string(off + done));
+    done += static_cast<size_t>(w);
+  }
+}
+
+}  // namespace detail
+}  // namespace vitrify::file_io
