@@ -272,16 +272,18 @@ TEST(FileIoTransfer, ErrorsNameTheCallThePathTheRangeAndErrno) {
   g_fail_errno = EIO;
   uint8_t buf[64];
   const auto os = fakes();
-  auto [msg, err] = system_error_of([&] { fio::detail::pread_full(os, 5, buf, 64, 8192, "/d/a.slab"); });
+  const std::string path = "/d/a.slab";
+  auto [msg, err] = system_error_of([&] { fio::detail::pread_full(os, 5, buf, 64, 8192, path); });
   EXPECT_EQ(err, EIO);
   EXPECT_EQ(msg, "pread(\"/d/a.slab\", 64 bytes at 8192): " + error_text(EIO));
-  std::tie(msg, err) = system_error_of([&] { fio::detail::pwrite_full(os, 5, buf, 64, 0, "/d/a.slab"); });
+  std::tie(msg, err) = system_error_of([&] { fio::detail::pwrite_full(os, 5, buf, 64, 0, path); });
   EXPECT_EQ(err, EIO);
   EXPECT_EQ(msg, "pwrite(\"/d/a.slab\", 64 bytes at 0): " + error_text(EIO));
   // A write that moves nothing is an error too, never an endless loop.
   reset_fakes();
   g_write_nothing = true;
-  std::tie(msg, err) = system_error_of([&] { fio::detail::pwrite_full(os, 5, buf, 64, 4096, "/d/a.slab"); });
+  std::tie(msg, err) =
+      system_error_of([&] { fio::detail::pwrite_full(os, 5, buf, 64, 4096, path); });
   EXPECT_EQ(err, EIO);
   EXPECT_EQ(msg, "pwrite(\"/d/a.slab\", 64 bytes at 4096, nothing written at byte 4096): " +
                      error_text(EIO));
@@ -320,7 +322,8 @@ TEST(FileIoOpen, BufferedWhenOffAndCloseOnExec) {
 
 TEST(FileIoOpen, MissingFileNamesOpenPathAndErrno) {
   for (DirectIo m : {DirectIo::kOff, DirectIo::kOn}) {
-    auto [msg, err] = system_error_of([&] { fio::open_file("/tmp/no-such-dir-vitrify/x", O_RDONLY, m); });
+    const auto [msg, err] =
+        system_error_of([&] { fio::open_file("/tmp/no-such-dir-vitrify/x", O_RDONLY, m); });
     EXPECT_EQ(err, ENOENT);
     EXPECT_EQ(msg, std::string("open(\"/tmp/no-such-dir-vitrify/x\"") +
                        (m == DirectIo::kOn ? ", O_DIRECT" : "") + "): " + error_text(ENOENT));
@@ -359,18 +362,32 @@ TEST(FileIoOpen, AutoFollowsTheProbeOnRealFilesystems) {
   }
 }
 
-TEST(FileIoOpen, AutoFallsBackWhereTheFilesystemRefusesODirect) {
-  TempDir d;
-  const std::string path = d.path + "/r.bin";
-  const auto os = fakes();
+// Open against the injected open and probe, in a fresh directory.
+class FileIoOpenFake : public ::testing::Test {
+ protected:
+  void SetUp() override { reset_open_fakes(); }
+  void TearDown() override { reset_open_fakes(); }
+  fio::OpenedFile open(int flags, DirectIo mode) {
+    return fio::detail::open_file(os_, path_, flags, mode, 0644);
+  }
+  // The message and errno of the std::system_error that open throws.
+  std::pair<std::string, int> open_error(int flags, DirectIo mode) {
+    return system_error_of([&] { open(flags, mode); });
+  }
+
+  TempDir dir_;
+  std::string path_ = dir_.path + "/f.bin";
+  fio::detail::Syscalls os_ = fakes();
+};
+
+TEST_F(FileIoOpenFake, AutoFallsBackWhereTheFilesystemRefusesODirect) {
   // The probe says no: buffered, saying why, and no O_DIRECT open is tried.
-  reset_open_fakes();
   g_probe_supported = false;
-  fio::OpenedFile f = fio::detail::open_file(os, path, O_RDWR | O_CREAT, DirectIo::kAuto, 0644);
+  fio::OpenedFile f = open(O_RDWR | O_CREAT, DirectIo::kAuto);
   ASSERT_TRUE(f.fd);
   EXPECT_FALSE(f.direct);
-  EXPECT_EQ(f.buffered_reason,
-            "O_DIRECT refused in " + d.path + " (testfs): open(O_DIRECT) refused: Invalid argument");
+  EXPECT_EQ(f.buffered_reason, "O_DIRECT refused in " + dir_.path +
+                                   " (testfs): open(O_DIRECT) refused: Invalid argument");
   EXPECT_EQ(g_probe_calls, 1);
   ASSERT_EQ(g_open_flags.size(), 1u);
   EXPECT_EQ(g_open_flags[0] & O_DIRECT, 0);
@@ -378,65 +395,48 @@ TEST(FileIoOpen, AutoFallsBackWhereTheFilesystemRefusesODirect) {
   // The probe says yes but open refuses O_DIRECT (EINVAL): buffered after all.
   reset_open_fakes();
   g_direct_open_errno = EINVAL;
-  fio::OpenedFile g = fio::detail::open_file(os, path, O_RDWR, DirectIo::kAuto, 0644);
+  fio::OpenedFile g = open(O_RDWR, DirectIo::kAuto);
   ASSERT_TRUE(g.fd);
   EXPECT_FALSE(g.direct);
-  EXPECT_EQ(g.buffered_reason, "open(O_DIRECT) refused for " + path);
+  EXPECT_EQ(g.buffered_reason, "open(O_DIRECT) refused for " + path_);
   ASSERT_EQ(g_open_flags.size(), 2u);
   EXPECT_NE(g_open_flags[0] & O_DIRECT, 0);
   EXPECT_EQ(g_open_flags[1] & O_DIRECT, 0);
   // Another O_DIRECT open failure is an error, not a fallback.
   reset_open_fakes();
   g_direct_open_errno = EACCES;
-  auto [msg, err] = system_error_of([&] {
-    fio::detail::open_file(os, path, O_RDWR, DirectIo::kAuto, 0644);
-  });
+  const auto [msg, err] = open_error(O_RDWR, DirectIo::kAuto);
   EXPECT_EQ(err, EACCES);
-  EXPECT_EQ(msg, "open(\"" + path + "\", O_DIRECT): " + error_text(EACCES));
-  reset_open_fakes();
+  EXPECT_EQ(msg, "open(\"" + path_ + "\", O_DIRECT): " + error_text(EACCES));
 }
 
-TEST(FileIoOpen, OnNeverFallsBack) {
-  TempDir d;
-  const std::string path = d.path + "/on.bin";
-  const auto os = fakes();
-  reset_open_fakes();
+TEST_F(FileIoOpenFake, OnNeverFallsBack) {
   g_direct_open_errno = EINVAL;
-  auto [msg, err] = system_error_of([&] {
-    fio::detail::open_file(os, path, O_RDWR | O_CREAT, DirectIo::kOn, 0644);
-  });
+  const auto [msg, err] = open_error(O_RDWR | O_CREAT, DirectIo::kOn);
   EXPECT_EQ(err, EINVAL);
-  EXPECT_EQ(msg, "open(\"" + path + "\", O_DIRECT with direct_io=on): " + error_text(EINVAL));
+  EXPECT_EQ(msg, "open(\"" + path_ + "\", O_DIRECT with direct_io=on): " + error_text(EINVAL));
   EXPECT_EQ(g_open_flags.size(), 1u);  // no buffered retry
   EXPECT_EQ(g_probe_calls, 0);         // on does not ask the probe; open decides
-  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path_));
   // Where open takes O_DIRECT, on opens with it.
   reset_open_fakes();
-  fio::OpenedFile f = fio::detail::open_file(os, path, O_RDWR | O_CREAT, DirectIo::kOn, 0644);
+  fio::OpenedFile f = open(O_RDWR | O_CREAT, DirectIo::kOn);
   EXPECT_TRUE(f.fd);
   EXPECT_TRUE(f.direct);
   EXPECT_TRUE(f.buffered_reason.empty());
   ASSERT_EQ(g_open_flags.size(), 1u);
   EXPECT_NE(g_open_flags[0] & O_DIRECT, 0);
-  reset_open_fakes();
 }
 
-TEST(FileIoOpen, RetriesAnInterruptedOpen) {
-  TempDir d;
-  const std::string path = d.path + "/i.bin";
-  reset_open_fakes();
+TEST_F(FileIoOpenFake, RetriesAnInterruptedOpen) {
   g_open_eintr = 2;
-  fio::OpenedFile f = fio::detail::open_file(fakes(), path, O_RDWR | O_CREAT, DirectIo::kOff, 0644);
-  EXPECT_TRUE(f.fd);
+  EXPECT_TRUE(open(O_RDWR | O_CREAT, DirectIo::kOff).fd);
   EXPECT_EQ(g_open_flags.size(), 3u);
   reset_open_fakes();
   g_open_eintr = 1;
-  g_probe_supported = true;
-  fio::OpenedFile g = fio::detail::open_file(fakes(), path, O_RDWR, DirectIo::kAuto, 0644);
-  EXPECT_TRUE(g.fd);
-  EXPECT_EQ(g_open_flags.size(), 2u);
+  EXPECT_TRUE(open(O_RDWR, DirectIo::kAuto).fd);
+  ASSERT_EQ(g_open_flags.size(), 2u);
   EXPECT_NE(g_open_flags[1] & O_DIRECT, 0);  // the retry asks for O_DIRECT again
-  reset_open_fakes();
 }
 
 TEST(FileIo, DirectoryOf) {

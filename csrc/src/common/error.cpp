@@ -65,7 +65,8 @@ void throw_errno(int err, const std::string& call, const std::string& path,
                  const std::string& detail) {
   std::string args = path.empty() ? std::string() : "\"" + path + "\"";
   if (!detail.empty()) args += (args.empty() ? "" : ", ") + detail;
-  throw std::system_error(err, std::generic_category(), args.empty() ? call : call + "(" + args + ")");
+  throw std::system_error(err, std::generic_category(),
+                          args.empty() ? call : call + "(" + args + ")");
 }
 
 void throw_syscall(int err, const char* expr, const std::string& path, const std::string& detail) {

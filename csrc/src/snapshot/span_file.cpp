@@ -167,7 +167,8 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   VITRIFY_EXPECT(base + end >= base, "span end overflows the address space");
   const auto t0 = std::chrono::steady_clock::now();
   FileStats st;
-  const file_io::OpenedFile file = open_span_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io);
+  const file_io::OpenedFile file =
+      open_span_file(path, O_WRONLY | O_CREAT | O_TRUNC, opt.direct_io);
   st.direct_io = file.direct;
   const int fd = file.fd.get();
   const uint64_t cb = opt.chunk_bytes;
