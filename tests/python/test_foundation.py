@@ -145,6 +145,16 @@ def test_config_validation():
     assert config.settings().direct_io != "off" or os.environ.get("VITRIFY_DIRECT_IO") == "off"
 
 
+def test_direct_io_modes_come_from_the_one_native_parser():
+    assert _native.DIRECT_IO_MODES == ("auto", "on", "off")
+    assert [_native.parse_direct_io(t) for t in ("AUTO", "On", "off")] == ["auto", "on", "off"]
+    with pytest.raises(ValueError, match='direct_io must be auto, on or off, got "sometimes"'):
+        _native.parse_direct_io("sometimes")
+    assert config.from_environ({"VITRIFY_DIRECT_IO": " On "}).direct_io == "on"
+    with pytest.raises(ValueError, match="VITRIFY_DIRECT_IO='of': expected auto, on or off"):
+        config.from_environ({"VITRIFY_DIRECT_IO": "of"})
+
+
 def test_bad_log_level_env_is_one_line_at_import_not_a_traceback():
     r = run_py("import vitrify; print('imported')", VITRIFY_LOG_LEVEL="loud")
     assert r.returncode == 0 and r.stdout.strip() == "imported"
