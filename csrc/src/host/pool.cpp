@@ -17,6 +17,7 @@
 #include "vitrify/aligned.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
+#include "vitrify/file_io.hpp"
 #include "vitrify/host.hpp"
 #include "vitrify/log.hpp"
 
@@ -205,20 +206,20 @@ std::atomic<uint64_t> g_file_counter{0};
 uint8_t* map_hugetlbfs(const std::string& mount, size_t bytes) {
   const std::string path = mount + "/vitrify-hostpool-" + std::to_string(::getpid()) + "-" +
                            std::to_string(g_file_counter.fetch_add(1));
-  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd == -1) detail::throw_errno(errno, "open", path);
+  // One owner for the descriptor (file_io::Fd): closed on every path once the mapping holds the file.
+  file_io::Fd fd(file_io::open_file(path, O_CREAT | O_EXCL | O_RDWR, file_io::DirectIo::kOff, 0600).fd);
   ::unlink(path.c_str());
   void* p = MAP_FAILED;
   int err = 0;
   const char* what = "ftruncate";
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0) {
     what = "mmap";
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED) err = errno;
   } else {
     err = errno;
   }
-  ::close(fd);
+  fd.reset();
   if (p == MAP_FAILED)
     detail::throw_errno(err, std::string(what) + " of " + n(bytes) + " bytes (too few free huge pages?)",
                         path);
