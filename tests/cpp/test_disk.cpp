@@ -422,7 +422,7 @@ TEST(Store, ClearStartsEmptyLoadRebuildsExactlyTheLiveSet) {
   {
     Store s(store_cfg({d1.path, d2.path}, page, 20, ColdStart::kLoad));
     const auto st = s.stats();
-    // close() zeroed the headers of freed slots: exactly the live set comes back (invariant 5).
+    // close() zeroed the headers of freed slots: exactly the live set comes back (D5).
     EXPECT_EQ(st.loaded_entries, live.size());
     EXPECT_EQ(st.kinds[0].entries, live.size());
     EXPECT_EQ(st.kinds[0].slots_used, live.size());
@@ -792,7 +792,7 @@ TEST(Store, ClearDropsEverythingKeepsFilesAndThreadsAndLoadSeesOnlyLaterPuts) {
     ASSERT_TRUE(s.remove(0, key_of(4)));
     const uint32_t id0 = s.slab(0, 0).slab_id(), id1 = s.slab(0, 1).slab_id();
     s.clear();
-    EXPECT_EQ(s.slab(0, 0).slab_id(), id0 + 1);  // exactly as cold start `clear` (invariant 7)
+    EXPECT_EQ(s.slab(0, 0).slab_id(), id0 + 1);  // exactly as cold start `clear` (D7)
     EXPECT_EQ(s.slab(0, 1).slab_id(), id1 + 1);
     auto st = s.stats();
     EXPECT_EQ(st.clears, 1u);

@@ -1,5 +1,5 @@
 // CPU tests of the graph description: SHA-256, the file format, relocation, topology templates,
-// kernel-name extraction and the module registry (csrc/src/graph/DESIGN.md, invariants I1-I6).
+// kernel-name extraction and the module registry (csrc/src/graph/DESIGN.md, invariants G1-G7).
 #include <gtest/gtest.h>
 
 #include <cstring>

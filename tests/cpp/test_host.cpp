@@ -30,12 +30,12 @@ void expect_plan_ok(const std::vector<SlabPlan>& p, size_t total, size_t page, s
   size_t pages = 0;
   for (size_t i = 0; i < p.size(); ++i) {
     EXPECT_EQ(p[i].index, i);
-    EXPECT_EQ(p[i].first_page, pages) << "slabs are consecutive";  // invariant 1
+    EXPECT_EQ(p[i].first_page, pages) << "slabs are consecutive";  // H1
     EXPECT_GT(p[i].pages, 0u);
     EXPECT_EQ(p[i].bytes, p[i].pages * page);
     EXPECT_EQ(p[i].map_bytes % align, 0u);
     EXPECT_GE(p[i].map_bytes, p[i].bytes);
-    EXPECT_LE(p[i].map_bytes, ceiling) << "slab " << i << " above the ceiling";  // invariant 2
+    EXPECT_LE(p[i].map_bytes, ceiling) << "slab " << i << " above the ceiling";  // H2
     if (i + 1 < p.size()) EXPECT_EQ(p[i].pages, p[0].pages) << "only the last slab is short";
     pages += p[i].pages;
   }
@@ -163,7 +163,7 @@ TEST(HostPool, MultiSlabAddressesAndSegments) {
   EXPECT_THROW(pool.slab_base(4), std::invalid_argument);
 }
 
-TEST(HostPool, SegmentsNeverStraddleRandomized) {  // invariant 3
+TEST(HostPool, SegmentsNeverStraddleRandomized) {  // H3
   std::mt19937_64 rng(7);
   for (int it = 0; it < 50; ++it) {
     HostPoolOptions o;
@@ -284,7 +284,7 @@ TEST(Hugetlbfs, FileBackedSlabsWithAFakeMount) {
 
 // ---- the registration guard ---------------------------------------------------------------------
 
-TEST(Registration, RefusesAboveTheCeilingBeforeTheDriver) {  // invariant 2
+TEST(Registration, RefusesAboveTheCeilingBeforeTheDriver) {  // H2
   std::vector<uint8_t> buf(8192);
   const std::string e = what_of([&] { HostRegistration r(buf.data(), 8192, 0, 4096); });
   EXPECT_NE(e.find("refusing to register"), std::string::npos) << e;

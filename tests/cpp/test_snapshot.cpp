@@ -1,4 +1,4 @@
-// CPU tests of span snapshots (DESIGN.md invariants in brackets), over HostBackend.
+// CPU tests of span snapshots (DESIGN.md invariants S<n>), over HostBackend.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -62,7 +62,7 @@ TEST(Intervals, SplitAlignedFollowsAbsoluteAddresses) {
   EXPECT_THROW(split_aligned(0, 0, 8, 0), std::invalid_argument);
 }
 
-TEST(Dump, FullyMappedSpanIsOneCopyOneInterval) {  // [2]
+TEST(Dump, FullyMappedSpanIsOneCopyOneInterval) {  // S2
   HostBackend be(8 * kG, {});
   fill_pattern(be, 1);
   const Snapshot s = dump(be, be.base(), kG / 2, 7 * kG, kG);
@@ -71,7 +71,7 @@ TEST(Dump, FullyMappedSpanIsOneCopyOneInterval) {  // [2]
   EXPECT_EQ(std::memcmp(s.data.data(), be.data() + kG / 2, s.bytes()), 0);
 }
 
-TEST(Dump, HolesInsideAndAtBothEdgesAreSkipped) {  // [3]
+TEST(Dump, HolesInsideAndAtBothEdgesAreSkipped) {  // S3
   // holes: the first granule, granules 3-4, the last granule
   HostBackend be(10 * kG, {{0, kG}, {3 * kG, 5 * kG}, {9 * kG, 10 * kG}});
   fill_pattern(be, 2);
@@ -93,7 +93,7 @@ TEST(Dump, EmptySpanAndBadArguments) {
   EXPECT_THROW(dump(be, be.base(), 0, 100, 3000), std::invalid_argument);
 }
 
-TEST(Restore, ClampedToCeilingNeverWritesAbove) {  // [4]
+TEST(Restore, ClampedToCeilingNeverWritesAbove) {  // S4
   HostBackend src(8 * kG, {{2 * kG, 3 * kG}});
   fill_pattern(src, 3);
   const Snapshot s = dump(src, src.base(), 0, 8 * kG, kG);
@@ -118,7 +118,7 @@ TEST(Restore, CeilingAboveTheUnmappedEndOfTheTargetIsAnError) {
   EXPECT_NO_THROW(restore(dst, s, dst.base(), 3 * kG));
 }
 
-TEST(SpanFile, RoundTripWithHolesAndSmallChunks) {  // [5][6]
+TEST(SpanFile, RoundTripWithHolesAndSmallChunks) {  // S5, S6
   TempDir t;
   HostBackend src(12 * kG, {{0, kG / 2}, {4 * kG, 6 * kG}, {11 * kG, 12 * kG}});
   fill_pattern(src, 4);
@@ -153,7 +153,7 @@ TEST(SpanFile, RoundTripWithHolesAndSmallChunks) {  // [5][6]
   EXPECT_EQ(dst.data()[5 * kG], 0);
 }
 
-TEST(SpanFile, StagingBufferIsNotRefilledBeforeItsCopyCompleted) {  // [9]
+TEST(SpanFile, StagingBufferIsNotRefilledBeforeItsCopyCompleted) {  // S9
   TempDir t;
   HostBackend src(16 * kG, {{5 * kG, 6 * kG}});
   fill_pattern(src, 8);
@@ -174,7 +174,7 @@ TEST(SpanFile, StagingBufferIsNotRefilledBeforeItsCopyCompleted) {  // [9]
   }
 }
 
-TEST(SpanFile, RestoreClampsToCeiling) {  // [4]
+TEST(SpanFile, RestoreClampsToCeiling) {  // S4
   TempDir t;
   HostBackend src(8 * kG, {});
   fill_pattern(src, 5);
@@ -190,7 +190,7 @@ TEST(SpanFile, RestoreClampsToCeiling) {  // [4]
   EXPECT_EQ(std::memcmp(dst.data(), src.data(), 5 * kG), 0);
 }
 
-TEST(SpanFile, CorruptChunkIsNamedAndNeverWritten) {  // [8]
+TEST(SpanFile, CorruptChunkIsNamedAndNeverWritten) {  // S8
   TempDir t;
   HostBackend src(8 * kG, {});
   fill_pattern(src, 6);

@@ -130,7 +130,7 @@ void Store::close() noexcept {
   for (auto& d : drives_)
     for (auto& t : d->threads)
       if (t.joinable()) t.join();
-  // Zero the headers of freed slots so `load` rebuilds exactly the live set (invariant 5).
+  // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5).
   std::lock_guard lk(mu_);
   for (auto& k : kinds_) {
     for (size_t d = 0; d < k.slabs.size(); ++d) {
@@ -146,7 +146,7 @@ void Store::close() noexcept {
   }
 }
 
-// Rebuild the index, slot pool and GC order from the slab headers (invariant 7).
+// Rebuild the index, slot pool and GC order from the slab headers (D7).
 void Store::load_index() {
   for (size_t ki = 0; ki < kinds_.size(); ++ki) {
     KindState& k = kinds_[ki];
@@ -220,7 +220,7 @@ void Store::free_slot_locked(KindState& k, uint32_t drive, uint64_t slot) {
   --k.slots_used;
 }
 
-// Reclaim coldest entries until `target_used` slots are allocated (invariants 4, 8).
+// Reclaim coldest entries until `target_used` slots are allocated (D4, D8).
 void Store::gc_locked(KindState& k, uint64_t target_used) {
   const auto cmp = std::greater<HeapItem>();
   while (k.slots_used > target_used && !k.heap.empty()) {
@@ -237,7 +237,7 @@ void Store::gc_locked(KindState& k, uint64_t target_used) {
       continue;
     }
     const Entry victim = e;
-    k.index.erase(it);  // index entry first, then the slot (invariant 4)
+    k.index.erase(it);  // index entry first, then the slot (D4)
     free_slot_locked(k, victim.drive, victim.slot);
     ++counters_.gc_reclaims;
   }
@@ -286,7 +286,7 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
         t->finish(i, static_cast<int64_t>(PutResult::kCancelled));
         continue;
       }
-      if (auto e = k.index.find(it.key); e != k.index.end()) {  // dedup (invariant 6)
+      if (auto e = k.index.find(it.key); e != k.index.end()) {  // dedup (D6)
         e->second.last_access = ++tick_;
         ++counters_.dedup_hits;
         t->finish(i, static_cast<int64_t>(PutResult::kDuplicate));
@@ -307,7 +307,7 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
         return best;
       };
       int d = pick();
-      if (d < 0) {  // full: GC first (invariant 9)
+      if (d < 0) {  // full: GC first (D9)
         ++counters_.gc_runs;
         gc_locked(k, static_cast<uint64_t>(std::floor(cfg_.gc_low * static_cast<double>(k.slots_total))));
         d = pick();
@@ -402,7 +402,7 @@ void Store::finish_write(WriteJob& job, PutResult r) {
   }
   if (r == PutResult::kStored && (p.cancelled)) r = PutResult::kCancelled;
   if (r == PutResult::kStored) {
-    // Durable before visible (invariant 3): the caller synced the slab already.
+    // Durable before visible (D3): the caller synced the slab already.
     const uint64_t t = ++tick_;
     k.index[job.key] = Entry{job.drive, job.slot, static_cast<uint32_t>(job.len), t, t};
     k.heap.push_back(HeapItem{t, job.key});
@@ -475,7 +475,7 @@ void Store::write_loop(unsigned drive) {
         log::error(std::string("vitrify.disk: slot write failed: ") + e.what());
       }
     }
-    // Slot write -> fdatasync -> index entry (invariant 3): one sync per slab per batch.
+    // Slot write -> fdatasync -> index entry (D3): one sync per slab per batch.
     for (SlabFile* s : touched) {
       try {
         s->sync();
@@ -493,7 +493,7 @@ void Store::write_loop(unsigned drive) {
         if (std::find(kinds_touched.begin(), kinds_touched.end(), batch[i].kind) == kinds_touched.end())
           kinds_touched.push_back(batch[i].kind);
       }
-      // GC between writes, on the write thread (invariant 8).
+      // GC between writes, on the write thread (D8).
       for (unsigned ki : kinds_touched) {
         KindState& k = kinds_[ki];
         if (static_cast<double>(k.slots_used) >= cfg_.gc_high * static_cast<double>(k.slots_total)) {
@@ -537,7 +537,7 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
         done[i] = true;
         continue;
       }
-      e->second.last_access = ++tick_;  // reads touch (invariant 8)
+      e->second.last_access = ++tick_;  // reads touch (D8)
       jobs.push_back(ReadJob{kind, items[i].key, e->second.drive, e->second.slot, e->second.len,
                              items[i], t, i, epoch_});
     }
@@ -726,7 +726,7 @@ bool Store::remove(unsigned kind, const Key& key) {
   std::lock_guard lk(mu_);
   if (auto e = k.index.find(key); e != k.index.end()) {
     const Entry v = e->second;
-    k.index.erase(e);  // index entry first, then the slot (invariant 4)
+    k.index.erase(e);  // index entry first, then the slot (D4)
     free_slot_locked(k, v.drive, v.slot);
     ++counters_.deletes;
     return true;
@@ -814,7 +814,7 @@ void Store::clear() {
     for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
   }
   for (ReadJob& j : reads) j.ticket->finish(j.index, -1);
-  // New slab ids, as cold start `clear` writes them (invariant 7). The gate is still closed,
+  // New slab ids, as cold start `clear` writes them (D7). The gate is still closed,
   // so no slot I/O runs; puts submitted meanwhile wait at the gate and get the new id.
   std::exception_ptr err;
   for (KindState& k : kinds_)

@@ -1,4 +1,4 @@
-// Interval arithmetic for span snapshots: pure functions, no state (DESIGN.md, invariant 1).
+// Interval arithmetic for span snapshots: pure functions, no state (DESIGN.md, S1).
 #include <algorithm>
 
 #include "vitrify/snapshot.hpp"

@@ -177,7 +177,7 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   uint64_t fill[2] = {0, 0};
   std::vector<uint32_t> crcs;
 
-  // Consumer: checksum and write each full slot at its place in the data area (invariant 6).
+  // Consumer: checksum and write each full slot at its place in the data area (S6).
   detail::Handoff h(2);
   std::thread writer([&] {
     try {
@@ -213,7 +213,7 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
       if (be.try_to_host(dst + fill[cur], base + off, take)) {
         add(off, off + take);
         fill[cur] += take;
-      } else {  // holes: granule trial copies, packing what copied (invariant 3)
+      } else {  // holes: granule trial copies, packing what copied (S3)
         for (const Interval& p : split_aligned(base, off, off + take, opt.granularity))
           if (be.try_to_host(dst + fill[cur], base + p.begin, p.size())) {
             add(p.begin, p.end);
@@ -325,7 +325,7 @@ FileStats restore_from_file(CopyBackend& be, const std::string& path, uint64_t b
       }
       const uint8_t* p = stage.buf[s].data();
       const uint32_t got = crc32c(p, len[s]);
-      if (got != info.chunk_crcs[k]) {  // invariant 8: a bad chunk is never written
+      if (got != info.chunk_crcs[k]) {  // S8: a bad chunk is never written
         char buf[64];
         std::snprintf(buf, sizeof buf, "stored %08x, computed %08x", info.chunk_crcs[k], got);
         corrupt(path, "chunk " + std::to_string(k) + " of " + std::to_string(chunks) +
