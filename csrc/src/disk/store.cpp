@@ -536,7 +536,7 @@ void Store::read_loop(unsigned drive) {
 
 // One reader and one verifier per drive: the payload CRC (and the copy out of the scratch
 // buffer) of read i runs on the verifier while the reader already transfers read i + 1, so at
-// queue depth 1 the drive does not idle during verification. Invariant 1 is unchanged: bytes
+// queue depth 1 the drive does not idle during verification. D1 is unchanged: bytes
 // are acknowledged only after verify_read. Two scratch buffers alternate: the reader fills one
 // while the verifier may still read the other, and hands over only when the verifier is idle.
 void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
@@ -690,7 +690,7 @@ void Store::clear() {
     read_queue_depth_ -= reads.size();
     ++epoch_;  // every job allocated so far is cancelled when it reaches a thread
     ++counters_.clears;
-    for (KindState& k : kinds_)  // every slot free, nothing stale: the new slab id (D7)
+    for (KindState& k : kinds_)  // every slot free, nothing stale: the new slab id (D12)
       for (auto& [tk, idx] : k.index->clear())
         tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
     for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
