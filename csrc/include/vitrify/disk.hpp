@@ -1,5 +1,6 @@
-// The O_DIRECT disk tier: slab files of fixed-size slots, and the Store (index, slot pool, GC,
-// background I/O threads) built on them. Format and invariants: csrc/src/disk/DESIGN.md.
+// The O_DIRECT disk tier: slab files of fixed-size slots (slab.cpp), the pure per-kind
+// SlotIndex (index, slot pool, GC order: index.cpp), and the Store (background I/O threads,
+// store.cpp) built on them. Format and invariants: csrc/src/disk/DESIGN.md.
 //
 //   slab file : 4 KiB file header, then slot i at 4096 + i * slot_bytes (slot_bytes % 4096 == 0)
 //   slot      : 64-byte SlotHeader, payload, zero pad to the next 4 KiB
@@ -21,6 +22,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "vitrify/aligned.hpp"
@@ -283,13 +285,149 @@ struct GetItem {
   bool miss_if_small = false;   // a too-small dst is a miss instead of std::invalid_argument
 };
 
+// ---------------------------------------------------------------------------------------------
+// SlotIndex: the pure bookkeeping of one payload kind (index.cpp)
+// ---------------------------------------------------------------------------------------------
+
+// Where an indexed payload lives.
+struct SlotLocation {
+  uint32_t drive = 0;
+  uint64_t slot = 0;
+  uint32_t len = 0;
+  bool operator==(const SlotLocation&) const = default;
+};
+
+// A slot found by the cold-start scan of drive `drive` (input of SlotIndex::load).
+struct FoundSlot {
+  uint32_t drive;
+  ScannedSlot s;
+};
+
+// A duplicate put waiting on the write in flight for its key: (ticket, result index).
+using Joiner = std::pair<Ticket, size_t>;
+
+// Per kind: the key -> slot index, the pending (in flight) puts, the free-slot stacks per drive,
+// the stale sets, and the GC order (a lazy-deletion min-heap on access ticks). No file I/O, no
+// threads, no driver: the Store decides with it and does the I/O (store.cpp). Like
+// region::Layout, a put is planned without mutating (plan_put) and then committed (touch, join,
+// allocate); the slot is published only by finish_put, after the caller made the write durable
+// (D3). Every reclaim erases the index entry first, then returns the slot (D4).
+// Not thread-safe: the Store calls it with its mutex held.
+class SlotIndex {
+ public:
+  // `slots_per_drive[d]`: slot count of this kind's slab on drive d (each >= 1). GC runs when
+  // slots_used() >= gc_high * slots_total() and reclaims down to floor(gc_low * slots_total()).
+  // Every slot starts free. Throws std::invalid_argument for no drives, an empty drive, or
+  // gc thresholds outside 0 < gc_low < gc_high <= 1.
+  SlotIndex(std::vector<uint64_t> slots_per_drive, double gc_high, double gc_low);
+
+  struct PutPlan {
+    enum Action : uint8_t {
+      kDuplicate,  // the key is indexed: touch() it, write nothing (D6)
+      kJoin,       // a write of the key is in flight: join() it (D2)
+      kAllocate,   // allocate(key, plan) a slot of `drive`
+      kFull,       // no free slot on any drive: collect() and plan again (D9)
+    } action;
+    uint32_t drive = 0;  // kAllocate: the drive with the most free slots (lowest on ties)
+  };
+  PutPlan plan_put(const Key& key) const noexcept;
+  // Takes the top free slot of plan.drive for `key` and records the put as pending (the slot
+  // is no longer stale: the write replaces its header). plan must be plan_put(key)'s kAllocate
+  // with nothing changed since (the key neither indexed nor pending, a free slot on plan.drive);
+  // otherwise std::invalid_argument.
+  uint64_t allocate(const Key& key, const PutPlan& plan);
+  // A duplicate put joins the pending write of `key` (and un-cancels a removed one).
+  // std::invalid_argument when nothing is pending for `key`.
+  void join(const Key& key, Joiner joiner);
+
+  struct PutOutcome {
+    bool published = false;       // the entry is indexed now
+    bool cancelled = false;       // written, but removed (or cleared) while in flight
+    std::vector<Joiner> joiners;  // duplicates that joined: acknowledge them
+  };
+  // Ends the pending put of `key` in (drive, slot): `durable` means the slot write and its
+  // sync succeeded. Publishes the entry (the newest in GC order) when durable and not
+  // cancelled; otherwise frees the slot (stale).
+  PutOutcome finish_put(const Key& key, uint32_t drive, uint64_t slot, uint32_t len, bool durable);
+
+  std::optional<SlotLocation> find(const Key& key) const;
+  // A read or a duplicate put: the entry becomes the newest in GC order (D8). False when the
+  // key is not indexed.
+  bool touch(const Key& key);
+  // Unpublishes the entry, then frees its slot (D4); or cancels a pending put of the key.
+  // True when the key was indexed or pending (and not already cancelled).
+  bool remove(const Key& key);
+  // A read of `at` failed verification: drops the entry if it still points there (D1, D4).
+  bool drop_if_at(const Key& key, const SlotLocation& at);
+
+  // GC (D8): due when slots_used() >= gc_high * slots_total(); collect() reclaims the coldest
+  // entries down to gc_target() slots (in-flight slots are never reclaimed). Return reclaims.
+  bool gc_due() const noexcept;
+  uint64_t gc_target() const noexcept;
+  size_t collect() { return collect_to(gc_target()); }
+  size_t collect_to(uint64_t target_used);
+
+  // Cold start `load` (D7): rebuilds the index, GC order and free stacks from the scanned
+  // slots (any order; each drive/slot at most once): oldest `seq` first, a later duplicate
+  // wins (ties on (drive, slot)), its older slot becomes free and stale. Returns the number
+  // of entries; `next_seq` becomes the max of itself and every seq + 1 (32-bit).
+  size_t load(std::vector<FoundSlot> found, uint32_t& next_seq);
+  // Live clear (D12): every slot free, nothing indexed, pending or stale. Returns the joiners
+  // of the pending puts (acknowledge them cancelled).
+  std::vector<Joiner> clear();
+
+  // Free slots of `drive` whose old header may still verify (close() zeroes them, D5).
+  const std::unordered_set<uint64_t>& stale(uint32_t drive) const { return stale_.at(drive); }
+  void clear_stale(uint32_t drive) { stale_.at(drive).clear(); }
+
+  uint64_t slots_total() const noexcept { return slots_total_; }
+  uint64_t slots_used() const noexcept { return slots_used_; }  // indexed + pending (D10)
+  uint64_t entries() const noexcept { return index_.size(); }
+  uint64_t pending() const noexcept { return pending_.size(); }
+  uint64_t free_slots(uint32_t drive) const { return free_.at(drive).size(); }
+  size_t drives() const noexcept { return free_.size(); }
+  // GC heap elements, stale ones included (kept <= 2 * entries + 1024 by publishing).
+  size_t heap_size() const noexcept { return heap_.size(); }
+
+ private:
+  struct Entry {
+    SlotLocation at;
+    uint64_t last_access;  // tick
+    uint64_t heap_tick;    // tick of this entry's GC-heap element
+  };
+  struct HeapItem {
+    uint64_t tick;
+    Key key;
+    bool operator>(const HeapItem& o) const noexcept { return tick > o.tick; }
+  };
+  struct Pending {
+    bool cancelled = false;
+    std::vector<Joiner> joiners;
+  };
+  void free_slot(uint32_t drive, uint64_t slot);
+  void reset_pool();
+  void rebuild_heap();
+
+  std::vector<uint64_t> slot_counts_;  // per drive
+  double gc_high_, gc_low_;
+  uint64_t slots_total_ = 0;
+  uint64_t slots_used_ = 0;
+  uint64_t tick_ = 0;
+  std::vector<std::vector<uint64_t>> free_;  // per drive, a stack: lowest slot on top at first
+  std::vector<std::unordered_set<uint64_t>> stale_;  // per drive
+  std::unordered_map<Key, Entry, KeyHash> index_;
+  std::unordered_map<Key, Pending, KeyHash> pending_;
+  std::vector<HeapItem> heap_;  // min-heap on tick (lazy deletion)
+};
+
 // Thread safety (store.cpp): every public method may be called from any thread, concurrently
 // with the others, except that construction and destruction must not race with any call.
-//  - mu_ guards the index, slot pools, GC heaps, pending puts and counters; each drive queue
-//    has its own mutex; the I/O threads work outside mu_ (slot I/O on SlabFile is safe on
-//    one fd). submit_put(), submit_put_copy(), submit_get(), lookup()/exists(), remove() and
-//    stats() only take mu_ (and a queue mutex) briefly; a submit blocks while the drive
-//    queue is full (queue_capacity), until an I/O thread takes a job.
+//  - mu_ guards each kind's SlotIndex (index, slot pools, GC heap, pending puts), the spare
+//    buffers and the counters; each drive queue has its own mutex; the I/O threads work
+//    outside mu_ (slot I/O on SlabFile is safe on one fd). submit_put(), submit_put_copy(),
+//    submit_get(), lookup()/exists(), remove() and stats() only take mu_ (and a queue mutex)
+//    briefly; a submit blocks while the drive queue is full (queue_capacity), until an I/O
+//    thread takes a job.
 //  - clear() and close() are serialised with each other (clear_mu_); clear() also waits at the
 //    gate until no slot I/O is in progress. Puts and gets racing a clear() are either
 //    cancelled/missed or served after it; close() is idempotent, and calls after it complete
@@ -348,33 +486,10 @@ class Store {
   const SlabFile& slab(unsigned kind, unsigned drive) const;
 
  private:
-  struct Entry {
-    uint32_t drive;
-    uint64_t slot;
-    uint32_t len;
-    uint64_t last_access;  // tick
-    uint64_t heap_tick;    // tick of this entry's GC-heap element
-  };
-  struct HeapItem {
-    uint64_t tick;
-    Key key;
-    bool operator>(const HeapItem& o) const noexcept { return tick > o.tick; }
-  };
-  struct Pending {
-    bool cancelled = false;
-    std::vector<std::pair<Ticket, size_t>> joiners;  // duplicate puts waiting on this one
-  };
   struct KindState {
     KindConfig cfg;
     uint64_t slot_bytes = 0;
-    uint64_t slots_total = 0;
-    uint64_t slots_used = 0;  // allocated: indexed + in flight
-    std::vector<std::vector<uint64_t>> free;  // per drive free slots
-    // Per drive: free slots whose old header may still verify on disk; close() zeroes them.
-    std::vector<std::unordered_set<uint64_t>> stale;
-    std::unordered_map<Key, Entry, KeyHash> index;
-    std::unordered_map<Key, Pending, KeyHash> pending;
-    std::vector<HeapItem> heap;  // min-heap on tick (lazy deletion)
+    std::optional<SlotIndex> index;  // index, pending puts, slot pool, GC order (under mu_)
     std::vector<std::unique_ptr<SlabFile>> slabs;  // per drive
     std::vector<SlotBufferPtr> spare;  // pooled slot buffers for copying puts
   };
@@ -426,8 +541,6 @@ class Store {
   bool current_epoch(const ReadJob& j) const;
   void complete_read(ReadJob& j, std::optional<size_t> r);
   void finish_write(WriteJob& job, PutResult r);
-  void gc_locked(KindState& k, uint64_t target_used);
-  void free_slot_locked(KindState& k, uint32_t drive, uint64_t slot);
   void load_index();
   // I/O threads hold the gate around each batch of slot I/O; clear() closes it and waits
   // until no I/O is in progress (new I/O waits while a clear is pending).
@@ -446,8 +559,7 @@ class Store {
   StoreConfig cfg_;
   std::vector<KindState> kinds_;
   std::vector<std::unique_ptr<Drive>> drives_;
-  mutable std::mutex mu_;  // index, free lists, heaps, pending, counters below
-  uint64_t tick_ = 0;
+  mutable std::mutex mu_;  // every kind's SlotIndex and spare buffers, the counters below
   uint32_t seq_ = 0;
   uint64_t epoch_ = 0;  // bumped by clear(); jobs of an older epoch own no slot any more
   bool closed_ = false;

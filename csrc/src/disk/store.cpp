@@ -1,5 +1,6 @@
-// Store: slab files per (kind, drive), a content-key index, a slot pool, GC and background I/O
-// threads. Invariants (numbered as in DESIGN.md) are cited where they are kept.
+// Store: slab files per (kind, drive), one SlotIndex per kind (index.cpp: the index, slot pool
+// and GC decisions) and the background I/O threads that write, sync, read and load the slabs.
+// Invariants (numbered as in DESIGN.md) are cited where they are kept.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -75,16 +76,14 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
                                 std::to_string(per_drive) + " bytes per drive, less than one " +
                                 std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
     VITRIFY_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
-    k.free.resize(nd);
-    k.stale.resize(nd);
     for (size_t d = 0; d < nd; ++d) {
       const std::string path =
           cfg_.dirs[d] + "/" + cfg_.name + ".kind" + std::to_string(i) + ".slab";
       k.slabs.push_back(std::make_unique<SlabFile>(
           path, SlabGeometry{static_cast<uint16_t>(i), k.slot_bytes, count, tag}, cfg_.cold_start,
           cfg_.direct_io));
-      k.slots_total += count;
     }
+    k.index.emplace(std::vector<uint64_t>(nd, count), cfg_.gc_high, cfg_.gc_low);
   }
   counters_.direct_io = true;
   for (auto& k : kinds_)
@@ -133,12 +132,12 @@ void Store::close() noexcept {
   // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5).
   std::lock_guard lk(mu_);
   for (auto& k : kinds_) {
-    for (size_t d = 0; d < k.slabs.size(); ++d) {
-      if (k.stale[d].empty()) continue;
+    for (uint32_t d = 0; d < k.slabs.size(); ++d) {
+      if (k.index->stale(d).empty()) continue;
       try {
-        for (uint64_t slot : k.stale[d]) k.slabs[d]->invalidate(slot);
+        for (uint64_t slot : k.index->stale(d)) k.slabs[d]->invalidate(slot);
         k.slabs[d]->sync();
-        k.stale[d].clear();
+        k.index->clear_stale(d);
       } catch (const std::exception& e) {
         log::error(std::string("vitrify.disk: invalidating freed slots on close: ") + e.what());
       }
@@ -146,49 +145,18 @@ void Store::close() noexcept {
   }
 }
 
-// Rebuild the index, slot pool and GC order from the slab headers (D7).
+// Scan the slab headers; the kind's SlotIndex rebuilds the index, slot pool and GC order (D7).
 void Store::load_index() {
-  for (size_t ki = 0; ki < kinds_.size(); ++ki) {
-    KindState& k = kinds_[ki];
-    struct Found {
-      uint32_t drive;
-      ScannedSlot s;
-    };
-    std::vector<Found> found;
-    std::vector<std::vector<bool>> used(k.slabs.size());
-    const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
+  const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
+  for (KindState& k : kinds_) {
+    std::vector<FoundSlot> found;
     for (size_t d = 0; d < k.slabs.size(); ++d) {
-      used[d].assign(k.slabs[d]->geometry().slot_count, false);
       if (cfg_.cold_start != ColdStart::kLoad || k.slabs[d]->formatted()) continue;
       // scan() returns the slots in slot order whatever the thread count.
       for (const ScannedSlot& s : k.slabs[d]->scan(threads))
         if (s.payload_len <= k.cfg.page_bytes) found.push_back({static_cast<uint32_t>(d), s});
     }
-    // Oldest writes first: they become the coldest GC entries; a later duplicate wins. Ties
-    // (only possible after seq wrapped) break on (drive, slot), so the result is deterministic.
-    std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
-      if (a.s.seq != b.s.seq) return a.s.seq < b.s.seq;
-      if (a.drive != b.drive) return a.drive < b.drive;
-      return a.s.slot < b.s.slot;
-    });
-    for (const Found& f : found) {
-      seq_ = std::max(seq_, f.s.seq + 1);
-      auto it = k.index.find(f.s.key);
-      if (it != k.index.end()) {  // an older copy of the same key: its slot is free again
-        used[it->second.drive][it->second.slot] = false;
-        k.stale[it->second.drive].insert(it->second.slot);
-      }
-      const uint64_t t = ++tick_;
-      k.index[f.s.key] = Entry{f.drive, f.s.slot, f.s.payload_len, t, t};
-      used[f.drive][f.s.slot] = true;
-    }
-    for (auto& [key, e] : k.index) k.heap.push_back(HeapItem{e.heap_tick, key});
-    std::make_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
-    k.slots_used = k.index.size();
-    counters_.loaded_entries += k.index.size();
-    for (size_t d = 0; d < k.slabs.size(); ++d)
-      for (uint64_t s = used[d].size(); s-- > 0;)
-        if (!used[d][s]) k.free[d].push_back(s);
+    counters_.loaded_entries += k.index->load(std::move(found), seq_);
   }
 }
 
@@ -212,35 +180,6 @@ const SlabFile& Store::slab(unsigned kind, unsigned drive) const {
   const KindState& k = kind_state(kind);
   VITRIFY_EXPECT(drive < k.slabs.size(), "drive " + std::to_string(drive) + " out of range");
   return *k.slabs[drive];
-}
-
-void Store::free_slot_locked(KindState& k, uint32_t drive, uint64_t slot) {
-  k.free[drive].push_back(slot);
-  k.stale[drive].insert(slot);
-  --k.slots_used;
-}
-
-// Reclaim coldest entries until `target_used` slots are allocated (D4, D8).
-void Store::gc_locked(KindState& k, uint64_t target_used) {
-  const auto cmp = std::greater<HeapItem>();
-  while (k.slots_used > target_used && !k.heap.empty()) {
-    std::pop_heap(k.heap.begin(), k.heap.end(), cmp);
-    const HeapItem item = k.heap.back();
-    k.heap.pop_back();
-    auto it = k.index.find(item.key);
-    if (it == k.index.end() || it->second.heap_tick != item.tick) continue;  // stale element
-    Entry& e = it->second;
-    if (e.last_access > item.tick) {  // touched since it was pushed: re-file it
-      e.heap_tick = e.last_access;
-      k.heap.push_back(HeapItem{e.heap_tick, item.key});
-      std::push_heap(k.heap.begin(), k.heap.end(), cmp);
-      continue;
-    }
-    const Entry victim = e;
-    k.index.erase(it);  // index entry first, then the slot (D4)
-    free_slot_locked(k, victim.drive, victim.slot);
-    ++counters_.gc_reclaims;
-  }
 }
 
 template <class Job>
@@ -286,43 +225,31 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
         t->finish(i, static_cast<int64_t>(PutResult::kCancelled));
         continue;
       }
-      if (auto e = k.index.find(it.key); e != k.index.end()) {  // dedup (D6)
-        e->second.last_access = ++tick_;
+      SlotIndex::PutPlan plan = k.index->plan_put(it.key);
+      if (plan.action == SlotIndex::PutPlan::kFull) {  // full: GC first (D9)
+        ++counters_.gc_runs;
+        counters_.gc_reclaims += k.index->collect();
+        plan = k.index->plan_put(it.key);
+      }
+      if (plan.action == SlotIndex::PutPlan::kDuplicate) {  // dedup (D6)
+        k.index->touch(it.key);
         ++counters_.dedup_hits;
         t->finish(i, static_cast<int64_t>(PutResult::kDuplicate));
         continue;
       }
-      if (auto p = k.pending.find(it.key); p != k.pending.end()) {
-        // Same key, same content: join the write in flight (un-cancelling a deleted one).
-        p->second.cancelled = false;
+      if (plan.action == SlotIndex::PutPlan::kJoin) {  // same key, same content (D2)
         ++counters_.dedup_hits;
-        p->second.joiners.emplace_back(t, i);
+        k.index->join(it.key, Joiner{t, i});
         continue;
       }
-      auto pick = [&]() -> int {
-        int best = -1;
-        for (size_t d = 0; d < k.free.size(); ++d)
-          if (!k.free[d].empty() && (best < 0 || k.free[d].size() > k.free[best].size()))
-            best = static_cast<int>(d);
-        return best;
-      };
-      int d = pick();
-      if (d < 0) {  // full: GC first (D9)
-        ++counters_.gc_runs;
-        gc_locked(k, static_cast<uint64_t>(std::floor(cfg_.gc_low * static_cast<double>(k.slots_total))));
-        d = pick();
-      }
-      if (d < 0) {
+      if (plan.action == SlotIndex::PutPlan::kFull) {
         ++counters_.put_failures;
         t->finish(i, static_cast<int64_t>(PutResult::kFull));
         continue;
       }
-      const uint64_t slot = k.free[d].back();
-      k.free[d].pop_back();
-      k.stale[d].erase(slot);  // the write replaces its header
-      ++k.slots_used;
-      k.pending[it.key] = Pending{};
-      jobs.push_back(WriteJob{kind, it.key, static_cast<uint32_t>(d), slot, std::move(it.buffer),
+      const uint64_t slot = k.index->allocate(it.key, plan);
+      const uint32_t d = plan.drive;
+      jobs.push_back(WriteJob{kind, it.key, d, slot, std::move(it.buffer),
                               it.payload_len, seq_++, t, i, epoch_});
       ++in_flight_writes_;  // from here until its acknowledgement (finish_write)
     }
@@ -354,9 +281,7 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
   {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
-      auto e = k.index.find(keys[i]);
-      if (e != k.index.end()) {
-        e->second.last_access = ++tick_;
+      if (k.index->touch(keys[i])) {
         ++counters_.dedup_hits;
         dup[i] = true;
       }
@@ -395,31 +320,16 @@ void Store::finish_write(WriteJob& job, PutResult r) {
     return;
   }
   KindState& k = kinds_[job.kind];
-  Pending p;
-  if (auto it = k.pending.find(job.key); it != k.pending.end()) {
-    p = std::move(it->second);
-    k.pending.erase(it);
-  }
-  if (r == PutResult::kStored && (p.cancelled)) r = PutResult::kCancelled;
-  if (r == PutResult::kStored) {
-    // Durable before visible (D3): the caller synced the slab already.
-    const uint64_t t = ++tick_;
-    k.index[job.key] = Entry{job.drive, job.slot, static_cast<uint32_t>(job.len), t, t};
-    k.heap.push_back(HeapItem{t, job.key});
-    std::push_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
-    if (k.heap.size() > 2 * k.index.size() + 1024) {  // drop stale elements
-      k.heap.clear();
-      for (auto& [key, e] : k.index) {
-        e.heap_tick = e.last_access;
-        k.heap.push_back(HeapItem{e.heap_tick, key});
-      }
-      std::make_heap(k.heap.begin(), k.heap.end(), std::greater<HeapItem>());
-    }
+  // Durable before visible (D3): r is kStored only after the slab's fdatasync returned.
+  SlotIndex::PutOutcome out = k.index->finish_put(job.key, job.drive, job.slot,
+                                                  static_cast<uint32_t>(job.len),
+                                                  r == PutResult::kStored);
+  if (r == PutResult::kStored && out.cancelled) r = PutResult::kCancelled;
+  if (out.published) {
     ++counters_.spills;
     counters_.spill_bytes += job.len;
-  } else {
-    free_slot_locked(k, job.drive, job.slot);
-    if (r == PutResult::kError) ++counters_.write_errors;
+  } else if (r == PutResult::kError) {
+    ++counters_.write_errors;
   }
   // Keep buffers nobody else holds (and that fit any page of the kind) for copying puts.
   if (job.buffer && job.buffer.use_count() == 1 && job.buffer->size() >= k.slot_bytes &&
@@ -428,7 +338,7 @@ void Store::finish_write(WriteJob& job, PutResult r) {
   job.buffer.reset();
   job.ticket->finish(job.index, static_cast<int64_t>(r));
   const PutResult jr = r == PutResult::kStored ? PutResult::kDuplicate : r;
-  for (auto& [tk, idx] : p.joiners) tk->finish(idx, static_cast<int64_t>(jr));
+  for (auto& [tk, idx] : out.joiners) tk->finish(idx, static_cast<int64_t>(jr));
 }
 
 void Store::write_loop(unsigned drive) {
@@ -495,10 +405,10 @@ void Store::write_loop(unsigned drive) {
       }
       // GC between writes, on the write thread (D8).
       for (unsigned ki : kinds_touched) {
-        KindState& k = kinds_[ki];
-        if (static_cast<double>(k.slots_used) >= cfg_.gc_high * static_cast<double>(k.slots_total)) {
+        SlotIndex& index = *kinds_[ki].index;
+        if (index.gc_due()) {
           ++counters_.gc_runs;
-          gc_locked(k, static_cast<uint64_t>(std::floor(cfg_.gc_low * static_cast<double>(k.slots_total))));
+          counters_.gc_reclaims += index.collect();
         }
       }
     }
@@ -514,10 +424,9 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
     std::lock_guard lk(mu_);
     for (size_t i = 0; i < items.size(); ++i) {
       const GetItem& it = items[i];
-      auto e = closed_ ? k.index.end() : k.index.find(it.key);
-      if (e == k.index.end() || it.miss_if_small) continue;
-      const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
-                                         : e->second.len;
+      const std::optional<SlotLocation> e = closed_ ? std::nullopt : k.index->find(it.key);
+      if (!e || it.miss_if_small) continue;
+      const size_t need = it.dst_is_slot ? round_up(kSlotHeaderBytes + e->len, kBlock) : e->len;
       VITRIFY_EXPECT(it.dst_bytes >= need && (it.dst != nullptr || need == 0),
                   "get item " + std::to_string(i) + ": destination of " +
                       std::to_string(it.dst_bytes) + " bytes is smaller than the " +
@@ -526,20 +435,18 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
                   "get item " + std::to_string(i) + ": slot buffer is not 4096-byte aligned");
     }
     for (size_t i = 0; i < items.size(); ++i) {
-      auto e = closed_ ? k.index.end() : k.index.find(items[i].key);
+      std::optional<SlotLocation> e = closed_ ? std::nullopt : k.index->find(items[i].key);
       const GetItem& it = items[i];
-      if (e != k.index.end() && it.miss_if_small &&
-          it.dst_bytes < (it.dst_is_slot ? round_up(kSlotHeaderBytes + e->second.len, kBlock)
-                                         : e->second.len))
-        e = k.index.end();  // the entry changed size since the caller looked: a miss
-      if (e == k.index.end()) {
+      if (e && it.miss_if_small &&
+          it.dst_bytes < (it.dst_is_slot ? round_up(kSlotHeaderBytes + e->len, kBlock) : e->len))
+        e.reset();  // the entry changed size since the caller looked: a miss
+      if (!e) {
         ++counters_.misses;
         done[i] = true;
         continue;
       }
-      e->second.last_access = ++tick_;  // reads touch (D8)
-      jobs.push_back(ReadJob{kind, items[i].key, e->second.drive, e->second.slot, e->second.len,
-                             items[i], t, i, epoch_});
+      k.index->touch(items[i].key);  // reads touch (D8)
+      jobs.push_back(ReadJob{kind, items[i].key, e->drive, e->slot, e->len, items[i], t, i, epoch_});
     }
     read_queue_depth_ += jobs.size();
   }
@@ -565,13 +472,8 @@ void Store::complete_read(ReadJob& j, std::optional<size_t> r) {
       ++counters_.misses;  // looked up before a clear(): the entry is gone
     } else {
       ++counters_.verify_failures;
-      // A slot that does not verify is a miss; drop its entry if it still points there.
-      KindState& k = kinds_[j.kind];
-      auto e = k.index.find(j.key);
-      if (e != k.index.end() && e->second.drive == j.drive && e->second.slot == j.slot) {
-        k.index.erase(e);
-        free_slot_locked(k, j.drive, j.slot);
-      }
+      // A slot that does not verify is a miss; drop its entry if it still points there (D4).
+      kinds_[j.kind].index->drop_if_at(j.key, SlotLocation{j.drive, j.slot, j.len});
     }
   }
   --in_flight_reads_;
@@ -634,7 +536,7 @@ void Store::read_loop(unsigned drive) {
 
 // One reader and one verifier per drive: the payload CRC (and the copy out of the scratch
 // buffer) of read i runs on the verifier while the reader already transfers read i + 1, so at
-// queue depth 1 the drive does not idle during verification. Invariant 1 is unchanged: bytes
+// queue depth 1 the drive does not idle during verification. D1 is unchanged: bytes
 // are acknowledged only after verify_read. Two scratch buffers alternate: the reader fills one
 // while the verifier may still read the other, and hands over only when the verifier is idle.
 void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
@@ -716,27 +618,17 @@ void Store::read_loop_staged(unsigned drive, uint64_t max_slot) {
 std::optional<size_t> Store::lookup(unsigned kind, const Key& key) const {
   const KindState& k = kind_state(kind);
   std::lock_guard lk(mu_);
-  auto e = k.index.find(key);
-  if (e == k.index.end()) return std::nullopt;
-  return e->second.len;
+  const std::optional<SlotLocation> e = k.index->find(key);
+  if (!e) return std::nullopt;
+  return e->len;
 }
 
 bool Store::remove(unsigned kind, const Key& key) {
   KindState& k = kind_state(kind);
   std::lock_guard lk(mu_);
-  if (auto e = k.index.find(key); e != k.index.end()) {
-    const Entry v = e->second;
-    k.index.erase(e);  // index entry first, then the slot (D4)
-    free_slot_locked(k, v.drive, v.slot);
-    ++counters_.deletes;
-    return true;
-  }
-  if (auto p = k.pending.find(key); p != k.pending.end() && !p->second.cancelled) {
-    p->second.cancelled = true;
-    ++counters_.deletes;
-    return true;
-  }
-  return false;
+  if (!k.index->remove(key)) return false;  // index entry first, then the slot (D4)
+  ++counters_.deletes;
+  return true;
 }
 
 void Store::gate_enter() {
@@ -798,19 +690,9 @@ void Store::clear() {
     read_queue_depth_ -= reads.size();
     ++epoch_;  // every job allocated so far is cancelled when it reaches a thread
     ++counters_.clears;
-    for (KindState& k : kinds_) {
-      for (auto& [key, p] : k.pending)
-        for (auto& [tk, idx] : p.joiners) tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
-      k.pending.clear();
-      k.index.clear();
-      k.heap.clear();
-      k.slots_used = 0;
-      for (size_t d = 0; d < k.slabs.size(); ++d) {
-        k.free[d].clear();
-        for (uint64_t slot = k.slabs[d]->geometry().slot_count; slot-- > 0;) k.free[d].push_back(slot);
-        k.stale[d].clear();  // the new slab id makes every old slot inert
-      }
-    }
+    for (KindState& k : kinds_)  // every slot free, nothing stale: the new slab id (D12)
+      for (auto& [tk, idx] : k.index->clear())
+        tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
     for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
   }
   for (ReadJob& j : reads) j.ticket->finish(j.index, -1);
@@ -833,8 +715,8 @@ StoreStats Store::stats() const {
   std::lock_guard lk(mu_);
   StoreStats s = counters_;
   for (const KindState& k : kinds_)
-    s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.slots_total, k.slots_used,
-                                static_cast<uint64_t>(k.index.size())});
+    s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.index->slots_total(),
+                                k.index->slots_used(), k.index->entries()});
   s.in_flight_writes = in_flight_writes_;
   s.in_flight_reads = in_flight_reads_.load();
   s.write_queue_depth = write_queue_depth_.load();
