@@ -347,8 +347,7 @@ class DiskStore:
         out = []
         for i, d in enumerate(_check.sequence(what, datas)):
             d = _check.buffer(f"{what}[{i}]", d, writable=writable)
-            out.append(memoryview(d).cast("B") if isinstance(d, memoryview) or not
-                       hasattr(d, "data_ptr") else d)
+            out.append(d if hasattr(d, "data_ptr") else memoryview(d).cast("B"))  # torch: as is
         return out
 
     def page_bytes(self, kind: str | int | None = None) -> int:

@@ -25,7 +25,8 @@ import hashlib
 import json
 import sys
 import time
-import traceback
+
+from worker_result import report
 
 ENGINE = "decoder-worker"
 DEFAULT = {
@@ -238,20 +239,16 @@ def thaw(path: str, base: int) -> dict:
 
 def main() -> int:
     mode, path = sys.argv[1], sys.argv[2]
-    try:
+
+    def run() -> dict:
         if mode == "freeze":
             cfg = dict(DEFAULT)
             if len(sys.argv) > 3:
                 cfg.update(json.loads(sys.argv[3]))
-            r = freeze(path, cfg)
-        else:
-            r = thaw(path, int(sys.argv[3], 0))
-        r["ok"] = True
-    except Exception as e:
-        r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    print(json.dumps(r, default=str))
-    return 0 if r["ok"] else 1
+            return freeze(path, cfg)
+        return thaw(path, int(sys.argv[3], 0))
 
+    return report(run)
 
 if __name__ == "__main__":
     sys.exit(main())

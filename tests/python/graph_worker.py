@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from worker_result import report
 
 ARENA = 2 << 30  # torch.cuda.graph() empties the cache at each capture; the region never reuses
 
@@ -258,15 +259,9 @@ def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
 def main() -> int:
     mode, case, out, base = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4], 0)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        only = sys.argv[5] if len(sys.argv) > 5 else None
-        r = freeze(case, out, base) if mode == "freeze" else thaw(case, out, base, only)
-        r["ok"] = True
-    except Exception as e:
-        r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    print(json.dumps(r, default=str))
-    return 0 if r["ok"] else 1
-
+    only = sys.argv[5] if len(sys.argv) > 5 else None
+    return report(lambda: freeze(case, out, base) if mode == "freeze"
+                  else thaw(case, out, base, only))
 
 if __name__ == "__main__":
     sys.exit(main())
