@@ -47,24 +47,22 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 # ---- argument types (argparse turns their ArgumentTypeError into "argument --x: message") ----
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, expected: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
