@@ -277,6 +277,12 @@ void bind_graph(nb::module_& m) {
     d["modules"] = r.registry().size();
     d["bytes"] = r.registry().total_bytes();
     d["callbacks"] = r.modules_seen();
+    const CodeBindings::Stats b = r.bindings().stats();
+    d["loads_in_calls"] = b.loads_in_calls;
+    d["loads_outside_calls"] = b.loads_outside;
+    d["ambiguous_calls"] = b.ambiguous_calls;
+    d["bound_exact"] = b.exact;
+    d["bound_handles"] = b.handles;
     return d;
   });
   m.def("graph_recorded_module", [](const std::string& hex) {
@@ -304,6 +310,7 @@ void bind_graph(nb::module_& m) {
       opt.region_size = size;
       opt.live = std::move(live);
       opt.evidence = evidence;
+      opt.bindings = &ModuleRecorder::instance().bindings();
       out = serialize(capture_graph(reinterpret_cast<CUgraph>(handle),
                                     ModuleRecorder::instance().registry(), opt));
     }

@@ -106,7 +106,11 @@ def stop_recording() -> None:
 
 
 def recorder_info() -> dict:
-    """``active``, ``library`` (the libcupti loaded), ``modules``, ``bytes``, ``callbacks``."""
+    """``active``, ``library`` (the libcupti loaded), ``modules``, ``bytes``, ``callbacks``, and
+    how kernel identity was bound (csrc/src/graph/DESIGN.md, "Kernel identity"):
+    ``loads_in_calls`` / ``loads_outside_calls`` (module loads inside / outside a traced driver
+    call), ``ambiguous_calls`` (calls that loaded several modules), ``bound_exact`` (modules and
+    libraries) and ``bound_handles`` (functions and kernels) held now."""
     return dict(_native.graph_recorder_info())
 
 

@@ -12,8 +12,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "vitrify/graph.hpp"
@@ -29,6 +31,52 @@ class FreezeError : public Error {
 };
 
 // ----------------------------------------------------------------------------- recording
+// Which recorded binary a driver handle's code came from (DESIGN.md, "Kernel identity"). Two
+// binaries may define a kernel of one name (Triton and Inductor compile one name per
+// specialisation), so FREEZE resolves a kernel node by the function it holds, not by its name.
+// The recorder reports each driver call that can load code (enter/exit) and each module load
+// (loaded); a call during which exactly one module was loaded binds the handles the call names
+// to that module's hash:
+//   module loads (cuModuleLoad*)           the new CUmodule                       exact
+//   library loads (cuLibraryLoad*)         the new CUlibrary                      exact
+//   cuLibraryGetModule                     the CUmodule and the CUlibrary         exact
+//   cuLibraryGetKernel                     the CUlibrary (exact), the CUkernel
+//   cuKernelGetFunction                    the CUkernel and the CUfunction
+//   kernel launches (lazy loading)         the launched CUfunction / CUkernel
+// Exact bindings are dropped when their module or library is unloaded; function and kernel
+// bindings are all dropped at any unload (a handle value may be reused afterwards). A call that
+// loaded several modules binds nothing (counted as ambiguous). Thread-safe; the frame stack is
+// per thread (a module load is reported on the thread whose call loads it).
+class CodeBindings {
+ public:
+  enum class Call : uint8_t {
+    kModuleLoad, kLibraryLoad, kLibraryGetModule, kLibraryGetKernel, kKernelGetFunction,
+    kLaunch, kModuleUnload, kLibraryUnload,
+  };
+  struct Stats {
+    size_t loads_in_calls = 0;      // module loads inside a reported call
+    size_t loads_outside = 0;       // module loads outside any reported call (not bound)
+    size_t ambiguous_calls = 0;     // calls that loaded several modules (nothing bound)
+    size_t exact = 0, handles = 0;  // bindings held now
+  };
+  void enter(Call c);
+  void loaded(const Hash& h);
+  // `out`: the handle the call returned (null when it returns none or failed); `in`: the handle
+  // it was given (library, kernel, function, or the module/library being unloaded).
+  void exit(Call c, bool ok, const void* out, const void* in);
+  // The binary of an exact handle (CUmodule, CUlibrary) / of a function or kernel handle.
+  std::optional<Hash> exact(const void* handle) const;
+  std::optional<Hash> handle(const void* handle) const;
+  Stats stats() const;
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<const void*, Hash> exact_, handles_;
+  std::unordered_map<const void*, std::vector<const void*>> library_modules_;
+  Stats stats_;
+};
+
 // Records every module the driver loads into registry(), through a CUPTI subscriber on
 // CUPTI_CBID_RESOURCE_MODULE_LOADED. Start it before CUDA is initialised (before torch touches
 // the GPU): modules loaded earlier are never reported. One per process (CUPTI allows one
@@ -48,16 +96,19 @@ class ModuleRecorder {
   bool active() const;
   std::string library_path() const;  // the libcupti that was loaded ("" before start)
   ModuleRegistry& registry() { return registry_; }
+  CodeBindings& bindings() { return bindings_; }
   size_t modules_seen() const;  // callbacks received (including duplicates)
 
-  // Internal: called from the CUPTI callback.
+  // Internal: called from the CUPTI callbacks.
   void on_module_loaded(const void* data, size_t n) noexcept;
+  void on_driver_call(uint32_t cbid, bool enter, const void* params, const void* result) noexcept;
 
  private:
   ModuleRecorder() = default;
   void start_locked(const std::vector<std::string>& extra_paths);
   mutable std::mutex mu_;
   ModuleRegistry registry_;
+  CodeBindings bindings_;
   void* lib_ = nullptr;
   void* subscriber_ = nullptr;
   std::string lib_path_;
@@ -74,11 +125,14 @@ struct CaptureOptions {
   // only when they point into one (see find_relocations).
   std::vector<std::pair<uint64_t, uint64_t>> live;
   FieldEvidence* evidence = nullptr;  // integer evidence across captures (may be null)
+  // Which binary each loaded module / library / function came from (the recorder's); null:
+  // kernels are resolved by name alone.
+  const CodeBindings* bindings = nullptr;
 };
 
 // Walks a captured graph (a CUgraph / cudaGraph_t) into a Graph: kernels resolved to recorded
-// modules by name (disambiguated by the names of the module's other functions, then by loaded
-// function attributes), parameters from cuFuncGetParamInfo, attributes, memcpy/memset nodes,
+// modules by the handles they hold (opt.bindings), else by name (disambiguated by the names of
+// the module's other functions, identical machine code, then loaded function attributes), parameters from cuFuncGetParamInfo, attributes, memcpy/memset nodes,
 // event nodes (events numbered in order of appearance), edges, relocations. Throws FreezeError.
 Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureOptions& opt);
 

@@ -1,6 +1,7 @@
 // FREEZE: a captured CUgraph -> vitrify::graph::Graph (see DESIGN.md, "Walking a captured graph").
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -77,18 +78,57 @@ std::string short_hex(const Hash& h) { return to_hex(h).substr(0, 16); }
 // Maps the functions of kernel nodes to recorded binaries, once per function.
 class Resolver {
  public:
-  explicit Resolver(const ModuleRegistry& m) : modules_(m) {}
+  Resolver(const ModuleRegistry& m, const CodeBindings* b) : modules_(m), bindings_(b) {}
 
-  Hash resolve(CUfunction f, const std::string& name, const std::string& where) {
+  // `kern`: the CUkernel the node holds (null for a CUfunction launched from a module).
+  Hash resolve(CUfunction f, CUkernel kern, const std::string& name, const std::string& where) {
     auto it = cache_.find(f);
     if (it != cache_.end()) return it->second;
-    const Hash h = resolve_uncached(f, name, where);
-    cache_.emplace(f, h);
-    return h;
+    std::optional<Hash> h = by_handle(f, kern, name, where);
+    if (!h) h = by_name(f, name, where);
+    cache_.emplace(f, *h);
+    return *h;
   }
 
+  size_t by_handle_count() const { return by_handle_; }
+
  private:
-  Hash resolve_uncached(CUfunction f, const std::string& name, const std::string& where) {
+  // The binary the driver loaded this function's code from, through the handles the recorder
+  // bound (CodeBindings): the function's module, the kernel's library (exact), then the launched
+  // function / kernel handles. A bound binary must be recorded and define `name`, else the
+  // binding is stale and ignored; two valid bindings that disagree are a FREEZE error.
+  std::optional<Hash> by_handle(CUfunction f, CUkernel kern, const std::string& name,
+                                const std::string& where) {
+    if (bindings_ == nullptr) return std::nullopt;
+    const auto& d = driver::cu();
+    std::vector<std::pair<Hash, const char*>> found;
+    auto consider = [&](std::optional<Hash> h, const char* via) {
+      if (!h) return;
+      const auto m = modules_.get(*h);
+      if (m == nullptr || !std::binary_search(m->kernels.begin(), m->kernels.end(), name)) return;
+      found.emplace_back(*h, via);
+    };
+    CUmodule mod = nullptr;
+    if (d.cuFuncGetModule && d.cuFuncGetModule(&mod, f) == CUDA_SUCCESS && mod != nullptr)
+      consider(bindings_->exact(mod), "its module");
+    CUlibrary lib = nullptr;
+    if (kern != nullptr && d.cuKernelGetLibrary &&
+        d.cuKernelGetLibrary(&lib, kern) == CUDA_SUCCESS && lib != nullptr)
+      consider(bindings_->exact(lib), "its library");
+    consider(bindings_->handle(f), "the launched function");
+    if (kern != nullptr) consider(bindings_->handle(kern), "the launched kernel");
+    if (found.empty()) return std::nullopt;
+    for (const auto& [h, via] : found)
+      if (h != found[0].first)
+        throw FreezeError(where + ": kernel '" + name + "' is bound to two recorded binaries (" +
+                          short_hex(found[0].first) + " through " + found[0].second + ", " +
+                          short_hex(h) + " through " + via + "); vitrify cannot tell which one "
+                          "this process launched");
+    ++by_handle_;
+    return found[0].first;
+  }
+
+  Hash by_name(CUfunction f, const std::string& name, const std::string& where) {
     std::vector<Hash> c = modules_.modules_with_kernel(name);
     if (c.empty())
       throw FreezeError(where + ": the binary of kernel '" + name + "' was not recorded (" +
@@ -175,7 +215,9 @@ class Resolver {
   }
 
   const ModuleRegistry& modules_;
+  const CodeBindings* bindings_;
   std::unordered_map<CUfunction, Hash> cache_;
+  size_t by_handle_ = 0;
 };
 
 uint64_t copy_address(CUmemorytype t, CUdeviceptr dev, const char* which, const std::string& where) {
@@ -214,7 +256,7 @@ void capture_kernel(CUgraphNode node, Node& out, Resolver& resolver, const std::
   k.name = cname != nullptr ? cname : "";
   if (k.name.empty()) throw FreezeError(where + ": the driver returned no name for its kernel");
   const std::string at = where + " (kernel '" + k.name + "')";
-  k.module = resolver.resolve(f, k.name, where);
+  k.module = resolver.resolve(f, p.kern, k.name, where);
   k.grid = {p.gridDimX, p.gridDimY, p.gridDimZ};
   k.block = {p.blockDimX, p.blockDimY, p.blockDimZ};
   k.shared_mem = p.sharedMemBytes;
@@ -299,7 +341,7 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
   auto event_index = [&](CUevent e) {
     return events.emplace(e, uint32_t(events.size())).first->second;
   };
-  Resolver resolver(modules);
+  Resolver resolver(modules, opt.bindings);
   Graph g;
   g.nodes.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -405,7 +447,9 @@ Graph capture_graph(CUgraph graph, const ModuleRegistry& modules, const CaptureO
   if (log::enabled(log::kDebug))
     log::debug("graph captured: " + std::to_string(n) + " nodes, " + std::to_string(ne) +
                " edges, " + std::to_string(g.relocations.size()) + " relocations, " +
-               std::to_string(g.notes.size()) + " region-like words left as they are");
+               std::to_string(g.notes.size()) + " region-like words left as they are; " +
+               std::to_string(resolver.by_handle_count()) + " kernel functions resolved by "
+               "handle");
   return g;
 }
 
