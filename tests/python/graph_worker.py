@@ -4,6 +4,7 @@ graphs in separate, fresh processes.
     python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/archive + image
     python graph_worker.py thaw   main DIR BASE [NAME]  # no torch: rebuild at BASE, replay, compare
     python graph_worker.py freeze dims DIR BASE     # cuBLAS / attention at dims = BASE >> 32
+    python graph_worker.py freeze samename DIR BASE  # same-named kernels (samename_cases.py)
     python graph_worker.py freeze missing DIR BASE  # no module recording -> GraphFreezeError
     python graph_worker.py freeze unsupported DIR BASE  # pinned H2D copy -> GraphFreezeError
 
@@ -162,8 +163,13 @@ def freeze(case: str, out: Path, base: int) -> dict:
         del y
         return result
     with vt.region_allocations(region):
-        cases = (_dim_cases(torch, result["skipped"], base) if case == "dims"
-                 else _cases(torch, result["skipped"]))
+        if case == "samename":
+            import samename_cases
+
+            cases = samename_cases.cases(torch, result["skipped"])
+        else:
+            cases = (_dim_cases(torch, result["skipped"], base) if case == "dims"
+                     else _cases(torch, result["skipped"]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), vt.region_allocations(region):
@@ -181,6 +187,10 @@ def freeze(case: str, out: Path, base: int) -> dict:
         caps[name] = (cap, o)
         result["info"][name] = cap.info
     torch.cuda.synchronize()
+    # Which binary each kernel node was resolved to, and how the recorder bound them.
+    result["kernels"] = {name: [[n["name"], n["module"]] for n in tg.describe(store.data(name))
+                                ["nodes"] if n["kind"] == "kernel"] for name in caps}
+    result["recorder"] = tg.recorder_info()
     from vitrify.region import save_allocations
 
     result["image_bytes"] = save_allocations(region, out)  # inputs and weights, before any replay

@@ -5,6 +5,7 @@ FREEZE errors for a missing binary and an unsupported copy."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,67 @@ def test_at_a_window_aligned_base_ambiguous_graphs_are_refused_never_wrong(tmp_p
     for name, ok in r["equal"].items():
         assert ok and r["equal_after_back_to_back"][name], (
             f"{name} thawed relocated with different bytes (first at {r['first_diff'].get(name)})")
+
+
+# ------------------------------------------------ kernels of one name in several binaries
+def _artifact(name: str, result: dict) -> None:
+    """Into the GPU suite's JSON (scripts/gpu-suite.sh sets VITRIFY_TEST_ARTIFACTS)."""
+    art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
+    if art:
+        Path(art).mkdir(parents=True, exist_ok=True)
+        (Path(art) / f"{name}.json").write_text(json.dumps({"name": name, **result}, indent=1))
+
+
+@pytest.fixture(scope="module")
+def frozen_samename(tmp_path_factory):
+    d = tmp_path_factory.mktemp("samename")
+    fz = run_worker("freeze", "samename", str(d), hex(BASE_A), timeout=600)
+    _artifact("graph-same-name-freeze", {k: fz.get(k) for k in (
+        "kernels", "recorder", "skipped", "capture_seconds")})
+    return d, fz
+
+
+def _distinct_modules(fz: dict, graph: str) -> set[str]:
+    return {module for _, module in fz["kernels"][graph]}
+
+
+def test_same_named_kernels_are_resolved_to_the_binary_each_node_launched(frozen_samename):
+    """Triton constexpr specialisations, torch.compile at five batch sizes, the library API
+    (lazy) and the module API: every graph freezes (no 'defined by 2 different recorded
+    binaries' error), and the same-named nodes of one graph name different binaries."""
+    _, fz = frozen_samename
+    assert not fz["skipped"], f"cases skipped on a GPU machine: {fz['skipped']}"
+    for graph in ("triton_both_in_one_graph", "library_both_in_one_graph",
+                  "module_both_in_one_graph"):
+        names = {name for name, _ in fz["kernels"][graph]}
+        assert len(names) == 1 and len(fz["kernels"][graph]) == 2, fz["kernels"][graph]
+        assert len(_distinct_modules(fz, graph)) == 2, f"{graph}: {fz['kernels'][graph]}"
+    assert len(_distinct_modules(fz, "library_and_module_mixed")) == 4
+    # The single-variant graphs point at one of the two-variant graph's binaries.
+    assert _distinct_modules(fz, "triton_a2") | _distinct_modules(fz, "triton_a3") == \
+        _distinct_modules(fz, "triton_both_in_one_graph")
+    assert _distinct_modules(fz, "library_second") < _distinct_modules(fz, "library_both_in_one_graph")
+    # torch.compile: the five batch sizes share kernel names but not binaries.
+    compiled = [g for g in fz["kernels"] if g.startswith("compiled_bs")]
+    assert len(compiled) >= 4
+    by_name: dict[str, set[str]] = {}
+    for g in compiled:
+        for name, module in fz["kernels"][g]:
+            if name.startswith("triton_"):
+                by_name.setdefault(name, set()).add(module)
+    assert any(len(m) >= 2 for m in by_name.values()), by_name
+    rec = fz["recorder"]
+    assert rec["bound_exact"] + rec["bound_handles"] > 0, rec
+
+
+def test_same_named_kernels_thaw_with_identical_outputs(frozen_samename):
+    d, _ = frozen_samename
+    thaws = {hex(base): run_worker("thaw", "samename", str(d), hex(base))
+             for base in (BASE_A, BASE_B)}
+    _artifact("graph-same-name-thaw", {b: {k: r.get(k) for k in (
+        "equal", "equal_after_back_to_back", "refused", "stats", "rebuild_seconds")}
+        for b, r in thaws.items()})
+    for r in thaws.values():
+        assert not r["refused"], r["refused"]
+        for prefix in ("triton_", "compiled_bs", "library_", "module_"):
+            check(r, prefix)
