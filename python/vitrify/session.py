@@ -1,0 +1,415 @@
+"""FREEZE and THAW of an engine: one procedure over engine adapters (no torch here).
+
+An engine is frozen once, after it has been built, loaded, warmed up and captured, and thawed in
+a fresh process in seconds. The procedure is the same for every engine; what differs lives in an
+:class:`EngineAdapter` (the toy demo, transformers, SGLang). Design and invariants:
+``docs/session.md``.
+
+FREEZE (:class:`FreezeSession`)::
+
+    record kernel binaries (before CUDA is initialised)
+    reserve the region
+    adapter.build(region)          checkpoint "built"     the engine's objects, weights unset
+    adapter.load_weights()         checkpoint "weights"
+    adapter.alloc_state()          checkpoint "state"     KV cache: mapped at THAW, never dumped
+    adapter.warmup()               checkpoint "warmup"
+    adapter.capture(graphs)        checkpoint "captured"
+    dump spans: weights [0, weights), warmup [state, warmup), graphs [warmup, captured)
+    save graphs, adapter.state(), the session record; commit the archive atomically
+
+THAW (:class:`ThawSession`)::
+
+    open the archive, check it against this machine and the adapter's fingerprint
+    reserve the region at the frozen base (another base when it is taken and relocation is
+    allowed; graphs FREEZE could not prove relocatable are refused there)
+    load kernel modules and rebuild graphs in the background
+    adapter.build(region)          compare "built"
+    claim up to "weights", restore the weights span, compare "weights"
+    adapter.alloc_state()          compare "state"
+    restore the warmup span (or re-run adapter.warmup(): VITRIFY_WARMUP_RESTORE=0, or an archive
+    without it), compare "warmup"
+    claim up to "captured", restore the graphs span, wait for the graphs
+    adapter.restore_state(state, graphs)  -> serving
+
+Every phase runs inside ``adapter.route(region)`` so the engine's allocations land in the region;
+FREEZE and THAW walk the same cursor trajectory because the adapter builds the same objects in
+the same order. A drift is a :class:`CheckpointDrift` naming the phase and both offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from . import _check, config
+from . import archive as _archive
+from . import snapshot as _snapshot
+
+log = logging.getLogger("vitrify.session")
+
+SESSION_FORMAT = 1
+PHASES = ("built", "weights", "state", "warmup", "captured")
+# Spans: name -> (first checkpoint, last checkpoint); "" is offset 0.
+SPANS = {"weights": ("", "weights"), "warmup": ("state", "warmup"),
+         "graphs": ("warmup", "captured")}
+RANK = 0
+
+
+class SessionError(RuntimeError):
+    """The session cannot go on: what failed and what to do."""
+
+
+class CheckpointDrift(_archive.ArchiveMismatch):
+    """THAW's region cursor after a phase differs from FREEZE's: the engine did not build the same
+    objects in the same order (another config, another library version, a nondeterministic
+    allocation). Both offsets are named."""
+
+    def __init__(self, path: str, phase: str, frozen: int, here: int):
+        _archive.ArchiveError.__init__(
+            self, f"archive {path}: the region cursor after phase {phase!r} is {here} bytes "
+                  f"(0x{here:x}) here but was {frozen} bytes (0x{frozen:x}) at FREEZE "
+                  f"({here - frozen:+d}): the engine did not allocate the same objects in the "
+                  f"same order; rebuild the archive with this engine")
+        self.path, self.field, self.expected, self.found = path, f"checkpoint.{phase}", here, frozen
+        self.phase = phase
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What an engine provides to be frozen and thawed. The session calls, in order:
+    ``fingerprint``; ``build``, ``load_weights`` (FREEZE only), ``alloc_state``, ``warmup``
+    (FREEZE; at THAW only when the warmup span is not restored), ``capture`` (FREEZE only),
+    ``state`` (FREEZE) / ``restore_state`` (THAW) — each phase inside ``route(region)``."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """``engine``, ``engine_version`` and ``model`` (str each): an archive of another engine,
+        version or model is refused at THAW."""
+        ...
+
+    def route(self, region: Any) -> contextlib.AbstractContextManager:
+        """A context inside which the engine's device allocations come from ``region``."""
+        ...
+
+    def build(self, region: Any) -> None:
+        """Create the engine's objects (parameters allocated, not initialised) in the region."""
+        ...
+
+    def load_weights(self) -> None:
+        """FREEZE: fill the parameters (THAW restores their bytes instead)."""
+        ...
+
+    def alloc_state(self) -> None:
+        """Allocate what holds no state worth saving (the KV cache): mapped, never dumped."""
+        ...
+
+    def warmup(self) -> None:
+        """Run what initialises lazy state (workspaces, autotuning, compiled kernels)."""
+        ...
+
+    def capture(self, graphs: Any) -> None:
+        """FREEZE: capture the CUDA graphs into ``graphs`` (a :class:`vitrify.graph.GraphStore`)."""
+        ...
+
+    def state(self) -> dict:
+        """FREEZE: what THAW needs besides the region's bytes (plain JSON)."""
+        ...
+
+    def restore_state(self, state: dict, graphs: Any) -> None:
+        """THAW: take the frozen state and the rebuilt graphs
+        (:class:`vitrify.graph.LoadedGraphs`, or None when FREEZE captured none)."""
+        ...
+
+
+def _graph_module():
+    from . import graph
+    return graph
+
+
+def _check_adapter(adapter: Any) -> Any:
+    missing = [m for m in ("fingerprint", "route", "build", "load_weights", "alloc_state",
+                           "warmup", "capture", "state", "restore_state")
+               if not callable(getattr(adapter, m, None))]
+    if missing:
+        raise _check.ArgumentTypeError(f"adapter must implement vitrify.session.EngineAdapter; "
+                                       f"{_check.got(adapter)} lacks {', '.join(missing)}")
+    return adapter
+
+
+def _fingerprint(adapter: Any, device: int) -> _archive.Fingerprint:
+    fp = adapter.fingerprint()
+    if not isinstance(fp, dict) or set(fp) != {"engine", "engine_version", "model"} or \
+            not all(isinstance(v, str) and v for v in fp.values()):
+        raise _check.ArgumentTypeError(f"adapter.fingerprint() must return a dict of non-empty "
+                                       f"str engine, engine_version, model; got {fp!r}")
+    return _archive.Fingerprint.current(device=device, **fp)
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds per step, in order (``as_dict`` for JSON)."""
+
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        log.info("%s ...", name)
+        try:
+            yield
+        finally:
+            self.steps[name] = self.steps.get(name, 0.0) + time.perf_counter() - t0
+            log.info("%s: %.3f s", name, self.steps[name])
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.steps)
+
+
+# ------------------------------------------------------------------------------------- FREEZE
+class FreezeSession:
+    """Build, warm up, capture and freeze ``adapter`` into the archive at ``path``.
+
+    Construct it before anything initialises CUDA in this process: it starts recording kernel
+    binaries (``record_kernels=False`` skips that, for engines that capture no graphs).
+    ``dump_warmup=False`` leaves the warmup span out (a smaller archive; THAW re-runs warmup).
+    ``region_bytes``: the region to reserve (the engine's whole footprint: weights, KV cache,
+    workspaces, graph pools); ``base``: its address (None: the default search). ``progress``:
+    called as ``progress(done_bytes, total_bytes)`` while spans are written.
+    """
+
+    def __init__(self, adapter: Any, path: str | os.PathLike, *, region_bytes: int,
+                 base: int | None = None, device: int = 0, overwrite: bool = False,
+                 record_kernels: bool = True, dump_warmup: bool = True,
+                 progress: Callable[[int, int], None] | None = None):
+        self.adapter = _check_adapter(adapter)
+        self.dump_warmup = _check.boolean("dump_warmup", dump_warmup)
+        self.path = os.path.abspath(_check.path("path", path))
+        self.region_bytes = _check.integer("region_bytes", region_bytes, 1, _check.U64_MAX)
+        self.base = _check.optional_integer("base", base, 1, _check.U64_MAX)
+        self.device = _check.integer("device", device, 0, (1 << 31) - 1)
+        self.overwrite = _check.boolean("overwrite", overwrite)
+        self.record_kernels = _check.boolean("record_kernels", record_kernels)
+        if progress is not None and not callable(progress):
+            raise _check.ArgumentTypeError(f"progress must be callable, got {_check.got(progress)}")
+        self.progress = progress
+        if os.path.exists(self.path) and not self.overwrite:
+            raise FileExistsError(f"{self.path} exists (pass overwrite=True to replace it)")
+        if self.record_kernels:
+            _graph_module().record_modules()
+        self.region = None
+        self.timings = Timings()
+
+    def run(self) -> dict:
+        """Run every phase and commit the archive; returns a summary (JSON)."""
+        from .region import Region
+
+        t_start = time.perf_counter()
+        a, t = self.adapter, self.timings
+        fp = _fingerprint(a, self.device)
+        with t.step("reserve"):
+            self.region = region = Region(self.region_bytes, base=self.base, device=self.device)
+        with t.step("build"), a.route(region):
+            a.build(region)
+        region.checkpoint("built")
+        with t.step("load_weights"), a.route(region):
+            a.load_weights()
+        region.checkpoint("weights")
+        with t.step("alloc_state"), a.route(region):
+            a.alloc_state()
+        region.checkpoint("state")
+        with t.step("warmup"), a.route(region):
+            a.warmup()
+        region.checkpoint("warmup")
+        store = None
+        if self.record_kernels:
+            store = _graph_module().GraphStore(region=region, device=self.device)
+        with t.step("capture"), a.route(region):
+            a.capture(store)
+        region.checkpoint("captured")
+        cps = region.checkpoints
+        with t.step("state"):
+            engine_state = a.state()
+        if not isinstance(engine_state, dict):
+            raise _check.ArgumentTypeError(f"adapter.state() must return a dict, got "
+                                           f"{_check.got(engine_state)}")
+        reg = _archive.Region(base=region.base, size=region.size,
+                              granularity=region.granularity, checkpoints=cps)
+        spans = {}
+        with _archive.ArchiveWriter(self.path, fp, reg, overwrite=self.overwrite) as w:
+            with t.step("dump_spans"):
+                for name, (lo, hi) in SPANS.items():
+                    start, end = cps[lo] if lo else 0, cps[hi]
+                    if name == "warmup" and not self.dump_warmup:
+                        continue
+                    if end > start:
+                        spans[name] = w.dump_span(RANK, name, region.base, start, end,
+                                                  target=self.device, progress=self.progress)
+            graphs = {}
+            if store is not None and len(store):
+                with t.step("save_graphs"):
+                    graphs = store.save_to_archive(w, rank=RANK)
+            w.write_state(RANK, {"session": {
+                "format": SESSION_FORMAT, "phases": list(PHASES),
+                "spans": {n: [cps[lo] if lo else 0, cps[hi]] for n, (lo, hi) in SPANS.items()},
+                "graphs": len(store) if store is not None else 0,
+                "record_kernels": self.record_kernels,
+            }, "engine": engine_state})
+            with t.step("commit"):
+                pass  # the writer commits on leaving this block
+        t.steps["total"] = time.perf_counter() - t_start
+        log.info("frozen into %s: %d graphs, region %d bytes at 0x%x", self.path,
+                 len(graphs.get("graphs", {})), cps["captured"], region.base)
+        return {"archive": self.path, "base": region.base, "checkpoints": cps,
+                "span_bytes": {n: int(s.get("bytes", 0)) for n, s in spans.items()},
+                "graphs": len(store) if store is not None else 0,
+                "timings": t.as_dict()}
+
+
+# --------------------------------------------------------------------------------------- THAW
+class ThawSession:
+    """Thaw ``adapter`` from the archive at ``path`` in this (fresh) process.
+
+    ``base``: where to put the region (None: the frozen base). When that range is taken and
+    ``relocate`` is True the region goes to the default search's base and the graphs are
+    relocated; a graph FREEZE marked non-relocatable is then refused (:class:`GraphNotRelocatable`
+    naming it) — never run at an address it cannot follow. ``warmup_restore``: restore the warmup
+    span (None: the ``VITRIFY_WARMUP_RESTORE`` setting; an archive without the span re-runs
+    warmup either way). ``verify``: check every file's CRC32C before use (spans are checked
+    chunk by chunk as they are restored, whatever this says).
+    """
+
+    def __init__(self, adapter: Any, path: str | os.PathLike, *, base: int | None = None,
+                 relocate: bool = True, device: int = 0, warmup_restore: bool | None = None,
+                 verify: bool = True, graph_threads: int = 4,
+                 progress: Callable[[int, int], None] | None = None):
+        self.adapter = _check_adapter(adapter)
+        self.path = os.path.abspath(_check.path("path", path))
+        self.base = _check.optional_integer("base", base, 1, _check.U64_MAX)
+        self.relocate = _check.boolean("relocate", relocate)
+        self.device = _check.integer("device", device, 0, (1 << 31) - 1)
+        if warmup_restore is not None:
+            _check.boolean("warmup_restore", warmup_restore)
+        self.warmup_restore = warmup_restore
+        self.verify = _check.boolean("verify", verify)
+        self.graph_threads = _check.integer("graph_threads", graph_threads, 1, 256)
+        if progress is not None and not callable(progress):
+            raise _check.ArgumentTypeError(f"progress must be callable, got {_check.got(progress)}")
+        self.progress = progress
+        self.region = None
+        self.graphs = None
+        self.timings = Timings()
+        self.warmup_action = ""
+
+    def _reserve(self, frozen: _archive.Region):
+        from .region import Region, RegionAddressError
+
+        want = self.base if self.base is not None else frozen.base
+        try:
+            return Region(frozen.size, base=want, device=self.device)
+        except RegionAddressError as e:
+            if not self.relocate:
+                raise SessionError(f"the frozen region's range 0x{want:x}+{frozen.size} is not "
+                                   f"free in this process ({e}); pass relocate=True to thaw at "
+                                   f"another base") from None
+            log.warning("region base 0x%x is taken (%s); relocating", want, e)
+            return Region(frozen.size, device=self.device)
+
+    def _compare(self, archive: Any, phase: str, region: Any) -> None:
+        frozen = archive.region.checkpoints.get(phase)
+        if frozen is None:
+            raise _archive.ArchiveCorrupt(archive.path, "manifest.json",
+                                          f"the region has no checkpoint {phase!r}")
+        if region.offset != frozen:
+            raise CheckpointDrift(archive.path, phase, frozen, region.offset)
+        region.checkpoint(phase)
+
+    @staticmethod
+    def _claim(region: Any, upto: int) -> None:
+        if upto > region.offset:
+            region.claim(upto)
+
+    def run(self) -> dict:
+        """Thaw; returns a summary (JSON). The engine serves once this returns."""
+        t_start = time.perf_counter()
+        a, t = self.adapter, self.timings
+        with t.step("open"):
+            archive = _archive.open_archive(self.path,
+                                            expect=_fingerprint(a, self.device),
+                                            checksums=False)
+            st = archive.state(RANK)
+            sess = st.get("session")
+            if not isinstance(sess, dict) or sess.get("format") != SESSION_FORMAT:
+                raise _archive.ArchiveMismatch(archive.path, "state.session.format",
+                                               SESSION_FORMAT, (sess or {}).get("format"))
+            cps = archive.region.checkpoints
+            missing = [p for p in PHASES if p not in cps]
+            if missing:
+                raise _archive.ArchiveCorrupt(archive.path, "manifest.json",
+                                              f"the region lacks checkpoints {missing}")
+        with t.step("reserve"):
+            self.region = region = self._reserve(archive.region)
+            region.preallocate(cps["captured"])
+        graphs = None
+        if sess.get("graphs", 0):
+            with t.step("graphs_start"):
+                # Modules load and graphs build on background threads while the region fills.
+                graphs = _graph_module().load_from_archive(
+                    archive, RANK, verify=self.verify, device=self.device,
+                    region_base=region.base, threads=self.graph_threads)
+        with t.step("build"), a.route(region):
+            a.build(region)
+        self._compare(archive, "built", region)
+        spans = archive.spans(RANK)
+        with t.step("restore_weights"):
+            self._claim(region, cps["weights"])
+            if "weights" in spans:
+                archive.restore_span(RANK, "weights", region.base, cps["weights"],
+                                     target=self.device, progress=self.progress)
+        self._compare(archive, "weights", region)
+        with t.step("alloc_state"), a.route(region):
+            a.alloc_state()
+        self._compare(archive, "state", region)
+        plan = self._warmup_plan(archive)
+        self.warmup_action = plan.action
+        if plan.action == "restore":
+            with t.step("restore_warmup"):
+                self._claim(region, cps["warmup"])
+                archive.restore_span(RANK, "warmup", region.base, cps["warmup"],
+                                     target=self.device, progress=self.progress)
+        else:
+            with t.step("warmup"), a.route(region):
+                a.warmup()
+        self._compare(archive, "warmup", region)
+        with t.step("restore_graph_pools"):
+            self._claim(region, cps["captured"])
+            if "graphs" in spans:
+                archive.restore_span(RANK, "graphs", region.base, cps["captured"],
+                                     target=self.device, progress=self.progress)
+        self._compare(archive, "captured", region)
+        if graphs is not None:
+            with t.step("graphs_wait"):
+                graphs.wait_all()
+        self.graphs = graphs
+        with t.step("restore_state"):
+            a.restore_state(st.get("engine", {}), graphs)
+        t.steps["total"] = time.perf_counter() - t_start
+        return {"archive": archive.path, "base": region.base,
+                "frozen_base": archive.region.base, "relocated": region.base != archive.region.base,
+                "checkpoints": region.checkpoints, "warmup": self.warmup_action,
+                "graphs": len(graphs) if graphs is not None else 0,
+                "graph_stats": graphs.stats() if graphs is not None else {},
+                "timings": t.as_dict()}
+
+    def _warmup_plan(self, archive: Any):
+        if self.warmup_restore is None:
+            return _snapshot.plan_restore(archive, RANK)
+        with config.override(warmup_restore=self.warmup_restore):
+            return _snapshot.plan_restore(archive, RANK)
+
+
+__all__ = ["CheckpointDrift", "EngineAdapter", "FreezeSession", "PHASES", "SESSION_FORMAT",
+           "SPANS", "SessionError", "ThawSession"]

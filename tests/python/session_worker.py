@@ -1,0 +1,132 @@
+"""Subprocess worker for tests/python/test_session.py: FREEZE and THAW of a torch-free engine
+through vitrify.session, in fresh processes, on any driver (the fake one on CPU).
+
+    python session_worker.py freeze ARCHIVE [options as JSON]
+    python session_worker.py thaw   ARCHIVE [options as JSON]
+
+The engine ("bytes engine") allocates parameters in build(), fills them with seeded bytes in
+load_weights() (and frees a temporary, leaving a hole), allocates a KV block whose bytes are not
+state, and in warmup() derives a lookup table from the weights (lazy state that THAW must get
+back, by restoring the warmup span or by re-running warmup). restore_state() recomputes a digest
+over the weights and the table; THAW reports it with FREEZE's. The last stdout line is JSON.
+
+Options: ``drift`` (build one more block at THAW), ``model`` (fingerprint), ``occupy`` (reserve
+the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import sys
+
+from worker_result import report
+
+MiB = 1 << 20
+
+
+class BytesEngine:
+    def __init__(self, *, drift: bool = False, model: str = "bytes-4x3MiB"):
+        self.drift = drift
+        self.model = model
+        self.region = None
+        self.params: list[tuple[int, int]] = []
+        self.table = (0, 0)
+        self.kv = 0
+        self.result: dict = {}
+        self.warmups = 0
+
+    def fingerprint(self) -> dict:
+        return {"engine": "bytes-engine", "engine_version": "1", "model": self.model}
+
+    def route(self, region):
+        return contextlib.nullcontext()
+
+    def build(self, region) -> None:
+        self.region = region
+        self.params = [(region.allocate(n) - region.base, n) for n in (3 * MiB,) * 4]
+        if self.drift:
+            region.allocate(2 * MiB)
+
+    def load_weights(self) -> None:
+        r = self.region
+        rng = random.Random(7)
+        for off, n in self.params:
+            r.write(r.base + off, rng.randbytes(n))
+        tmp = r.allocate(4 * MiB)  # a temporary, freed: its chunk is released (a hole)
+        r.free(tmp)
+
+    def alloc_state(self) -> None:
+        r = self.region
+        self.kv = r.allocate(8 * MiB)
+        r.write(self.kv, b"\xab" * (8 * MiB))  # not state: never dumped, never compared
+
+    def _weights_digest(self) -> bytes:
+        r = self.region
+        h = hashlib.sha256()
+        for off, n in self.params:
+            h.update(r.read(r.base + off, n))
+        return h.digest()
+
+    def warmup(self) -> None:
+        r = self.region
+        self.warmups += 1
+        ptr = r.allocate(2 * MiB)
+        self.table = (ptr - r.base, 2 * MiB)
+        seed = self._weights_digest()
+        r.write(ptr, (seed * (2 * MiB // len(seed)))[: 2 * MiB])
+
+    def capture(self, graphs) -> None:
+        assert graphs is None  # record_kernels=False: no graph store
+
+    def _digest(self) -> str:
+        r = self.region
+        off, n = self.table
+        return hashlib.sha256(self._weights_digest() + r.read(r.base + off, n)).hexdigest()
+
+    def state(self) -> dict:
+        return {"params": self.params, "table": list(self.table), "digest": self._digest()}
+
+    def restore_state(self, state: dict, graphs) -> None:
+        assert [tuple(p) for p in state["params"]] == self.params
+        self.table = tuple(state["table"])
+        self.result = {"digest": self._digest(), "frozen_digest": state["digest"],
+                       "warmups": self.warmups}
+
+
+def main() -> int:
+    mode, path = sys.argv[1], sys.argv[2]
+    opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+
+    def run() -> dict:
+        from vitrify import session
+
+        eng = BytesEngine(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"))
+        if mode == "freeze":
+            s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
+                                      record_kernels=False,
+                                      dump_warmup=opts.get("dump_warmup", True))
+            return s.run()
+        blocker = None
+        if opts.get("occupy"):
+            from vitrify import Region, archive
+
+            frozen = archive.open_archive(path).region
+            blocker = Region(frozen.size, base=frozen.base)  # the frozen range is taken
+        s = session.ThawSession(eng, path, relocate=opts.get("relocate", True),
+                                warmup_restore=opts.get("warmup_restore"))
+        try:
+            out = s.run()
+        except session.CheckpointDrift as e:
+            return {"drift": str(e), "phase": e.phase, "frozen": e.found, "here": e.expected}
+        out.update(eng.result)
+        del blocker
+        return out
+
+    return report(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""vitrify.session on CPU: FREEZE and THAW of a torch-free engine (session_worker.py) in fresh
+processes against the fake CUDA driver (VMM emulated on host memory): same checkpoints, the
+weights and the warmup state back byte for byte, the KV block never dumped, relocation when the
+frozen range is taken, warmup re-run (setting and archive without the span), and the refusals:
+a drifting engine (both offsets named), another model, relocation not allowed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitrify import session
+
+FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
+WORKER = Path(__file__).with_name("session_worker.py")
+MiB = 1 << 20
+
+needs_fake = pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test "
+                                                 "sets it)")
+
+
+def run(mode: str, archive: Path, **opts) -> dict:
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE or "", FAKE_CUDA_DEVICES="1")
+    p = subprocess.run([sys.executable, str(WORKER), mode, str(archive), json.dumps(opts)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"{mode} printed no result (rc {p.returncode}):\n{p.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory):
+    if not FAKE:
+        pytest.skip("VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
+    path = tmp_path_factory.mktemp("session") / "engine.vitrify"
+    fz = run("freeze", path)
+    assert fz["ok"], fz.get("traceback")
+    return path, fz
+
+
+@needs_fake
+def test_freeze_records_every_phase_and_dumps_all_but_the_kv_cache(frozen):
+    _, fz = frozen
+    cps = fz["checkpoints"]
+    assert list(cps) == list(session.PHASES)
+    assert cps["built"] == 4 * 4 * MiB  # four 3 MiB parameters, 2 MiB granules
+    assert cps["weights"] > cps["built"]  # the freed temporary moved the cursor
+    assert cps["state"] - cps["weights"] == 8 * MiB
+    # The weights span holds the parameters (the freed temporary's chunk is a hole); the KV
+    # block [weights, state) is in no span.
+    assert fz["span_bytes"]["weights"] == 4 * 4 * MiB
+    assert fz["span_bytes"]["warmup"] == 2 * MiB
+    assert "graphs" not in fz["span_bytes"]  # nothing allocated after warmup
+    assert set(fz["timings"]) >= {"reserve", "build", "load_weights", "warmup", "dump_spans"}
+
+
+@needs_fake
+def test_thaw_restores_weights_and_warmup_state_at_the_same_base(frozen):
+    path, fz = frozen
+    th = run("thaw", path)
+    assert th["ok"], th.get("traceback")
+    assert th["base"] == fz["base"] and not th["relocated"]
+    assert th["checkpoints"] == fz["checkpoints"]
+    assert th["warmup"] == "restore" and th["warmups"] == 0
+    assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_thaw_relocates_when_the_frozen_range_is_taken(frozen):
+    path, fz = frozen
+    th = run("thaw", path, occupy=True)
+    assert th["ok"], th.get("traceback")
+    assert th["relocated"] and th["base"] != fz["base"]
+    assert th["checkpoints"] == fz["checkpoints"]
+    assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_relocation_not_allowed_is_a_clear_refusal(frozen):
+    path, _ = frozen
+    th = run("thaw", path, occupy=True, relocate=False)
+    assert not th["ok"]
+    assert th["error"].startswith("SessionError: the frozen region's range 0x")
+    assert "relocate=True" in th["error"]
+
+
+@needs_fake
+def test_warmup_rerun_reaches_the_same_checkpoints_and_state(frozen):
+    path, fz = frozen
+    th = run("thaw", path, warmup_restore=False)
+    assert th["ok"], th.get("traceback")
+    assert th["warmup"] == "rerun-warmup" and th["warmups"] == 1
+    assert th["checkpoints"] == fz["checkpoints"]
+    assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_an_archive_without_the_warmup_span_reruns_warmup(tmp_path):
+    path = tmp_path / "no-warmup.vitrify"
+    fz = run("freeze", path, dump_warmup=False)
+    assert fz["ok"], fz.get("traceback")
+    assert "warmup" not in fz["span_bytes"]
+    th = run("thaw", path)
+    assert th["ok"], th.get("traceback")
+    assert th["warmup"] == "rerun-warmup" and th["warmups"] == 1
+    assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_a_drifting_engine_is_refused_naming_the_phase_and_both_offsets(frozen):
+    path, fz = frozen
+    th = run("thaw", path, drift=True)
+    assert th["ok"], th.get("traceback")
+    assert th["phase"] == "built"
+    assert th["frozen"] == fz["checkpoints"]["built"]
+    assert th["here"] == fz["checkpoints"]["built"] + 2 * MiB
+    assert f"{th['here']} bytes" in th["drift"] and f"{th['frozen']} bytes" in th["drift"]
+
+
+@needs_fake
+def test_an_archive_of_another_model_is_refused(frozen):
+    path, _ = frozen
+    th = run("thaw", path, model="bytes-other")
+    assert not th["ok"]
+    assert "fingerprint.model mismatch" in th["error"] and "bytes-other" in th["error"]
+
+
+class _NotAnAdapter:
+    def fingerprint(self):
+        return {}
+
+
+def test_a_non_adapter_is_refused_naming_what_it_lacks(tmp_path):
+    with pytest.raises(TypeError, match="lacks route, build, load_weights"):
+        session.ThawSession(_NotAnAdapter(), tmp_path / "a")
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    from session_worker import BytesEngine
+
+    with pytest.raises(ValueError, match="region_bytes"):
+        session.FreezeSession(BytesEngine(), tmp_path / "a", region_bytes=0, record_kernels=False)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        session.FreezeSession(BytesEngine(), tmp_path / "exists", region_bytes=MiB,
+                              record_kernels=False)
+    with pytest.raises(TypeError, match="graph_threads"):
+        session.ThawSession(BytesEngine(), tmp_path / "a", graph_threads="4")
+    assert isinstance(BytesEngine(), session.EngineAdapter)
