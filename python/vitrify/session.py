@@ -31,9 +31,9 @@ THAW (:class:`ThawSession`)::
     claim up to "captured", restore the graphs span, wait for the graphs
     adapter.restore_state(state, graphs)  -> serving
 
-Every phase runs inside ``adapter.route(region)`` so the engine's allocations land in the region;
-FREEZE and THAW walk the same cursor trajectory because the adapter builds the same objects in
-the same order. A drift is a :class:`CheckpointDrift` naming the phase and both offsets.
+Every phase runs inside ``adapter.route(region, phase)`` so the engine's allocations land in the
+region; FREEZE and THAW walk the same cursor trajectory because the adapter builds the same
+objects in the same order. A drift is a :class:`CheckpointDrift` naming the phase and both offsets.
 """
 
 from __future__ import annotations
@@ -84,15 +84,18 @@ class EngineAdapter(Protocol):
     """What an engine provides to be frozen and thawed. The session calls, in order:
     ``fingerprint``; ``build``, ``load_weights`` (FREEZE only), ``alloc_state``, ``warmup``
     (FREEZE; at THAW only when the warmup span is not restored), ``capture`` (FREEZE only),
-    ``state`` (FREEZE) / ``restore_state`` (THAW) — each phase inside ``route(region)``."""
+    ``state`` (FREEZE) / ``restore_state`` (THAW) — each phase inside ``route(region, phase)``."""
 
     def fingerprint(self) -> dict[str, str]:
         """``engine``, ``engine_version`` and ``model`` (str each): an archive of another engine,
         version or model is refused at THAW."""
         ...
 
-    def route(self, region: Any) -> contextlib.AbstractContextManager:
-        """A context inside which the engine's device allocations come from ``region``."""
+    def route(self, region: Any, phase: str) -> contextlib.AbstractContextManager:
+        """A context inside which the engine's device allocations in ``phase`` (``build``,
+        ``load_weights``, ``alloc_state``, ``warmup``, ``capture``) come from ``region`` (a
+        torch engine: ``vitrify.integrations.torch.region_allocations``, and for ``capture``
+        ``activated`` with the graphs' pool in the region)."""
         ...
 
     def build(self, region: Any) -> None:
@@ -212,22 +215,22 @@ class FreezeSession:
         fp = _fingerprint(a, self.device)
         with t.step("reserve"):
             self.region = region = Region(self.region_bytes, base=self.base, device=self.device)
-        with t.step("build"), a.route(region):
+        with t.step("build"), a.route(region, "build"):
             a.build(region)
         region.checkpoint("built")
-        with t.step("load_weights"), a.route(region):
+        with t.step("load_weights"), a.route(region, "load_weights"):
             a.load_weights()
         region.checkpoint("weights")
-        with t.step("alloc_state"), a.route(region):
+        with t.step("alloc_state"), a.route(region, "alloc_state"):
             a.alloc_state()
         region.checkpoint("state")
-        with t.step("warmup"), a.route(region):
+        with t.step("warmup"), a.route(region, "warmup"):
             a.warmup()
         region.checkpoint("warmup")
         store = None
         if self.record_kernels:
             store = _graph_module().GraphStore(region=region, device=self.device)
-        with t.step("capture"), a.route(region):
+        with t.step("capture"), a.route(region, "capture"):
             a.capture(store)
         region.checkpoint("captured")
         cps = region.checkpoints
@@ -360,7 +363,7 @@ class ThawSession:
                 graphs = _graph_module().load_from_archive(
                     archive, RANK, verify=self.verify, device=self.device,
                     region_base=region.base, threads=self.graph_threads)
-        with t.step("build"), a.route(region):
+        with t.step("build"), a.route(region, "build"):
             a.build(region)
         self._compare(archive, "built", region)
         spans = archive.spans(RANK)
@@ -370,7 +373,7 @@ class ThawSession:
                 archive.restore_span(RANK, "weights", region.base, cps["weights"],
                                      target=self.device, progress=self.progress)
         self._compare(archive, "weights", region)
-        with t.step("alloc_state"), a.route(region):
+        with t.step("alloc_state"), a.route(region, "alloc_state"):
             a.alloc_state()
         self._compare(archive, "state", region)
         plan = self._warmup_plan(archive)
@@ -381,7 +384,7 @@ class ThawSession:
                 archive.restore_span(RANK, "warmup", region.base, cps["warmup"],
                                      target=self.device, progress=self.progress)
         else:
-            with t.step("warmup"), a.route(region):
+            with t.step("warmup"), a.route(region, "warmup"):
                 a.warmup()
         self._compare(archive, "warmup", region)
         with t.step("restore_graph_pools"):

@@ -77,8 +77,8 @@ class _Driver:
 
     def library_kernel(self, image: bytes, name: bytes) -> int:
         lib, k = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.c.cuLibraryLoadData(ctypes.byref(lib), image, None, None, 0, None, None, 0),
-                    "cuLibraryLoadData")
+        r = self.c.cuLibraryLoadData(ctypes.byref(lib), image, None, None, 0, None, None, 0)
+        self._check(r, "cuLibraryLoadData")
         self._check(self.c.cuLibraryGetKernel(ctypes.byref(k), lib, name), "cuLibraryGetKernel")
         return k.value  # a CUkernel, launched as a CUfunction (context-independent)
 

@@ -41,7 +41,7 @@ class BytesEngine:
     def fingerprint(self) -> dict:
         return {"engine": "bytes-engine", "engine_version": "1", "model": self.model}
 
-    def route(self, region):
+    def route(self, region, phase):
         return contextlib.nullcontext()
 
     def build(self, region) -> None:
