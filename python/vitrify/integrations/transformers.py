@@ -1,0 +1,383 @@
+"""A transformers causal LM served with a static KV cache and a decode CUDA-graph ladder, frozen and
+thawed through :mod:`vitrify.session` (:class:`CausalLMEngine` is the adapter).
+
+The model is a ``transformers`` Llama-style (or Qwen2-style) causal LM built from a config with
+seeded random weights (no downloads). ``transformers`` supplies the modules and their parameters
+(embedding, per-layer projections, RMSNorms, MLP, rotary embedding, LM head); the engine runs its
+own forward around them so the KV cache is one static tensor per layer for every batch size:
+
+- prefill (eager, one prompt at a time, causal SDPA) writes a prompt's keys/values into its row;
+- a decode step for batch ``bs`` reads ``tokens[:bs]`` and ``positions[:bs]``, writes the new
+  keys/values at each row's position, attends over the row's cache up to it (masked SDPA), and
+  writes ``logits[:bs]`` and ``next_tokens[:bs]``; one CUDA graph per batch size of the ladder.
+
+``variant="compiled"`` runs the decode step through ``torch.compile`` (``dynamic=True``: one
+compile serves every batch size; Inductor's Triton kernels end up in the graphs). THAW never
+compiles: it replays the rebuilt graphs.
+
+Phases (see ``docs/session.md``): ``build`` creates the model on the meta device and materialises
+it in the region (``to_empty``, no initialisation); ``load_weights`` fills every parameter from a
+seeded generator (``init_std`` large enough for peaked logits) and the rotary frequencies;
+``alloc_state`` allocates the KV cache (zeroed) and the static decode buffers; ``warmup`` runs each
+batch size's decode step (and compiles); ``capture`` captures the ladder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+from .. import _check
+
+ENGINE = "vitrify-transformers"
+# SGLang's default decode ladder: 1, 2, 4, 8, 12, 16, then every 8 up to 256 (36 sizes).
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, *range(24, 257, 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The model and the serving shape. The defaults are a 1.1 B-parameter Llama (TinyLlama's
+    shape: hidden 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocabulary 32000)."""
+
+    arch: str = "llama"  # "llama" or "qwen2" (q/k/v biases)
+    vocab: int = 32000
+    hidden: int = 2048
+    ffn: int = 5632
+    layers: int = 22
+    heads: int = 32
+    kv_heads: int = 4
+    max_len: int = 512
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    seed: int = 1234
+    init_std: float = 0.2  # peaked logits: greedy tokens have no near-ties
+    variant: str = "eager"  # or "compiled"
+
+    def __post_init__(self):
+        _check.choice("arch", self.arch, ("llama", "qwen2"))
+        _check.choice("variant", self.variant, ("eager", "compiled"))
+        for name in ("vocab", "hidden", "ffn", "layers", "heads", "kv_heads", "max_len"):
+            _check.integer(name, getattr(self, name), 1, 1 << 24)
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden ({self.hidden}) must divide by heads ({self.heads}) and "
+                             f"heads by kv_heads ({self.kv_heads})")
+        bss = tuple(_check.integer("batch_sizes[]", b, 1, 1 << 16) for b in self.batch_sizes)
+        if not bss or list(bss) != sorted(set(bss)):
+            raise ValueError(f"batch_sizes must be non-empty, ascending and unique, got {bss}")
+        object.__setattr__(self, "batch_sizes", bss)
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def model_id(self) -> str:
+        return (f"{self.arch}-v{self.vocab}-h{self.hidden}-f{self.ffn}-l{self.layers}-"
+                f"a{self.heads}-kv{self.kv_heads}-len{self.max_len}-seed{self.seed}-"
+                f"std{self.init_std}-bs{','.join(map(str, self.batch_sizes))}-{self.variant}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["batch_sizes"] = list(self.batch_sizes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        d = dict(d)
+        d["batch_sizes"] = tuple(d["batch_sizes"])
+        return cls(**d)
+
+
+def prompts(n: int, seed: int, vocab: int, min_len: int = 8, max_len: int = 48) -> list[list[int]]:
+    """``n`` reproducible prompts of random token ids (lengths in ``[min_len, max_len]``)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(n)]
+
+
+def _shape(model) -> tuple[int, int, int]:
+    c = model.config
+    return c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+
+
+def decode_forward(model, k_cache, v_cache, key_index, tokens, positions, rows):
+    """One decode step of ``model`` (a transformers Llama/Qwen2 causal LM) for ``tokens.shape[0]``
+    rows, against static caches ``[layers, max_batch, kv_heads, max_len, head_dim]``: writes each
+    row's new key/value at its position, attends over its cache up to it; returns
+    ``(logits [bs, vocab], next tokens [bs])``. Device-agnostic (CPU-tested against the model's
+    own forward)."""
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, hd = _shape(model)
+    bs = tokens.shape[0]
+    inner = model.model
+    x = inner.embed_tokens(tokens)  # [bs, hidden]
+    cos, sin = inner.rotary_emb(x, positions[:, None])  # [bs, 1, hd]
+    mask = (key_index[None, :] <= positions[:, None])[:, None, None, :]
+    for i, layer in enumerate(inner.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = att.q_proj(h).view(bs, heads, 1, hd)
+        k = att.k_proj(h).view(bs, kv_heads, 1, hd)
+        v = att.v_proj(h).view(bs, kv_heads, 1, hd)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        k_cache[i][rows, :, positions] = k[:, :, 0]
+        v_cache[i][rows, :, positions] = v[:, :, 0]
+        o = F.scaled_dot_product_attention(q, k_cache[i, :bs], v_cache[i, :bs], attn_mask=mask,
+                                           enable_gqa=True)
+        x = x + att.o_proj(o.reshape(bs, heads * hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.lm_head(inner.norm(x))
+    return logits, logits.argmax(-1)
+
+
+def prefill_forward(model, k_cache, v_cache, row: int, ids):
+    """Causal forward of one prompt ``ids`` ([n] token ids) writing its keys/values into cache row
+    ``row`` (positions ``0..n-1``); returns the last position's logits ``[vocab]``."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, hd = _shape(model)
+    n = ids.shape[0]
+    inner = model.model
+    x = inner.embed_tokens(ids)[None]  # [1, n, hidden]
+    cos, sin = inner.rotary_emb(x, torch.arange(n, device=ids.device)[None])
+    for i, layer in enumerate(inner.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = att.q_proj(h).view(1, n, heads, hd).transpose(1, 2)
+        k = att.k_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
+        v = att.v_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k_cache[i, row, :, :n] = k[0]
+        v_cache[i, row, :, :n] = v[0]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + att.o_proj(o.transpose(1, 2).reshape(1, n, heads * hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(inner.norm(x[0, -1]))
+
+
+class CausalLMEngine:
+    """The engine and its :class:`vitrify.session.EngineAdapter`. Construct it before CUDA is
+    initialised (it imports torch lazily, in ``build``)."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.cfg = config or EngineConfig()
+        if not isinstance(self.cfg, EngineConfig):
+            raise _check.ArgumentTypeError(f"config must be an EngineConfig, got "
+                                           f"{_check.got(self.cfg)}")
+        self.region = None
+        self.model = None
+        self.torch_graphs: dict[int, Any] = {}  # FREEZE: torch.cuda.CUDAGraph per batch size
+        self.loaded = None  # THAW: vitrify LoadedGraphs
+        self._step_fn = None
+
+    # --- adapter: identity and routing ----------------------------------------------------------
+    def fingerprint(self) -> dict:
+        import transformers
+
+        import vitrify
+
+        return {"engine": ENGINE,
+                "engine_version": f"vitrify-{vitrify.__version__}/"
+                                  f"transformers-{transformers.__version__}",
+                "model": self.cfg.model_id()}
+
+    def route(self, region, phase: str):
+        from . import torch as vt
+
+        if phase == "capture":
+            return vt.activated(region)
+        return vt.region_allocations(region)
+
+    # --- adapter: phases ------------------------------------------------------------------------
+    def _hf_config(self):
+        import transformers
+
+        c = self.cfg
+        kind = transformers.LlamaConfig if c.arch == "llama" else transformers.Qwen2Config
+        conf = kind(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.ffn,
+                    num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                    num_key_value_heads=c.kv_heads, max_position_embeddings=c.max_len,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=c.init_std)
+        conf._attn_implementation = "sdpa"
+        return conf
+
+    def build(self, region) -> None:
+        import torch
+        import transformers
+
+        self.region = region
+        conf = self._hf_config()
+        kind = (transformers.LlamaForCausalLM if self.cfg.arch == "llama"
+                else transformers.Qwen2ForCausalLM)
+        with torch.device("meta"):
+            model = kind(conf).to(torch.bfloat16)
+        # Parameters and buffers materialised in the region, in registration order, unset.
+        self.model = model.to_empty(device="cuda").eval()
+        self.hf_config = conf
+        self.head_dim = self.cfg.hidden // self.cfg.heads
+
+    def load_weights(self) -> None:
+        import torch
+
+        g = torch.Generator(device="cuda").manual_seed(self.cfg.seed)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, self.cfg.init_std if "embed" not in name else 1.0,
+                              generator=g)
+            # Non-persistent buffers (rotary frequencies) were materialised unset: take them from
+            # a rotary module built on the GPU the ordinary way.
+            rot = self.model.model.rotary_emb
+            fresh = type(rot)(config=self.hf_config, device="cuda")
+            for name, buf in rot.named_buffers(recurse=False):
+                buf.copy_(getattr(fresh, name))
+            rot.attention_scaling = fresh.attention_scaling
+            del fresh
+        torch.cuda.synchronize()
+
+    def alloc_state(self) -> None:
+        import torch
+
+        c = self.cfg
+        kvshape = (c.layers, c.max_batch, c.kv_heads, c.max_len, self.head_dim)
+        self.k_cache = torch.zeros(kvshape, dtype=torch.bfloat16, device="cuda")
+        self.v_cache = torch.zeros(kvshape, dtype=torch.bfloat16, device="cuda")
+        self.tokens = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
+        self.positions = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
+        self.rows = torch.arange(c.max_batch, dtype=torch.long, device="cuda")
+        self.key_index = torch.arange(c.max_len, dtype=torch.long, device="cuda")
+        self.logits = torch.zeros(c.max_batch, c.vocab, dtype=torch.bfloat16, device="cuda")
+        self.next_tokens = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
+        # The rotary scaling is a Python float set in load_weights at FREEZE; THAW reads it back.
+        self.rot_scaling = getattr(self.model.model.rotary_emb, "attention_scaling", 1.0)
+        torch.cuda.synchronize()
+
+    def _decode_impl(self, tokens, positions, rows):
+        return decode_forward(self.model, self.k_cache, self.v_cache, self.key_index, tokens,
+                              positions, rows)
+
+    def _step(self, bs: int) -> None:
+        import torch
+
+        with torch.no_grad():
+            logits, nxt = self._step_fn(self.tokens[:bs], self.positions[:bs], self.rows[:bs])
+            self.logits[:bs].copy_(logits)
+            self.next_tokens[:bs].copy_(nxt)
+
+    def _make_step(self) -> None:
+        import torch
+
+        if self.cfg.variant == "compiled":
+            self._step_fn = torch.compile(self._decode_impl, dynamic=True)
+        else:
+            self._step_fn = self._decode_impl
+
+    def warmup(self) -> None:
+        import torch
+
+        self._make_step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bs in self.cfg.batch_sizes:
+                for _ in range(2):
+                    self._step(bs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def capture(self, graphs) -> None:
+        import torch
+
+        from . import torch as vt
+
+        if graphs is None:
+            raise ValueError("the transformers engine captures decode graphs: freeze it with "
+                             "record_kernels=True")
+        if self._step_fn is None:
+            self._make_step()
+        for bs in self.cfg.batch_sizes:
+            with graphs.capture(f"decode_bs{bs}", pool=vt.pool_id(self.region)) as cap:
+                self._step(bs)
+            self.torch_graphs[bs] = cap.graph
+        torch.cuda.synchronize()
+
+    def state(self) -> dict:
+        return {"config": self.cfg.to_dict(), "rot_scaling": float(self.rot_scaling)}
+
+    def restore_state(self, state: dict, graphs) -> None:
+        if EngineConfig.from_dict(state["config"]) != self.cfg:
+            raise ValueError("the archive's engine config differs from this engine's")
+        rot = self.model.model.rotary_emb
+        rot.attention_scaling = state["rot_scaling"]
+        self.loaded = graphs
+
+    # --- serving --------------------------------------------------------------------------------
+    def _prefill(self, row: int, ids: list[int]) -> int:
+        """Eager prefill of one prompt into cache row ``row``; returns its first generated token."""
+        import torch
+
+        n = len(ids)
+        if not 0 < n < self.cfg.max_len:
+            raise ValueError(f"a prompt must have 1..{self.cfg.max_len - 1} tokens, got {n}")
+        with torch.no_grad():
+            t = torch.tensor(ids, dtype=torch.long, device="cuda")
+            logits = prefill_forward(self.model, self.k_cache, self.v_cache, row, t)
+            return int(logits.argmax(-1).item())
+
+    def _replay(self, bs: int) -> None:
+        import torch
+
+        if self.loaded is not None:
+            self.loaded.replay(f"decode_bs{bs}", stream=torch.cuda.current_stream())
+        else:
+            self.torch_graphs[bs].replay()
+
+    def serve(self, batch: list[list[int]], steps: int) -> dict:
+        """Greedy generation for ``batch`` prompts: prefill each eagerly, then ``steps`` decode
+        steps through the decode graph of the smallest captured batch size that fits. Returns
+        the tokens per prompt, the SHA-256 of each step's logits bytes (rows of the batch) and
+        ``first_token_s`` (until every prompt's first token exists)."""
+        import torch
+
+        c = self.cfg
+        n = len(batch)
+        bs = next((b for b in c.batch_sizes if b >= n), None)
+        if bs is None:
+            raise ValueError(f"{n} prompts exceed the largest captured batch size {c.max_batch}")
+        if max(len(p) for p in batch) + steps >= c.max_len:
+            raise ValueError(f"prompt + {steps} steps exceed max_len {c.max_len}")
+        t0 = time.perf_counter()
+        first = [self._prefill(r, p) for r, p in enumerate(batch)]
+        first_token_s = time.perf_counter() - t0  # .item() synchronised: the tokens exist
+        toks = [[t] for t in first]
+        with torch.no_grad():
+            self.tokens[:bs].zero_()
+            self.positions[:bs].zero_()
+            self.tokens[:n].copy_(torch.tensor(first, device="cuda"))
+            self.positions[:n].copy_(torch.tensor([len(p) for p in batch], device="cuda"))
+            hashes = []
+            for _ in range(steps):
+                self._replay(bs)
+                torch.cuda.current_stream().synchronize()
+                hashes.append(hashlib.sha256(
+                    self.logits[:n].view(torch.int16).cpu().numpy().tobytes()).hexdigest())
+                nxt = self.next_tokens[:n].tolist()
+                for r in range(n):
+                    toks[r].append(int(nxt[r]))
+                self.tokens[:bs].copy_(self.next_tokens[:bs])
+                self.positions[:bs].add_(1)
+        return {"batch_size": bs, "tokens": toks, "logits_sha256": hashes,
+                "first_token_s": first_token_s}
+
+
+__all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "ENGINE", "EngineConfig", "prompts"]

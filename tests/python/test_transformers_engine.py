@@ -1,0 +1,78 @@
+"""The transformers engine's own forward (vitrify.integrations.transformers: eager prefill into a
+static cache row, batched decode steps against the static cache) against the model's own
+transformers forward, on CPU in float32, for Llama- and Qwen2-shaped models; and its config's
+validation. The freeze/thaw of the engine itself is a GPU test (test_transformers_engine_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from vitrify.integrations import transformers as vtt  # noqa: E402
+
+
+def _model(arch: str):
+    cfg = vtt.EngineConfig(arch=arch, vocab=96, hidden=64, ffn=128, layers=3, heads=8,
+                           kv_heads=2, max_len=40, batch_sizes=(1, 2, 4), init_std=0.2)
+    eng = vtt.CausalLMEngine(cfg)
+    conf = eng._hf_config()
+    torch.manual_seed(0)
+    kind = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    model = kind(conf).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # peaked logits, biases not zero
+            p.normal_(0.0, 0.2 if "embed" not in name else 1.0)
+    return cfg, model
+
+
+def _reference_next_logits(model, seq: list[int]):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([seq])).logits[0, -1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
+    cfg, model = _model(arch)
+    hd = cfg.hidden // cfg.heads
+    shape = (cfg.layers, cfg.max_batch, cfg.kv_heads, cfg.max_len, hd)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    prompts = vtt.prompts(3, seed=5, vocab=cfg.vocab, min_len=3, max_len=11)
+    seqs = []
+    with torch.no_grad():
+        for row, p in enumerate(prompts):
+            logits = vtt.prefill_forward(model, k_cache, v_cache, row, torch.tensor(p))
+            torch.testing.assert_close(logits, _reference_next_logits(model, p), rtol=1e-4,
+                                       atol=1e-4)
+            seqs.append(p + [int(logits.argmax())])
+        # Decode the three rows together (plus a padding row of batch size 4) for 5 steps.
+        bs = 4
+        key_index = torch.arange(cfg.max_len)
+        rows = torch.arange(bs)
+        tokens = torch.tensor([s[-1] for s in seqs] + [0])
+        positions = torch.tensor([len(s) - 1 for s in seqs] + [0])
+        for _ in range(5):
+            logits, nxt = vtt.decode_forward(model, k_cache, v_cache, key_index, tokens,
+                                             positions, rows)
+            for r, s in enumerate(seqs):
+                torch.testing.assert_close(logits[r], _reference_next_logits(model, s),
+                                           rtol=1e-4, atol=1e-4)
+                s.append(int(nxt[r]))
+            tokens = nxt.clone()
+            positions = positions + 1
+
+
+def test_config_validation_is_one_line_errors():
+    with pytest.raises(ValueError, match="variant"):
+        vtt.EngineConfig(variant="fast")
+    with pytest.raises(ValueError, match="must divide"):
+        vtt.EngineConfig(hidden=100, heads=32)
+    with pytest.raises(ValueError, match="ascending and unique"):
+        vtt.EngineConfig(batch_sizes=(4, 2))
+    cfg = vtt.EngineConfig()
+    assert len(cfg.batch_sizes) >= 32 and cfg.max_batch == 256
+    assert vtt.EngineConfig.from_dict(cfg.to_dict()) == cfg
+    assert "compiled" in vtt.EngineConfig(variant="compiled").model_id()
+    with pytest.raises(TypeError, match="EngineConfig"):
+        vtt.CausalLMEngine({"hidden": 64})
