@@ -1,5 +1,5 @@
 // The graph capture (FREEZE) and rebuild (THAW) logic against a fake driver
-// (fake_graph_cuda.cpp), on CPU: description -> GraphSet rebuild -> launch (the fake logs the
+// (fake_cuda/graph.cpp), on CPU: description -> GraphSet rebuild -> launch (the fake logs the
 // parameters each launch runs with) -> capture_graph of the rebuilt graph -> the same
 // description; template switching; ownership (nothing leaks); FREEZE errors.
 #include <dlfcn.h>
@@ -17,16 +17,19 @@ using namespace vitrify::graph;
 
 namespace {
 
-// Before anything loads the driver: this test binary runs against the fake.
+// Before anything loads the driver: this test binary runs against the fake with one device.
 class FakeDriver : public ::testing::Environment {
  public:
-  void SetUp() override { vitrify::driver::set_library_path(VITRIFY_FAKE_GRAPH_CUDA_PATH); }
+  void SetUp() override {
+    ::setenv("FAKE_CUDA_DEVICES", "1", 1);
+    vitrify::driver::set_library_path(VITRIFY_FAKE_CUDA_PATH);
+  }
 };
 [[maybe_unused]] ::testing::Environment* const kUseFake =
     ::testing::AddGlobalTestEnvironment(new FakeDriver);
 
 void* fake() {
-  static void* h = ::dlopen(VITRIFY_FAKE_GRAPH_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  static void* h = ::dlopen(VITRIFY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
   return h;
 }
 template <typename F>
@@ -151,7 +154,7 @@ void expect_nothing_alive() {
 TEST(GraphFake, DriverIsTheFake) {
   ASSERT_TRUE(vitrify::driver::available()) << vitrify::driver::unavailable_reason();
   ASSERT_NE(fake(), nullptr) << ::dlerror();
-  EXPECT_EQ(vitrify::driver::table().library_path, VITRIFY_FAKE_GRAPH_CUDA_PATH);
+  EXPECT_EQ(vitrify::driver::table().library_path, VITRIFY_FAKE_CUDA_PATH);
 }
 
 TEST(GraphFake, RebuildLaunchAndCaptureBackIsTheSameGraph) {

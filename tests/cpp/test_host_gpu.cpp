@@ -1,8 +1,9 @@
 // GPU tests of the host tier (ctest label `gpu`): multi-slab registration under a forced small
 // ceiling, batched and looped page copies across slab boundaries (byte-exact), segments that
 // cannot straddle, and serial vs parallel registration timing. They skip without a driver.
-// ctest also runs this binary (label cpu) on fake_libcuda_host.cpp, a host-emulated driver that
-// refuses batch copies straddling two registrations, with both batch ABIs (13000 and 12080).
+// ctest also runs this binary (label cpu) on the fake driver with one device (fake_cuda/host.cpp
+// emulates registration and copies; it refuses batch copies straddling two registrations), with
+// both batch ABIs (13000 and 12080).
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,4 +1,4 @@
-// The Region class itself on the fake driver (tests/cpp/fake_libcuda.cpp emulates VMM on host
+// The Region class itself on the fake driver (tests/cpp/fake_cuda/vmm.cpp emulates VMM on host
 // memory), so reservation, mapping, unwinding and the C ABI run on machines without a GPU.
 // R<n> = invariant n in csrc/src/region/DESIGN.md.
 #include <dlfcn.h>

@@ -6,8 +6,8 @@ exception's class hierarchy and message), announcing each case on stderr first, 
 hang in the subprocess that test_bad_input.py starts names the case that caused it.
 
 Groups: ``cpu`` (no driver at all: validation happens before any driver call), ``fake`` (the
-fake CUDA driver, for objects that need a device: Region), ``host`` (the host-emulating fake
-driver: pinned HostPool registration), ``sglang`` (the HiCache backend's settings; needs SGLang).
+fake CUDA driver with one device, for objects that need a device: Region), ``host`` (the same
+fake driver and device: pinned HostPool registration), ``sglang`` (the HiCache backend's settings; needs SGLang).
 ``nonroot`` cases rely on permissions, which do not stop root; they are skipped as root.
 """
 

@@ -1,5 +1,5 @@
 """Region behaviour cases shared by the CPU suite (each run in a fresh process on the fake
-driver, tests/cpp/fake_libcuda.cpp) and the GPU suite (run in-process on the real driver).
+driver, tests/cpp/fake_cuda/) and the GPU suite (run in-process on the real driver).
 R<n> = invariant n in csrc/src/region/DESIGN.md. Every case closes the regions it makes."""
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ from vitrify import _native
 BASE = 0x600000000000  # upper half 0x6000 = 24576 = 6 * 4096 = 24 * 1024
 SIZE = 64 << 30
 HI = BASE >> 32
-FAKE = Path(os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA", "/nonexistent")).with_name(
-    "libvitrify_fake_graph_cuda.so")
+FAKE = Path(os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA", "/nonexistent"))
 
 
 def kernel(params: bytes, slots, name="k"):
@@ -157,9 +156,9 @@ print(json.dumps(res))
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not FAKE.exists():
-        pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
+        pytest.skip(f"fake driver not built ({FAKE}); run through `make test`")
     d = tmp_path_factory.mktemp("reloc")
-    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE))
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE), FAKE_CUDA_DEVICES="1")
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(d)], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]

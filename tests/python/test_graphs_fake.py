@@ -1,5 +1,5 @@
 """The Python graph API end to end on CPU, against the fake driver with graph entry points
-(tests/cpp/fake_graph_cuda.cpp, built next to VITRIFY_TEST_FAKE_LIBCUDA by `make test`):
+(tests/cpp/fake_cuda/graph.cpp in VITRIFY_TEST_FAKE_LIBCUDA, built by `make test`):
 GraphStore.add -> save -> load at another base -> replay (the fake logs each launch) ->
 add_cuda_graph of the rebuilt graph. Runs in a subprocess: the driver is chosen once per process."""
 
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-FAKE = Path(os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA", "/nonexistent")).with_name(
-    "libvitrify_fake_graph_cuda.so")
+FAKE = Path(os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA", "/nonexistent"))
 
 SCRIPT = r'''
 import ctypes, json, struct, sys
@@ -63,9 +62,9 @@ print(json.dumps({"log": log, "stats": graphs.stats(), "index": index, "info": i
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not FAKE.exists():
-        pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
+        pytest.skip(f"fake driver not built ({FAKE}); run through `make test`")
     d = tmp_path_factory.mktemp("fakegraphs")
-    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE))
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE), FAKE_CUDA_DEVICES="1")
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(FAKE), str(d)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -142,8 +141,8 @@ def test_graphs_round_trip_through_an_archive(tmp_path):
     load_from_archive verifies them first: a flipped byte in a module is ArchiveCorrupt naming
     the file, before any driver call; a rank without graphs is a KeyError."""
     if not FAKE.exists():
-        pytest.skip(f"fake graph driver not built ({FAKE}); run through `make test`")
-    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE))
+        pytest.skip(f"fake driver not built ({FAKE}); run through `make test`")
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=str(FAKE), FAKE_CUDA_DEVICES="1")
     p = subprocess.run([sys.executable, "-c", ARCHIVE_SCRIPT, str(tmp_path)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -432,19 +432,18 @@ def test_gather_from_a_pool_slab():
 
 def _emulated_driver() -> str | None:
     fake = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
-    if not fake:
-        return None
-    p = os.path.join(os.path.dirname(fake), "libvitrify_fake_cuda_host.so")
-    return p if os.path.exists(p) else None
+    return fake if fake and os.path.exists(fake) else None
 
 
 @pytest.mark.skipif(_emulated_driver() is None,
-                    reason="VITRIFY_TEST_FAKE_LIBCUDA not set or libvitrify_fake_cuda_host.so not built")
+                    reason="VITRIFY_TEST_FAKE_LIBCUDA not set or not built (make test sets it)")
 @pytest.mark.parametrize("abi", ["13000", "12080"])
 def test_gpu_tests_pass_on_the_host_emulated_driver(abi):
-    """The gpu tests below, on tests/cpp/fake_libcuda_host.cpp: it refuses batch copies whose
-    host range straddles two registrations, so the byte-exact checks have teeth on CPU."""
-    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_VERSION=abi)
+    """The gpu tests below, on the fake driver with one device (tests/cpp/fake_cuda/host.cpp):
+    it refuses batch copies whose host range straddles two registrations, so the byte-exact
+    checks have teeth on CPU."""
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=_emulated_driver(), FAKE_CUDA_DEVICES="1",
+               FAKE_CUDA_VERSION=abi)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
                         "no:cacheprovider", __file__], capture_output=True, text=True, env=env,
                        timeout=300)

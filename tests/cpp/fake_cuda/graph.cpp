@@ -1,11 +1,11 @@
-// A fake libcuda with enough of the graph, module and context API to run vitrify's graph capture
-// (csrc/src/graph/capture.cpp) and rebuild (rebuild.cpp) logic on a machine without a GPU.
-// Graphs, nodes, executables, modules and events are plain host objects; a launch appends the
-// executable's effective node parameters, as text, to a log the tests read (fake_graph_*).
+// Graphs, modules and functions of the fake driver: enough of the API to run vitrify's graph
+// capture (csrc/src/graph/capture.cpp) and rebuild (rebuild.cpp) logic without a GPU. Graphs,
+// nodes, executables and modules are plain host objects; a launch appends the executable's
+// effective node parameters, as text, to a log the tests read (fake_graph_* hooks below).
+// cuPointerGetAttribute calls every address device memory (what the capture's checks need).
 //
 // Module images are PTX-like text: ".entry NAME ( // params OFF:SIZE OFF:SIZE ..." per kernel.
-#include <cuda.h>
-
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "fake_cuda.hpp"
+
+namespace fake {
 namespace {
 
 std::mutex mu;
@@ -52,17 +55,12 @@ struct Exec {
   Graph* graph;
   std::vector<Node> state;  // per node, the parameters this executable launches with
 };
-struct Event {
-  int id;
-};
 
 // Live object counts (leak checks), counters, the launch log.
-int live_graphs = 0, live_execs = 0, live_modules = 0, live_events = 0;
+int live_graphs = 0, live_execs = 0, live_modules = 0;
 int exec_updates = 0;
 CUgraph last_graph = nullptr;
 std::vector<std::string> launch_log;
-int fake_ctx_storage = 0;
-thread_local CUcontext current = nullptr;
 
 Node* find_node(Graph* g, CUgraphNode n) {
   for (auto& p : g->nodes)
@@ -139,45 +137,6 @@ CUresult deps(CUgraph g, CUgraphNode to, const CUgraphNode* d, size_t n) {
   return CUDA_SUCCESS;
 }
 
-// ---------------------------------------------------------------- basics, devices, contexts
-CUresult not_supported() { return CUDA_ERROR_NOT_SUPPORTED; }
-CUresult driver_get_version(int* v) { *v = 13000; return CUDA_SUCCESS; }
-CUresult init(unsigned) { return CUDA_SUCCESS; }
-CUresult device_get_count(int* n) { *n = 1; return CUDA_SUCCESS; }
-CUresult device_get(CUdevice* d, int ordinal) { *d = ordinal; return ordinal == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE; }
-CUresult primary_retain(CUcontext* c, CUdevice) {
-  *c = reinterpret_cast<CUcontext>(&fake_ctx_storage);
-  return CUDA_SUCCESS;
-}
-CUresult ctx_get_current(CUcontext* c) { *c = current; return CUDA_SUCCESS; }
-CUresult ctx_set_current(CUcontext c) { current = c; return CUDA_SUCCESS; }
-CUresult ctx_synchronize() { return current ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT; }
-const char* name_of(CUresult r) {
-  switch (r) {
-    case CUDA_SUCCESS: return "CUDA_SUCCESS";
-    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
-    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
-    case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
-    case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
-    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
-    default: return nullptr;
-  }
-}
-CUresult get_error_name(CUresult r, const char** s) { *s = name_of(r); return *s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
-CUresult get_error_string(CUresult r, const char** s) { *s = name_of(r) ? "fake graph driver" : nullptr; return *s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
-CUresult event_create(CUevent* e, unsigned) {
-  std::lock_guard<std::mutex> l(mu);
-  static int next = 0;
-  *e = reinterpret_cast<CUevent>(new Event{next++});
-  ++live_events;
-  return CUDA_SUCCESS;
-}
-CUresult event_destroy(CUevent e) {
-  std::lock_guard<std::mutex> l(mu);
-  delete reinterpret_cast<Event*>(e);
-  --live_events;
-  return CUDA_SUCCESS;
-}
 CUresult pointer_get_attribute(void* out, CUpointer_attribute a, CUdeviceptr) {
   if (a != CU_POINTER_ATTRIBUTE_MEMORY_TYPE) return CUDA_ERROR_NOT_SUPPORTED;
   *static_cast<unsigned*>(out) = CU_MEMORYTYPE_DEVICE;
@@ -186,7 +145,7 @@ CUresult pointer_get_attribute(void* out, CUpointer_attribute a, CUdeviceptr) {
 
 // ------------------------------------------------------------------------ modules, functions
 CUresult module_load_data(CUmodule* out, const void* image) {
-  if (current == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  if (need_context() != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
   std::istringstream in(static_cast<const char*>(image));
   auto m = std::make_unique<Module>();
   std::string line;
@@ -420,7 +379,7 @@ CUresult exec_memset_set(CUgraphExec he, CUgraphNode hn, const CUDA_MEMSET_NODE_
   return CUDA_SUCCESS;
 }
 CUresult launch(CUgraphExec he, CUstream) {
-  if (current == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  if (need_context() != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
   Exec* e = reinterpret_cast<Exec*>(he);
   std::string s;
   for (const Node& n : e->state) s += describe(n) + ";";
@@ -429,85 +388,69 @@ CUresult launch(CUgraphExec he, CUstream) {
   return CUDA_SUCCESS;
 }
 
+FAKE_CUDA_ENTRIES({
+    {"cuPointerGetAttribute", FAKE_FN(pointer_get_attribute)},
+    {"cuModuleLoadData", FAKE_FN(module_load_data)},
+    {"cuModuleUnload", FAKE_FN(module_unload)},
+    {"cuModuleGetFunction", FAKE_FN(module_get_function)},
+    {"cuModuleGetFunctionCount", FAKE_FN(module_get_function_count)},
+    {"cuModuleEnumerateFunctions", FAKE_FN(module_enumerate_functions)},
+    {"cuFuncGetModule", FAKE_FN(func_get_module)},
+    {"cuFuncGetName", FAKE_FN(func_get_name)},
+    {"cuFuncGetParamInfo", FAKE_FN(func_get_param_info)},
+    {"cuFuncGetAttribute", FAKE_FN(func_get_attribute)},
+    {"cuFuncSetAttribute", FAKE_FN(func_set_attribute)},
+    {"cuGraphCreate", FAKE_FN(graph_create)},
+    {"cuGraphDestroy", FAKE_FN(graph_destroy)},
+    {"cuGraphAddKernelNode", FAKE_FN(add_kernel)},
+    {"cuGraphAddMemcpyNode", FAKE_FN(add_memcpy)},
+    {"cuGraphAddMemsetNode", FAKE_FN(add_memset)},
+    {"cuGraphAddEventRecordNode", FAKE_FN(add_record)},
+    {"cuGraphAddEventWaitNode", FAKE_FN(add_wait)},
+    {"cuGraphAddEmptyNode", FAKE_FN(add_empty)},
+    {"cuGraphAddChildGraphNode", FAKE_FN(add_child)},
+    {"cuGraphAddDependencies", FAKE_FN(add_dependencies)},
+    {"cuGraphKernelNodeSetAttribute", FAKE_FN(kernel_set_attribute)},
+    {"cuGraphKernelNodeGetAttribute", FAKE_FN(kernel_get_attribute)},
+    {"cuGraphGetNodes", FAKE_FN(get_nodes)},
+    {"cuGraphGetEdges", FAKE_FN(get_edges)},
+    {"cuGraphNodeGetType", FAKE_FN(node_get_type)},
+    {"cuGraphKernelNodeGetParams", FAKE_FN(kernel_get_params)},
+    {"cuGraphMemcpyNodeGetParams", FAKE_FN(memcpy_get_params)},
+    {"cuGraphMemsetNodeGetParams", FAKE_FN(memset_get_params)},
+    {"cuGraphEventRecordNodeGetEvent", FAKE_FN(record_get_event)},
+    {"cuGraphEventWaitNodeGetEvent", FAKE_FN(record_get_event)},
+    {"cuGraphInstantiateWithFlags", FAKE_FN(instantiate)},
+    {"cuGraphExecDestroy", FAKE_FN(exec_destroy)},
+    {"cuGraphExecKernelNodeSetParams", FAKE_FN(exec_kernel_set)},
+    {"cuGraphExecMemcpyNodeSetParams", FAKE_FN(exec_memcpy_set)},
+    {"cuGraphExecMemsetNodeSetParams", FAKE_FN(exec_memset_set)},
+    {"cuGraphLaunch", FAKE_FN(launch)},
+});
+
 }  // namespace
+}  // namespace fake
 
-#define EXPORT extern "C" __attribute__((visibility("default")))
-
-EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int, cuuint64_t,
-                                    CUdriverProcAddressQueryResult* st) {
-  static const std::map<std::string, void*> table = {
-      {"cuDriverGetVersion", (void*)&driver_get_version},
-      {"cuInit", (void*)&init},
-      {"cuGetErrorName", (void*)&get_error_name},
-      {"cuGetErrorString", (void*)&get_error_string},
-      {"cuDeviceGetCount", (void*)&device_get_count},
-      {"cuDeviceGet", (void*)&device_get},
-      {"cuDevicePrimaryCtxRetain", (void*)&primary_retain},
-      {"cuCtxGetCurrent", (void*)&ctx_get_current},
-      {"cuCtxSetCurrent", (void*)&ctx_set_current},
-      {"cuCtxSynchronize", (void*)&ctx_synchronize},
-      {"cuEventCreate", (void*)&event_create},
-      {"cuEventDestroy", (void*)&event_destroy},
-      {"cuPointerGetAttribute", (void*)&pointer_get_attribute},
-      {"cuModuleLoadData", (void*)&module_load_data},
-      {"cuModuleUnload", (void*)&module_unload},
-      {"cuModuleGetFunction", (void*)&module_get_function},
-      {"cuModuleGetFunctionCount", (void*)&module_get_function_count},
-      {"cuModuleEnumerateFunctions", (void*)&module_enumerate_functions},
-      {"cuFuncGetModule", (void*)&func_get_module},
-      {"cuFuncGetName", (void*)&func_get_name},
-      {"cuFuncGetParamInfo", (void*)&func_get_param_info},
-      {"cuFuncGetAttribute", (void*)&func_get_attribute},
-      {"cuFuncSetAttribute", (void*)&func_set_attribute},
-      {"cuGraphCreate", (void*)&graph_create},
-      {"cuGraphDestroy", (void*)&graph_destroy},
-      {"cuGraphAddKernelNode", (void*)&add_kernel},
-      {"cuGraphAddMemcpyNode", (void*)&add_memcpy},
-      {"cuGraphAddMemsetNode", (void*)&add_memset},
-      {"cuGraphAddEventRecordNode", (void*)&add_record},
-      {"cuGraphAddEventWaitNode", (void*)&add_wait},
-      {"cuGraphAddEmptyNode", (void*)&add_empty},
-      {"cuGraphAddChildGraphNode", (void*)&add_child},
-      {"cuGraphAddDependencies", (void*)&add_dependencies},
-      {"cuGraphKernelNodeSetAttribute", (void*)&kernel_set_attribute},
-      {"cuGraphKernelNodeGetAttribute", (void*)&kernel_get_attribute},
-      {"cuGraphGetNodes", (void*)&get_nodes},
-      {"cuGraphGetEdges", (void*)&get_edges},
-      {"cuGraphNodeGetType", (void*)&node_get_type},
-      {"cuGraphKernelNodeGetParams", (void*)&kernel_get_params},
-      {"cuGraphMemcpyNodeGetParams", (void*)&memcpy_get_params},
-      {"cuGraphMemsetNodeGetParams", (void*)&memset_get_params},
-      {"cuGraphEventRecordNodeGetEvent", (void*)&record_get_event},
-      {"cuGraphEventWaitNodeGetEvent", (void*)&record_get_event},
-      {"cuGraphInstantiateWithFlags", (void*)&instantiate},
-      {"cuGraphExecDestroy", (void*)&exec_destroy},
-      {"cuGraphExecKernelNodeSetParams", (void*)&exec_kernel_set},
-      {"cuGraphExecMemcpyNodeSetParams", (void*)&exec_memcpy_set},
-      {"cuGraphExecMemsetNodeSetParams", (void*)&exec_memset_set},
-      {"cuGraphLaunch", (void*)&launch},
-  };
-  auto it = table.find(symbol);
-  *pfn = it != table.end() ? it->second : (void*)&not_supported;
-  if (st) *st = CU_GET_PROC_ADDRESS_SUCCESS;
-  return CUDA_SUCCESS;
-}
-
-// Test hooks.
-EXPORT int fake_graph_live(const char* what) {
-  std::lock_guard<std::mutex> l(mu);
+// ---- test hooks -------------------------------------------------------------------------------
+// Live objects and counters by name: graphs, execs, modules, events, exec_updates (-1: unknown).
+FAKE_EXPORT int fake_graph_live(const char* what) {
   const std::string w = what;
-  return w == "graphs" ? live_graphs : w == "execs" ? live_execs : w == "modules" ? live_modules
-       : w == "events" ? live_events : w == "exec_updates" ? exec_updates : -1;
+  if (w == "events") return fake::live_events();
+  std::lock_guard<std::mutex> l(fake::mu);
+  return w == "graphs" ? fake::live_graphs : w == "execs" ? fake::live_execs
+       : w == "modules" ? fake::live_modules : w == "exec_updates" ? fake::exec_updates : -1;
 }
-EXPORT CUgraph fake_graph_last() {
-  std::lock_guard<std::mutex> l(mu);
-  return last_graph;
+// The graph created last (nullptr once destroyed).
+FAKE_EXPORT CUgraph fake_graph_last() {
+  std::lock_guard<std::mutex> l(fake::mu);
+  return fake::last_graph;
 }
-EXPORT size_t fake_graph_launches() {
-  std::lock_guard<std::mutex> l(mu);
-  return launch_log.size();
+// The launch log: how many launches, and launch i's node parameters as text.
+FAKE_EXPORT size_t fake_graph_launches() {
+  std::lock_guard<std::mutex> l(fake::mu);
+  return fake::launch_log.size();
 }
-EXPORT const char* fake_graph_launch(size_t i) {
-  std::lock_guard<std::mutex> l(mu);
-  return i < launch_log.size() ? launch_log[i].c_str() : nullptr;
+FAKE_EXPORT const char* fake_graph_launch(size_t i) {
+  std::lock_guard<std::mutex> l(fake::mu);
+  return i < fake::launch_log.size() ? fake::launch_log[i].c_str() : nullptr;
 }
