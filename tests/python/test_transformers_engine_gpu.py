@@ -18,7 +18,6 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-WORKER = Path(__file__).with_name("engine_worker.py")
 PROMPTS, STEPS = 16, 32
 
 
@@ -30,8 +29,8 @@ def config(variant: str) -> dict:
 
 def run(mode: str, archive: Path, variant: str, timeout: int = 560, **opts) -> dict:
     env = dict(os.environ, VITRIFY_T0=repr(time.time()))
-    p = subprocess.run([sys.executable, str(WORKER), mode, str(archive),
-                        json.dumps(config(variant)), json.dumps(opts)],
+    p = subprocess.run([sys.executable, "-m", "vitrify.integrations.transformers", mode,
+                        str(archive), json.dumps(config(variant)), json.dumps(opts)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"{mode} printed no result (rc {p.returncode}):\n{p.stderr[-4000:]}"

@@ -1,19 +1,6 @@
-"""The result protocol of the GPU test workers (graph_worker.py, decoder_worker.py): run one
-mode, print its dict as the last stdout line (JSON) with ``ok``, and exit 0 or 1. A failure is
-reported, not raised: ``error`` (one line) and ``traceback``."""
+"""The result protocol of the GPU test workers (graph_worker.py, decoder_worker.py,
+session_worker.py): vitrify's own (``vitrify._worker.report``)."""
 
-from __future__ import annotations
+from vitrify._worker import report
 
-import json
-import traceback
-from collections.abc import Callable
-
-
-def report(run: Callable[[], dict]) -> int:
-    try:
-        r = run()
-        r["ok"] = True
-    except Exception as e:
-        r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    print(json.dumps(r, default=str))
-    return 0 if r["ok"] else 1
+__all__ = ["report"]

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -380,4 +383,108 @@ class CausalLMEngine:
                 "first_token_s": first_token_s}
 
 
-__all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "ENGINE", "EngineConfig", "prompts"]
+# ------------------------------------------------------------------------- process entry point
+_T0 = float(os.environ.get("VITRIFY_T0", time.time()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vitrify.integrations.transformers MODE ARCHIVE CONFIG_JSON [OPTS_JSON]``:
+    MODE ``freeze`` (FREEZE into ARCHIVE), ``thaw`` (THAW from it) or ``cold`` (the same phases,
+    no archive: the cold start to compare with); then serve OPTS.prompts (16) new prompts
+    (OPTS.prompt_seed, never seen at FREEZE) for OPTS.steps (32) decode steps. THAW options:
+    ``occupy`` (reserve the frozen range first, so the session must relocate) and
+    ``warmup_restore``. Prints one JSON line last (tokens, logits hashes, session timings,
+    ``ready_s`` / ``first_token_s`` / ``process_s`` counted from ``VITRIFY_T0``, the parent's
+    clock at launch, else this module's import)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (3, 4) or args[0] not in ("freeze", "thaw", "cold"):
+        print("usage: python -m vitrify.integrations.transformers freeze|thaw|cold ARCHIVE "
+              "CONFIG_JSON [OPTS_JSON]", file=sys.stderr)
+        return 2
+    mode, path = args[0], args[1]
+    cfg_d = json.loads(args[2])
+    opts = json.loads(args[3]) if len(args) > 3 else {}
+
+    def run() -> dict:
+        from .. import session
+
+        cfg = EngineConfig.from_dict(cfg_d)
+        eng = CausalLMEngine(cfg)
+        out: dict = {"mode": mode}
+        region_bytes = opts.get("region_bytes", 12 << 30)
+        if mode == "freeze":
+            out["session"] = session.FreezeSession(eng, path, region_bytes=region_bytes,
+                                                   overwrite=True).run()
+        elif mode == "cold":  # the same phases, no archive, no kernel recording: a cold start
+            out["session"] = _cold(eng, region_bytes)
+        else:
+            blocker = None
+            if opts.get("occupy"):
+                from .. import Region, archive
+
+                frozen = archive.open_archive(path).region
+                blocker = Region(frozen.size, base=frozen.base)
+            s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
+            out["session"] = s.run()
+            out["blocked"] = blocker is not None
+        out["ready_s"] = time.time() - _T0
+        import torch
+
+        batch = prompts(opts.get("prompts", 16), opts.get("prompt_seed", 99), cfg.vocab)
+        t = time.perf_counter()
+        served = eng.serve(batch, opts.get("steps", 32))
+        torch.cuda.synchronize()
+        out["serve_s"] = time.perf_counter() - t
+        out["first_token_s"] = out["ready_s"] + served.pop("first_token_s", 0.0)
+        out.update(served)
+        out["process_s"] = time.time() - _T0
+        return out
+
+    from .._worker import report
+
+    return report(run)
+
+
+def _cold(a: CausalLMEngine, region_bytes: int) -> dict:
+    """FREEZE's phases without kernel recording or an archive: the cold start to compare with."""
+    from ..region import Region
+    from ..session import Timings
+
+    t = Timings()
+    with t.step("reserve"):
+        region = Region(region_bytes)
+    for phase, call in (("build", lambda: a.build(region)), ("load_weights", a.load_weights),
+                        ("alloc_state", a.alloc_state), ("warmup", a.warmup)):
+        with t.step(phase), a.route(region, phase):
+            call()
+    with t.step("capture"), a.route(region, "capture"):
+        a.capture(_TorchGraphs())
+    return {"timings": t.as_dict(), "base": region.base}
+
+
+class _TorchGraphs:
+    """``capture(name, pool=...)`` as torch alone does it (what a server without vitrify runs)."""
+
+    class _Capture:
+        def __init__(self, pool):
+            import torch
+
+            self.graph = torch.cuda.CUDAGraph()
+            self._ctx = torch.cuda.graph(self.graph, pool=pool)
+
+        def __enter__(self):
+            self._ctx.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._ctx.__exit__(*exc)
+
+    def capture(self, name: str, pool=None):
+        return self._Capture(pool)
+
+
+__all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "ENGINE", "EngineConfig", "decode_forward",
+           "main", "prefill_forward", "prompts"]
+
+if __name__ == "__main__":
+    sys.exit(main())
