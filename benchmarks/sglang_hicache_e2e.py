@@ -596,7 +596,7 @@ def unpack_bundle(s: Settings) -> str:
 
 def ensure_vitrify(s: Settings) -> str:
     """``import vitrify`` in the server's python; else install this tree (no index) once."""
-    probe = [s.python, "-c", "import vitrify, vitrify.host, vitrify.tier; print(vitrify.__file__)"]
+    probe = [s.python, "-c", "import vitrify, vitrify.host, vitrify.disk; print(vitrify.__file__)"]
     r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
     if r.returncode == 0:
         return f"vitrify importable: {r.stdout.strip()}"

@@ -25,7 +25,7 @@ RC=0
 QUICK=()
 [ "${VITRIFY_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
 
-if ! (cd /tmp && "$PY" -c "import vitrify.tier, vitrify.bench") 2>/dev/null; then
+if ! (cd /tmp && "$PY" -c "import vitrify.disk, vitrify.bench") 2>/dev/null; then
   echo "== installing vitrify from this tree"
   "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . || exit 2
 fi

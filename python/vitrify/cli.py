@@ -50,21 +50,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     try:
         info = archive.inspect(args.archive)
         if args.relocations:
-            from . import graphs
+            from . import graph
 
             a = archive.open_archive(args.archive)
             audits = {}
             for r in a.ranks:
-                if f"rank{r}/{graphs.INDEX_FILE}" in a.files:
+                if f"rank{r}/{graph.INDEX_FILE}" in a.files:
                     for rel in a.files:
-                        if rel.startswith(f"rank{r}/{graphs.GRAPHS_DIR}/"):
+                        if rel.startswith(f"rank{r}/{graph.GRAPHS_DIR}/"):
                             a.check_file(rel, checksum=True)
-                    audits[r] = graphs.relocation_audit(os.path.join(a.path, f"rank{r}"))
+                    audits[r] = graph.relocation_audit(os.path.join(a.path, f"rank{r}"))
             if args.json:
                 json.dump({str(k): v for k, v in audits.items()}, sys.stdout, indent=2)
                 sys.stdout.write("\n")
             else:
-                print(graphs.render_relocation_audit(audits) if audits
+                print(graph.render_relocation_audit(audits) if audits
                       else f"{args.archive}: no graphs")
             return 0
     except (archive.ArchiveError, FileNotFoundError, ValueError) as e:

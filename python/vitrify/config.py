@@ -121,7 +121,7 @@ VARIABLES: tuple[Variable, ...] = (
              "SGLang freeze/thaw hook configuration", _path),
     Variable("VITRIFY_CUPTI_PATH", "cupti_path", "path",
              "unset (`libcupti.so.13`, then CUDA's `lib64`)",
-             "the libcupti that `vitrify.graphs.record_modules()` loads", _path),
+             "the libcupti that `vitrify.graph.record_modules()` loads", _path),
     Variable("VITRIFY_BENCH_DIR", "bench_dir", "path", "the system temp directory",
              "where the disk benchmarks measure when `--dir` is not given", _path),
     Variable("VITRIFY_GIT_SHA", "git_sha", "commit", "HEAD of the checkout",

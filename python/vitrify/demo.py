@@ -1,11 +1,11 @@
 """``vitrify demo``: run vitrify's main jobs on this machine, saying plainly what was skipped and why.
 
-Two parts run on any Linux machine (no GPU, no torch, no numpy):
+Three parts; the first two run on any Linux machine (no GPU, no torch, no numpy):
 
 tiers
     A stand-in KV cache (K and V, layer-first, random bytes) is spilled page by page into a
     :class:`vitrify.host.HostPool` (gathered with :func:`vitrify.host.gather_each`) and from
-    there into the O_DIRECT disk slabs of a :class:`vitrify.tier.DiskStore`. The pool and the
+    there into the O_DIRECT disk slabs of a :class:`vitrify.disk.DiskStore`. The pool and the
     cache are then zeroed, the pages read back from disk and scattered into the cache, and the
     cache is compared with the original byte for byte. The store is closed, reopened with
     ``cold_start="load"`` (its index rebuilt from the slab headers) and the reload and the
@@ -19,25 +19,48 @@ archive
     another base and compared byte for byte. Then one byte of the span file is flipped: both
     ``verify`` and the thaw must refuse, naming the file.
 
-The GPU part (freeze -> thaw of a CUDA-graph engine, :mod:`vitrify.integrations.demo`) runs only
-where the CUDA driver loads and torch is installed; elsewhere it is one line giving the driver
-loader's reason. Every check raises :class:`DemoFailure` when it does not hold; the exit status is
-1 when any step failed.
+gpu
+    A toy decoder engine (an embedding, residual RMSNorm + MLP blocks, a tied LM head; random
+    weights made peaked so argmax has no near-ties) decodes greedily with CUDA graphs. It is small
+    on purpose, but goes through every step a real server's freeze and thaw take, each side in a
+    fresh process (``python -m vitrify.demo freeze|thaw ARCHIVE``):
+
+    FREEZE (needs torch and a GPU): record kernel binaries (CUPTI) -> reserve the region ->
+    weights into the region (checkpoint ``weights``) -> warmup forwards in the region -> capture
+    one decode graph per batch size with the graphs' pool in the region (checkpoint
+    ``captured``) -> dump the weights span and the warmup gap -> save the graphs -> decode STEPS
+    tokens per batch size by replaying the graphs (the reference tokens) -> commit the archive.
+
+    THAW (torch is never imported): open the archive and check its fingerprint against this
+    machine -> reserve the region at the same base -> map and claim up to the final offset ->
+    restore both spans (CRC-checked) -> load the graphs (one executable per topology template)
+    -> decode the same STEPS tokens and compare them with the reference, token for token.
+
+    This part runs only where the CUDA driver loads and torch is installed; elsewhere it is one
+    line giving the driver loader's reason.
+
+Every check raises :class:`DemoFailure` when it does not hold; the exit status is 1 when any step
+failed. ``python -m vitrify.demo`` with no arguments is ``vitrify demo``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import vitrify
 from vitrify._units import MiB
+
+ENGINE = "vitrify-demo"  # the engine name in the fingerprint of every archive the demo writes
 
 
 class DemoFailure(RuntimeError):
@@ -118,7 +141,7 @@ def _timed(fn: Callable, *args, **kw):
 
 
 def demo_tiers(scratch: str, p: Printer, shape: KVShape = KVShape(), seed: int = 7) -> None:
-    from . import host, tier
+    from . import disk, host
 
     rng = random.Random(seed)
     kv = [bytearray(rng.randbytes(shape.component_bytes)) for _ in range(shape.components)]
@@ -136,10 +159,10 @@ def demo_tiers(scratch: str, p: Printer, shape: KVShape = KVShape(), seed: int =
            f"{shape.head_dim} x {8 * shape.item_bytes}-bit), {_size(total)}, in {scratch}")
 
     store_dir = os.path.join(scratch, "slabs")
-    budget = 3 * tier.slot_bytes_for(page) * shape.pages
+    budget = 3 * disk.slot_bytes_for(page) * shape.pages
 
     def open_store(cold_start: str):
-        return tier.DiskStore(store_dir, budget, {"kv": page}, name="demo", cold_start=cold_start)
+        return disk.DiskStore(store_dir, budget, {"kv": page}, name="demo", cold_start=cold_start)
 
     with host.HostPool(total, page) as pool:
         slots = [_buffer_at(pool.page_address(i), page) for i in pages]
@@ -228,7 +251,7 @@ def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int 
     p.head(f"archive: freeze a region span of {_size(span_bytes)} plus engine state into {path}")
 
     def freeze() -> int:
-        fp = archive.Fingerprint.current(engine="vitrify-demo", engine_version=vitrify.__version__,
+        fp = archive.Fingerprint.current(engine=ENGINE, engine_version=vitrify.__version__,
                                          model="random-bytes")
         region = archive.Region(base=src.base, size=span_bytes, granularity=gran,
                                 checkpoints={"warmup_end": span_bytes})
@@ -286,6 +309,203 @@ def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int 
 
 # ---- GPU: freeze -> thaw of a CUDA-graph engine ----------------------------------------------
 
+ENGINE_CONFIG = {"vocab": 8192, "hidden": 1024, "ffn": 4096, "layers": 4,
+                 "batch_sizes": [1, 2, 4, 8], "steps": 32, "region_bytes": 4 << 30, "seed": 1234}
+
+
+def _model_id(cfg: dict) -> str:
+    return "toy-decoder-" + "-".join(f"{k}{cfg[k]}" for k in ("vocab", "hidden", "ffn", "layers"))
+
+
+def _fingerprint(cfg: dict):
+    from vitrify import archive as ar
+
+    return ar.Fingerprint.current(engine=ENGINE, engine_version=vitrify.__version__,
+                                  model=_model_id(cfg))
+
+
+def freeze(path: str, cfg: dict = ENGINE_CONFIG) -> dict:
+    """Warm up, capture and freeze the demo engine into the archive at ``path``."""
+    import vitrify.graph as tg
+
+    tg.record_modules()  # before torch initialises CUDA, so every kernel binary is recorded
+    t_start = time.perf_counter()
+    import torch
+
+    from vitrify import Region, snapshot
+    from vitrify import archive as ar
+    from vitrify.integrations import torch as tt
+
+    region = Region(cfg["region_bytes"])
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with tt.region_allocations(region):
+        g = torch.Generator(device="cuda").manual_seed(cfg["seed"])
+        h, f, v = cfg["hidden"], cfg["ffn"], cfg["vocab"]
+
+        def rand(*shape, scale):
+            return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+        emb = rand(v, h, scale=1.0)
+        layers = [(rand(h, scale=0.0) + 1.0, rand(h, f, scale=h ** -0.5),
+                   rand(f, h, scale=f ** -0.5)) for _ in range(cfg["layers"])]
+        ids = {bs: torch.randint(0, v, (bs,), device="cuda", generator=g)
+               for bs in cfg["batch_sizes"]}
+        starts = {bs: ids[bs].clone() for bs in cfg["batch_sizes"]}
+    torch.cuda.synchronize()
+    region.checkpoint("weights")
+    timings["weights_s"] = time.perf_counter() - t0
+
+    def step(x_ids):
+        x = emb.index_select(0, x_ids)
+        for norm_w, w_up, w_down in layers:
+            y = x.float()
+            y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm_w
+            x = x + torch.nn.functional.gelu(y @ w_up) @ w_down
+        logits = x @ emb.t()
+        x_ids.copy_(logits.argmax(-1))
+
+    t0 = time.perf_counter()
+    with tt.region_allocations(region):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bs in cfg["batch_sizes"]:
+                for _ in range(3):
+                    step(ids[bs])
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    timings["warmup_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    store = tg.GraphStore(region=region)
+    graphs = {}
+    with tt.activated(region):
+        for bs in cfg["batch_sizes"]:
+            with store.capture(f"decode_bs{bs}", pool=tt.pool_id(region)) as cap:
+                step(ids[bs])
+            graphs[bs] = cap.graph
+    torch.cuda.synchronize()
+    region.checkpoint("captured")
+    timings["capture_s"] = time.perf_counter() - t0
+
+    for bs in cfg["batch_sizes"]:  # the state every decode starts from
+        ids[bs].copy_(starts[bs])
+    torch.cuda.synchronize()
+    final = region.offset
+    weights_end = region.checkpoints["weights"]
+    fp = _fingerprint(cfg)
+    reg = ar.Region(base=region.base, size=region.size, granularity=region.granularity,
+                    checkpoints=dict(region.checkpoints))
+    t0 = time.perf_counter()
+    with ar.ArchiveWriter(path, fp, reg, overwrite=True) as w:
+        w.dump_span(0, snapshot.WEIGHTS_SPAN, region.base, 0, weights_end)
+        w.dump_span(0, snapshot.WARMUP_SPAN, region.base, weights_end, final)
+        index = store.save_to_archive(w, rank=0)
+        # Reference tokens: replay each graph STEPS times (after the dump, which holds the start).
+        tokens = {}
+        for bs in cfg["batch_sizes"]:
+            seq = []
+            for _ in range(cfg["steps"]):
+                graphs[bs].replay()
+                seq.append(ids[bs].tolist())
+            tokens[str(bs)] = seq
+        w.write_state(0, {
+            "config": cfg,
+            "final_offset": final,
+            "ids": {str(bs): {"offset": ids[bs].data_ptr() - region.base, "bytes": bs * 8}
+                    for bs in cfg["batch_sizes"]},
+            "tokens": tokens,
+        })
+    timings["archive_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+    return {"mode": "freeze", "archive": os.path.abspath(path), "base": region.base,
+            "final_offset": final, "graphs": len(index["graphs"]),
+            "templates": len(index["templates"]), "timings": timings}
+
+
+def thaw(path: str) -> dict:
+    """Thaw the demo engine from ``path`` in this (fresh) process and compare its tokens."""
+    t_start = time.perf_counter()
+    import vitrify.graph as tg
+    from vitrify import Region, snapshot
+    from vitrify import archive as ar
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    probe = ar.open_archive(path)
+    cfg = probe.state(0)["config"]
+    archive = ar.open_archive(path, expect=_fingerprint(cfg))
+    state = archive.state(0)
+    reg = archive.manifest["region"]
+    timings["open_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    region = Region(reg["size"], base=reg["base"])
+    final = state["final_offset"]
+    region.preallocate(final)  # 1 GiB cuMemMaps instead of one per 2 MiB
+    # Claim [0, final) as one live allocation: the cursor lands where FREEZE's ended and the
+    # chunks stay mapped (set_offset would release chunks it skips that hold no allocation, R4).
+    if region.claim(final) != region.base:
+        raise RuntimeError("the thawed region did not start at its base")
+    for name in (snapshot.WEIGHTS_SPAN, snapshot.WARMUP_SPAN):
+        archive.restore_span(0, name, region.base, final)
+    timings["region_restore_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    graphs = tg.load_from_archive(archive, 0, region_base=region.base)
+    graphs.wait_all()
+    timings["graphs_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    tokens, mismatches = {}, []
+    for bs_s, want in state["tokens"].items():
+        loc = state["ids"][bs_s]
+        seq = []
+        for t in range(len(want)):
+            graphs.replay(f"decode_bs{bs_s}", stream=0)
+            graphs.synchronize()
+            raw = region.read(region.base + loc["offset"], loc["bytes"])
+            seq.append([int.from_bytes(raw[i:i + 8], "little", signed=True)
+                        for i in range(0, len(raw), 8)])
+            if seq[-1] != want[t]:
+                mismatches.append({"batch_size": int(bs_s), "step": t, "want": want[t],
+                                   "got": seq[-1]})
+        tokens[bs_s] = seq
+    timings["decode_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+    n = sum(len(s) * len(s[0]) for s in tokens.values())
+    return {"mode": "thaw", "archive": os.path.abspath(path), "base": region.base,
+            "tokens_compared": n, "identical": not mismatches, "mismatches": mismatches[:5],
+            "graph_stats": graphs.stats(), "timings": timings}
+
+
+def run_engine(directory: str, out=sys.stdout) -> dict:
+    """FREEZE then THAW in two fresh processes; print a summary; return both results."""
+    archive = str(Path(directory) / "demo.vitrify")
+    results = {}
+    for mode in ("freeze", "thaw"):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "vitrify.demo", mode, archive],
+                           capture_output=True, text=True, timeout=900)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise RuntimeError(f"demo {mode} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        r["process_wall_s"] = wall
+        results[mode] = r
+        print(f"  {mode:6s}: {wall:6.2f} s wall for the whole process "
+              f"({', '.join(f'{k} {v:.2f}' for k, v in r['timings'].items())})", file=out)
+    th = results["thaw"]
+    print(f"  tokens : {th['tokens_compared']} greedy tokens over "
+          f"{results['freeze']['graphs']} graphs ({results['freeze']['templates']} templates): "
+          f"{'identical to FREEZE' if th['identical'] else 'DIFFERENT: ' + str(th['mismatches'])}",
+          file=out)
+    if not th["identical"]:
+        raise RuntimeError("thawed engine produced different tokens than the frozen one")
+    return results
+
+
 GPU_STEP = ("freeze -> thaw of a CUDA-graph engine (weights, warmup and 4 decode graphs frozen; "
             "thawed in a fresh process without torch; greedy tokens compared)")
 
@@ -295,9 +515,7 @@ def demo_gpu(scratch: str, p: Printer) -> None:
 
     if importlib.util.find_spec("torch") is None:
         raise DemoFailure("the freeze side needs torch (pip install torch); vitrify does not")
-    from .integrations import demo
-
-    r = demo.run_demo(scratch)
+    r = run_engine(scratch)
     fz, th = r["freeze"], r["thaw"]
     p.step("ok", "freeze -> thaw", f"{th['tokens_compared']} tokens identical; thaw "
            f"{th['process_wall_s']:.1f} s vs freeze {fz['process_wall_s']:.1f} s "
@@ -341,3 +559,19 @@ def main(out=sys.stdout) -> int:
     p.head(f"demo: {verdict} in {_ms(time.perf_counter() - t_all)}; "
            "`vitrify doctor` reports what this machine offers")
     return 1 if failed else 0
+
+
+def _module_main(argv: list[str]) -> int:
+    """``python -m vitrify.demo``: the whole demo; ``... freeze|thaw ARCHIVE``: one engine side."""
+    if not argv:
+        return main()
+    if len(argv) != 2 or argv[0] not in ("freeze", "thaw"):
+        print("usage: python -m vitrify.demo [freeze|thaw ARCHIVE]", file=sys.stderr)
+        return 2
+    r = freeze(argv[1]) if argv[0] == "freeze" else thaw(argv[1])
+    print(json.dumps(r))  # run_engine reads the last line
+    return 0 if r.get("identical", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_module_main(sys.argv[1:]))

@@ -218,7 +218,7 @@ class Region:
     def live_allocations(self) -> list[tuple[int, int]]:
         """The live allocations of the region as ``(offset, size)`` pairs, ascending offsets
         (ordinary allocations made while stopped are not in the region and not listed). Graph
-        capture uses them to tell pointers from integers (``vitrify.graphs.GraphStore``)."""
+        capture uses them to tell pointers from integers (``vitrify.graph.GraphStore``)."""
         return [(int(o), int(n)) for o, n in self._r.live_allocations()]
 
     def read_allocations(self) -> list[tuple[int, bytes]]:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 tmp = Path(tempfile.mkdtemp())
 arch = str(tmp / "a.vitrify")
-p = subprocess.run([sys.executable, "-m", "vitrify.integrations.demo", "freeze", arch],
+p = subprocess.run([sys.executable, "-m", "vitrify.demo", "freeze", arch],
                    capture_output=True, text=True)
 assert p.returncode == 0, p.stderr[-3000:]
 
 import vitrify  # noqa: E402
-import vitrify.graphs as tg  # noqa: E402
+import vitrify.graph as tg  # noqa: E402
 from vitrify import Region, _native  # noqa: E402
 from vitrify import archive as ar  # noqa: E402
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import vitrify.graphs as tg
+import vitrify.graph as tg
 from vitrify import _native
 
 WORKER = Path(__file__).resolve().parents[2] / "tests/python/graph_worker.py"

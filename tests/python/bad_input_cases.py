@@ -63,10 +63,10 @@ def read_only_dir(t: Path) -> Path:
     return p
 
 
-# ---- vitrify.tier.DiskStore ------------------------------------------------------------------
+# ---- vitrify.disk.DiskStore ------------------------------------------------------------------
 
 def store(t: Path, **kw):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
 
     kw.setdefault("direct_io", "off")
     return DiskStore(t / "s", 64 * KiB, kw.pop("kinds", 4096), write_threads=1, read_threads=1,
@@ -163,7 +163,7 @@ def ds_batch_get_into_too_small(s, t):
 
 @case(ValueError, "budget_bytes=65536", "kind 'b'", "slot")
 def ds_budget_starves_a_kind(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 64 * KiB, {"a": (4096, 100.0), "b": (4096, 1.0)}, direct_io="off")
 
 
@@ -217,145 +217,145 @@ def ds_get_buffers_not_a_list(s, t):
 
 @case(TypeError, "budget_bytes", "str '1'")
 def ds_budget_str(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, "1", 4096)
 
 
 @case(ValueError, "budget_bytes", "-1")
 def ds_budget_negative(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, -1, 4096)
 
 
 @case(ValueError, "budget_bytes", "got 0")
 def ds_budget_zero(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 0, 4096)
 
 
 @case(ValueError, "budget_bytes", str(HUGE))
 def ds_budget_huge(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, HUGE, 4096)
 
 
 @case(ValueError, "budget", "slot")
 def ds_budget_below_one_slot(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1, 4096, direct_io="off")
 
 
 @case(ValueError, "kinds", str(HUGE))
 def ds_page_size_huge(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, HUGE)
 
 
 @case(ValueError, "kinds", "got 0")
 def ds_page_size_zero(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 0)
 
 
 @case(TypeError, "kinds", "str '4096'")
 def ds_kinds_str(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, "4096")
 
 
 @case(ValueError, "kinds['a'] share", "nan")
 def ds_kind_share_nan(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, {"a": (4096, float("nan"))})
 
 
 @case(ValueError, "kinds['a'] page_bytes", "-4096")
 def ds_kind_page_negative(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, {"a": -4096})
 
 
 @case(TypeError, "dirs", "int 5")
 def ds_dirs_int(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(5, 1 << 24, 4096)
 
 
 @case(ValueError, "dirs", "empty")
 def ds_dirs_empty(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore([], 1 << 24, 4096)
 
 
 @case(TypeError, "dirs[0]", "bytes")
 def ds_dirs_bytes(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore([b"/tmp"], 1 << 24, 4096)
 
 
 @case(NotADirectoryError, "dirs[0]", "{t}/file/store")
 def ds_dir_under_a_file(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(a_file(t) / "store", 1 << 24, 4096)
 
 
 @case(PermissionError, "dirs[0]", "{t}/ro/store", nonroot=True)
 def ds_dir_in_read_only_dir(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(read_only_dir(t) / "store", 1 << 24, 4096)
 
 
 @case(ValueError, "write_threads", "got 0")
 def ds_write_threads_zero(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, write_threads=0)
 
 
 @case(ValueError, "read_threads", str(1 << 40))
 def ds_read_threads_huge(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, read_threads=1 << 40)
 
 
 @case(TypeError, "queue_capacity", "float")
 def ds_queue_capacity_float(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, queue_capacity=2.5)
 
 
 @case(TypeError, "gc_high", "str 'a'")
 def ds_gc_high_str(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, gc_high="a")
 
 
 @case(ValueError, "gc_low", "gc_high")
 def ds_gc_low_above_high(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, gc_low=0.95)
 
 
 @case(ValueError, "cold_start", "'warm'")
 def ds_cold_start(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, cold_start="warm")
 
 
 @case(TypeError, "direct_io", "int 1")
 def ds_direct_io_int(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, direct_io=1)
 
 
 @case(ValueError, "name", "'a/b'")
 def ds_name_with_slash(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, name="a/b")
 
 
 @case(ValueError, "load_threads", "257")
 def ds_load_threads(t):
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     DiskStore(t, 1 << 24, 4096, load_threads=257)
 
 
@@ -386,13 +386,13 @@ def ds_closed_buffer(t):
 
 @case(ValueError, "page_bytes", "-1")
 def ds_slot_bytes_for_negative(t):
-    from vitrify.tier import slot_bytes_for
+    from vitrify.disk import slot_bytes_for
     slot_bytes_for(-1)
 
 
 @case(TypeError, "key", "float")
 def ds_make_key_float(t):
-    from vitrify.tier import make_key
+    from vitrify.disk import make_key
     make_key(1.0)
 
 
@@ -1140,126 +1140,126 @@ def ar_fingerprint_device_negative(t):
     archive.Fingerprint.current(device=-1)
 
 
-# ---- vitrify.graphs (argument validation) ----------------------------------------------------
+# ---- vitrify.graph (argument validation) ----------------------------------------------------
 
 @case(ValueError, "region_base", "-1")
 def gr_store_base_negative(t):
-    from vitrify import graphs
-    graphs.GraphStore(region_base=-1)
+    from vitrify import graph
+    graph.GraphStore(region_base=-1)
 
 
 @case(TypeError, "region_base", "str")
 def gr_store_base_str(t):
-    from vitrify import graphs
-    graphs.GraphStore(region_base="a")
+    from vitrify import graph
+    graph.GraphStore(region_base="a")
 
 
 @case(ValueError, "region_size", str(HUGE))
 def gr_store_size_huge(t):
-    from vitrify import graphs
-    graphs.GraphStore(region_size=HUGE)
+    from vitrify import graph
+    graph.GraphStore(region_size=HUGE)
 
 
 @case(ValueError, "device", "-1")
 def gr_store_device_negative(t):
-    from vitrify import graphs
-    graphs.GraphStore(device=-1)
+    from vitrify import graph
+    graph.GraphStore(device=-1)
 
 
 @case(TypeError, "data", "str")
 def gr_add_str(t):
-    from vitrify import graphs
-    graphs.GraphStore().add("g", "not bytes")
+    from vitrify import graph
+    graph.GraphStore().add("g", "not bytes")
 
 
 @case(ValueError, "graph name", "''")
 def gr_add_empty_name(t):
-    from vitrify import graphs
-    graphs.GraphStore().add("", b"x")
+    from vitrify import graph
+    graph.GraphStore().add("", b"x")
 
 
 @case(ValueError, "handle", "-1")
 def gr_add_cuda_graph_negative_handle(t):
-    from vitrify import graphs
-    graphs.GraphStore().add_cuda_graph("g", -1)
+    from vitrify import graph
+    graph.GraphStore().add_cuda_graph("g", -1)
 
 
 @case(KeyError, "no graph 'nope'")
 def gr_info_unknown(t):
-    from vitrify import graphs
-    graphs.GraphStore().info("nope")
+    from vitrify import graph
+    graph.GraphStore().info("nope")
 
 
 @case(ValueError, "capture_error_mode", "'loud'")
 def gr_capture_mode(t):
-    from vitrify import graphs
-    graphs.GraphStore().capture("g", capture_error_mode="loud")
+    from vitrify import graph
+    graph.GraphStore().capture("g", capture_error_mode="loud")
 
 
 @case(TypeError, "data", "str")
 def gr_describe_str(t):
-    from vitrify import graphs
-    graphs.describe("abc")
+    from vitrify import graph
+    graph.describe("abc")
 
 
 @case(TypeError, "extra_paths", "str")
 def gr_record_modules_str(t):
-    from vitrify import graphs
-    graphs.record_modules("/usr/lib")
+    from vitrify import graph
+    graph.record_modules("/usr/lib")
 
 
 @case(FileNotFoundError, "no graph index", "{t}/none")
 def gr_load_missing(t):
-    from vitrify import graphs
-    graphs.load(t / "none")
+    from vitrify import graph
+    graph.load(t / "none")
 
 
 @case(ValueError, "threads", "got 0")
 def gr_load_threads_zero(t):
-    from vitrify import graphs
-    graphs.load(t, threads=0)
+    from vitrify import graph
+    graph.load(t, threads=0)
 
 
 @case(TypeError, "names", "str")
 def gr_load_names_str(t):
-    from vitrify import graphs
-    graphs.load(t, names="g")
+    from vitrify import graph
+    graph.load(t, names="g")
 
 
 @case(ValueError, "device", "-1")
 def gr_load_device_negative(t):
-    from vitrify import graphs
-    graphs.load(t, device=-1)
+    from vitrify import graph
+    graph.load(t, device=-1)
 
 
 @case(TypeError, "directory", "int 5")
 def gr_read_index_int(t):
-    from vitrify import graphs
-    graphs.read_index(5)
+    from vitrify import graph
+    graph.read_index(5)
 
 
 @case(NotADirectoryError, "directory", "{t}/file")
 def gr_save_under_a_file(t):
-    from vitrify import graphs
-    graphs.GraphStore().save(a_file(t) / "rank0")
+    from vitrify import graph
+    graph.GraphStore().save(a_file(t) / "rank0")
 
 
 @case(TypeError, "writer", "str")
 def gr_save_to_archive_bad_writer(t):
-    from vitrify import graphs
-    graphs.GraphStore().save_to_archive("writer")
+    from vitrify import graph
+    graph.GraphStore().save_to_archive("writer")
 
 
 @case(TypeError, "archive", "str")
 def gr_load_from_archive_bad_archive(t):
-    from vitrify import graphs
-    graphs.load_from_archive(str(t))
+    from vitrify import graph
+    graph.load_from_archive(str(t))
 
 
 def closed_graphs():
-    from vitrify import graphs
+    from vitrify import graph
 
-    g = graphs.LoadedGraphs({}, object(), {"g": 0})
+    g = graph.LoadedGraphs({}, object(), {"g": 0})
     g.close()
     return g
 

@@ -51,7 +51,7 @@ def _fingerprint(cfg: dict):
 
 
 def freeze(path: str, cfg: dict) -> dict:
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
 
     tg.record_modules()  # before torch initialises CUDA
     t_start = time.perf_counter()
@@ -181,7 +181,7 @@ def freeze(path: str, cfg: dict) -> dict:
 
 def thaw(path: str, base: int) -> dict:
     t_start = time.perf_counter()
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
     from vitrify import Region
     from vitrify import archive as ar
 

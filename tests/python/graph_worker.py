@@ -1,4 +1,4 @@
-"""Subprocess worker for tests/python/test_graphs_gpu.py and benchmarks: FREEZE and THAW of CUDA
+"""Subprocess worker for tests/python/test_graph_gpu.py and benchmarks: FREEZE and THAW of CUDA
 graphs in separate, fresh processes.
 
     python graph_worker.py freeze main DIR BASE     # capture the cases, save DIR/archive + image
@@ -124,7 +124,7 @@ def _dim_cases(torch, out_skipped, base):
 
 
 def freeze(case: str, out: Path, base: int) -> dict:
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
 
     if case != "missing":
         tg.record_modules()
@@ -219,7 +219,7 @@ def freeze(case: str, out: Path, base: int) -> dict:
 
 
 def thaw(case: str, out: Path, base: int, only: str | None = None) -> dict:
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
 
     meta = json.loads((out / "freeze.json").read_text())
     if only is not None:  # one graph alone (a fault in one graph cannot hide the others)

@@ -1,4 +1,4 @@
-"""vitrify.tier.DiskStore on a real filesystem (ext4 on CI; VITRIFY_TEST_DIR chooses the directory).
+"""vitrify.disk.DiskStore on a real filesystem (ext4 on CI; VITRIFY_TEST_DIR chooses the directory).
 
 Invariant numbers refer to csrc/src/disk/DESIGN.md. The fault-injection trials run a small number
 by default and >= 1e5 with ``-m long`` (or VITRIFY_LONG_TESTS=1).
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vitrify import config, tier
-from vitrify.tier import DiskStore, make_key
+from vitrify import config, disk
+from vitrify.disk import DiskStore, make_key
 
 BASE = os.environ.get("VITRIFY_TEST_DIR") or tempfile.gettempdir()
 
@@ -69,7 +69,7 @@ def test_round_trip_many_sizes_and_buffer_types(d):
         # str and bytes spell the same key; a different key never aliases
         assert s.get(b"k1") == content(1, 1)
         assert make_key("a") == make_key(b"a") != make_key("b")
-        assert len(make_key("a")) == tier.KEY_BYTES == 32
+        assert len(make_key("a")) == disk.KEY_BYTES == 32
 
 
 def test_any_item_format_is_stored_as_its_bytes(d):
@@ -324,7 +324,7 @@ def test_concurrent_put_get_delete_with_gc_no_deadlock(d):
 
 
 def slot_bytes(page: int) -> int:
-    return tier.slot_bytes_for(page)
+    return disk.slot_bytes_for(page)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -447,7 +447,7 @@ def test_fault_injection_trials_long(d):
 
 CHILD = textwrap.dedent("""
     import hashlib, sys
-    from vitrify.tier import DiskStore
+    from vitrify.disk import DiskStore
     d, page, start, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     def content(i, n):
         seed = hashlib.sha256(i.to_bytes(8, "little")).digest()

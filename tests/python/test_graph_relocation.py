@@ -95,7 +95,7 @@ SCRIPT = r'''
 import json, struct, subprocess, sys
 from pathlib import Path
 import vitrify
-import vitrify.graphs as tg
+import vitrify.graph as tg
 from vitrify import _native, archive as ar
 
 out = Path(sys.argv[1])

@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from vitrify import tier  # noqa: E402
+from vitrify import disk  # noqa: E402
 from vitrify.integrations.sglang.hicache import VitrifyStorage, VitrifyStorageSettings  # noqa: E402
 
 PAGE = 16            # tokens per page
@@ -296,11 +296,11 @@ def test_clear_drops_everything_also_for_a_restart(tmp_path):
 
 def _slot_of(path, key, slot_bytes):
     """File offset of the slot whose header holds ``key`` (vitrify's 32-byte key) in a slab."""
-    k = tier.make_key(key)
+    k = disk.make_key(key)
     data = open(path, "rb").read()
     off = 4096
     while off + slot_bytes <= len(data):
-        if k in data[off:off + tier.SLOT_HEADER_BYTES]:
+        if k in data[off:off + disk.SLOT_HEADER_BYTES]:
             return off
         off += slot_bytes
     raise AssertionError(f"no slot holds {key!r} in {path}")
@@ -317,7 +317,7 @@ def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path):
     path, slot = b.slab_paths[0], b.vitrify_stats()["store"]["kinds"]["kv"]["slot_bytes"]
     b.close()
 
-    off = _slot_of(path, keys[2], slot) + tier.SLOT_HEADER_BYTES + 1000  # inside the payload
+    off = _slot_of(path, keys[2], slot) + disk.SLOT_HEADER_BYTES + 1000  # inside the payload
     with open(path, "r+b") as f:
         f.seek(off)
         byte = f.read(1)
@@ -342,7 +342,7 @@ def test_corrupted_page_is_a_miss_never_wrong_bytes(tmp_path):
 def test_full_budget_gc_keeps_writing_and_evicts_oldest(tmp_path):
     _, host = _mha_host("layer_first", tokens=1024)
     _fill_random(host, 9)
-    slot = tier.slot_bytes_for(BLOB)
+    slot = disk.slot_bytes_for(BLOB)
     b = _backend(host, _extra(tmp_path, budget_bytes=4096 + 40 * slot))
     try:
         assert b.vitrify_stats()["store"]["kinds"]["kv"]["slots_total"] == 40
@@ -621,7 +621,7 @@ def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout)
     and read/scatter pipelines in 4 chunks; every page and every per-key result lands right."""
     _, host = _mha_host(layout, tokens=1024)
     _fill_random(host, 14)
-    slot = tier.slot_bytes_for(BLOB)
+    slot = disk.slot_bytes_for(BLOB)
     b = _backend(host, _extra(tmp_path, staging_bytes=2 * slot * 3))
     try:
         assert b._chunk == 3  # staging for 3 pages (the batch quarter is 32)

@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
-from vitrify import tier  # noqa: E402
+from vitrify import disk  # noqa: E402
 from vitrify.integrations.sglang.hicache import VitrifyStorage, VitrifyStorageSettings  # noqa: E402
 
 PAGE = 16
@@ -292,16 +292,16 @@ def test_restart_load_keeps_v2_pages_and_clear_drops_them(tmp_path, monkeypatch)
 
 
 def _flip_payload_byte(path, key, slot_bytes, at=100):
-    k = tier.make_key(key)
+    k = disk.make_key(key)
     data = open(path, "rb").read()
     off = 4096
     while off + slot_bytes <= len(data):
-        if k in data[off:off + tier.SLOT_HEADER_BYTES]:
+        if k in data[off:off + disk.SLOT_HEADER_BYTES]:
             break
         off += slot_bytes
     else:
         raise AssertionError(f"no slot holds {key!r} in {path}")
-    pos = off + tier.SLOT_HEADER_BYTES + at
+    pos = off + disk.SLOT_HEADER_BYTES + at
     with open(path, "r+b") as f:
         f.seek(pos)
         b = f.read(1)

@@ -133,7 +133,7 @@ class Resolver {
     if (c.empty())
       throw FreezeError(where + ": the binary of kernel '" + name + "' was not recorded (" +
                         std::to_string(modules_.size()) + " modules recorded). Start "
-                        "vitrify.graphs.record_modules() before CUDA is initialised (before the "
+                        "vitrify.graph.record_modules() before CUDA is initialised (before the "
                         "first torch.cuda call), and make sure no other CUPTI subscriber (a "
                         "profiler) is active");
     if (c.size() == 1) return c[0];

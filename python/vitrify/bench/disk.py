@@ -53,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vitrify import config, tier
+from vitrify import config, disk
 from vitrify._units import MiB
 
 from . import resultlib
@@ -64,8 +64,8 @@ MAX_BATCH = 32  # DiskStore's default group commit: writes per fdatasync per wri
 
 def bench_vitrify(d: str, page: int, depth: int, total: int) -> tuple[float, float, dict]:
     n = max(4 * depth, total // page)
-    budget = 4096 + int(n * 1.2 + 8 * depth) * tier.slot_bytes_for(page)
-    with tier.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
+    budget = 4096 + int(n * 1.2 + 8 * depth) * disk.slot_bytes_for(page)
+    with disk.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
                         queue_capacity=max(64, 4 * depth)) as s:
         # pages per submission; two submissions in flight. The device queue depth is set by
         # the store's `depth` I/O threads; deeper submissions only let group commit fill up.
@@ -188,10 +188,10 @@ def bench_load(d: str, slots: int, page: int, repeat: int) -> dict:
     ``repeat``. Payloads are tiny (one 4 KiB write each) so filling is quick; ``page`` sets the
     slot size and thereby whether adjacent headers are batched into one read."""
     total_slots = int(slots / 0.8) + 1  # below gc_high, so nothing is evicted while filling
-    budget = 4096 + total_slots * tier.slot_bytes_for(page)
+    budget = 4096 + total_slots * disk.slot_bytes_for(page)
     root = tempfile.mkdtemp(prefix="load-", dir=d)
     try:
-        with tier.DiskStore(root, budget, page, name="load", write_threads=4,
+        with disk.DiskStore(root, budget, page, name="load", write_threads=4,
                             queue_capacity=256) as s:
             keys = [f"load-{i}" for i in range(slots)]
             tickets = [s.put_async(keys[i:i + 1024], [b"x" * 16] * len(keys[i:i + 1024]))
@@ -205,7 +205,7 @@ def bench_load(d: str, slots: int, page: int, repeat: int) -> dict:
         for rep in range(repeat):
             for who in (("serial", "parallel") if rep % 2 == 0 else ("parallel", "serial")):
                 t0 = time.perf_counter()
-                s = tier.DiskStore(root, budget, page, name="load", cold_start="load",
+                s = disk.DiskStore(root, budget, page, name="load", cold_start="load",
                                    load_threads=1 if who == "serial" else 0)
                 dt = time.perf_counter() - t0
                 got = s.stats()["loaded_entries"]

@@ -39,7 +39,7 @@ LAYERS = 4
 
 
 def freeze(work: Path, n_graphs: int) -> dict:
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
 
     tg.record_modules()
     import torch
@@ -123,7 +123,7 @@ def freeze(work: Path, n_graphs: int) -> dict:
 
 
 def thaw(work: Path) -> dict:
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
 
     from ..region import Region, load_allocations
 

@@ -17,7 +17,7 @@ Start SGLang with::
 :meth:`VitrifyStorage.batch_get_v1` / :meth:`VitrifyStorage.batch_set_v1` with host-pool page indices.
 Each page is gathered natively (:mod:`vitrify.host`, multi-threaded, GIL released) from the host
 pool's layout straight into a 4 KiB-aligned disk slot buffer and written with one O_DIRECT
-transfer into a preallocated slab (:mod:`vitrify.tier`); a get reads the slot, verifies it
+transfer into a preallocated slab (:mod:`vitrify.disk`); a get reads the slot, verifies it
 (CRC32C, key, length) and scatters it back into the host pool.
 
 Extra-config keys (besides SGLang's ``backend_name``, ``module_path``, ``class_name``,
@@ -47,7 +47,7 @@ Hybrid models (SGLang's v2 multi-pool API): SGLang's ``HybridCacheController`` r
 ``HostPoolGroup`` as the v1 host pool, then every entry of the group with
 ``register_mem_host_pool_v2`` (``kv``, and ``mamba`` / ``swa`` / ``indexer`` / ... pools). KV
 transfers (pool name ``kv``) go through the KV slab store above (zero-copy ``batch_*_v1``), so v1
-and v2 share one KV key space. Every other pool gets its own :class:`~vitrify.tier.DiskStore`:
+and v2 share one KV key space. Every other pool gets its own :class:`~vitrify.disk.DiskStore`:
 slab files ``<dir>/<name>-<model>-<pool geometry hash>-<pool>-tp..-pp..-cp...kind0.slab`` in the
 same directories, with the same rank suffixes, cold start and direct-I/O mode as the KV store,
 its page size the byte size of the pool's flat data page. Pages are copied through the pool's

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from .... import host as _host
-from .... import tier as _tier
+from .... import disk as _disk
 from .geometry import _host_geometry, _HostGeometry, _rank_suffix, _store_name
 from .settings import _KIND, VitrifyStorageSettings, logger
 from .v1 import _V1Path
@@ -140,7 +140,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._store_info: Optional[dict] = None
         self.mem_pool_host = None
         self._geom: Optional[_HostGeometry] = None
-        self._store: Optional[_tier.DiskStore] = None
+        self._store: Optional[_disk.DiskStore] = None
         self._store_name: Optional[str] = None
         self._copier = _host.Copier()
         self._set_lock = threading.Lock()   # owns the set staging buffers
@@ -193,9 +193,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                     self.settings.cold_start, self._chunk)
         self._publish()
 
-    def _open(self, cold_start: str) -> _tier.DiskStore:
+    def _open(self, cold_start: str) -> _disk.DiskStore:
         s = self.settings
-        store = _tier.DiskStore(list(s.dirs), self._kv_budget, {_KIND: self._geom.blob_bytes},
+        store = _disk.DiskStore(list(s.dirs), self._kv_budget, {_KIND: self._geom.blob_bytes},
                                 name=self._store_name, cold_start=cold_start,
                                 direct_io=s.direct_io, read_threads=s.read_threads,
                                 write_threads=s.write_threads)

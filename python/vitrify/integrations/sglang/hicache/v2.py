@@ -12,7 +12,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-from .... import tier as _tier
+from .... import disk as _disk
 from .geometry import _flat_page, _pool_identity, _store_name
 from .settings import _KIND, logger
 
@@ -35,7 +35,7 @@ class _ExtraPool:
     page_dtype: Any
     page_numel: int
     identity: str
-    store: Optional[_tier.DiskStore] = None
+    store: Optional[_disk.DiskStore] = None
     store_name: str = ""
     budget: int = 0
     refused: Optional[str] = None   # why its transfers are refused (None: usable)
@@ -94,7 +94,7 @@ class _ExtraPools:
         try:
             if ep.budget <= 0:
                 raise ValueError(f"budget {ep.budget} B")
-            ep.store = _tier.DiskStore(list(s.dirs), ep.budget, {_KIND: ep.page_bytes},
+            ep.store = _disk.DiskStore(list(s.dirs), ep.budget, {_KIND: ep.page_bytes},
                                        name=ep.store_name, cold_start=s.cold_start,
                                        direct_io=s.direct_io, read_threads=s.read_threads,
                                        write_threads=s.write_threads)

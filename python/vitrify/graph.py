@@ -2,7 +2,7 @@
 
 FREEZE (the process that warms up and captures)::
 
-    import vitrify.graphs as tg
+    import vitrify.graph as tg
     tg.record_modules()                 # before anything initialises CUDA (before torch.cuda)
     import torch
     store = tg.GraphStore(region_base=base, region_size=size)
@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 from . import _check, _native
 
-_log = logging.getLogger("vitrify.graphs")
+_log = logging.getLogger("vitrify.graph")
 
 GraphFreezeError = _native.GraphFreezeError
 GraphFreezeError.__doc__ = (
@@ -93,7 +93,7 @@ def record_modules(extra_paths: list[str] | None = None) -> None:
                        for i, p in enumerate(_check.sequence("extra_paths", extra_paths))]
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized() and not recorder_info()["active"]:
-        warnings.warn("vitrify.graphs.record_modules(): CUDA is already initialised in this "
+        warnings.warn("vitrify.graph.record_modules(): CUDA is already initialised in this "
                       "process; kernel binaries loaded so far were not recorded, and graphs "
                       "using them will fail to freeze", RuntimeWarning, stacklevel=2)
     paths = [str(p) for p in (extra_paths or [])] + _cupti_candidates()

@@ -19,7 +19,7 @@ SCRIPT = r'''
 import ctypes, json, struct, sys
 from pathlib import Path
 import vitrify
-import vitrify.graphs as tg
+import vitrify.graph as tg
 from vitrify import _native
 
 fake = ctypes.CDLL(sys.argv[1])
@@ -97,7 +97,7 @@ def test_index_and_walk_of_the_rebuilt_graph(run):
 ARCHIVE_SCRIPT = r'''
 import json, struct, sys
 from pathlib import Path
-import vitrify.graphs as tg
+import vitrify.graph as tg
 from vitrify import _native, archive as ar
 
 out = Path(sys.argv[1])

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vitrify
-import vitrify.graphs as tg
+import vitrify.graph as tg
 from vitrify import _native
 
 BASE = 0x7F0000000000
