@@ -28,10 +28,10 @@ def config(variant: str) -> dict:
 
 
 def run(mode: str, archive: Path, variant: str, timeout: int = 560, **opts) -> dict:
-    env = dict(os.environ, VITRIFY_T0=repr(time.time()))
+    opts["t0"] = time.time()
     p = subprocess.run([sys.executable, "-m", "vitrify.integrations.transformers", mode,
                         str(archive), json.dumps(config(variant)), json.dumps(opts)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
+                       capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"{mode} printed no result (rc {p.returncode}):\n{p.stderr[-4000:]}"
     r = json.loads(lines[-1])

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -384,7 +383,7 @@ class CausalLMEngine:
 
 
 # ------------------------------------------------------------------------- process entry point
-_T0 = float(os.environ.get("VITRIFY_T0", time.time()))
+_T0 = time.time()  # this module's import: the clock when OPTS carries no "t0"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     (OPTS.prompt_seed, never seen at FREEZE) for OPTS.steps (32) decode steps. THAW options:
     ``occupy`` (reserve the frozen range first, so the session must relocate) and
     ``warmup_restore``. Prints one JSON line last (tokens, logits hashes, session timings,
-    ``ready_s`` / ``first_token_s`` / ``process_s`` counted from ``VITRIFY_T0``, the parent's
-    clock at launch, else this module's import)."""
+    ``ready_s`` / ``first_token_s`` / ``process_s`` counted from OPTS.t0, the parent's
+    ``time.time()`` at launch, else this module's import)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4) or args[0] not in ("freeze", "thaw", "cold"):
         print("usage: python -m vitrify.integrations.transformers freeze|thaw|cold ARCHIVE "
@@ -404,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     mode, path = args[0], args[1]
     cfg_d = json.loads(args[2])
     opts = json.loads(args[3]) if len(args) > 3 else {}
+    t0 = float(opts.get("t0", _T0))
 
     def run() -> dict:
         from .. import session
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
             out["session"] = s.run()
             out["blocked"] = blocker is not None
-        out["ready_s"] = time.time() - _T0
+        out["ready_s"] = time.time() - t0
         import torch
 
         batch = prompts(opts.get("prompts", 16), opts.get("prompt_seed", 99), cfg.vocab)
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         out["serve_s"] = time.perf_counter() - t
         out["first_token_s"] = out["ready_s"] + served.pop("first_token_s", 0.0)
         out.update(served)
-        out["process_s"] = time.time() - _T0
+        out["process_s"] = time.time() - t0
         return out
 
     from .._worker import report
