@@ -25,16 +25,17 @@ gpu
     on purpose, but goes through every step a real server's freeze and thaw take, each side in a
     fresh process (``python -m vitrify.demo freeze|thaw ARCHIVE``):
 
-    FREEZE (needs torch and a GPU): record kernel binaries (CUPTI) -> reserve the region ->
-    weights into the region (checkpoint ``weights``) -> warmup forwards in the region -> capture
-    one decode graph per batch size with the graphs' pool in the region (checkpoint
-    ``captured``) -> dump the weights span and the warmup gap -> save the graphs -> decode STEPS
-    tokens per batch size by replaying the graphs (the reference tokens) -> commit the archive.
+    The engine is a :class:`vitrify.session.EngineAdapter` (:class:`ToyDecoder`), frozen and
+    thawed by :mod:`vitrify.session`. FREEZE (needs torch and a GPU): record kernel binaries
+    (CUPTI) -> reserve the region -> build the weights and decode inputs in the region, fill them
+    (checkpoints ``built``, ``weights``) -> warmup forwards (``warmup``) -> capture one decode graph
+    per batch size, the graphs' pool in the region (``captured``) -> the reference tokens (each
+    graph replayed STEPS times) -> dump the spans, save the graphs, commit the archive.
 
     THAW (torch is never imported): open the archive and check its fingerprint against this
-    machine -> reserve the region at the same base -> map and claim up to the final offset ->
-    restore both spans (CRC-checked) -> load the graphs (one executable per topology template)
-    -> decode the same STEPS tokens and compare them with the reference, token for token.
+    machine -> reserve the region at the same base -> map each phase's range and compare its
+    checkpoint -> restore the spans (CRC-checked) -> rebuild the graphs (one executable per
+    topology template) -> decode the same STEPS tokens and compare them, token for token.
 
     This part runs only where the CUDA driver loads and torch is installed; elsewhere it is one
     line giving the driver loader's reason.
@@ -317,167 +318,171 @@ def _model_id(cfg: dict) -> str:
     return "toy-decoder-" + "-".join(f"{k}{cfg[k]}" for k in ("vocab", "hidden", "ffn", "layers"))
 
 
-def _fingerprint(cfg: dict):
-    from vitrify import archive as ar
+class ToyDecoder:
+    """The demo engine as a :class:`vitrify.session.EngineAdapter`. FREEZE needs torch; THAW
+    does not: the engine's objects are not rebuilt (``thaw_without_objects``), the session maps
+    each phase's range and restores the spans, and :meth:`decode` replays the thawed graphs and
+    reads the tokens straight from the region."""
 
-    return ar.Fingerprint.current(engine=ENGINE, engine_version=vitrify.__version__,
-                                  model=_model_id(cfg))
+    thaw_without_objects = True
 
+    def __init__(self, cfg: dict = ENGINE_CONFIG):
+        self.cfg = dict(cfg)
+        self.region = None
+        self.graphs = None
+        self.state_in: dict = {}
 
-def freeze(path: str, cfg: dict = ENGINE_CONFIG) -> dict:
-    """Warm up, capture and freeze the demo engine into the archive at ``path``."""
-    import vitrify.graph as tg
+    def fingerprint(self) -> dict:
+        return {"engine": ENGINE, "engine_version": vitrify.__version__,
+                "model": _model_id(self.cfg)}
 
-    tg.record_modules()  # before torch initialises CUDA, so every kernel binary is recorded
-    t_start = time.perf_counter()
-    import torch
+    def route(self, region, phase: str):
+        from vitrify.integrations import torch as tt
 
-    from vitrify import Region, snapshot
-    from vitrify import archive as ar
-    from vitrify.integrations import torch as tt
+        return tt.activated(region) if phase == "capture" else tt.region_allocations(region)
 
-    region = Region(cfg["region_bytes"])
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    with tt.region_allocations(region):
-        g = torch.Generator(device="cuda").manual_seed(cfg["seed"])
-        h, f, v = cfg["hidden"], cfg["ffn"], cfg["vocab"]
+    def build(self, region) -> None:
+        import torch
 
-        def rand(*shape, scale):
-            return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+        self.region = region
+        h, f, v, bf = self.cfg["hidden"], self.cfg["ffn"], self.cfg["vocab"], torch.bfloat16
+        self.emb = torch.empty(v, h, dtype=bf, device="cuda")
+        self.layers = [(torch.empty(h, dtype=bf, device="cuda"),
+                        torch.empty(h, f, dtype=bf, device="cuda"),
+                        torch.empty(f, h, dtype=bf, device="cuda"))
+                       for _ in range(self.cfg["layers"])]
+        # The decode inputs: where every decode starts (dumped with the weights).
+        self.ids = {bs: torch.empty(bs, dtype=torch.long, device="cuda")
+                    for bs in self.cfg["batch_sizes"]}
+        self.starts = {bs: torch.empty(bs, dtype=torch.long, device="cuda")
+                       for bs in self.cfg["batch_sizes"]}
 
-        emb = rand(v, h, scale=1.0)
-        layers = [(rand(h, scale=0.0) + 1.0, rand(h, f, scale=h ** -0.5),
-                   rand(f, h, scale=f ** -0.5)) for _ in range(cfg["layers"])]
-        ids = {bs: torch.randint(0, v, (bs,), device="cuda", generator=g)
-               for bs in cfg["batch_sizes"]}
-        starts = {bs: ids[bs].clone() for bs in cfg["batch_sizes"]}
-    torch.cuda.synchronize()
-    region.checkpoint("weights")
-    timings["weights_s"] = time.perf_counter() - t0
+    def load_weights(self) -> None:
+        import torch
 
-    def step(x_ids):
-        x = emb.index_select(0, x_ids)
-        for norm_w, w_up, w_down in layers:
+        g = torch.Generator(device="cuda").manual_seed(self.cfg["seed"])
+        h, f, v = self.cfg["hidden"], self.cfg["ffn"], self.cfg["vocab"]
+
+        def fill(t, scale):  # random weights made peaked: argmax has no near-ties
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g) * scale)
+
+        fill(self.emb, 1.0)
+        for norm_w, w_up, w_down in self.layers:
+            norm_w.fill_(1.0)
+            fill(w_up, h ** -0.5)
+            fill(w_down, f ** -0.5)
+        for bs in self.cfg["batch_sizes"]:
+            self.starts[bs].copy_(torch.randint(0, v, (bs,), device="cuda", generator=g))
+            self.ids[bs].copy_(self.starts[bs])
+        torch.cuda.synchronize()
+
+    def alloc_state(self) -> None:
+        pass  # the toy engine keeps no KV cache
+
+    def _step(self, x_ids) -> None:
+        import torch
+
+        x = self.emb.index_select(0, x_ids)
+        for norm_w, w_up, w_down in self.layers:
             y = x.float()
             y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm_w
             x = x + torch.nn.functional.gelu(y @ w_up) @ w_down
-        logits = x @ emb.t()
-        x_ids.copy_(logits.argmax(-1))
+        x_ids.copy_((x @ self.emb.t()).argmax(-1))
 
-    t0 = time.perf_counter()
-    with tt.region_allocations(region):
+    def warmup(self) -> None:
+        import torch
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for bs in cfg["batch_sizes"]:
+            for bs in self.cfg["batch_sizes"]:
                 for _ in range(3):
-                    step(ids[bs])
+                    self._step(self.ids[bs])
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-    timings["warmup_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    store = tg.GraphStore(region=region)
-    graphs = {}
-    with tt.activated(region):
-        for bs in cfg["batch_sizes"]:
-            with store.capture(f"decode_bs{bs}", pool=tt.pool_id(region)) as cap:
-                step(ids[bs])
-            graphs[bs] = cap.graph
-    torch.cuda.synchronize()
-    region.checkpoint("captured")
-    timings["capture_s"] = time.perf_counter() - t0
+    def capture(self, graphs) -> None:
+        from vitrify.integrations import torch as tt
 
-    for bs in cfg["batch_sizes"]:  # the state every decode starts from
-        ids[bs].copy_(starts[bs])
-    torch.cuda.synchronize()
-    final = region.offset
-    weights_end = region.checkpoints["weights"]
-    fp = _fingerprint(cfg)
-    reg = ar.Region(base=region.base, size=region.size, granularity=region.granularity,
-                    checkpoints=dict(region.checkpoints))
-    t0 = time.perf_counter()
-    with ar.ArchiveWriter(path, fp, reg, overwrite=True) as w:
-        w.dump_span(0, snapshot.WEIGHTS_SPAN, region.base, 0, weights_end)
-        w.dump_span(0, snapshot.WARMUP_SPAN, region.base, weights_end, final)
-        index = store.save_to_archive(w, rank=0)
-        # Reference tokens: replay each graph STEPS times (after the dump, which holds the start).
+        self.torch_graphs = {}
+        for bs in self.cfg["batch_sizes"]:
+            with graphs.capture(f"decode_bs{bs}", pool=tt.pool_id(self.region)) as cap:
+                self._step(self.ids[bs])
+            self.torch_graphs[bs] = cap.graph
+
+    def state(self) -> dict:
+        """The reference tokens: each graph replayed STEPS times from the start, then the inputs
+        are reset to the start (the spans are dumped after this)."""
+        import torch
+
         tokens = {}
-        for bs in cfg["batch_sizes"]:
+        for bs in self.cfg["batch_sizes"]:
+            self.ids[bs].copy_(self.starts[bs])
             seq = []
-            for _ in range(cfg["steps"]):
-                graphs[bs].replay()
-                seq.append(ids[bs].tolist())
+            for _ in range(self.cfg["steps"]):
+                self.torch_graphs[bs].replay()
+                seq.append(self.ids[bs].tolist())
             tokens[str(bs)] = seq
-        w.write_state(0, {
-            "config": cfg,
-            "final_offset": final,
-            "ids": {str(bs): {"offset": ids[bs].data_ptr() - region.base, "bytes": bs * 8}
-                    for bs in cfg["batch_sizes"]},
-            "tokens": tokens,
-        })
-    timings["archive_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - t_start
-    return {"mode": "freeze", "archive": os.path.abspath(path), "base": region.base,
-            "final_offset": final, "graphs": len(index["graphs"]),
-            "templates": len(index["templates"]), "timings": timings}
+            self.ids[bs].copy_(self.starts[bs])
+        torch.cuda.synchronize()
+        return {"config": self.cfg, "tokens": tokens,
+                "ids": {str(bs): {"offset": t.data_ptr() - self.region.base, "bytes": bs * 8}
+                        for bs, t in self.ids.items()}}
+
+    def attach(self, region) -> None:
+        self.region = region
+
+    def restore_state(self, state: dict, graphs) -> None:
+        self.state_in, self.graphs = state, graphs
+
+    def decode(self) -> dict:
+        """THAW: replay every graph STEPS times and compare the tokens with FREEZE's."""
+        region, st = self.region, self.state_in
+        tokens, mismatches = {}, []
+        for bs_s, want in st["tokens"].items():
+            loc = st["ids"][bs_s]
+            seq = []
+            for t in range(len(want)):
+                self.graphs.replay(f"decode_bs{bs_s}", stream=0)
+                self.graphs.synchronize()
+                raw = region.read(region.base + loc["offset"], loc["bytes"])
+                seq.append([int.from_bytes(raw[i:i + 8], "little", signed=True)
+                            for i in range(0, len(raw), 8)])
+                if seq[-1] != want[t]:
+                    mismatches.append({"batch_size": int(bs_s), "step": t, "want": want[t],
+                                       "got": seq[-1]})
+            tokens[bs_s] = seq
+        n = sum(len(s) * len(s[0]) for s in tokens.values())
+        return {"tokens_compared": n, "identical": not mismatches, "mismatches": mismatches[:5]}
+
+
+def freeze(path: str, cfg: dict = ENGINE_CONFIG) -> dict:
+    """Build, warm up, capture and freeze the demo engine into the archive at ``path``."""
+    from vitrify import session
+
+    t0 = time.perf_counter()
+    # The session starts recording kernel binaries: before torch initialises CUDA.
+    s = session.FreezeSession(ToyDecoder(cfg), path, region_bytes=cfg["region_bytes"],
+                              overwrite=True)
+    r = s.run()
+    r["timings"]["total_s"] = time.perf_counter() - t0
+    return {"mode": "freeze", **r}
 
 
 def thaw(path: str) -> dict:
     """Thaw the demo engine from ``path`` in this (fresh) process and compare its tokens."""
-    t_start = time.perf_counter()
-    import vitrify.graph as tg
-    from vitrify import Region, snapshot
     from vitrify import archive as ar
-
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    probe = ar.open_archive(path)
-    cfg = probe.state(0)["config"]
-    archive = ar.open_archive(path, expect=_fingerprint(cfg))
-    state = archive.state(0)
-    reg = archive.manifest["region"]
-    timings["open_s"] = time.perf_counter() - t0
+    from vitrify import session
 
     t0 = time.perf_counter()
-    region = Region(reg["size"], base=reg["base"])
-    final = state["final_offset"]
-    region.preallocate(final)  # 1 GiB cuMemMaps instead of one per 2 MiB
-    # Claim [0, final) as one live allocation: the cursor lands where FREEZE's ended and the
-    # chunks stay mapped (set_offset would release chunks it skips that hold no allocation, R4).
-    if region.claim(final) != region.base:
-        raise RuntimeError("the thawed region did not start at its base")
-    for name in (snapshot.WEIGHTS_SPAN, snapshot.WARMUP_SPAN):
-        archive.restore_span(0, name, region.base, final)
-    timings["region_restore_s"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    graphs = tg.load_from_archive(archive, 0, region_base=region.base)
-    graphs.wait_all()
-    timings["graphs_s"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    tokens, mismatches = {}, []
-    for bs_s, want in state["tokens"].items():
-        loc = state["ids"][bs_s]
-        seq = []
-        for t in range(len(want)):
-            graphs.replay(f"decode_bs{bs_s}", stream=0)
-            graphs.synchronize()
-            raw = region.read(region.base + loc["offset"], loc["bytes"])
-            seq.append([int.from_bytes(raw[i:i + 8], "little", signed=True)
-                        for i in range(0, len(raw), 8)])
-            if seq[-1] != want[t]:
-                mismatches.append({"batch_size": int(bs_s), "step": t, "want": want[t],
-                                   "got": seq[-1]})
-        tokens[bs_s] = seq
-    timings["decode_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - t_start
-    n = sum(len(s) * len(s[0]) for s in tokens.values())
-    return {"mode": "thaw", "archive": os.path.abspath(path), "base": region.base,
-            "tokens_compared": n, "identical": not mismatches, "mismatches": mismatches[:5],
-            "graph_stats": graphs.stats(), "timings": timings}
+    cfg = ar.open_archive(path).state(0)["engine"]["config"]  # the session checks the rest
+    eng = ToyDecoder(cfg)
+    r = session.ThawSession(eng, path).run()
+    t1 = time.perf_counter()
+    out = eng.decode()
+    r["timings"]["decode"] = time.perf_counter() - t1
+    r["timings"]["total_s"] = time.perf_counter() - t0
+    return {"mode": "thaw", **r, **out}
 
 
 def run_engine(directory: str, out=sys.stdout) -> dict:

@@ -127,6 +127,11 @@ class EngineAdapter(Protocol):
         (:class:`vitrify.graph.LoadedGraphs`, or None when FREEZE captured none)."""
         ...
 
+    # Optional: an engine whose THAW needs none of its objects (it replays the graphs and reads
+    # the region, no torch) sets ``thaw_without_objects = True`` and defines ``attach(region)``:
+    # THAW then calls attach instead of build/alloc_state, maps each phase's range itself, and
+    # must restore the warmup span (it cannot re-run warmup).
+
 
 def _graph_module():
     from . import graph
@@ -269,6 +274,7 @@ class FreezeSession:
         return {"archive": self.path, "base": region.base, "checkpoints": cps,
                 "span_bytes": {n: int(s.get("bytes", 0)) for n, s in spans.items()},
                 "graphs": len(store) if store is not None else 0,
+                "templates": len(graphs.get("templates", [])),
                 "timings": t.as_dict()}
 
 
@@ -363,8 +369,16 @@ class ThawSession:
                 graphs = _graph_module().load_from_archive(
                     archive, RANK, verify=self.verify, device=self.device,
                     region_base=region.base, threads=self.graph_threads)
-        with t.step("build"), a.route(region, "build"):
-            a.build(region)
+        # An adapter whose THAW needs none of its objects (it only replays graphs and reads
+        # the region) is attached to the region; the session maps each phase's range itself.
+        objectless = bool(getattr(a, "thaw_without_objects", False))
+        with t.step("build"):
+            if objectless:
+                self._claim(region, cps["built"])
+                a.attach(region)
+            else:
+                with a.route(region, "build"):
+                    a.build(region)
         self._compare(archive, "built", region)
         spans = archive.spans(RANK)
         with t.step("restore_weights"):
@@ -373,10 +387,18 @@ class ThawSession:
                 archive.restore_span(RANK, "weights", region.base, cps["weights"],
                                      target=self.device, progress=self.progress)
         self._compare(archive, "weights", region)
-        with t.step("alloc_state"), a.route(region, "alloc_state"):
-            a.alloc_state()
+        with t.step("alloc_state"):
+            if objectless:
+                self._claim(region, cps["state"])
+            else:
+                with a.route(region, "alloc_state"):
+                    a.alloc_state()
         self._compare(archive, "state", region)
         plan = self._warmup_plan(archive)
+        if objectless and plan.action != "restore":
+            raise SessionError(f"{plan.reason}; but this engine keeps no objects at THAW "
+                               f"(thaw_without_objects), so it cannot re-run warmup: freeze it "
+                               f"with its warmup span")
         self.warmup_action = plan.action
         if plan.action == "restore":
             with t.step("restore_warmup"):

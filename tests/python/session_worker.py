@@ -11,7 +11,8 @@ back, by restoring the warmup span or by re-running warmup). restore_state() rec
 over the weights and the table; THAW reports it with FREEZE's. The last stdout line is JSON.
 
 Options: ``drift`` (build one more block at THAW), ``model`` (fingerprint), ``occupy`` (reserve
-the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``.
+the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``,
+``objectless`` (THAW through ``thaw_without_objects``: nothing rebuilt, the state says where).
 """
 
 from __future__ import annotations
@@ -96,6 +97,19 @@ class BytesEngine:
                        "warmups": self.warmups}
 
 
+class ObjectlessBytes(BytesEngine):
+    """THAW without the engine's objects: attach(region), then everything from the state."""
+
+    thaw_without_objects = True
+
+    def attach(self, region) -> None:
+        self.region = region
+
+    def restore_state(self, state: dict, graphs) -> None:
+        self.params = [tuple(p) for p in state["params"]]
+        super().restore_state(state, graphs)
+
+
 def main() -> int:
     mode, path = sys.argv[1], sys.argv[2]
     opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
@@ -103,7 +117,8 @@ def main() -> int:
     def run() -> dict:
         from vitrify import session
 
-        eng = BytesEngine(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"))
+        kind = ObjectlessBytes if opts.get("objectless") and mode == "thaw" else BytesEngine
+        eng = kind(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"))
         if mode == "freeze":
             s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
                                       record_kernels=False,

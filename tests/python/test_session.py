@@ -130,6 +130,19 @@ def test_an_archive_of_another_model_is_refused(frozen):
     assert "fingerprint.model mismatch" in th["error"] and "bytes-other" in th["error"]
 
 
+@needs_fake
+def test_an_engine_without_objects_at_thaw_gets_the_same_bytes(frozen):
+    path, fz = frozen
+    th = run("thaw", path, objectless=True)
+    assert th["ok"], th.get("traceback")
+    assert th["checkpoints"] == fz["checkpoints"] and th["warmup"] == "restore"
+    assert th["digest"] == th["frozen_digest"]
+    # It cannot re-run warmup (no objects): a refusal saying so.
+    th = run("thaw", path, objectless=True, warmup_restore=False)
+    assert not th["ok"] and th["error"].startswith("SessionError: VITRIFY_WARMUP_RESTORE=0")
+    assert "cannot re-run warmup" in th["error"]
+
+
 class _NotAnAdapter:
     def fingerprint(self):
         return {}
