@@ -36,8 +36,9 @@ def _reference_next_logits(model, seq: list[int]):
 def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
     cfg, model = _model(arch)
     hd = cfg.hidden // cfg.heads
-    shape = (cfg.layers, cfg.max_batch, cfg.kv_heads, cfg.max_len, hd)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    shape = (cfg.max_batch, cfg.max_len, cfg.kv_heads, hd)
+    k_cache = [torch.zeros(shape) for _ in range(cfg.layers)]
+    v_cache = [torch.zeros(shape) for _ in range(cfg.layers)]
     prompts = vtt.prompts(3, seed=5, vocab=cfg.vocab, min_len=3, max_len=11)
     seqs = []
     with torch.no_grad():

@@ -15,13 +15,20 @@ struct Frame {
   CodeBindings::Call call;
   std::vector<Hash> loads;
 };
-thread_local std::vector<Frame> t_frames;
+// Never destroyed: CUPTI calls back during process exit (modules unloaded by static
+// destructors) after a thread_local with a destructor would be gone. One small vector per thread
+// that ever made a traced driver call is left behind when the thread ends.
+std::vector<Frame>& frames() {
+  thread_local std::vector<Frame>* f = new std::vector<Frame>();
+  return *f;
+}
 
 }  // namespace
 
-void CodeBindings::enter(Call c) { t_frames.push_back(Frame{this, c, {}}); }
+void CodeBindings::enter(Call c) { frames().push_back(Frame{this, c, {}}); }
 
 void CodeBindings::loaded(const Hash& h) {
+  std::vector<Frame>& t_frames = frames();
   for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
     if (it->owner != this) continue;
     it->loads.push_back(h);
@@ -36,6 +43,7 @@ void CodeBindings::loaded(const Hash& h) {
 void CodeBindings::exit(Call c, bool ok, const void* out, const void* in) {
   // Pop this owner's innermost frame (it must be this call; a mismatch means a lost exit, and
   // the frames above it are dropped with it rather than mis-attributed).
+  std::vector<Frame>& t_frames = frames();
   std::vector<Hash> loads;
   bool found = false;
   for (size_t i = t_frames.size(); i-- > 0;) {

@@ -8,8 +8,10 @@ own forward around them so the KV cache is one static tensor per layer for every
 
 - prefill (eager, one prompt at a time, causal SDPA) writes a prompt's keys/values into its row;
 - a decode step for batch ``bs`` reads ``tokens[:bs]`` and ``positions[:bs]``, writes the new
-  keys/values at each row's position, attends over the row's cache up to it (masked SDPA), and
-  writes ``logits[:bs]`` and ``next_tokens[:bs]``; one CUDA graph per batch size of the ladder.
+  keys/values at each row's position (``index_put_`` in place, also under ``torch.compile``),
+  attends over the row's cache up to it (masked SDPA), and writes ``logits[:bs]`` and
+  ``next_tokens[:bs]``; one CUDA graph per batch size of the ladder. The rotary embedding is
+  written without ``torch.cat`` (see :func:`rotary`) so every decode graph stays relocatable.
 
 ``variant="compiled"`` runs the decode step through ``torch.compile`` (``dynamic=True``: one
 compile serves every batch size; Inductor's Triton kernels end up in the graphs). THAW never
@@ -104,59 +106,72 @@ def _shape(model) -> tuple[int, int, int]:
     return c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
 
 
-def decode_forward(model, k_cache, v_cache, key_index, tokens, positions, rows):
+def rotary(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` (transformers' rotary embedding, same roundings)
+    written with elementwise kernels only: no ``torch.cat``, whose by-value parameter block
+    carries unused slots that may look like addresses (a graph holding one is not relocatable)."""
+    import torch
+
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    out = torch.empty_like(x)
+    out[..., :h] = x1 * c1 + (-x2) * s1
+    out[..., h:] = x2 * c2 + x1 * s2
+    return out
+
+
+def decode_forward(model, k_caches, v_caches, key_index, tokens, positions, rows):
     """One decode step of ``model`` (a transformers Llama/Qwen2 causal LM) for ``tokens.shape[0]``
-    rows, against static caches ``[layers, max_batch, kv_heads, max_len, head_dim]``: writes each
-    row's new key/value at its position, attends over its cache up to it; returns
-    ``(logits [bs, vocab], next tokens [bs])``. Device-agnostic (CPU-tested against the model's
-    own forward)."""
+    rows, against static caches (one ``[max_batch, max_len, kv_heads, head_dim]`` tensor per layer
+    in ``k_caches`` / ``v_caches``): writes each row's new key/value at its position in place,
+    attends over its cache up to it; returns ``(logits [bs, vocab], next tokens [bs])``.
+    Device-agnostic (CPU-tested against the model's own forward)."""
     import torch.nn.functional as F
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     heads, kv_heads, hd = _shape(model)
     bs = tokens.shape[0]
     inner = model.model
     x = inner.embed_tokens(tokens)  # [bs, hidden]
     cos, sin = inner.rotary_emb(x, positions[:, None])  # [bs, 1, hd]
+    cos, sin = cos[:, None], sin[:, None]  # [bs, 1, 1, hd]
     mask = (key_index[None, :] <= positions[:, None])[:, None, None, :]
-    for i, layer in enumerate(inner.layers):
+    for layer, kc, vc in zip(inner.layers, k_caches, v_caches):
         att = layer.self_attn
         h = layer.input_layernorm(x)
-        q = att.q_proj(h).view(bs, heads, 1, hd)
-        k = att.k_proj(h).view(bs, kv_heads, 1, hd)
-        v = att.v_proj(h).view(bs, kv_heads, 1, hd)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        k_cache[i][rows, :, positions] = k[:, :, 0]
-        v_cache[i][rows, :, positions] = v[:, :, 0]
-        o = F.scaled_dot_product_attention(q, k_cache[i, :bs], v_cache[i, :bs], attn_mask=mask,
-                                           enable_gqa=True)
+        q = rotary(att.q_proj(h).view(bs, heads, 1, hd), cos, sin)
+        k = rotary(att.k_proj(h).view(bs, kv_heads, 1, hd), cos, sin)
+        v = att.v_proj(h).view(bs, kv_heads, hd)
+        kc.index_put_((rows, positions), k.view(bs, kv_heads, hd))
+        vc.index_put_((rows, positions), v)
+        o = F.scaled_dot_product_attention(q, kc[:bs].transpose(1, 2), vc[:bs].transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=True)
         x = x + att.o_proj(o.reshape(bs, heads * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits = model.lm_head(inner.norm(x))
     return logits, logits.argmax(-1)
 
 
-def prefill_forward(model, k_cache, v_cache, row: int, ids):
+def prefill_forward(model, k_caches, v_caches, row: int, ids):
     """Causal forward of one prompt ``ids`` ([n] token ids) writing its keys/values into cache row
     ``row`` (positions ``0..n-1``); returns the last position's logits ``[vocab]``."""
     import torch
     import torch.nn.functional as F
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     heads, kv_heads, hd = _shape(model)
     n = ids.shape[0]
     inner = model.model
     x = inner.embed_tokens(ids)[None]  # [1, n, hidden]
     cos, sin = inner.rotary_emb(x, torch.arange(n, device=ids.device)[None])
-    for i, layer in enumerate(inner.layers):
+    cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, hd]
+    for layer, kc, vc in zip(inner.layers, k_caches, v_caches):
         att = layer.self_attn
         h = layer.input_layernorm(x)
-        q = att.q_proj(h).view(1, n, heads, hd).transpose(1, 2)
-        k = att.k_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
+        q = rotary(att.q_proj(h).view(1, n, heads, hd).transpose(1, 2), cos, sin)
+        k = rotary(att.k_proj(h).view(1, n, kv_heads, hd).transpose(1, 2), cos, sin)
         v = att.v_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k_cache[i, row, :, :n] = k[0]
-        v_cache[i, row, :, :n] = v[0]
+        kc[row, :n] = k[0].transpose(0, 1)
+        vc[row, :n] = v[0].transpose(0, 1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + att.o_proj(o.transpose(1, 2).reshape(1, n, heads * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -251,9 +266,14 @@ class CausalLMEngine:
         import torch
 
         c = self.cfg
-        kvshape = (c.layers, c.max_batch, c.kv_heads, c.max_len, self.head_dim)
-        self.k_cache = torch.zeros(kvshape, dtype=torch.bfloat16, device="cuda")
-        self.v_cache = torch.zeros(kvshape, dtype=torch.bfloat16, device="cuda")
+        shape = (c.max_batch, c.max_len, c.kv_heads, self.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+                         for _ in range(c.layers)]
+        self.v_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+                         for _ in range(c.layers)]
+        if c.variant == "compiled":  # updated in place by the compiled step, never copied
+            for t in self.k_caches + self.v_caches:
+                torch._dynamo.mark_static_address(t)
         self.tokens = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
         self.positions = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
         self.rows = torch.arange(c.max_batch, dtype=torch.long, device="cuda")
@@ -264,15 +284,13 @@ class CausalLMEngine:
         self.rot_scaling = getattr(self.model.model.rotary_emb, "attention_scaling", 1.0)
         torch.cuda.synchronize()
 
-    def _decode_impl(self, tokens, positions, rows):
-        return decode_forward(self.model, self.k_cache, self.v_cache, self.key_index, tokens,
-                              positions, rows)
 
     def _step(self, bs: int) -> None:
         import torch
 
         with torch.no_grad():
-            logits, nxt = self._step_fn(self.tokens[:bs], self.positions[:bs], self.rows[:bs])
+            logits, nxt = self._step_fn(self.model, self.k_caches, self.v_caches, self.key_index,
+                                        self.tokens[:bs], self.positions[:bs], self.rows[:bs])
             self.logits[:bs].copy_(logits)
             self.next_tokens[:bs].copy_(nxt)
 
@@ -280,9 +298,9 @@ class CausalLMEngine:
         import torch
 
         if self.cfg.variant == "compiled":
-            self._step_fn = torch.compile(self._decode_impl, dynamic=True)
+            self._step_fn = torch.compile(decode_forward, dynamic=True)
         else:
-            self._step_fn = self._decode_impl
+            self._step_fn = decode_forward
 
     def warmup(self) -> None:
         import torch
@@ -333,7 +351,7 @@ class CausalLMEngine:
             raise ValueError(f"a prompt must have 1..{self.cfg.max_len - 1} tokens, got {n}")
         with torch.no_grad():
             t = torch.tensor(ids, dtype=torch.long, device="cuda")
-            logits = prefill_forward(self.model, self.k_cache, self.v_cache, row, t)
+            logits = prefill_forward(self.model, self.k_caches, self.v_caches, row, t)
             return int(logits.argmax(-1).item())
 
     def _replay(self, bs: int) -> None:
