@@ -253,9 +253,9 @@ class CausalLMEngine:
                     p.normal_(0.0, self.cfg.init_std if "embed" not in name else 1.0,
                               generator=g)
             # Non-persistent buffers (rotary frequencies) were materialised unset: take them from
-            # a rotary module built on the GPU the ordinary way.
+            # a rotary module built the ordinary way (on the CPU; copied across).
             rot = self.model.model.rotary_emb
-            fresh = type(rot)(config=self.hf_config, device="cuda")
+            fresh = type(rot)(config=self.hf_config)
             for name, buf in rot.named_buffers(recurse=False):
                 buf.copy_(getattr(fresh, name))
             rot.attention_scaling = fresh.attention_scaling
