@@ -341,6 +341,13 @@ class ThawSession:
         if upto > region.offset:
             region.claim(upto)
 
+    def _restore(self, archive: Any, region: Any, spans: dict, name: str, end: int) -> None:
+        """Map the region up to ``end`` (P2) and restore span ``name`` (when FREEZE wrote it)."""
+        self._claim(region, end)
+        if name in spans:
+            archive.restore_span(RANK, name, region.base, end, target=self.device,
+                                 progress=self.progress)
+
     def run(self) -> dict:
         """Thaw; returns a summary (JSON). The engine serves once this returns."""
         t_start = time.perf_counter()
@@ -382,10 +389,7 @@ class ThawSession:
         self._compare(archive, "built", region)
         spans = archive.spans(RANK)
         with t.step("restore_weights"):
-            self._claim(region, cps["weights"])
-            if "weights" in spans:
-                archive.restore_span(RANK, "weights", region.base, cps["weights"],
-                                     target=self.device, progress=self.progress)
+            self._restore(archive, region, spans, "weights", cps["weights"])
         self._compare(archive, "weights", region)
         with t.step("alloc_state"):
             if objectless:
@@ -402,18 +406,13 @@ class ThawSession:
         self.warmup_action = plan.action
         if plan.action == "restore":
             with t.step("restore_warmup"):
-                self._claim(region, cps["warmup"])
-                archive.restore_span(RANK, "warmup", region.base, cps["warmup"],
-                                     target=self.device, progress=self.progress)
+                self._restore(archive, region, spans, "warmup", cps["warmup"])
         else:
             with t.step("warmup"), a.route(region, "warmup"):
                 a.warmup()
         self._compare(archive, "warmup", region)
         with t.step("restore_graph_pools"):
-            self._claim(region, cps["captured"])
-            if "graphs" in spans:
-                archive.restore_span(RANK, "graphs", region.base, cps["captured"],
-                                     target=self.device, progress=self.progress)
+            self._restore(archive, region, spans, "graphs", cps["captured"])
         self._compare(archive, "captured", region)
         if graphs is not None:
             with t.step("graphs_wait"):

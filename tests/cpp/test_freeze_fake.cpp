@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "vitrify/disk.hpp"
+#include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/host.hpp"
 #include "vitrify/region.hpp"
@@ -29,29 +30,6 @@ namespace host = vitrify::host;
 namespace snapshot = vitrify::snapshot;
 
 namespace {
-
-// Before anything loads the driver: this binary runs on the fake with one device.
-class FakeDriver : public ::testing::Environment {
- public:
-  void SetUp() override {
-    ::setenv("FAKE_CUDA_DEVICES", "1", 1);
-    vitrify::driver::set_library_path(VITRIFY_FAKE_CUDA_PATH);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kFakeDriver =
-    ::testing::AddGlobalTestEnvironment(new FakeDriver);
-
-// [reservations, physical handles, mappings, cuMemAlloc blocks, physical bytes] of the fake.
-std::vector<uint64_t> fake_counts() {
-  void* h = ::dlopen(VITRIFY_FAKE_CUDA_PATH, RTLD_NOW);
-  EXPECT_NE(h, nullptr);
-  auto f = reinterpret_cast<void (*)(uint64_t*)>(::dlsym(h, "fake_cuda_counts"));
-  EXPECT_NE(f, nullptr);
-  std::vector<uint64_t> v(5);
-  if (f) f(v.data());
-  ::dlclose(h);
-  return v;
-}
 
 struct TempDir {
   std::string path;
@@ -89,7 +67,7 @@ std::vector<uint8_t> device_bytes(snapshot::CopyBackend& be, uint64_t addr, size
 TEST(FreezeOnFakeDriver, RegionSpanFileHostPoolAndDiskRoundTrip) {
   ASSERT_TRUE(kFakeDriver);
   ASSERT_TRUE(vitrify::driver::available()) << vitrify::driver::unavailable_reason();
-  const std::vector<uint64_t> before = fake_counts();
+  const vitrify::test::FakeCounts before = vitrify::test::fake_counts();
   TempDir dir;
   {
     // ---- region A: allocations and bytes; the middle one freed (its bytes need not survive)
@@ -211,5 +189,5 @@ TEST(FreezeOnFakeDriver, RegionSpanFileHostPoolAndDiskRoundTrip) {
     }
   }
   // Regions, pool registrations and the backend's stream are gone: the fake holds what it held.
-  EXPECT_EQ(fake_counts(), before);
+  EXPECT_EQ(vitrify::test::fake_counts(), before);
 }

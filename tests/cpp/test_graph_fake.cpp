@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/graph.hpp"
 #include "vitrify/graph_cuda.hpp"
@@ -17,24 +18,9 @@ using namespace vitrify::graph;
 
 namespace {
 
-// Before anything loads the driver: this test binary runs against the fake with one device.
-class FakeDriver : public ::testing::Environment {
- public:
-  void SetUp() override {
-    ::setenv("FAKE_CUDA_DEVICES", "1", 1);
-    vitrify::driver::set_library_path(VITRIFY_FAKE_CUDA_PATH);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kUseFake =
-    ::testing::AddGlobalTestEnvironment(new FakeDriver);
-
-void* fake() {
-  static void* h = ::dlopen(VITRIFY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
-  return h;
-}
 template <typename F>
 F hook(const char* name) {
-  auto f = reinterpret_cast<F>(::dlsym(fake(), name));
+  auto f = reinterpret_cast<F>(vitrify::test::fake_symbol(name));
   if (f == nullptr) throw std::runtime_error(std::string("fake hook missing: ") + name);
   return f;
 }

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/region.hpp"
 #include "vitrify/snapshot.hpp"
@@ -21,36 +22,14 @@ using vitrify::region::kMiB;
 namespace {
 constexpr uint64_t G = 2 * kMiB;
 
-// Before anything loads the driver: this binary runs on the fake with one device.
-class FakeDriver : public ::testing::Environment {
- public:
-  void SetUp() override {
-    ::setenv("FAKE_CUDA_DEVICES", "1", 1);
-    vitrify::driver::set_library_path(VITRIFY_FAKE_CUDA_PATH);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kFakeDriver =
-    ::testing::AddGlobalTestEnvironment(new FakeDriver);
-
 struct Env {
   Env(const char* k, const char* v) : key(k) { ::setenv(k, v, 1); }
   ~Env() { ::unsetenv(key); }
   const char* key;
 };
 
-struct Counts {
-  uint64_t reservations, handles, mappings, allocs, physical;
-  bool operator==(const Counts&) const = default;
-};
-Counts counts() {
-  void* h = ::dlopen(VITRIFY_FAKE_CUDA_PATH, RTLD_NOW);
-  EXPECT_NE(h, nullptr);
-  auto f = reinterpret_cast<void (*)(uint64_t*)>(::dlsym(h, "fake_cuda_counts"));
-  uint64_t v[5] = {};
-  f(v);
-  ::dlclose(h);
-  return Counts{v[0], v[1], v[2], v[3], v[4]};
-}
+using Counts = vitrify::test::FakeCounts;
+Counts counts() { return vitrify::test::fake_counts(); }
 
 uint64_t free_base() {  // a base nobody else in this process uses
   static uint64_t next = 0x500000000000ull;

@@ -20,6 +20,8 @@ region    on-demand vs preallocated region allocations, map chunk sizes, torch  
 snapshot  span restore vs the pinned H2D limit and the disk's read rate          a GPU
 graphs    CUDA graph rebuild in a fresh process vs capture, replay vs torch      a GPU, torch
 hicache   vitrify's HiCache L3 backend vs SGLang's file backend                  SGLang
+coldstart process start -> first token: cold engine vs thaw, above the            a GPU, torch,
+          import-torch + CUDA-context floor; weight restore vs disk and PCIe     transformers
 ========  =====================================================================  ==============
 
 Exit status of ``vitrify bench``: 0 when the benchmark ran and wrote its result, or when it cannot
@@ -43,6 +45,8 @@ BENCHMARKS: dict[str, str] = {
     "snapshot": "span snapshots: restore vs the pinned H2D limit and the disk read rate (GPU)",
     "graphs": "CUDA graphs: rebuild in a fresh process vs capture, replay vs torch (GPU)",
     "hicache": "SGLang HiCache L3: vitrify's backend vs SGLang's file backend (needs SGLang)",
+    "coldstart": "engine start: cold vs thaw to the first token, above the import/context floor "
+                 "(GPU)",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -198,6 +198,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         from .plot import plot_ratios
 
         print(f"wrote {plot_ratios(res, path.with_suffix('.png'))}")
+        extra = getattr(mod, "plot_extra", None)  # a benchmark's own figure, beside the ratios
+        if extra is not None:
+            print(f"wrote {extra(res, path.with_name(path.stem + '-' + extra.suffix + '.png'))}")
     problem = getattr(mod, "problem", None)
     msg = problem(res) if problem else None
     if msg:

@@ -1,0 +1,304 @@
+"""Cold start vs thaw of the transformers engine (GPU): process start -> first token.
+
+Every run is a fresh process (``python -m vitrify.integrations.transformers``) serving 16 new
+prompts. ``cold`` builds the engine the ordinary way (imports, build, weights, warmup and, for the
+compiled variant, ``torch.compile``, capture of the decode-graph ladder); ``thaw`` restores it from
+an archive frozen once at the start. Measured in the same run:
+
+- the floor every process pays before any engine work: ``import torch`` plus a CUDA context (a
+  process that does only that), and the pinned host -> device copy rate;
+- the disk's read rate for the archive's weights span (O_DIRECT, page cache dropped when this
+  process may);
+- ``--runs`` cold and thaw runs (medians), the thaw's breakdown (open and verify, reserve, build
+  and imports, weights, warmup gap, graph pools, kernel modules and graph rebuild, first token)
+  and the graph ladder's rebuild time against its capture time at FREEZE.
+
+Ratios (goals from the issue, compiled variant): thaw above the floor, excluding the weights'
+bytes, over cold above the floor (<= 0.05) and in seconds (<= 2); weight restore over
+min(disk read, PCIe) (>= 0.9); ladder rebuild over capture (<= 0.5). Every run's tokens and
+logits must equal the frozen process's (a mismatch fails the benchmark).
+
+    vitrify bench coldstart [--variant compiled|eager] [--runs 3] [--small] [--dir DIR]
+
+``--plot`` also draws the breakdown (cold vs thaw, stacked) as ``coldstart-DATE-breakdown.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vitrify._units import MiB
+
+from . import resultlib
+from .cli import existing_dir, positive_int
+
+ENTRY = "vitrify.integrations.transformers"
+# The floor process: import torch, make a CUDA context; then (not counted) the pinned H2D rate.
+FLOOR_CODE = r"""
+import json, sys, time
+t0 = float(sys.argv[1])
+import torch
+torch.cuda.init()
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+floor = time.time() - t0
+src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(4):
+    dst.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+print(json.dumps({"floor_s": floor, "h2d_bytes_per_s": 4 * (1 << 30) / (time.perf_counter() - t)}))
+"""
+# Thaw steps in the breakdown, in order (session timing keys, summed where several).
+THAW_PARTS = {
+    "open and verify": ("open",),
+    "reserve": ("reserve",),
+    "build (imports, objects)": ("build", "alloc_state"),
+    "weights": ("restore_weights",),
+    "warmup gap": ("restore_warmup", "warmup"),
+    "graph pools": ("restore_graph_pools",),
+    "kernel modules + graph rebuild": ("graphs_start", "graphs_wait"),
+    "engine state": ("restore_state",),
+}
+COLD_PARTS = {
+    "reserve": ("reserve",), "build (imports, objects)": ("build", "alloc_state"),
+    "weights": ("load_weights",), "warmup (+ compile)": ("warmup",), "capture": ("capture",),
+}
+
+
+def config(variant: str, small: bool) -> dict:
+    from ..integrations.transformers import EngineConfig
+
+    if small:  # the demo's size: a minute for everything
+        cfg = EngineConfig(variant=variant, vocab=8192, hidden=1024, ffn=2816, layers=8, heads=16,
+                           kv_heads=4, max_len=256, batch_sizes=(1, 2, 4, 8, 16, 32))
+    else:
+        cfg = EngineConfig(variant=variant)
+    return cfg.to_dict()
+
+
+def _run(mode: str, archive: str, cfg: dict, opts: dict, timeout: int = 900) -> dict:
+    opts = dict(opts, t0=time.time())
+    p = subprocess.run([sys.executable, "-m", ENTRY, mode, archive, json.dumps(cfg),
+                        json.dumps(opts)], capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{mode} printed no result (rc {p.returncode}): {p.stderr[-2000:]}")
+    r = json.loads(lines[-1])
+    if not r.get("ok"):
+        raise RuntimeError(f"{mode} failed: {r.get('error')}")
+    return r
+
+
+def _floor() -> dict:
+    p = subprocess.run([sys.executable, "-c", FLOOR_CODE, repr(time.time())],
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"the floor process failed: {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _disk_read_rate(path: str) -> dict:
+    """O_DIRECT sequential read of ``path`` in 8 MiB blocks (page cache dropped when allowed)."""
+    import mmap
+
+    dropped = resultlib.drop_page_cache([path])
+    block = 8 * MiB
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags)
+    total = 0
+    t = time.perf_counter()
+    try:
+        while True:
+            n = os.readv(fd, [buf])
+            total += n
+            if n < block:
+                break
+    finally:
+        os.close(fd)
+        buf.close()
+    dt = time.perf_counter() - t
+    return {"bytes": total, "seconds": dt, "bytes_per_s": total / dt if dt > 0 else 0.0,
+            "page_cache_dropped": bool(dropped), "o_direct": hasattr(os, "O_DIRECT")}
+
+
+def _sum(timings: dict, keys: tuple[str, ...]) -> float:
+    return sum(float(timings.get(k, 0.0)) for k in keys)
+
+
+def analyse(freeze: dict, colds: list[dict], thaws: list[dict], floors: list[dict],
+            disk: dict, weights_bytes: int) -> dict:
+    """Medians, the breakdowns, the ratios and the token check (pure: CPU-tested)."""
+    med = statistics.median
+    floor = med(f["floor_s"] for f in floors)
+    h2d = med(f["h2d_bytes_per_s"] for f in floors)
+    cold_first = med(r["first_token_s"] for r in colds)
+    thaw_first = med(r["first_token_s"] for r in thaws)
+    weights_s = med(float(r["session"]["timings"].get("restore_weights", 0.0)) for r in thaws)
+    thaw_above_excl = thaw_first - floor - weights_s
+    ceiling = min(disk["bytes_per_s"], h2d)
+    weight_rate = weights_bytes / weights_s if weights_s > 0 else 0.0
+    rebuild = med(_sum(r["session"]["timings"], ("graphs_start", "graphs_wait")) for r in thaws)
+    capture = float(freeze["session"]["timings"].get("capture", 0.0))
+    breakdown = {
+        "thaw": {k: med(_sum(r["session"]["timings"], v) for r in thaws)
+                 for k, v in THAW_PARTS.items()},
+        "cold": {k: med(_sum(r["session"]["timings"], v) for r in colds)
+                 for k, v in COLD_PARTS.items()},
+    }
+    for name, runs in (("thaw", thaws), ("cold", colds)):
+        engine_s = sum(breakdown[name].values())
+        ready = med(r["ready_s"] for r in runs)
+        # Before the session's first step: interpreter start and imports of the entry point.
+        breakdown[name] = {"process start + imports": max(0.0, ready - engine_s),
+                           **breakdown[name],
+                           "first token (prefill 16 prompts)":
+                               med(r["first_token_s"] - r["ready_s"] for r in runs)}
+    ref_tokens, ref_logits = freeze["tokens"], freeze["logits_sha256"]
+    mismatches = [f"{kind} run {i}" for kind, runs in (("cold", colds), ("thaw", thaws))
+                  for i, r in enumerate(runs)
+                  if r["tokens"] != ref_tokens or r["logits_sha256"] != ref_logits]
+    ratios = {
+        "thaw_above_floor_excl_weights_over_cold_above_floor":
+            thaw_above_excl / (cold_first - floor) if cold_first > floor else float("nan"),
+        "thaw_above_floor_excl_weights_s": thaw_above_excl,
+        "weight_restore_over_min_disk_pcie": weight_rate / ceiling if ceiling > 0 else 0.0,
+        "ladder_rebuild_over_capture": rebuild / capture if capture > 0 else float("nan"),
+        "cold_first_token_over_thaw_first_token": cold_first / thaw_first,
+    }
+    rows = [
+        {"metric": "floor: import torch + CUDA context", "value": floor, "unit": "s"},
+        {"metric": "cold: process start -> first token", "value": cold_first, "unit": "s"},
+        {"metric": "thaw: process start -> first token", "value": thaw_first, "unit": "s"},
+        {"metric": "cold above the floor", "value": cold_first - floor, "unit": "s"},
+        {"metric": "thaw above the floor", "value": thaw_first - floor, "unit": "s"},
+        {"metric": "thaw above the floor, excluding weights", "value": thaw_above_excl,
+         "unit": "s"},
+        {"metric": "weights restored", "value": weight_rate / 1e9, "unit": "GB/s"},
+        {"metric": "disk read (O_DIRECT)", "value": disk["bytes_per_s"] / 1e9, "unit": "GB/s"},
+        {"metric": "pinned H2D", "value": h2d / 1e9, "unit": "GB/s"},
+        {"metric": "ladder capture at FREEZE", "value": capture, "unit": "s"},
+        {"metric": "ladder rebuild at THAW", "value": rebuild, "unit": "s"},
+        {"metric": "runs with tokens/logits != FREEZE", "value": len(mismatches),
+         "unit": "runs"},
+    ]
+    return {"rows": rows, "ratios": ratios, "breakdown": breakdown, "mismatches": mismatches,
+            "goals": {"thaw_above_floor_excl_weights_over_cold_above_floor": 0.05,
+                      "thaw_above_floor_excl_weights_s": 2.0,
+                      "weight_restore_over_min_disk_pcie": 0.9,
+                      "ladder_rebuild_over_capture": 0.5},
+            "goal_direction": {"thaw_above_floor_excl_weights_over_cold_above_floor": "<=",
+                               "thaw_above_floor_excl_weights_s": "<=",
+                               "ladder_rebuild_over_capture": "<="}}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--variant", choices=("compiled", "eager"), default="compiled",
+                    help="the engine's decode step: torch.compile'd (default) or eager")
+    ap.add_argument("--runs", type=positive_int, default=3, help="cold and thaw runs (median)")
+    ap.add_argument("--small", action="store_true",
+                    help="the demo's small engine (8 layers, hidden 1024) instead of 1.1 B")
+    ap.add_argument("--dir", type=existing_dir, default=None,
+                    help="where the archive goes (default: the system temp directory)")
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    import vitrify
+
+    if not vitrify.cuda_available():
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    for mod in ("torch", "transformers"):
+        if importlib.util.find_spec(mod) is None:
+            return f"needs {mod} (pip install {mod})"
+    return None
+
+
+def problem(res: dict) -> str | None:
+    bad = res.get("mismatches")
+    return f"tokens or logits differ from FREEZE in {', '.join(bad)}" if bad else None
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    cfg = config(args.variant, args.small)
+    with tempfile.TemporaryDirectory(prefix="vitrify-bench-coldstart-", dir=args.dir) as tmp:
+        archive = str(Path(tmp) / "engine.vitrify")
+        progress(f"FREEZE the {args.variant} engine once")
+        fz = _run("freeze", archive, cfg, {})
+        span = Path(archive) / "rank0" / "region" / "weights.span"
+        progress("floor processes (import torch + CUDA context) and the disk's read rate")
+        floors = [_floor() for _ in range(args.runs)]
+        disk = _disk_read_rate(str(span))
+        colds, thaws = [], []
+        for i in range(args.runs):
+            progress(f"cold run {i + 1}/{args.runs}")
+            colds.append(_run("cold", "-", cfg, {}))
+            progress(f"thaw run {i + 1}/{args.runs}")
+            resultlib.drop_page_cache([str(span)])
+            thaws.append(_run("thaw", archive, cfg, {}))
+        weights_bytes = int(fz["session"]["span_bytes"].get("weights", 0))
+    a = analyse(fz, colds, thaws, floors, disk, weights_bytes)
+    resultlib.print_table(a["rows"], ["metric", "value", "unit"])
+    for side in ("cold", "thaw"):
+        print(f"{side} breakdown (median s): " +
+              ", ".join(f"{k} {v:.2f}" for k, v in a["breakdown"][side].items()))
+    res = resultlib.result("coldstart", rows=a["rows"], ratios=a["ratios"], goals=a["goals"],
+                           goal_direction=a["goal_direction"], breakdown=a["breakdown"],
+                           mismatches=a["mismatches"], config=cfg, runs=args.runs, disk=disk,
+                           floors=floors, weights_bytes=weights_bytes,
+                           freeze_timings=fz["session"]["timings"],
+                           cold=[_brief(r) for r in colds], thaw=[_brief(r) for r in thaws])
+    return res
+
+
+def _brief(r: dict) -> dict:
+    return {k: r.get(k) for k in ("ready_s", "first_token_s", "process_s", "serve_s")} | {
+        "timings": r["session"].get("timings"), "graph_stats": r["session"].get("graph_stats")}
+
+
+def plot_extra(res: dict, path: str | Path) -> Path:
+    """Cold vs thaw as two stacked horizontal bars of their medians' parts (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    try:
+        for y, side in enumerate(("thaw", "cold")):
+            left = 0.0
+            for i, (part, sec) in enumerate(res["breakdown"][side].items()):
+                ax.barh(y, sec, left=left, color=plt.cm.tab20(i % 20), edgecolor="white")
+                if sec > 0.04 * sum(res["breakdown"]["cold"].values()):
+                    ax.text(left + sec / 2, y, f"{part}\n{sec:.1f}s", ha="center",
+                            va="center", fontsize=6)
+                left += sec
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["thaw", "cold"])
+        ax.set_xlabel("seconds from process start to the first token (median)")
+        ax.set_title(f"vitrify bench coldstart: {res['config']['variant']} engine, "
+                     f"{res['date'][:10]} {str(res.get('git_sha', ''))[:12]}", fontsize="medium")
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+    finally:
+        plt.close(fig)
+    return path
+
+
+plot_extra.suffix = "breakdown"  # type: ignore[attr-defined]
+
+__all__ = ["COLD_PARTS", "THAW_PARTS", "add_arguments", "analyse", "config", "plot_extra",
+           "problem", "run", "unavailable"]

@@ -1,0 +1,74 @@
+"""`vitrify bench coldstart`'s analysis on synthetic runs (the runs themselves need a GPU): medians,
+the floor, the thaw's breakdown, the issue's ratios and the token check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vitrify.bench import coldstart
+
+
+def _run(first: float, ready: float, timings: dict, tokens=None) -> dict:
+    return {"first_token_s": first, "ready_s": ready, "session": {"timings": timings},
+            "tokens": tokens or [[1, 2]], "logits_sha256": ["a"]}
+
+
+FREEZE = {"session": {"timings": {"capture": 2.0}}, "tokens": [[1, 2]], "logits_sha256": ["a"]}
+COLD = {"reserve": 0.1, "build": 9.0, "load_weights": 0.1, "alloc_state": 0.0,
+        "warmup": 100.0, "capture": 2.0}
+THAW = {"open": 0.2, "reserve": 0.1, "build": 4.5, "alloc_state": 0.0, "restore_weights": 1.5,
+        "restore_warmup": 0.1, "restore_graph_pools": 0.1, "graphs_start": 0.3,
+        "graphs_wait": 0.2, "restore_state": 0.0}
+FLOORS = [{"floor_s": 4.0, "h2d_bytes_per_s": 50e9}, {"floor_s": 3.5, "h2d_bytes_per_s": 55e9},
+          {"floor_s": 4.5, "h2d_bytes_per_s": 52e9}]
+DISK = {"bytes_per_s": 1.5e9}
+
+
+def test_ratios_are_taken_above_the_floor_and_without_the_weights():
+    colds = [_run(120.0, 118.0, COLD), _run(110.0, 108.0, COLD), _run(130.0, 128.0, COLD)]
+    thaws = [_run(8.0, 7.0, THAW), _run(7.5, 6.5, THAW), _run(9.0, 8.0, THAW)]
+    a = coldstart.analyse(FREEZE, colds, thaws, FLOORS, DISK, weights_bytes=2_100_000_000)
+    r = a["ratios"]
+    # floor 4.0 (median); thaw 8.0 - 4.0 - 1.5 s of weights = 2.5 s; cold 120 - 4 = 116 s.
+    assert r["thaw_above_floor_excl_weights_s"] == pytest.approx(2.5)
+    assert r["thaw_above_floor_excl_weights_over_cold_above_floor"] == pytest.approx(2.5 / 116)
+    # 2.1 GB in 1.5 s = 1.4 GB/s against min(1.5 disk, 52 PCIe) GB/s.
+    assert r["weight_restore_over_min_disk_pcie"] == pytest.approx(1.4 / 1.5)
+    assert r["ladder_rebuild_over_capture"] == pytest.approx(0.5 / 2.0)
+    assert r["cold_first_token_over_thaw_first_token"] == pytest.approx(120 / 8)
+    assert a["mismatches"] == []
+    thaw = a["breakdown"]["thaw"]
+    assert list(thaw)[0] == "process start + imports" and list(thaw)[-1].startswith("first token")
+    assert thaw["kernel modules + graph rebuild"] == pytest.approx(0.5)
+    assert thaw["first token (prefill 16 prompts)"] == pytest.approx(1.0)
+    # The parts before the first token add up to the time the engine was ready.
+    assert sum(v for k, v in thaw.items() if not k.startswith("first")) == pytest.approx(7.0)
+    assert a["goal_direction"]["ladder_rebuild_over_capture"] == "<="
+
+
+def test_a_run_with_other_tokens_is_a_problem():
+    colds = [_run(120.0, 118.0, COLD)]
+    thaws = [_run(8.0, 7.0, THAW, tokens=[[1, 3]])]
+    a = coldstart.analyse(FREEZE, colds, thaws, FLOORS[:1], DISK, weights_bytes=1)
+    assert a["mismatches"] == ["thaw run 0"]
+    assert "thaw run 0" in coldstart.problem({"mismatches": a["mismatches"]})
+    assert coldstart.problem({"mismatches": []}) is None
+
+
+def test_a_cold_start_below_the_floor_gives_no_ratio_rather_than_a_wrong_one():
+    colds = [_run(3.0, 2.0, COLD)]
+    thaws = [_run(3.0, 2.0, THAW)]
+    a = coldstart.analyse(FREEZE, colds, thaws, FLOORS[:1], DISK, weights_bytes=1)
+    assert math.isnan(a["ratios"]["thaw_above_floor_excl_weights_over_cold_above_floor"])
+
+
+def test_small_config_is_a_valid_engine_config():
+    pytest.importorskip("transformers")
+    from vitrify.integrations.transformers import EngineConfig
+
+    small = EngineConfig.from_dict(coldstart.config("eager", small=True))
+    assert small.layers < EngineConfig().layers and small.variant == "eager"
+    assert EngineConfig.from_dict(coldstart.config("compiled", small=False)) == \
+        EngineConfig(variant="compiled")
