@@ -63,6 +63,7 @@ __all__ = [
     "recorder_info",
     "relocation_audit",
     "render_relocation_audit",
+    "unrelocatable_graphs",
 ]
 
 
@@ -578,6 +579,33 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     return load(Path(archive.path) / f"rank{int(rank)}", **kw)
 
 
+def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] | None = None,
+                         unrelocatable: str = "error") -> dict[str, str]:
+    """The graphs of ``index`` (:func:`read_index`) that FREEZE marked non-relocatable, when the
+    region lives at ``region_base`` instead of the frozen base: name -> reason (empty at the
+    frozen base). With ``unrelocatable="error"`` the first one raises :class:`GraphNotRelocatable`
+    instead. No driver call: THAW can refuse before restoring anything."""
+    frozen_base = int(index["region"]["base"])
+    skipped: dict[str, str] = {}
+    if region_base is None or int(region_base) == frozen_base:
+        return skipped
+    for g in index["graphs"] if names is None else [g for g in index["graphs"]
+                                                    if g["name"] in set(names)]:
+        if g.get("relocatable", False):
+            continue
+        words = g.get("unclassified", {}).get("words", [])
+        first = (f"kernel {words[0]['kernel']!r} parameter byte {words[0]['offset']} holds "
+                 f"{words[0]['value']} ({words[0]['reason']})") if words else "no audit"
+        reason = (f"graph {g['name']!r} is not relocatable from {hex(frozen_base)} to "
+                  f"{hex(int(region_base))}: {first}; "
+                  f"{g.get('unclassified', {}).get('count', '?')} word(s) may or may not be "
+                  f"pointers (vitrify inspect --relocations shows them)")
+        if unrelocatable == "error":
+            raise GraphNotRelocatable(reason)
+        skipped[g["name"]] = reason
+    return skipped
+
+
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
          threads: int = 2, names: list[str] | None = None,
          share_templates: bool = True, unrelocatable: str = "error") -> LoadedGraphs:
@@ -609,26 +637,10 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     root = Path(directory)
     index = read_index(root)
     entries = index["graphs"]
-    skipped: dict[str, str] = {}
-    frozen_base = int(index["region"]["base"])
-    if region_base is not None and int(region_base) != frozen_base:
-        movable = []
-        for g in entries if names is None else [g for g in entries if g["name"] in set(names)]:
-            if g.get("relocatable", False):
-                movable.append(g)
-                continue
-            words = g.get("unclassified", {}).get("words", [])
-            first = (f"kernel {words[0]['kernel']!r} parameter byte {words[0]['offset']} holds "
-                     f"{words[0]['value']} ({words[0]['reason']})") if words else "no audit"
-            reason = (f"graph {g['name']!r} is not relocatable from {hex(frozen_base)} to "
-                      f"{hex(int(region_base))}: {first}; "
-                      f"{g.get('unclassified', {}).get('count', '?')} word(s) may or may not be "
-                      f"pointers (vitrify inspect --relocations shows them)")
-            if unrelocatable == "error":
-                raise GraphNotRelocatable(reason)
-            skipped[g["name"]] = reason
+    skipped = unrelocatable_graphs(index, region_base, names, unrelocatable)
+    if skipped:
         if names is None:
-            entries = movable
+            entries = [g for g in entries if g["name"] not in skipped]
         else:
             names = [n for n in names if n not in skipped]
     if names is not None:

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -175,6 +176,29 @@ class Timings:
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.steps)
+
+
+class _Background:
+    """``fn()`` on a thread; :meth:`result` joins it and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as e:  # handed to the caller of result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="vitrify-thaw-graphs", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 # ------------------------------------------------------------------------------------- FREEZE
@@ -369,13 +393,18 @@ class ThawSession:
         with t.step("reserve"):
             self.region = region = self._reserve(archive.region)
             region.preallocate(cps["captured"])
-        graphs = None
+        loader = None
         if sess.get("graphs", 0):
             with t.step("graphs_start"):
-                # Modules load and graphs build on background threads while the region fills.
-                graphs = _graph_module().load_from_archive(
+                # Refused before anything is restored (P4); then the files are verified, the
+                # modules loaded and the graphs built on background threads while the region
+                # fills (P7).
+                g = _graph_module()
+                g.unrelocatable_graphs(g.read_index(os.path.join(archive.path, f"rank{RANK}")),
+                                       region.base)
+                loader = _Background(lambda: g.load_from_archive(
                     archive, RANK, verify=self.verify, device=self.device,
-                    region_base=region.base, threads=self.graph_threads)
+                    region_base=region.base, threads=self.graph_threads))
         # An adapter whose THAW needs none of its objects (it only replays graphs and reads
         # the region) is attached to the region; the session maps each phase's range itself.
         objectless = bool(getattr(a, "thaw_without_objects", False))
@@ -414,8 +443,10 @@ class ThawSession:
         with t.step("restore_graph_pools"):
             self._restore(archive, region, spans, "graphs", cps["captured"])
         self._compare(archive, "captured", region)
-        if graphs is not None:
+        graphs = None
+        if loader is not None:
             with t.step("graphs_wait"):
+                graphs = loader.result()
                 graphs.wait_all()
         self.graphs = graphs
         with t.step("restore_state"):

@@ -296,3 +296,19 @@ def test_save_names_a_graph_whose_module_was_not_recorded(tmp_path):
     store.add("orphan", _native.graph_build({"nodes": [k]}))
     with pytest.raises(ValueError, match="graph 'orphan' uses module cdcd.*did not record"):
         store.save(tmp_path)
+
+
+def test_unrelocatable_graphs_are_named_before_any_driver_call():
+    index = {"region": {"base": 0x600180000000}, "graphs": [
+        {"name": "ok", "relocatable": True},
+        {"name": "bad", "relocatable": False, "unclassified": {"count": 2, "words": [
+            {"kernel": "k", "offset": 704, "value": "0x600000006000", "reason": "no layout"}]}},
+    ]}
+    assert tg.unrelocatable_graphs(index, None) == {}
+    assert tg.unrelocatable_graphs(index, 0x600180000000) == {}
+    skipped = tg.unrelocatable_graphs(index, 0x610180000000, unrelocatable="skip")
+    assert list(skipped) == ["bad"] and "parameter byte 704" in skipped["bad"]
+    assert tg.unrelocatable_graphs(index, 0x610180000000, names=["ok"]) == {}
+    with pytest.raises(tg.GraphNotRelocatable, match="graph 'bad' is not relocatable from "
+                                                     "0x600180000000 to 0x610180000000"):
+        tg.unrelocatable_graphs(index, 0x610180000000)
