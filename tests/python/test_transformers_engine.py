@@ -17,14 +17,14 @@ def _model(arch: str):
     cfg = vtt.EngineConfig(arch=arch, vocab=96, hidden=64, ffn=128, layers=3, heads=8,
                            kv_heads=2, max_len=40, batch_sizes=(1, 2, 4), init_std=0.2)
     eng = vtt.CausalLMEngine(cfg)
-    conf = eng._hf_config()
     torch.manual_seed(0)
-    kind = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
-    model = kind(conf).float().eval()
+    model = eng.hf_model("cpu").float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # peaked logits, biases not zero
             p.normal_(0.0, 0.2 if "embed" not in name else 1.0)
-    return cfg, model
+    rot = model.model.rotary_emb
+    weights = dict(model.named_parameters()) | {"model.rotary_emb.inv_freq": rot.inv_freq}
+    return cfg, model, weights, vtt.Dims.of(cfg, float(rot.attention_scaling))
 
 
 def _reference_next_logits(model, seq: list[int]):
@@ -34,7 +34,7 @@ def _reference_next_logits(model, seq: list[int]):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
-    cfg, model = _model(arch)
+    cfg, model, W, dims = _model(arch)
     hd = cfg.hidden // cfg.heads
     shape = (cfg.max_batch, cfg.max_len, cfg.kv_heads, hd)
     k_cache = [torch.zeros(shape) for _ in range(cfg.layers)]
@@ -43,7 +43,7 @@ def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
     seqs = []
     with torch.no_grad():
         for row, p in enumerate(prompts):
-            logits = vtt.prefill_forward(model, k_cache, v_cache, row, torch.tensor(p))
+            logits = vtt.prefill_forward(W, dims, k_cache, v_cache, row, torch.tensor(p))
             torch.testing.assert_close(logits, _reference_next_logits(model, p), rtol=1e-4,
                                        atol=1e-4)
             seqs.append(p + [int(logits.argmax())])
@@ -54,7 +54,7 @@ def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
         tokens = torch.tensor([s[-1] for s in seqs] + [0])
         positions = torch.tensor([len(s) - 1 for s in seqs] + [0])
         for _ in range(5):
-            logits, nxt = vtt.decode_forward(model, k_cache, v_cache, key_index, tokens,
+            logits, nxt = vtt.decode_forward(W, dims, k_cache, v_cache, key_index, tokens,
                                              positions, rows)
             for r, s in enumerate(seqs):
                 torch.testing.assert_close(logits[r], _reference_next_logits(model, s),
@@ -62,6 +62,36 @@ def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
                 s.append(int(nxt[r]))
             tokens = nxt.clone()
             positions = positions + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_param_specs_are_exactly_the_transformers_models_tensors(arch):
+    """What THAW allocates without transformers is what transformers builds at FREEZE."""
+    cfg = vtt.EngineConfig(arch=arch, vocab=96, hidden=64, ffn=128, layers=3, heads=8,
+                           kv_heads=2, max_len=40, batch_sizes=(1, 2, 4))
+    eng = vtt.CausalLMEngine(cfg)
+    meta = eng.hf_model("meta")
+    eng.check_specs(meta)  # raises on any difference
+    names = [n for n, _, _ in vtt.param_specs(cfg)]
+    assert len(names) == len(set(names))
+    assert set(names) - {"model.rotary_emb.inv_freq"} == {n for n, _ in meta.named_parameters()}
+    with pytest.raises(RuntimeError, match="transformers builds another"):
+        vtt.CausalLMEngine(vtt.EngineConfig(arch=arch, vocab=96, hidden=64, ffn=256, layers=3,
+                                            heads=8, kv_heads=2, max_len=40,
+                                            batch_sizes=(1,))).check_specs(meta)
+
+
+def test_rotary_equals_transformers_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    half = torch.randn(2, 5, 8)
+    cos, sin = half.cos(), half.sin()
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    want_q, want_k = apply_rotary_pos_emb(q, k, full_cos, full_sin)
+    assert torch.equal(vtt.rotary(q, cos[:, None], sin[:, None]), want_q)
+    assert torch.equal(vtt.rotary(k, cos[:, None], sin[:, None]), want_k)
 
 
 def test_config_validation_is_one_line_errors():

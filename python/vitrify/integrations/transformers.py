@@ -2,9 +2,12 @@
 thawed through :mod:`vitrify.session` (:class:`CausalLMEngine` is the adapter).
 
 The model is a ``transformers`` Llama-style (or Qwen2-style) causal LM built from a config with
-seeded random weights (no downloads). ``transformers`` supplies the modules and their parameters
-(embedding, per-layer projections, RMSNorms, MLP, rotary embedding, LM head); the engine runs its
-own forward around them so the KV cache is one static tensor per layer for every batch size:
+seeded random weights (no downloads). ``transformers`` defines it: at FREEZE the engine builds
+the transformers model (on the meta device) and checks that its parameters are exactly
+:func:`param_specs` (names, shapes, dtypes). The engine's tensors live in the region under those
+names and its forward is functional over them (CPU-tested against the transformers model's own
+forward), so THAW needs torch but not transformers, and the KV cache is one static tensor per
+layer for every batch size:
 
 - prefill (eager, one prompt at a time, causal SDPA) writes a prompt's keys/values into its row;
 - a decode step for batch ``bs`` reads ``tokens[:bs]`` and ``positions[:bs]``, writes the new
@@ -17,11 +20,11 @@ own forward around them so the KV cache is one static tensor per layer for every
 compile serves every batch size; Inductor's Triton kernels end up in the graphs). THAW never
 compiles: it replays the rebuilt graphs.
 
-Phases (see ``docs/session.md``): ``build`` creates the model on the meta device and materialises
-it in the region (``to_empty``, no initialisation); ``load_weights`` fills every parameter from a
-seeded generator (``init_std`` large enough for peaked logits) and the rotary frequencies;
-``alloc_state`` allocates the KV cache (zeroed) and the static decode buffers; ``warmup`` runs each
-batch size's decode step (and compiles); ``capture`` captures the ladder.
+Phases (see ``docs/session.md``): ``build`` allocates the tensors of :func:`param_specs` in the
+region, unset; ``load_weights`` (FREEZE) checks them against the transformers model and fills them
+from a seeded generator (``init_std`` large enough for peaked logits) and transformers' rotary
+frequencies; ``alloc_state`` allocates the KV cache (zeroed) and the static decode buffers;
+``warmup`` runs each batch size's decode step (and compiles); ``capture`` captures the ladder.
 """
 
 from __future__ import annotations
@@ -101,86 +104,160 @@ def prompts(n: int, seed: int, vocab: int, min_len: int = 8, max_len: int = 48) 
             for _ in range(n)]
 
 
-def _shape(model) -> tuple[int, int, int]:
-    c = model.config
-    return c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+def param_specs(cfg: EngineConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The engine's tensors in the order they are allocated, as (transformers' parameter name,
+    shape, dtype): the decoder's parameters and the rotary frequencies. FREEZE checks them against
+    the transformers model; THAW allocates them from this list alone (no transformers import)."""
+    hd = cfg.hidden // cfg.heads
+    bf = "bfloat16"
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), bf)]
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        for proj, rows in (("q", cfg.heads * hd), ("k", cfg.kv_heads * hd),
+                           ("v", cfg.kv_heads * hd)):
+            out.append((f"{p}self_attn.{proj}_proj.weight", (rows, cfg.hidden), bf))
+            if cfg.arch == "qwen2":
+                out.append((f"{p}self_attn.{proj}_proj.bias", (rows,), bf))
+        out += [(f"{p}self_attn.o_proj.weight", (cfg.hidden, cfg.heads * hd), bf),
+                (f"{p}mlp.gate_proj.weight", (cfg.ffn, cfg.hidden), bf),
+                (f"{p}mlp.up_proj.weight", (cfg.ffn, cfg.hidden), bf),
+                (f"{p}mlp.down_proj.weight", (cfg.hidden, cfg.ffn), bf),
+                (f"{p}input_layernorm.weight", (cfg.hidden,), bf),
+                (f"{p}post_attention_layernorm.weight", (cfg.hidden,), bf)]
+    out += [("model.norm.weight", (cfg.hidden,), bf),
+            ("lm_head.weight", (cfg.vocab, cfg.hidden), bf),
+            ("model.rotary_emb.inv_freq", (hd // 2,), "float32")]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """What the forward needs besides the tensors (plain numbers: torch.compile-friendly)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    bias: bool
+    eps: float = 1e-5
+    rope_scaling: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, rope_scaling: float = 1.0) -> Dims:
+        return cls(cfg.layers, cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads,
+                   cfg.arch == "qwen2", 1e-5, rope_scaling)
+
+
+def _rms_norm(x, w, eps: float):
+    """transformers' RMSNorm: in float32, then the weight times the result in x's dtype."""
+    import torch
+
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rope(W, positions, d: Dims, dtype):
+    """cos and sin of the positions' rotary angles ([..., head_dim/2], ``dtype``), each half once:
+    the full-width tables transformers builds are these two halves concatenated."""
+    freqs = positions[..., None].float() * W["model.rotary_emb.inv_freq"].float()
+    return (freqs.cos() * d.rope_scaling).to(dtype), (freqs.sin() * d.rope_scaling).to(dtype)
 
 
 def rotary(x, cos, sin):
-    """``x * cos + rotate_half(x) * sin`` (transformers' rotary embedding, same roundings)
-    written with elementwise kernels only: no ``torch.cat``, whose by-value parameter block
-    carries unused slots that may look like addresses (a graph holding one is not relocatable)."""
+    """transformers' ``x * cos + rotate_half(x) * sin`` with half-width tables, elementwise only:
+    no ``torch.cat``, whose by-value parameter block carries unused slots that may look like
+    addresses (a graph holding one cannot be proven relocatable)."""
     import torch
 
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
-    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
     out = torch.empty_like(x)
-    out[..., :h] = x1 * c1 + (-x2) * s1
-    out[..., h:] = x2 * c2 + x1 * s2
+    out[..., :h] = x1 * cos + (-x2) * sin
+    out[..., h:] = x2 * cos + x1 * sin
     return out
 
 
-def decode_forward(model, k_caches, v_caches, key_index, tokens, positions, rows):
-    """One decode step of ``model`` (a transformers Llama/Qwen2 causal LM) for ``tokens.shape[0]``
-    rows, against static caches (one ``[max_batch, max_len, kv_heads, head_dim]`` tensor per layer
-    in ``k_caches`` / ``v_caches``): writes each row's new key/value at its position in place,
-    attends over its cache up to it; returns ``(logits [bs, vocab], next tokens [bs])``.
-    Device-agnostic (CPU-tested against the model's own forward)."""
+def _proj(W, name: str, h, bias: bool):
     import torch.nn.functional as F
 
-    heads, kv_heads, hd = _shape(model)
+    return F.linear(h, W[name + ".weight"], W[name + ".bias"] if bias else None)
+
+
+def _layer_tail(W, p: str, x, attn, d: Dims):
+    """Output projection, residual, post-attention norm, SwiGLU MLP, residual."""
+    import torch.nn.functional as F
+
+    x = x + F.linear(attn, W[p + "self_attn.o_proj.weight"])
+    h = _rms_norm(x, W[p + "post_attention_layernorm.weight"], d.eps)
+    gate = F.silu(F.linear(h, W[p + "mlp.gate_proj.weight"]))
+    m = gate * F.linear(h, W[p + "mlp.up_proj.weight"])
+    return x + F.linear(m, W[p + "mlp.down_proj.weight"])
+
+
+def decode_forward(W, d: Dims, k_caches, v_caches, key_index, tokens, positions, rows):
+    """One decode step for ``tokens.shape[0]`` rows over the tensors ``W`` (transformers' names),
+    against static caches (one ``[max_batch, max_len, kv_heads, head_dim]`` tensor per layer):
+    writes each row's new key/value at its position in place, attends over its cache up to it;
+    returns ``(logits [bs, vocab], next tokens [bs])``. Device-agnostic; CPU-tested against the
+    transformers model's own forward."""
+    import torch.nn.functional as F
+
     bs = tokens.shape[0]
-    inner = model.model
-    x = inner.embed_tokens(tokens)  # [bs, hidden]
-    cos, sin = inner.rotary_emb(x, positions[:, None])  # [bs, 1, hd]
-    cos, sin = cos[:, None], sin[:, None]  # [bs, 1, 1, hd]
+    x = F.embedding(tokens, W["model.embed_tokens.weight"])  # [bs, hidden]
+    cos, sin = _rope(W, positions, d, x.dtype)  # [bs, hd/2]
+    cos, sin = cos[:, None, None], sin[:, None, None]  # [bs, 1, 1, hd/2]
     mask = (key_index[None, :] <= positions[:, None])[:, None, None, :]
-    for layer, kc, vc in zip(inner.layers, k_caches, v_caches):
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = rotary(att.q_proj(h).view(bs, heads, 1, hd), cos, sin)
-        k = rotary(att.k_proj(h).view(bs, kv_heads, 1, hd), cos, sin)
-        v = att.v_proj(h).view(bs, kv_heads, hd)
-        kc.index_put_((rows, positions), k.view(bs, kv_heads, hd))
+    for i in range(d.layers):
+        p = f"model.layers.{i}."
+        h = _rms_norm(x, W[p + "input_layernorm.weight"], d.eps)
+        q = rotary(_proj(W, p + "self_attn.q_proj", h, d.bias).view(bs, d.heads, 1, d.head_dim),
+                   cos, sin)
+        k = rotary(_proj(W, p + "self_attn.k_proj", h, d.bias).view(bs, d.kv_heads, 1,
+                                                                      d.head_dim), cos, sin)
+        v = _proj(W, p + "self_attn.v_proj", h, d.bias).view(bs, d.kv_heads, d.head_dim)
+        kc, vc = k_caches[i], v_caches[i]
+        kc.index_put_((rows, positions), k.view(bs, d.kv_heads, d.head_dim))
         vc.index_put_((rows, positions), v)
         o = F.scaled_dot_product_attention(q, kc[:bs].transpose(1, 2), vc[:bs].transpose(1, 2),
                                            attn_mask=mask, enable_gqa=True)
-        x = x + att.o_proj(o.reshape(bs, heads * hd))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = model.lm_head(inner.norm(x))
+        x = _layer_tail(W, p, x, o.reshape(bs, d.heads * d.head_dim), d)
+    logits = F.linear(_rms_norm(x, W["model.norm.weight"], d.eps), W["lm_head.weight"])
     return logits, logits.argmax(-1)
 
 
-def prefill_forward(model, k_caches, v_caches, row: int, ids):
+def prefill_forward(W, d: Dims, k_caches, v_caches, row: int, ids):
     """Causal forward of one prompt ``ids`` ([n] token ids) writing its keys/values into cache row
     ``row`` (positions ``0..n-1``); returns the last position's logits ``[vocab]``."""
     import torch
     import torch.nn.functional as F
 
-    heads, kv_heads, hd = _shape(model)
     n = ids.shape[0]
-    inner = model.model
-    x = inner.embed_tokens(ids)[None]  # [1, n, hidden]
-    cos, sin = inner.rotary_emb(x, torch.arange(n, device=ids.device)[None])
-    cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, hd]
-    for layer, kc, vc in zip(inner.layers, k_caches, v_caches):
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = rotary(att.q_proj(h).view(1, n, heads, hd).transpose(1, 2), cos, sin)
-        k = rotary(att.k_proj(h).view(1, n, kv_heads, hd).transpose(1, 2), cos, sin)
-        v = att.v_proj(h).view(1, n, kv_heads, hd).transpose(1, 2)
-        kc[row, :n] = k[0].transpose(0, 1)
-        vc[row, :n] = v[0].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + att.o_proj(o.transpose(1, 2).reshape(1, n, heads * hd))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(inner.norm(x[0, -1]))
+    x = F.embedding(ids, W["model.embed_tokens.weight"])  # [n, hidden]
+    cos, sin = _rope(W, torch.arange(n, device=ids.device), d, x.dtype)  # [n, hd/2]
+    cos, sin = cos[None, :, None], sin[None, :, None]  # [1, n, 1, hd/2]
+    for i in range(d.layers):
+        p = f"model.layers.{i}."
+        h = _rms_norm(x, W[p + "input_layernorm.weight"], d.eps)[None]  # [1, n, hidden]
+        q = rotary(_proj(W, p + "self_attn.q_proj", h, d.bias).view(1, n, d.heads, d.head_dim),
+                   cos, sin)
+        k = rotary(_proj(W, p + "self_attn.k_proj", h, d.bias).view(1, n, d.kv_heads,
+                                                                      d.head_dim), cos, sin)
+        v = _proj(W, p + "self_attn.v_proj", h, d.bias).view(1, n, d.kv_heads, d.head_dim)
+        k_caches[i][row, :n] = k[0]
+        v_caches[i][row, :n] = v[0]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        x = _layer_tail(W, p, x, o.transpose(1, 2).reshape(n, d.heads * d.head_dim), d)
+    return F.linear(_rms_norm(x[-1], W["model.norm.weight"], d.eps), W["lm_head.weight"])
 
 
 class CausalLMEngine:
     """The engine and its :class:`vitrify.session.EngineAdapter`. Construct it before CUDA is
-    initialised (it imports torch lazily, in ``build``)."""
+    initialised (it imports torch lazily, in ``build``). FREEZE builds the transformers model
+    (on the meta device) and checks :func:`param_specs` against it; THAW needs torch only: it
+    allocates the same tensors in the same order and the session restores their bytes."""
 
     def __init__(self, config: EngineConfig | None = None):
         self.cfg = config or EngineConfig()
@@ -188,20 +265,24 @@ class CausalLMEngine:
             raise _check.ArgumentTypeError(f"config must be an EngineConfig, got "
                                            f"{_check.got(self.cfg)}")
         self.region = None
-        self.model = None
+        self.weights: dict[str, Any] = {}
+        self.dims = Dims.of(self.cfg)
         self.torch_graphs: dict[int, Any] = {}  # FREEZE: torch.cuda.CUDAGraph per batch size
         self.loaded = None  # THAW: vitrify LoadedGraphs
         self._step_fn = None
 
     # --- adapter: identity and routing ----------------------------------------------------------
     def fingerprint(self) -> dict:
-        import transformers
+        import importlib.metadata
 
         import vitrify
 
-        return {"engine": ENGINE,
-                "engine_version": f"vitrify-{vitrify.__version__}/"
-                                  f"transformers-{transformers.__version__}",
+        try:  # the installed version, without importing transformers (THAW does not need it)
+            tf = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            tf = "absent"
+        return {"engine": ENGINE, "engine_version": f"vitrify-{vitrify.__version__}/"
+                                                    f"transformers-{tf}",
                 "model": self.cfg.model_id()}
 
     def route(self, region, phase: str):
@@ -209,10 +290,15 @@ class CausalLMEngine:
 
         if phase == "capture":
             return vt.activated(region)
+        if phase == "load_weights":  # in place: temporaries stay out of the region
+            import contextlib
+
+            return contextlib.nullcontext()
         return vt.region_allocations(region)
 
     # --- adapter: phases ------------------------------------------------------------------------
-    def _hf_config(self):
+    def hf_config(self):
+        """The transformers config of this engine (FREEZE and tests)."""
         import transformers
 
         c = self.cfg
@@ -224,49 +310,68 @@ class CausalLMEngine:
         conf._attn_implementation = "sdpa"
         return conf
 
-    def build(self, region) -> None:
+    def hf_model(self, device: str = "meta"):
+        """The transformers model of this engine (bf16), on ``device``."""
         import torch
         import transformers
 
-        self.region = region
-        conf = self._hf_config()
         kind = (transformers.LlamaForCausalLM if self.cfg.arch == "llama"
                 else transformers.Qwen2ForCausalLM)
-        with torch.device("meta"):
-            model = kind(conf).to(torch.bfloat16)
-        # Parameters and buffers materialised in the region, in registration order, unset.
-        self.model = model.to_empty(device="cuda").eval()
-        self.hf_config = conf
-        self.head_dim = self.cfg.hidden // self.cfg.heads
+        with torch.device(device):
+            return kind(self.hf_config()).to(torch.bfloat16)
+
+    def check_specs(self, model) -> None:
+        """FREEZE: the transformers model must hold exactly :func:`param_specs`' tensors (else
+        this transformers version builds another model, and THAW could not rebuild it)."""
+        have = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        want = {n: (shape, dtype) for n, shape, dtype in param_specs(self.cfg)}
+        params = {n for n, _ in model.named_parameters()}
+        missing = [n for n in want if n not in have]
+        wrong = [f"{n}: {have[n]} != {want[n]}" for n in want if n in have and have[n] != want[n]
+                 and not (n.endswith("inv_freq") and have[n][0] == want[n][0])]
+        extra = sorted(params - set(want))
+        if missing or wrong or extra:
+            raise RuntimeError(f"transformers builds another {self.cfg.arch} model than this "
+                               f"engine expects: missing {missing[:3]}, different {wrong[:3]}, "
+                               f"extra parameters {extra[:3]}")
+
+    def build(self, region) -> None:
+        import torch
+
+        self.region = region
+        # Allocated in param_specs' order, unset: FREEZE fills them, THAW restores their bytes.
+        self.weights = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                        for name, shape, dtype in param_specs(self.cfg)}
 
     def load_weights(self) -> None:
         import torch
 
+        meta = self.hf_model("meta")
+        self.check_specs(meta)
         g = torch.Generator(device="cuda").manual_seed(self.cfg.seed)
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, t in self.weights.items():
+                if name.endswith("inv_freq"):
+                    continue
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    t.fill_(1.0)
                 elif name.endswith(".bias"):
-                    p.zero_()
+                    t.normal_(0.0, 0.02, generator=g)
                 else:
-                    p.normal_(0.0, self.cfg.init_std if "embed" not in name else 1.0,
+                    t.normal_(0.0, self.cfg.init_std if "embed" not in name else 1.0,
                               generator=g)
-            # Non-persistent buffers (rotary frequencies) were materialised unset: take them from
-            # a rotary module built the ordinary way (on the CPU; copied across).
-            rot = self.model.model.rotary_emb
-            fresh = type(rot)(config=self.hf_config)
-            for name, buf in rot.named_buffers(recurse=False):
-                buf.copy_(getattr(fresh, name))
-            rot.attention_scaling = fresh.attention_scaling
-            del fresh
+            # The rotary frequencies as transformers computes them (its module, on the CPU).
+            rot = type(meta.model.rotary_emb)(config=meta.config)
+            self.weights["model.rotary_emb.inv_freq"].copy_(rot.inv_freq)
+            self.dims = Dims.of(self.cfg, float(rot.attention_scaling))
         torch.cuda.synchronize()
 
     def alloc_state(self) -> None:
         import torch
 
         c = self.cfg
-        shape = (c.max_batch, c.max_len, c.kv_heads, self.head_dim)
+        shape = (c.max_batch, c.max_len, c.kv_heads, c.hidden // c.heads)
         self.k_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
                          for _ in range(c.layers)]
         self.v_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
@@ -280,17 +385,15 @@ class CausalLMEngine:
         self.key_index = torch.arange(c.max_len, dtype=torch.long, device="cuda")
         self.logits = torch.zeros(c.max_batch, c.vocab, dtype=torch.bfloat16, device="cuda")
         self.next_tokens = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
-        # The rotary scaling is a Python float set in load_weights at FREEZE; THAW reads it back.
-        self.rot_scaling = getattr(self.model.model.rotary_emb, "attention_scaling", 1.0)
         torch.cuda.synchronize()
-
 
     def _step(self, bs: int) -> None:
         import torch
 
         with torch.no_grad():
-            logits, nxt = self._step_fn(self.model, self.k_caches, self.v_caches, self.key_index,
-                                        self.tokens[:bs], self.positions[:bs], self.rows[:bs])
+            logits, nxt = self._step_fn(self.weights, self.dims, self.k_caches, self.v_caches,
+                                        self.key_index, self.tokens[:bs], self.positions[:bs],
+                                        self.rows[:bs])
             self.logits[:bs].copy_(logits)
             self.next_tokens[:bs].copy_(nxt)
 
@@ -332,13 +435,12 @@ class CausalLMEngine:
         torch.cuda.synchronize()
 
     def state(self) -> dict:
-        return {"config": self.cfg.to_dict(), "rot_scaling": float(self.rot_scaling)}
+        return {"config": self.cfg.to_dict(), "rope_scaling": self.dims.rope_scaling}
 
     def restore_state(self, state: dict, graphs) -> None:
         if EngineConfig.from_dict(state["config"]) != self.cfg:
             raise ValueError("the archive's engine config differs from this engine's")
-        rot = self.model.model.rotary_emb
-        rot.attention_scaling = state["rot_scaling"]
+        self.dims = Dims.of(self.cfg, float(state["rope_scaling"]))
         self.loaded = graphs
 
     # --- serving --------------------------------------------------------------------------------
@@ -351,7 +453,7 @@ class CausalLMEngine:
             raise ValueError(f"a prompt must have 1..{self.cfg.max_len - 1} tokens, got {n}")
         with torch.no_grad():
             t = torch.tensor(ids, dtype=torch.long, device="cuda")
-            logits = prefill_forward(self.model, self.k_caches, self.v_caches, row, t)
+            logits = prefill_forward(self.weights, self.dims, self.k_caches, self.v_caches, row, t)
             return int(logits.argmax(-1).item())
 
     def _replay(self, bs: int) -> None:
@@ -501,8 +603,8 @@ class _TorchGraphs:
         return self._Capture(pool)
 
 
-__all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "ENGINE", "EngineConfig", "decode_forward",
-           "main", "prefill_forward", "prompts"]
+__all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "Dims", "ENGINE", "EngineConfig",
+           "decode_forward", "main", "param_specs", "prefill_forward", "prompts", "rotary"]
 
 if __name__ == "__main__":
     sys.exit(main())
