@@ -39,6 +39,7 @@ def test_demo_runs_and_says_what_was_skipped():
     assert "demo: every step passed" in out
     if not vitrify.cuda_available():
         assert "gpu: [skipped] freeze -> thaw of a CUDA-graph engine" in out
+        assert "engine: [skipped] cold start vs thaw of a small transformers engine" in out
         assert f"no GPU here ({vitrify.cuda_unavailable_reason()})" in out
         assert vitrify.cuda_unavailable_reason()
 
@@ -97,9 +98,9 @@ def test_demo_fails_when_damage_is_not_refused(monkeypatch):
 def test_demo_gpu_line_names_the_reason(monkeypatch):
     rc, out = _run_demo_in_process(monkeypatch)
     assert rc == 0, out
-    gpu_lines = [ln for ln in out.splitlines() if ln.startswith("gpu:")]
-    assert gpu_lines == [f"gpu: [skipped] {demo.GPU_STEP}: "
-                         "no GPU here (test: no GPU)"]
+    gpu_lines = [ln for ln in out.splitlines() if ln.startswith(("gpu:", "engine:"))]
+    assert gpu_lines == [f"gpu: [skipped] {demo.GPU_STEP}: no GPU here (test: no GPU)",
+                         f"engine: [skipped] {demo.ENGINE_STEP}: no GPU here (test: no GPU)"]
 
 
 def test_demo_compare_names_the_first_difference():
@@ -135,3 +136,15 @@ def test_freeze_then_thaw_in_fresh_processes_gives_identical_tokens(tmp_path):
     assert th["tokens_compared"] == sum(cfg["batch_sizes"]) * cfg["steps"]
     assert th["base"] == fz["base"]
     assert fz["templates"] <= fz["graphs"] == len(cfg["batch_sizes"])
+
+
+@pytest.mark.gpu
+def test_engine_part_thaws_and_cold_starts_to_the_same_tokens(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = io.StringIO()
+    demo.demo_engine(str(tmp_path), demo.Printer(out))
+    text = out.getvalue()
+    for step in ("freeze", "cold", "thaw", "compare"):
+        assert f"[ok] {step}" in text, text
+    assert "identical (logits bit for bit)" in text

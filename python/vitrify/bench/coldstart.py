@@ -42,7 +42,6 @@ from vitrify._units import MiB
 from . import resultlib
 from .cli import existing_dir, positive_int
 
-ENTRY = "vitrify.integrations.transformers"
 # The floor process: import torch, make a CUDA context; then (not counted) the pinned H2D rate.
 FLOOR_CODE = r"""
 import json, sys, time
@@ -89,17 +88,10 @@ def config(variant: str, small: bool) -> dict:
     return cfg.to_dict()
 
 
-def _run(mode: str, archive: str, cfg: dict, opts: dict, timeout: int = 900) -> dict:
-    opts = dict(opts, t0=time.time())
-    p = subprocess.run([sys.executable, "-m", ENTRY, mode, archive, json.dumps(cfg),
-                        json.dumps(opts)], capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"{mode} printed no result (rc {p.returncode}): {p.stderr[-2000:]}")
-    r = json.loads(lines[-1])
-    if not r.get("ok"):
-        raise RuntimeError(f"{mode} failed: {r.get('error')}")
-    return r
+def _run(mode: str, archive: str, cfg: dict, opts: dict) -> dict:
+    from ..integrations.transformers import run_process
+
+    return run_process(mode, archive, cfg, opts)
 
 
 def _floor() -> dict:

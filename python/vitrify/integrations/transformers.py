@@ -565,6 +565,24 @@ def main(argv: list[str] | None = None) -> int:
     return report(run)
 
 
+def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
+                timeout: int = 900) -> dict:
+    """Run :func:`main` in a fresh process (``python -m vitrify.integrations.transformers``) with
+    this process's clock as its start; return its result, or raise naming the mode and error."""
+    import subprocess
+
+    opts = dict(opts or {}, t0=time.time())
+    p = subprocess.run([sys.executable, "-m", __name__, mode, archive, json.dumps(cfg),
+                        json.dumps(opts)], capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{mode} printed no result (exit {p.returncode}): {p.stderr[-2000:]}")
+    r = json.loads(lines[-1])
+    if not r.get("ok"):
+        raise RuntimeError(f"{mode} failed: {r.get('error')}")
+    return r
+
+
 def _cold(a: CausalLMEngine, region_bytes: int) -> dict:
     """FREEZE's phases without kernel recording or an archive: the cold start to compare with."""
     from ..region import Region
@@ -604,7 +622,8 @@ class _TorchGraphs:
 
 
 __all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "Dims", "ENGINE", "EngineConfig",
-           "decode_forward", "main", "param_specs", "prefill_forward", "prompts", "rotary"]
+           "decode_forward", "main", "param_specs", "prefill_forward", "prompts", "rotary",
+           "run_process"]
 
 if __name__ == "__main__":
     sys.exit(main())
