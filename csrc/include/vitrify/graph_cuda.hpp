@@ -160,7 +160,9 @@ struct RebuildStats {
 //    parameters, then cuGraphLaunch), so the executable never holds a mix of two graphs'
 //    parameters. A parameter switch affects only later launches (the driver's SetParams
 //    semantics), never one already enqueued on another stream.
-//  - Lock order: load_mu_ (module loads) -> mu_, and launch_mu -> mu_; never the reverse.
+//  - Modules: start() makes one slot per referenced module; the build threads first load them
+//    all, each module by one thread under its slot's lock, different modules concurrently.
+//  - Lock order: a module slot's lock -> mu_, and launch_mu -> mu_; never the reverse.
 //  - The destructor must not race with any other call: it stops queued builds, joins the
 //    build threads (a build in progress finishes), synchronises the device when anything was
 //    built, then releases executables before the modules their kernels live in.
@@ -194,6 +196,7 @@ class GraphSet {
   struct Loaded;
   void build(size_t t);
   void worker();
+  Loaded& ensure_loaded(const Hash& module);
   CUfunction function(const Hash& module, const std::string& name);
   void apply(Template& t, size_t id);
 
@@ -209,8 +212,11 @@ class GraphSet {
   size_t next_job_ = 0;
   bool started_ = false;
   std::vector<std::thread> threads_;
-  std::mutex load_mu_;  // module loads and function lookups
+  // One slot per referenced module, made by start() and unchanged after it (each slot has its
+  // own lock); preload_ lists them for the build threads' first pass.
   std::map<Hash, std::unique_ptr<Loaded>> loaded_;
+  std::vector<Hash> preload_;
+  size_t next_module_ = 0;
   RebuildStats stats_;
 };
 

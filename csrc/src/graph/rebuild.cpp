@@ -9,7 +9,12 @@
 
 namespace vitrify::graph {
 
+// One referenced module: loaded once, by whichever build thread needs it first (or by the
+// preload pass), while other threads load other modules; mu guards the load and the functions.
 struct GraphSet::Loaded {
+  std::mutex mu;
+  bool tried = false;
+  CUresult result = CUDA_SUCCESS;
   CUmodule module = nullptr;
   std::map<std::string, CUfunction> functions;
   ~Loaded() {
@@ -111,11 +116,60 @@ void GraphSet::start(unsigned threads) {
   started_ = true;
   stats_.graphs = graphs_.size();
   stats_.templates = templates_.size();
-  const size_t n = std::min<size_t>(threads, std::max<size_t>(templates_.size(), 1));
+  // Every referenced module gets its slot now; the map does not change after this, so build
+  // threads read it without a lock. They load all modules first, concurrently, then build.
+  for (const Graph& g : graphs_)
+    for (const Node& n : g.nodes)
+      if (n.kind == NodeKind::kernel && !loaded_.count(n.kernel.module)) {
+        loaded_.emplace(n.kernel.module, std::make_unique<Loaded>());
+        preload_.push_back(n.kernel.module);
+      }
+  const size_t jobs = std::max(templates_.size(), preload_.size());
+  const size_t n = std::min<size_t>(threads, std::max<size_t>(jobs, 1));
   for (size_t i = 0; i < n; ++i) threads_.emplace_back([this] { worker(); });
 }
 
+GraphSet::Loaded& GraphSet::ensure_loaded(const Hash& module) {
+  Loaded& l = *loaded_.at(module);  // start() made a slot for every referenced module
+  std::lock_guard<std::mutex> lock(l.mu);
+  if (!l.tried) {
+    l.tried = true;
+    std::shared_ptr<const Module> m;
+    {
+      std::lock_guard<std::mutex> l2(mu_);
+      m = modules_.at(module);
+    }
+    l.result = detail::load_module(&l.module, *m);
+    if (l.result == CUDA_SUCCESS) {
+      std::lock_guard<std::mutex> l2(mu_);
+      ++stats_.modules_loaded;
+    }
+  }
+  return l;
+}
+
 void GraphSet::worker() {
+  // Pass 1: load the modules, each by one thread (a failure is reported by the graphs using it).
+  try {
+    driver::ContextGuard ctx(device_);
+    for (;;) {
+      size_t i;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (next_module_ >= preload_.size() || next_job_ >= templates_.size()) break;
+        i = next_module_++;
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      ensure_loaded(preload_[i]);
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.build_seconds += s;
+    }
+  } catch (...) {
+    // No context here: the builds below fail with the driver's error, naming their graph.
+  }
+  // Pass 2: build the templates.
   for (;;) {
     size_t t;
     {
@@ -147,25 +201,19 @@ void GraphSet::worker() {
 }
 
 CUfunction GraphSet::function(const Hash& module, const std::string& name) {
-  std::lock_guard<std::mutex> lock(load_mu_);
-  auto it = loaded_.find(module);
-  if (it == loaded_.end()) {
+  Loaded& l = ensure_loaded(module);
+  std::lock_guard<std::mutex> lock(l.mu);
+  if (l.result != CUDA_SUCCESS) {
     std::shared_ptr<const Module> m;
     {
       std::lock_guard<std::mutex> l2(mu_);
-      m = modules_.at(module);  // add() checked presence
+      m = modules_.at(module);
     }
-    auto l = std::make_unique<Loaded>();
-    const CUresult r = detail::load_module(&l->module, *m);
-    if (r != CUDA_SUCCESS)
-      ::vitrify::detail::throw_cuda(r, ("cuModuleLoadData(module " + to_hex(module) + ", " +
-                             binary_kind_name(m->kind) + ", " + std::to_string(m->bytes.size()) +
-                             " bytes)").c_str(), __FILE__, __LINE__);
-    it = loaded_.emplace(module, std::move(l)).first;
-    std::lock_guard<std::mutex> l2(mu_);
-    ++stats_.modules_loaded;
+    ::vitrify::detail::throw_cuda(l.result, ("cuModuleLoadData(module " + to_hex(module) + ", " +
+                                             binary_kind_name(m->kind) + ", " +
+                                             std::to_string(m->bytes.size()) + " bytes)").c_str(),
+                                  __FILE__, __LINE__);
   }
-  Loaded& l = *it->second;
   auto f = l.functions.find(name);
   if (f != l.functions.end()) return f->second;
   CUfunction fn = nullptr;
