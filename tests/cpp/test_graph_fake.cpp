@@ -344,3 +344,44 @@ TEST(GraphFake, ManyTemplatesOnFourBuildThreadsWaitedInAnyOrder) {
   }
   expect_nothing_alive();
 }
+
+// Modules load once each, concurrently, before the builds; a module that fails to load fails only
+// the graphs that use it, naming the load.
+TEST(GraphFake, ModulesLoadOnceEachAndABadOneFailsOnlyItsGraphs) {
+  ASSERT_TRUE(vitrify::driver::available());
+  const std::string bad = ".version 8.0\n// no entries: the driver refuses this image\n";
+  Graph with_b = pipeline(kBase, 512);
+  with_b.nodes[3].kernel.module = hash_of(kImageB);  // vitrify_axpy from the second binary
+  Graph with_bad = pipeline(kBase, 768);
+  with_bad.nodes[3].kernel.module = hash_of(bad);
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    set.add_module(kImageB.data(), kImageB.size());
+    set.add_module(bad.data(), bad.size());
+    const size_t a = set.add(pipeline(kBase, 256));
+    const size_t a2 = set.add(pipeline(kBase, 1000));
+    const size_t b = set.add(with_b);
+    const size_t x = set.add(with_bad);
+    set.start(4);
+    set.wait(a);
+    set.wait(a2);
+    set.wait(b);
+    try {
+      set.wait(x);
+      ADD_FAILURE() << "a graph whose module cannot load was built";
+    } catch (const vitrify::CudaError& e) {
+      EXPECT_NE(std::string(e.what()).find("cuModuleLoadData(module " + to_hex(hash_of(bad))),
+                std::string::npos) << e.what();
+    }
+    EXPECT_EQ(set.stats().modules_loaded, 2u);  // A and B, once each; the bad one never loaded
+    EXPECT_EQ(set.stats().templates, 3u);
+    const size_t first = launches();
+    set.launch(b, 0);
+    set.launch(a2, 0);
+    EXPECT_EQ(launch_state(first), expected_state(with_b));
+    EXPECT_EQ(launch_state(first + 1), expected_state(pipeline(kBase, 1000)));
+    EXPECT_EQ(live("modules"), 2);
+  }
+  expect_nothing_alive();
+}
