@@ -92,9 +92,17 @@ void raise_slab_locked(const disk::SlabBusy& e) {
   PyObject* exc = PyObject_CallFunction(g_slab_locked, "is", e.code().value(), e.what());
   if (exc == nullptr) return;  // the call already set an exception
   PyObject* path = PyUnicode_FromString(e.path().c_str());
-  PyObject* pid = e.holder_pid() >= 0 ? PyLong_FromLong(e.holder_pid()) : (Py_INCREF(Py_None), Py_None);
-  PyObject* host = e.holder_host().empty() ? (Py_INCREF(Py_None), Py_None)
-                                           : PyUnicode_FromString(e.holder_host().c_str());
+  PyObject* pid = nullptr;
+  PyObject* host = nullptr;
+  if (e.holder_pid() >= 0) {
+    pid = PyLong_FromLong(e.holder_pid());
+    host = PyUnicode_FromString(e.holder_host().c_str());
+  } else {  // no owner record
+    Py_INCREF(Py_None);
+    pid = Py_None;
+    Py_INCREF(Py_None);
+    host = Py_None;
+  }
   if (path && pid && host) {
     PyObject_SetAttrString(exc, "path", path);
     PyObject_SetAttrString(exc, "holder_pid", pid);

@@ -37,7 +37,8 @@ std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
   char buf[32] = {};
-  if (::gmtime_r(&t, &tm) == nullptr || std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) == 0)
+  if (::gmtime_r(&t, &tm) == nullptr ||
+      std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) == 0)
     return "unknown";
   return buf;
 }
