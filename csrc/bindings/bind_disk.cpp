@@ -85,6 +85,36 @@ std::vector<disk::PutItem> put_items(unsigned kind, const std::vector<nb::bytes>
   return items;
 }
 
+PyObject* g_slab_locked = nullptr;  // vitrify.disk.SlabLockedError (an OSError)
+
+// disk::SlabBusy -> SlabLockedError(EBUSY, message) with path, holder_pid and holder_host.
+void raise_slab_locked(const disk::SlabBusy& e) {
+  PyObject* exc = PyObject_CallFunction(g_slab_locked, "is", e.code().value(), e.what());
+  if (exc == nullptr) return;  // the call already set an exception
+  PyObject* path = PyUnicode_FromString(e.path().c_str());
+  PyObject* pid = nullptr;
+  PyObject* host = nullptr;
+  if (e.holder_pid() >= 0) {
+    pid = PyLong_FromLong(e.holder_pid());
+    host = PyUnicode_FromString(e.holder_host().c_str());
+  } else {  // no owner record
+    Py_INCREF(Py_None);
+    pid = Py_None;
+    Py_INCREF(Py_None);
+    host = Py_None;
+  }
+  if (path && pid && host) {
+    PyObject_SetAttrString(exc, "path", path);
+    PyObject_SetAttrString(exc, "holder_pid", pid);
+    PyObject_SetAttrString(exc, "holder_host", host);
+  }
+  Py_XDECREF(path);
+  Py_XDECREF(pid);
+  Py_XDECREF(host);
+  PyErr_SetObject(g_slab_locked, exc);
+  Py_DECREF(exc);
+}
+
 nb::dict stats_dict(const disk::StoreStats& s) {
   nb::dict d;
   nb::list kinds;
@@ -117,6 +147,22 @@ void bind_disk(nb::module_& m) {
   m.attr("DISK_FILE_HEADER_BYTES") = disk::kFileHeaderBytes;
   m.def("disk_slot_bytes_for", &disk::slot_bytes_for, nb::arg("payload_bytes"));
 
+  g_slab_locked = PyErr_NewExceptionWithDoc(
+      "vitrify.disk.SlabLockedError",
+      "A slab file of the store is locked by another open store (this process or another); "
+      "the message names the file and the holder. Attributes: path, holder_pid and holder_host "
+      "(None when the holder left no owner record).",
+      PyExc_OSError, nullptr);
+  m.attr("SlabLockedError") = nb::handle(g_slab_locked);
+  // Registered after bind_common's translator, so tried before its std::system_error case.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const disk::SlabBusy& e) {
+      raise_slab_locked(e);
+    }
+  });
+
   nb::class_<SlotBuffer>(m, "DiskSlotBuffer",
                          "A 4 KiB-aligned slot image of one payload kind; gather the payload "
                          "into view() (the 64-byte slot header before it belongs to the store).")
@@ -146,7 +192,7 @@ void bind_disk(nb::module_& m) {
              std::vector<uint64_t> page_bytes, std::vector<double> shares, std::string name,
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
-             double gc_low, unsigned load_threads) {
+             double gc_low, unsigned load_threads, std::string slab_lock) {
             VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -164,13 +210,15 @@ void bind_disk(nb::module_& m) {
             c.gc_high = gc_high;
             c.gc_low = gc_low;
             c.load_threads = load_threads;
+            c.slab_locking = disk::parse_slab_locking(slab_lock);
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
           nb::arg("dirs"), nb::arg("budget_bytes"), nb::arg("page_bytes"), nb::arg("shares"),
           nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
-          nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0)
+          nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0,
+          nb::arg("slab_lock") = "auto")
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;

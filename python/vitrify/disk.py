@@ -49,6 +49,15 @@ Files: ``<dir>/<name>.kind<i>.slab``, one per payload kind and directory ("drive
 split across kinds by their shares and evenly across drives. ``cold_start="load"`` rebuilds the
 index from the slab headers this store wrote (a slab from another store, or with another
 geometry, starts empty); ``"clear"`` starts empty and leaves old bytes inert.
+
+One owner per slab file: an open store holds an exclusive lock on each of its slab files (an OFD
+lock, ``fcntl(F_OFD_SETLK)``; ``flock`` where the kernel has no OFD locks) from before it reads
+or writes them until ``close()``. Opening a store whose slab file another open store holds — in
+this process or another — raises :class:`SlabLockedError` (an ``OSError``, errno ``EBUSY``)
+naming the file and the holder's process id and host, read from ``<slab>.owner`` (the record the
+holder writes after taking the lock), and leaves nothing locked. The kernel drops the lock when
+the holder's files close, so a holder that died (even by SIGKILL) never blocks a restart: open
+it again with ``cold_start="load"`` to find every page whose put was acknowledged.
 """
 
 from __future__ import annotations
@@ -68,6 +77,11 @@ _KEY_PREFIX = b"vitrify-disk-key\0"
 #: The largest page (payload) size of one kind (a slot's length field is 32-bit).
 _MAX_PAGE_BYTES = (1 << 32) - 4096
 _STORED, _DUPLICATE = 0, 1
+
+#: Raised by :class:`DiskStore` when another open store holds one of its slab files. An
+#: ``OSError`` (errno ``EBUSY``) with attributes ``path`` (the slab file), ``holder_pid`` and
+#: ``holder_host`` (None when the holder left no owner record).
+SlabLockedError = _native.SlabLockedError
 PUT_RESULTS = {0: "stored", 1: "duplicate", 2: "full", 3: "error", 4: "cancelled"}
 
 
@@ -235,6 +249,11 @@ class DiskStore:
         gc_high, gc_low: GC starts at ``gc_high`` occupancy and evicts down to ``gc_low``.
         load_threads: threads scanning each slab's slot headers for ``cold_start="load"``
             (0: the default, 8; 1: one header read after another).
+
+    Raises:
+        SlabLockedError: another open store (this process or another) holds one of the slab
+            files ``<dir>/<name>.kind<i>.slab``; nothing was read, written or left locked.
+        OSError: any other failing system call (naming the call, the file and errno).
     """
 
     def __init__(self, dirs: str | os.PathLike | Sequence[str | os.PathLike], budget_bytes: int,
@@ -282,7 +301,8 @@ class DiskStore:
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued I/O, stop the threads and close the slab files (idempotent)."""
+        """Finish queued I/O, stop the threads, release the slab locks (another store may open
+        the files from then on) and close the slab files (idempotent)."""
         if self._s is not None:
             s, self._s = self._s, None
             s.close()
@@ -553,4 +573,5 @@ class DiskStore:
 
 
 __all__ = ["DiskStore", "GetTicket", "KEY_BYTES", "PUT_RESULTS", "PutTicket", "SLOT_HEADER_BYTES",
+           "SlabLockedError",
            "SlotBuffer", "make_key", "slot_bytes_for"]

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -103,6 +104,90 @@ struct ScannedSlot {
   uint32_t seq;
 };
 
+// ---------------------------------------------------------------------------------------------
+// The owner lock of a slab file (lock.cpp, DESIGN.md D13)
+// ---------------------------------------------------------------------------------------------
+
+// How a slab file is locked. kAuto: an OFD lock (fcntl F_OFD_SETLK, write lock on the whole
+// file), or flock(LOCK_EX | LOCK_NB) where the kernel refuses OFD locks with EINVAL. kFlock:
+// always flock (for tests of the fallback; it does not conflict with an OFD lock, so every
+// opener of one directory must use the same method).
+enum class SlabLocking { kAuto, kFlock };
+enum class LockMethod { kNone, kOfd, kFlock };
+
+// "auto" | "flock"; anything else is std::invalid_argument naming it.
+SlabLocking parse_slab_locking(const std::string& text);
+
+// The slab file is locked by another open store, in this process or another one. An OSError
+// (errno EBUSY) whose one-line message names the slab file and the holder from its owner record
+// (`<slab>.owner`): process id, host and since when, or "an unknown holder" without a record.
+class SlabBusy : public std::system_error {
+ public:
+  SlabBusy(std::string path, int holder_pid, std::string holder_host, std::string message);
+  const char* what() const noexcept override { return message_.c_str(); }
+  const std::string& path() const noexcept { return path_; }
+  int holder_pid() const noexcept { return holder_pid_; }  // -1: unknown
+  const std::string& holder_host() const noexcept { return holder_host_; }  // "": unknown
+
+ private:
+  std::string path_;
+  int holder_pid_;
+  std::string holder_host_;
+  std::string message_;
+};
+
+// The holder of a slab lock as its owner record names it.
+struct SlabOwner {
+  int pid = -1;          // -1: no (readable) record
+  std::string host;      // gethostname(2) of the holder
+  std::string since;     // when it took the lock, UTC, ISO 8601
+};
+// The owner record of the slab file `slab_path` ("<slab_path>.owner"), or pid -1 when it is
+// missing or unreadable. Never throws.
+SlabOwner read_slab_owner(const std::string& slab_path) noexcept;
+// The path of the owner record of `slab_path`.
+inline std::string slab_owner_path(const std::string& slab_path) { return slab_path + ".owner"; }
+
+// Owns the exclusive lock on an open slab file descriptor (not the descriptor: the caller keeps
+// the descriptor open, in an Fd declared before this object, for as long as the lock lives).
+// Taking it writes the owner record; releasing it removes the record, then unlocks. Move-only;
+// the destructor releases and never throws. Closing the descriptor (or the holder's death, even
+// by SIGKILL) drops the lock in the kernel; a stale owner record is simply overwritten.
+class SlabLock {
+ public:
+  SlabLock() noexcept = default;
+  // Locks `fd` (open read-write on `path`) without waiting. Throws SlabBusy when another open
+  // file description holds it, std::system_error (OSError naming the call, the path and errno)
+  // on any other failure of fcntl, flock or writing the owner record (nothing stays locked).
+  SlabLock(int fd, const std::string& path, SlabLocking locking);
+  ~SlabLock() { release(); }
+  SlabLock(SlabLock&& other) noexcept;
+  SlabLock& operator=(SlabLock&& other) noexcept;
+  SlabLock(const SlabLock&) = delete;
+  SlabLock& operator=(const SlabLock&) = delete;
+
+  // Removes the owner record, then unlocks (errors are logged). Idempotent.
+  void release() noexcept;
+  bool held() const noexcept { return method_ != LockMethod::kNone; }
+  LockMethod method() const noexcept { return method_; }
+
+ private:
+  int fd_ = -1;
+  LockMethod method_ = LockMethod::kNone;
+  std::string path_;
+};
+
+// A slab file opened by file_io::open_file and locked, before anything in it is read or
+// written. `file` is declared before `lock`, so the lock is released before the fd closes.
+struct LockedSlab {
+  std::string path;
+  file_io::OpenedFile file;
+  SlabLock lock;
+};
+// Opens (creating it empty if missing) and locks `path`; throws as SlabLock does, or as
+// file_io::open_file when the open fails.
+LockedSlab lock_slab(const std::string& path, file_io::DirectIo dio, SlabLocking locking);
+
 // One preallocated slab file. Thread-safe for concurrent slot I/O on distinct or equal slots
 // (pread/pwrite on one fd); open/format are not concurrent with I/O.
 class SlabFile {
@@ -112,8 +197,12 @@ class SlabFile {
   // it (new file header with a new slab id, so every old slot becomes inert). `formatted()` says
   // which happened. Opened by file_io::open_file (`dio`: O_DIRECT or buffered). Throws
   // std::system_error (OSError) on I/O errors, and for DirectIo::kOn where O_DIRECT is refused.
+  // The file is locked for this SlabFile (lock_slab, D13) before anything in it is read or
+  // written, until release_lock() or destruction; SlabBusy when another open store holds it.
   SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
-           file_io::DirectIo dio);
+           file_io::DirectIo dio, SlabLocking locking = SlabLocking::kAuto);
+  // The same with a file already opened and locked by lock_slab.
+  SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode);
   ~SlabFile();
   SlabFile(const SlabFile&) = delete;
   SlabFile& operator=(const SlabFile&) = delete;
@@ -161,6 +250,12 @@ class SlabFile {
   // fdatasync(2): everything written so far is durable.
   void sync();
 
+  // Gives up the owner lock (removes the owner record, then unlocks); the fd stays open but
+  // no more slot I/O may follow. Store::close() calls it last. Never throws.
+  void release_lock() noexcept { lock_.release(); }
+  bool locked() const noexcept { return lock_.held(); }
+  LockMethod lock_method() const noexcept { return lock_.method(); }
+
   const SlabGeometry& geometry() const noexcept { return geo_; }
   const std::string& path() const noexcept { return path_; }
   bool direct() const noexcept { return direct_; }
@@ -178,6 +273,7 @@ class SlabFile {
   std::string path_;
   SlabGeometry geo_;
   file_io::Fd fd_;
+  SlabLock lock_;  // on fd_; declared after it, so released before fd_ closes
   bool direct_ = false;
   bool formatted_ = false;
   uint32_t slab_id_ = 0;
@@ -210,6 +306,7 @@ struct StoreConfig {
                                    // (0: kDefaultLoadThreads; 1: one read after another)
   int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
                                    // -1 when read_threads == 1, 0 never, 1 always
+  SlabLocking slab_locking = SlabLocking::kAuto;  // how slab files are locked (D13)
 };
 constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 
@@ -442,12 +539,15 @@ class SlotIndex {
 //    it around calls that can wait for them (csrc/bindings/bind_disk.cpp does).
 class Store {
  public:
+  // Locks every slab file (D13) before it reads or writes any of them: SlabBusy when another
+  // open store (this process or another) holds one, and then nothing stays locked.
   explicit Store(StoreConfig config);
   ~Store();  // close()
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  // Stops the I/O threads after draining their queues; later calls fail with kCancelled/miss.
+  // Stops the I/O threads after draining their queues, zeroes freed slot headers (D5), then
+  // releases every slab lock (D13); later calls fail with kCancelled/miss.
   void close() noexcept;
 
   // Drops every entry of every kind, as cold start `clear` would, keeping files and threads:

@@ -65,18 +65,26 @@ uint64_t store_tag(const std::string& name) noexcept {
 }
 
 SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
-                   file_io::DirectIo dio)
-    : path_(path), geo_(geometry) {
+                   file_io::DirectIo dio, SlabLocking locking)
+    : SlabFile(lock_slab(path, dio, locking), geometry, mode) {}
+
+SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode)
+    : path_(std::move(locked.path)), geo_(geometry) {
   VITRIFY_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
                   geo_.slot_bytes <= (uint64_t{1} << 32),
               "slot_bytes must be a multiple of 4096 in (64, 4 GiB], got " +
                   std::to_string(geo_.slot_bytes));
   VITRIFY_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
               "slot_count must be in [1, 2^32), got " + std::to_string(geo_.slot_count));
-  file_io::OpenedFile f = file_io::open_file(path, O_RDWR | O_CREAT, dio);
-  fd_ = std::move(f.fd);  // closed by its owner if the rest of the constructor throws
-  direct_ = f.direct;
-  buffered_reason_ = std::move(f.buffered_reason);
+  VITRIFY_EXPECT(locked.lock.held() && locked.file.fd,
+                 "slab file " + path_ + " must be open and locked (lock_slab)");
+  const std::string& path = path_;
+  // Locked before anything in the file is read or written (D13); both owners are members now,
+  // so the lock is released, then the fd closed, if the rest of the constructor throws.
+  fd_ = std::move(locked.file.fd);
+  lock_ = std::move(locked.lock);
+  direct_ = locked.file.direct;
+  buffered_reason_ = std::move(locked.file.buffered_reason);
   if (!direct_) log::info("vitrify.disk: buffered I/O for " + path + ": " + buffered_reason_);
 
   const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;

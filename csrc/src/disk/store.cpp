@@ -63,7 +63,11 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   }
   const size_t nd = cfg_.dirs.size();
   const uint64_t tag = store_tag(cfg_.name);
+  const auto slab_path = [&](size_t kind, size_t drive) {
+    return cfg_.dirs[drive] + "/" + cfg_.name + ".kind" + std::to_string(kind) + ".slab";
+  };
   kinds_.resize(cfg_.kinds.size());
+  std::vector<std::vector<uint64_t>> counts(kinds_.size());
   for (size_t i = 0; i < kinds_.size(); ++i) {
     KindState& k = kinds_[i];
     k.cfg = cfg_.kinds[i];
@@ -76,14 +80,24 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
                                 std::to_string(per_drive) + " bytes per drive, less than one " +
                                 std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
     VITRIFY_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
-    for (size_t d = 0; d < nd; ++d) {
-      const std::string path =
-          cfg_.dirs[d] + "/" + cfg_.name + ".kind" + std::to_string(i) + ".slab";
+    counts[i].assign(nd, count);
+  }
+  // Lock every slab file before reading or writing any of them (D13): a slab held by another
+  // open store refuses the whole store (SlabBusy), and the locks already taken are released
+  // when `locked` goes out of scope, before any file was formatted or scanned.
+  std::vector<LockedSlab> locked;
+  locked.reserve(kinds_.size() * nd);
+  for (size_t i = 0; i < kinds_.size(); ++i)
+    for (size_t d = 0; d < nd; ++d)
+      locked.push_back(lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking));
+  for (size_t i = 0; i < kinds_.size(); ++i) {
+    KindState& k = kinds_[i];
+    for (size_t d = 0; d < nd; ++d)
       k.slabs.push_back(std::make_unique<SlabFile>(
-          path, SlabGeometry{static_cast<uint16_t>(i), k.slot_bytes, count, tag}, cfg_.cold_start,
-          cfg_.direct_io));
-    }
-    k.index.emplace(std::vector<uint64_t>(nd, count), cfg_.gc_high, cfg_.gc_low);
+          std::move(locked[i * nd + d]),
+          SlabGeometry{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag},
+          cfg_.cold_start));
+    k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
   }
   counters_.direct_io = true;
   for (auto& k : kinds_)
@@ -143,6 +157,9 @@ void Store::close() noexcept {
       }
     }
   }
+  // Nothing touches the slabs after this: another store may open them now (D13).
+  for (auto& k : kinds_)
+    for (auto& s : k.slabs) s->release_lock();
 }
 
 // Scan the slab headers; the kind's SlotIndex rebuilds the index, slot pool and GC order (D7).
