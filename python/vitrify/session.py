@@ -194,6 +194,10 @@ class _Background:
         self._thread = threading.Thread(target=run, name="vitrify-thaw-graphs", daemon=True)
         self._thread.start()
 
+    def failed(self) -> bool:
+        """True once fn() has raised (without waiting for it)."""
+        return not self._thread.is_alive() and self._error is not None
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -236,7 +240,19 @@ class FreezeSession:
         self.timings = Timings()
 
     def run(self) -> dict:
-        """Run every phase and commit the archive; returns a summary (JSON)."""
+        """Run every phase and commit the archive; returns a summary (JSON). On an error no
+        archive is left (P8) and the region is closed before the error propagates."""
+        try:
+            return self._run()
+        except BaseException:
+            if self.region is not None and not self.region.closed:
+                try:
+                    self.region.close()
+                except Exception as e:  # the first error is the one that propagates
+                    log.debug("closing the region after a FREEZE error: %s", e)
+            raise
+
+    def _run(self) -> dict:
         from .region import Region
 
         t_start = time.perf_counter()
@@ -341,6 +357,9 @@ class ThawSession:
         from .region import Region, RegionAddressError
 
         want = self.base if self.base is not None else frozen.base
+        if want != frozen.base and not self.relocate:
+            raise SessionError(f"base 0x{want:x} is not the frozen base 0x{frozen.base:x} and "
+                               f"relocate=False; pass relocate=True to thaw at another base")
         try:
             return Region(frozen.size, base=want, device=self.device)
         except RegionAddressError as e:
@@ -373,9 +392,37 @@ class ThawSession:
                                  progress=self.progress)
 
     def run(self) -> dict:
-        """Thaw; returns a summary (JSON). The engine serves once this returns."""
+        """Thaw; returns a summary (JSON). The engine serves once this returns. On any error the
+        background graph build is joined and released and the region is closed before the error
+        propagates (a caller may cold-start in this process)."""
+        self._loader = None
+        try:
+            return self._run()
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            try:
+                graphs = loader.result()
+                graphs.close()
+            except BaseException as e:  # the first error is the one that propagates
+                log.debug("background graph load after a THAW error: %s", e)
+        if self.region is not None and not self.region.closed:
+            self.region.close()
+        self.region = None
+
+    def _check_loader(self) -> None:
+        """A failed background load (a damaged module or graph file) stops THAW at once."""
+        if self._loader is not None and self._loader.failed():
+            self._loader.result()  # raises its error
+
+    def _run(self) -> dict:
         t_start = time.perf_counter()
         a, t = self.adapter, self.timings
+        objectless = bool(getattr(a, "thaw_without_objects", False))
         with t.step("open"):
             archive = _archive.open_archive(self.path,
                                             expect=_fingerprint(a, self.device),
@@ -390,10 +437,16 @@ class ThawSession:
             if missing:
                 raise _archive.ArchiveCorrupt(archive.path, "manifest.json",
                                               f"the region lacks checkpoints {missing}")
+            # Decided before anything is reserved: what happens to warmup (P5, P9).
+            plan = self._warmup_plan(archive, cps)
+            if objectless and plan.action != "restore":
+                raise SessionError(f"{plan.reason}; but this engine keeps no objects at THAW "
+                                   f"(thaw_without_objects), so it cannot re-run warmup: freeze "
+                                   f"it with its warmup span")
+            self.warmup_action = plan.action
         with t.step("reserve"):
             self.region = region = self._reserve(archive.region)
             region.preallocate(cps["captured"])
-        loader = None
         if sess.get("graphs", 0):
             with t.step("graphs_start"):
                 # Refused before anything is restored (P4); then the files are verified, the
@@ -402,12 +455,11 @@ class ThawSession:
                 g = _graph_module()
                 g.unrelocatable_graphs(g.read_index(os.path.join(archive.path, f"rank{RANK}")),
                                        region.base)
-                loader = _Background(lambda: g.load_from_archive(
+                self._loader = _Background(lambda: g.load_from_archive(
                     archive, RANK, verify=self.verify, device=self.device,
                     region_base=region.base, threads=self.graph_threads))
         # An adapter whose THAW needs none of its objects (it only replays graphs and reads
         # the region) is attached to the region; the session maps each phase's range itself.
-        objectless = bool(getattr(a, "thaw_without_objects", False))
         with t.step("build"):
             if objectless:
                 self._claim(region, cps["built"])
@@ -416,6 +468,7 @@ class ThawSession:
                 with a.route(region, "build"):
                     a.build(region)
         self._compare(archive, "built", region)
+        self._check_loader()
         spans = archive.spans(RANK)
         with t.step("restore_weights"):
             self._restore(archive, region, spans, "weights", cps["weights"])
@@ -427,12 +480,7 @@ class ThawSession:
                 with a.route(region, "alloc_state"):
                     a.alloc_state()
         self._compare(archive, "state", region)
-        plan = self._warmup_plan(archive)
-        if objectless and plan.action != "restore":
-            raise SessionError(f"{plan.reason}; but this engine keeps no objects at THAW "
-                               f"(thaw_without_objects), so it cannot re-run warmup: freeze it "
-                               f"with its warmup span")
-        self.warmup_action = plan.action
+        self._check_loader()
         if plan.action == "restore":
             with t.step("restore_warmup"):
                 self._restore(archive, region, spans, "warmup", cps["warmup"])
@@ -444,13 +492,14 @@ class ThawSession:
             self._restore(archive, region, spans, "graphs", cps["captured"])
         self._compare(archive, "captured", region)
         graphs = None
-        if loader is not None:
+        if self._loader is not None:
             with t.step("graphs_wait"):
-                graphs = loader.result()
+                graphs = self._loader.result()
                 graphs.wait_all()
         self.graphs = graphs
         with t.step("restore_state"):
             a.restore_state(st.get("engine", {}), graphs)
+        self._loader = None  # handed to the adapter
         t.steps["total"] = time.perf_counter() - t_start
         return {"archive": archive.path, "base": region.base,
                 "frozen_base": archive.region.base, "relocated": region.base != archive.region.base,
@@ -459,7 +508,10 @@ class ThawSession:
                 "graph_stats": graphs.stats() if graphs is not None else {},
                 "timings": t.as_dict()}
 
-    def _warmup_plan(self, archive: Any):
+    def _warmup_plan(self, archive: Any, cps: dict):
+        if cps["warmup"] <= cps["state"]:  # warmup allocated nothing in the region: no span
+            return _snapshot.RestorePlan("restore", "warmup allocated nothing in the region; "
+                                                    "nothing to restore")
         if self.warmup_restore is None:
             return _snapshot.plan_restore(archive, RANK)
         with config.override(warmup_restore=self.warmup_restore):

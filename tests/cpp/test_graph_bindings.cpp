@@ -5,6 +5,7 @@
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <thread>
 
 #include "vitrify/graph_cuda.hpp"
@@ -40,8 +41,8 @@ TEST(CodeBindings, LoadsOutsideCallsFailedCallsAndCallsWithoutLoadsBindNothing) 
   b.enter(Call::kModuleLoad);
   b.loaded(hash_of(2));
   b.exit(Call::kModuleLoad, false, handle(0x100), nullptr);
-  b.enter(Call::kLaunch);
-  b.exit(Call::kLaunch, true, nullptr, handle(0x200));
+  b.enter(Call::kUse);
+  b.exit(Call::kUse, true, nullptr, handle(0x200));
   EXPECT_FALSE(b.exact(handle(0x100)).has_value());
   EXPECT_FALSE(b.handle(handle(0x200)).has_value());
   EXPECT_EQ(b.stats().loads_outside, 1u);
@@ -50,10 +51,10 @@ TEST(CodeBindings, LoadsOutsideCallsFailedCallsAndCallsWithoutLoadsBindNothing) 
 
 TEST(CodeBindings, ACallThatLoadedTwoModulesIsAmbiguousAndBindsNothing) {
   CodeBindings b;
-  b.enter(Call::kLaunch);
+  b.enter(Call::kUse);
   b.loaded(hash_of(1));
   b.loaded(hash_of(2));
-  b.exit(Call::kLaunch, true, nullptr, handle(0x300));
+  b.exit(Call::kUse, true, nullptr, handle(0x300));
   EXPECT_FALSE(b.handle(handle(0x300)).has_value());
   EXPECT_EQ(b.stats().ambiguous_calls, 1u);
 }
@@ -85,19 +86,19 @@ TEST(CodeBindings, EachCallBindsItsOwnHandles) {
   EXPECT_EQ(b.exact(handle(0x40)), hash_of(4));
   EXPECT_EQ(b.handle(handle(0x41)), hash_of(4));
   // A launch that loads lazily: the launched function/kernel.
-  b.enter(Call::kLaunch);
+  b.enter(Call::kUse);
   b.loaded(hash_of(5));
-  b.exit(Call::kLaunch, true, nullptr, handle(0x50));
+  b.exit(Call::kUse, true, nullptr, handle(0x50));
   EXPECT_EQ(b.handle(handle(0x50)), hash_of(5));
 }
 
 TEST(CodeBindings, AModuleLoadedInsideANestedCallBelongsToTheInnermostCall) {
   CodeBindings b;
-  b.enter(Call::kLaunch);
+  b.enter(Call::kUse);
   b.enter(Call::kLibraryGetModule);
   b.loaded(hash_of(7));
   b.exit(Call::kLibraryGetModule, true, handle(0x71), handle(0x70));
-  b.exit(Call::kLaunch, true, nullptr, handle(0x72));
+  b.exit(Call::kUse, true, nullptr, handle(0x72));
   EXPECT_EQ(b.exact(handle(0x71)), hash_of(7));
   EXPECT_FALSE(b.handle(handle(0x72)).has_value());  // the outer call loaded nothing itself
 }
@@ -110,9 +111,9 @@ TEST(CodeBindings, UnloadsDropExactBindingsAndEveryHandleBinding) {
   b.enter(Call::kLibraryGetModule);
   b.loaded(hash_of(2));
   b.exit(Call::kLibraryGetModule, true, handle(0x201), handle(0x200));
-  b.enter(Call::kLaunch);
+  b.enter(Call::kUse);
   b.loaded(hash_of(3));
-  b.exit(Call::kLaunch, true, nullptr, handle(0x300));
+  b.exit(Call::kUse, true, nullptr, handle(0x300));
   // A failed unload changes nothing.
   b.enter(Call::kModuleUnload);
   b.exit(Call::kModuleUnload, false, nullptr, handle(0x100));
@@ -145,17 +146,75 @@ TEST(CodeBindings, FramesBelongToTheirThreadAndTheirOwner) {
   EXPECT_FALSE(b.exact(handle(0x100)).has_value());
 }
 
-TEST(CodeBindings, AnExitWithoutItsEnterDropsTheInnerFramesRatherThanMisattribute) {
+TEST(CodeBindings, AnExitWithoutItsEnterBindsNothingAndLeavesTheStack) {
   CodeBindings b;
-  b.enter(Call::kLaunch);
+  b.enter(Call::kUse);
   b.enter(Call::kModuleLoad);  // its exit is never reported
   b.loaded(hash_of(1));
-  b.exit(Call::kLaunch, true, nullptr, handle(0x500));
+  b.exit(Call::kUse, true, nullptr, handle(0x500));  // the innermost open call is another one
   EXPECT_FALSE(b.handle(handle(0x500)).has_value());
-  b.enter(Call::kModuleLoad);  // the stack is clean again
+  b.enter(Call::kModuleLoad);
   b.loaded(hash_of(2));
   b.exit(Call::kModuleLoad, true, handle(0x600), nullptr);
   EXPECT_EQ(b.exact(handle(0x600)), hash_of(2));
+}
+
+TEST(CodeBindings, ClearForgetsCallsLeftOpenOnEveryThread) {
+  CodeBindings b;
+  b.enter(Call::kModuleLoad);  // open when recording restarts
+  b.clear();
+  b.loaded(hash_of(1));        // no current call: outside
+  b.exit(Call::kModuleLoad, true, handle(0x700), nullptr);
+  EXPECT_FALSE(b.exact(handle(0x700)).has_value());
+  EXPECT_EQ(b.stats().loads_outside, 1u);
+}
+
+TEST(CodeBindings, OneBinaryLoadedTwiceInOneCallIsNotAmbiguous) {
+  CodeBindings b;
+  b.enter(Call::kLibraryLoad);  // eager: loaded into two contexts
+  b.loaded(hash_of(3));
+  b.loaded(hash_of(3));
+  b.exit(Call::kLibraryLoad, true, handle(0x800), nullptr);
+  EXPECT_EQ(b.exact(handle(0x800)), hash_of(3));
+  EXPECT_EQ(b.stats().ambiguous_calls, 0u);
+}
+
+TEST(CodeBindings, UnloadsTheRecorderCannotAttributeDropEverything) {
+  CodeBindings b;
+  b.enter(Call::kModuleLoad);
+  b.loaded(hash_of(1));
+  b.exit(Call::kModuleLoad, true, handle(0x100), nullptr);
+  b.enter(Call::kModuleGetFunction);
+  b.loaded(hash_of(1));
+  b.exit(Call::kModuleGetFunction, true, handle(0x101), handle(0x100));
+  EXPECT_EQ(b.handle(handle(0x101)), hash_of(1));
+  // Inside a traced unload the drop waits for its exit (precise) ...
+  b.enter(Call::kModuleUnload);
+  b.unloading();
+  EXPECT_TRUE(b.exact(handle(0x100)).has_value());
+  b.exit(Call::kModuleUnload, true, nullptr, handle(0x100));
+  EXPECT_FALSE(b.exact(handle(0x100)).has_value());
+  // ... elsewhere (a context torn down, a module unloaded inside the driver) all bindings go.
+  b.enter(Call::kLibraryLoad);
+  b.loaded(hash_of(2));
+  b.exit(Call::kLibraryLoad, true, handle(0x200), nullptr);
+  b.unloading();
+  EXPECT_FALSE(b.exact(handle(0x200)).has_value());
+  EXPECT_EQ(b.stats().dropped, 1u);
+}
+
+TEST(CodeBindings, PausedThreadsReportNothing) {
+  CodeBindings b;
+  {
+    const CodeBindings::Pause pause;  // e.g. FREEZE loading a candidate binary to compare it
+    b.enter(Call::kModuleLoad);
+    b.loaded(hash_of(1));
+    b.exit(Call::kModuleLoad, true, handle(0x900), nullptr);
+    b.enter(Call::kModuleUnload);
+    b.exit(Call::kModuleUnload, true, nullptr, handle(0x900));
+  }
+  EXPECT_FALSE(b.exact(handle(0x900)).has_value());
+  EXPECT_EQ(b.stats().loads_in_calls + b.stats().loads_outside, 0u);
 }
 
 // The recorder decodes the driver's parameter structs: which field holds the returned handle and
@@ -202,6 +261,35 @@ TEST(ModuleRecorderDriverCalls, DecodesTheParameterStructsOfEachTracedCall) {
   r.on_driver_call(682, false, &getmod, &ok);
   EXPECT_EQ(b.exact(lmod), hb);
   EXPECT_EQ(b.exact(lib), hb);
+
+  // cuModuleGetFunction(CUfunction* hfunc, CUmodule hmod, const char* name): cbid 23.
+  CUmodule gm = reinterpret_cast<CUmodule>(0xE000);
+  CUfunction gf = reinterpret_cast<CUfunction>(0xE001);
+  struct { CUfunction* hfunc; CUmodule hmod; const char* name; } getfn{&gf, gm, "k"};
+  r.on_driver_call(23, true, &getfn, nullptr);
+  r.on_module_loaded(binary_a, sizeof binary_a);
+  r.on_driver_call(23, false, &getfn, &ok);
+  EXPECT_EQ(b.exact(gm), ha);
+  EXPECT_EQ(b.handle(gf), ha);
+
+  // cuKernelSetAttribute(attrib, int val, CUkernel kernel, CUdevice dev): the kernel at byte 8.
+  CUkernel kk = reinterpret_cast<CUkernel>(0xF000);
+  struct { int attrib; int val; CUkernel kernel; int dev; } setattr{0, 1, kk, 0};
+  static_assert(offsetof(decltype(setattr), kernel) == 8);
+  r.on_driver_call(687, true, &setattr, nullptr);
+  r.on_module_loaded(binary_b, sizeof binary_b);
+  r.on_driver_call(687, false, &setattr, &ok);
+  EXPECT_EQ(b.handle(kk), hb);
+
+  // cuFuncGetAttribute(int* pi, attrib, CUfunction hfunc): the function at byte 16.
+  CUfunction af = reinterpret_cast<CUfunction>(0xF100);
+  int value = 0;
+  struct { int* pi; int attrib; CUfunction hfunc; } getattr{&value, 0, af};
+  static_assert(offsetof(decltype(getattr), hfunc) == 16);
+  r.on_driver_call(85, true, &getattr, nullptr);
+  r.on_module_loaded(binary_a, sizeof binary_a);
+  r.on_driver_call(85, false, &getattr, &ok);
+  EXPECT_EQ(b.handle(af), ha);
 
   // A failed cuModuleLoadData leaves its output unread and binds nothing.
   CUmodule junk = reinterpret_cast<CUmodule>(0xD000);

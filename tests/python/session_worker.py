@@ -12,7 +12,8 @@ over the weights and the table; THAW reports it with FREEZE's. The last stdout l
 
 Options: ``drift`` (build one more block at THAW), ``model`` (fingerprint), ``occupy`` (reserve
 the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``,
-``objectless`` (THAW through ``thaw_without_objects``: nothing rebuilt, the state says where).
+``objectless`` (THAW through ``thaw_without_objects``: nothing rebuilt, the state says where),
+``table_in_build`` (warmup writes a table build allocated: no warmup span), ``base_shift``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ MiB = 1 << 20
 
 
 class BytesEngine:
-    def __init__(self, *, drift: bool = False, model: str = "bytes-4x3MiB"):
+    def __init__(self, *, drift: bool = False, model: str = "bytes-4x3MiB",
+                 table_in_build: bool = False):
         self.drift = drift
+        self.table_in_build = table_in_build  # warmup then allocates nothing in the region
         self.model = model
         self.region = None
         self.params: list[tuple[int, int]] = []
@@ -50,6 +53,8 @@ class BytesEngine:
         self.params = [(region.allocate(n) - region.base, n) for n in (3 * MiB,) * 4]
         if self.drift:
             region.allocate(2 * MiB)
+        if self.table_in_build:
+            self.table = (region.allocate(2 * MiB) - region.base, 2 * MiB)
 
     def load_weights(self) -> None:
         r = self.region
@@ -74,8 +79,9 @@ class BytesEngine:
     def warmup(self) -> None:
         r = self.region
         self.warmups += 1
-        ptr = r.allocate(2 * MiB)
-        self.table = (ptr - r.base, 2 * MiB)
+        if not self.table_in_build:
+            self.table = (r.allocate(2 * MiB) - r.base, 2 * MiB)
+        ptr = r.base + self.table[0]
         seed = self._weights_digest()
         r.write(ptr, (seed * (2 * MiB // len(seed)))[: 2 * MiB])
 
@@ -118,7 +124,8 @@ def main() -> int:
         from vitrify import session
 
         kind = ObjectlessBytes if opts.get("objectless") and mode == "thaw" else BytesEngine
-        eng = kind(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"))
+        eng = kind(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"),
+                   table_in_build=opts.get("table_in_build", False))
         if mode == "freeze":
             s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
                                       record_kernels=False,
@@ -130,12 +137,18 @@ def main() -> int:
 
             frozen = archive.open_archive(path).region
             blocker = Region(frozen.size, base=frozen.base)  # the frozen range is taken
-        s = session.ThawSession(eng, path, relocate=opts.get("relocate", True),
+        base = None
+        if "base_shift" in opts:
+            from vitrify import archive
+
+            base = archive.open_archive(path).region.base + opts["base_shift"]
+        s = session.ThawSession(eng, path, relocate=opts.get("relocate", True), base=base,
                                 warmup_restore=opts.get("warmup_restore"))
         try:
             out = s.run()
         except session.CheckpointDrift as e:
-            return {"drift": str(e), "phase": e.phase, "frozen": e.found, "here": e.expected}
+            return {"drift": str(e), "phase": e.phase, "frozen": e.found, "here": e.expected,
+                    "region_released": s.region is None}
         out.update(eng.result)
         del blocker
         return out

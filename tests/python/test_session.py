@@ -120,6 +120,7 @@ def test_a_drifting_engine_is_refused_naming_the_phase_and_both_offsets(frozen):
     assert th["frozen"] == fz["checkpoints"]["built"]
     assert th["here"] == fz["checkpoints"]["built"] + 2 * MiB
     assert f"{th['here']} bytes" in th["drift"] and f"{th['frozen']} bytes" in th["drift"]
+    assert th["region_released"]  # the failed THAW closed its region (P10)
 
 
 @needs_fake
@@ -141,6 +142,30 @@ def test_an_engine_without_objects_at_thaw_gets_the_same_bytes(frozen):
     th = run("thaw", path, objectless=True, warmup_restore=False)
     assert not th["ok"] and th["error"].startswith("SessionError: VITRIFY_WARMUP_RESTORE=0")
     assert "cannot re-run warmup" in th["error"]
+
+
+@needs_fake
+def test_an_explicit_other_base_needs_relocate(frozen):
+    path, fz = frozen
+    th = run("thaw", path, base_shift=1 << 40, relocate=False)
+    assert not th["ok"] and "relocate=False" in th["error"]
+    th = run("thaw", path, base_shift=1 << 40)
+    assert th["ok"], th.get("traceback")
+    assert th["relocated"] and th["base"] == fz["base"] + (1 << 40)
+    assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_a_warmup_that_allocates_nothing_has_nothing_to_restore(tmp_path):
+    path = tmp_path / "table-in-build.vitrify"
+    fz = run("freeze", path, table_in_build=True)
+    assert fz["ok"], fz.get("traceback")
+    assert fz["checkpoints"]["warmup"] == fz["checkpoints"]["state"]
+    assert "warmup" not in fz["span_bytes"]
+    # Even an engine that keeps no objects thaws: there is no warmup to re-run.
+    th = run("thaw", path, objectless=True, table_in_build=True)
+    assert th["ok"], th.get("traceback")
+    assert th["warmup"] == "restore" and th["digest"] == th["frozen_digest"]
 
 
 class _NotAnAdapter:

@@ -7,6 +7,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -35,45 +36,62 @@ class FreezeError : public Error {
 // binaries may define a kernel of one name (Triton and Inductor compile one name per
 // specialisation), so FREEZE resolves a kernel node by the function it holds, not by its name.
 // The recorder reports each driver call that can load code (enter/exit) and each module load
-// (loaded); a call during which exactly one module was loaded binds the handles the call names
-// to that module's hash:
+// (loaded); a call during which exactly one binary was loaded binds the handles the call names
+// to that binary's hash:
 //   module loads (cuModuleLoad*)           the new CUmodule                       exact
 //   library loads (cuLibraryLoad*)         the new CUlibrary                      exact
 //   cuLibraryGetModule                     the CUmodule and the CUlibrary         exact
+//   cuModuleGetFunction                    the CUmodule (exact), the CUfunction
 //   cuLibraryGetKernel                     the CUlibrary (exact), the CUkernel
 //   cuKernelGetFunction                    the CUkernel and the CUfunction
-//   kernel launches (lazy loading)         the launched CUfunction / CUkernel
-// Exact bindings are dropped when their module or library is unloaded; function and kernel
-// bindings are all dropped at any unload (a handle value may be reused afterwards). A call that
-// loaded several modules binds nothing (counted as ambiguous). Thread-safe; the frame stack is
-// per thread (a module load is reported on the thread whose call loads it).
+//   uses (launches, attribute calls)       the CUfunction / CUkernel (lazy loading loads there)
+// Unloads: a traced cuModuleUnload / cuLibraryUnload drops its module / library (and the
+// library's modules) and every function/kernel binding (a handle value may be reused); an
+// unload or context teardown the recorder cannot attribute, stop(), start() and clear() drop
+// everything. Dropping is always safe: an unbound kernel falls back to its name, and an
+// ambiguous name is a FREEZE error. A call that loaded several different binaries binds
+// nothing. Thread-safe; the frame stack is per thread (a module load is reported on the thread
+// whose call loads it). Pause suspends binding on this thread (FREEZE's own probe loads).
 class CodeBindings {
  public:
   enum class Call : uint8_t {
-    kModuleLoad, kLibraryLoad, kLibraryGetModule, kLibraryGetKernel, kKernelGetFunction,
-    kLaunch, kModuleUnload, kLibraryUnload,
+    kModuleLoad, kLibraryLoad, kLibraryGetModule, kModuleGetFunction, kLibraryGetKernel,
+    kKernelGetFunction, kUse, kModuleUnload, kLibraryUnload,
   };
   struct Stats {
     size_t loads_in_calls = 0;      // module loads inside a reported call
     size_t loads_outside = 0;       // module loads outside any reported call (not bound)
-    size_t ambiguous_calls = 0;     // calls that loaded several modules (nothing bound)
+    size_t ambiguous_calls = 0;     // calls that loaded several binaries (nothing bound)
+    size_t dropped = 0;             // times every binding was dropped (untraced unload, ...)
     size_t exact = 0, handles = 0;  // bindings held now
+  };
+  class Pause {  // RAII: this thread's calls and loads are not reported while it lives
+   public:
+    Pause();
+    ~Pause();
+    Pause(const Pause&) = delete;
+    Pause& operator=(const Pause&) = delete;
   };
   void enter(Call c);
   void loaded(const Hash& h);
   // `out`: the handle the call returned (null when it returns none or failed); `in`: the handle
-  // it was given (library, kernel, function, or the module/library being unloaded).
+  // it was given (library, module, kernel, function, or the module/library being unloaded).
   void exit(Call c, bool ok, const void* out, const void* in);
+  // A module unload or context teardown reported by the driver: dropped unless it happens inside
+  // a traced unload call (which handles it precisely at its exit).
+  void unloading();
   // The binary of an exact handle (CUmodule, CUlibrary) / of a function or kernel handle.
   std::optional<Hash> exact(const void* handle) const;
   std::optional<Hash> handle(const void* handle) const;
   Stats stats() const;
-  void clear();
+  void clear();  // drops every binding and every open frame (all threads)
 
  private:
+  void drop_all_locked();
   mutable std::mutex mu_;
   std::unordered_map<const void*, Hash> exact_, handles_;
   std::unordered_map<const void*, std::vector<const void*>> library_modules_;
+  std::atomic<uint64_t> generation_{1};  // frames of older generations are ignored
   Stats stats_;
 };
 
@@ -101,6 +119,7 @@ class ModuleRecorder {
 
   // Internal: called from the CUPTI callbacks.
   void on_module_loaded(const void* data, size_t n) noexcept;
+  void on_unloading() noexcept;
   void on_driver_call(uint32_t cbid, bool enter, const void* params, const void* result) noexcept;
 
  private:

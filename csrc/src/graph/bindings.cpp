@@ -1,6 +1,7 @@
 // CodeBindings: which recorded binary a driver handle's code came from (see graph_cuda.hpp and
 // DESIGN.md, "Kernel identity"). No driver calls here: the CUPTI callbacks (cupti.cpp) feed it,
 // capture.cpp reads it, and CPU tests drive it directly.
+#include <algorithm>
 #include <utility>
 
 #include "vitrify/graph_cuda.hpp"
@@ -8,10 +9,12 @@
 namespace vitrify::graph {
 namespace {
 
-// The calls in progress on this thread, innermost last, with the modules loaded during each.
-// Keyed by owner so several CodeBindings (tests) never see each other's frames.
+// The calls in progress on this thread, innermost last, with the binaries loaded during each.
+// Keyed by owner and generation so several CodeBindings (tests) never see each other's frames
+// and frames left open across stop()/start()/clear() are ignored.
 struct Frame {
   const CodeBindings* owner;
+  uint64_t generation;
   CodeBindings::Call call;
   std::vector<Hash> loads;
 };
@@ -22,15 +25,24 @@ std::vector<Frame>& frames() {
   thread_local std::vector<Frame>* f = new std::vector<Frame>();
   return *f;
 }
+thread_local int t_paused = 0;
 
 }  // namespace
 
-void CodeBindings::enter(Call c) { frames().push_back(Frame{this, c, {}}); }
+CodeBindings::Pause::Pause() { ++t_paused; }
+CodeBindings::Pause::~Pause() { --t_paused; }
+
+void CodeBindings::enter(Call c) {
+  if (t_paused) return;
+  frames().push_back(Frame{this, generation_.load(), c, {}});
+}
 
 void CodeBindings::loaded(const Hash& h) {
-  std::vector<Frame>& t_frames = frames();
-  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
-    if (it->owner != this) continue;
+  if (t_paused) return;
+  const uint64_t gen = generation_.load();
+  std::vector<Frame>& fs = frames();
+  for (auto it = fs.rbegin(); it != fs.rend(); ++it) {
+    if (it->owner != this || it->generation != gen) continue;
     it->loads.push_back(h);
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.loads_in_calls;
@@ -40,21 +52,41 @@ void CodeBindings::loaded(const Hash& h) {
   ++stats_.loads_outside;
 }
 
-void CodeBindings::exit(Call c, bool ok, const void* out, const void* in) {
-  // Pop this owner's innermost frame (it must be this call; a mismatch means a lost exit, and
-  // the frames above it are dropped with it rather than mis-attributed).
-  std::vector<Frame>& t_frames = frames();
-  std::vector<Hash> loads;
-  bool found = false;
-  for (size_t i = t_frames.size(); i-- > 0;) {
-    if (t_frames[i].owner != this) continue;
-    if (t_frames[i].call == c) {
-      loads = std::move(t_frames[i].loads);
-      found = true;
-    }
-    t_frames.erase(t_frames.begin() + static_cast<std::ptrdiff_t>(i), t_frames.end());
+void CodeBindings::unloading() {
+  if (t_paused) return;
+  const uint64_t gen = generation_.load();
+  const std::vector<Frame>& fs = frames();
+  for (auto it = fs.rbegin(); it != fs.rend(); ++it) {
+    if (it->owner != this || it->generation != gen) continue;
+    if (it->call == Call::kModuleUnload || it->call == Call::kLibraryUnload) return;  // at exit
     break;
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_all_locked();
+}
+
+void CodeBindings::exit(Call c, bool ok, const void* out, const void* in) {
+  if (t_paused) return;
+  // Pop this owner's innermost current frame when it is this call; otherwise (its enter was
+  // never seen) leave the stack as it is and bind nothing.
+  const uint64_t gen = generation_.load();
+  std::vector<Frame>& fs = frames();
+  std::vector<Hash> loads;
+  bool found = false;
+  fs.erase(std::remove_if(fs.begin(), fs.end(),
+                          [&](const Frame& f) { return f.owner == this && f.generation != gen; }),
+           fs.end());
+  for (size_t i = fs.size(); i-- > 0;) {
+    if (fs[i].owner != this) continue;
+    if (fs[i].call == c) {
+      loads = std::move(fs[i].loads);
+      fs.erase(fs.begin() + static_cast<std::ptrdiff_t>(i));
+      found = true;
+    }
+    break;
+  }
+  std::sort(loads.begin(), loads.end());  // one binary loaded into several contexts is one
+  loads.erase(std::unique(loads.begin(), loads.end()), loads.end());
   std::lock_guard<std::mutex> lock(mu_);
   if (c == Call::kModuleUnload || c == Call::kLibraryUnload) {
     if (ok && in != nullptr) {
@@ -79,9 +111,10 @@ void CodeBindings::exit(Call c, bool ok, const void* out, const void* in) {
         bind_exact(in);
         if (out != nullptr && in != nullptr) library_modules_[in].push_back(out);
         break;
+      case Call::kModuleGetFunction: bind_handle(out); bind_exact(in); break;
       case Call::kLibraryGetKernel: bind_handle(out); bind_exact(in); break;
       case Call::kKernelGetFunction: bind_handle(out); bind_handle(in); break;
-      case Call::kLaunch: bind_handle(in); break;
+      case Call::kUse: bind_handle(in); break;
       case Call::kModuleUnload:
       case Call::kLibraryUnload: break;
     }
@@ -109,7 +142,16 @@ CodeBindings::Stats CodeBindings::stats() const {
   return stats_;
 }
 
+void CodeBindings::drop_all_locked() {
+  exact_.clear();
+  handles_.clear();
+  library_modules_.clear();
+  ++stats_.dropped;
+  stats_.exact = stats_.handles = 0;
+}
+
 void CodeBindings::clear() {
+  ++generation_;  // every open frame, on every thread, is ignored from now on
   std::lock_guard<std::mutex> lock(mu_);
   exact_.clear();
   handles_.clear();

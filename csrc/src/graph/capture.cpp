@@ -165,6 +165,7 @@ class Resolver {
     // Then load each candidate and compare the function's attributes with this one's.
     const std::vector<int> want = identity(f);
     std::vector<Hash> keep;
+    const CodeBindings::Pause pause;  // these probe loads/unloads are ours, not the engine's
     for (const Hash& h : c) {
       auto m = modules_.get(h);
       CUmodule mod = nullptr;

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <cstring>
 
 #include "vitrify/graph_cuda.hpp"
 #include "vitrify/log.hpp"
@@ -16,6 +17,7 @@
 #include <cupti_driver_cbid.h>
 #define VITRIFY_HAVE_CUPTI_DRIVER_CBID 1
 #endif
+
 #endif
 
 namespace vitrify::graph {
@@ -55,31 +57,44 @@ struct CallbackData {                       // CUpti_CallbackData (driver API do
   uint32_t correlation_id;
 };
 
-// The driver calls that can load code, by CUPTI callback id (cupti_driver_cbid.h), with the
-// layout of their parameters (generated_cuda_meta.h): which handle each returns and takes.
+// The driver calls that can load code, by CUPTI callback id (cupti_driver_cbid.h), with where
+// their parameter struct (generated_cuda_meta.h, which needs the driver's internal v1 types and is
+// not included: tests/cpp/test_graph_bindings.cpp lays the structs out and checks the decoding)
+// holds the pointer to the handle the call returns (`out`) and the handle it is given (`in`), as
+// byte offsets (-1: none).
 using Call = CodeBindings::Call;
 struct Traced {
   uint32_t cbid;
   Call call;
   const char* name;
+  int out, in;
 };
 constexpr Traced kTraced[] = {
-    {18, Call::kModuleLoad, "cuModuleLoad"},
-    {19, Call::kModuleLoad, "cuModuleLoadData"},
-    {20, Call::kModuleLoad, "cuModuleLoadDataEx"},
-    {21, Call::kModuleLoad, "cuModuleLoadFatBinary"},
-    {22, Call::kModuleUnload, "cuModuleUnload"},
-    {307, Call::kLaunch, "cuLaunchKernel"},
-    {442, Call::kLaunch, "cuLaunchKernel_ptsz"},
-    {652, Call::kLaunch, "cuLaunchKernelEx"},
-    {653, Call::kLaunch, "cuLaunchKernelEx_ptsz"},
-    {678, Call::kLibraryLoad, "cuLibraryLoadData"},
-    {679, Call::kLibraryLoad, "cuLibraryLoadFromFile"},
-    {680, Call::kLibraryUnload, "cuLibraryUnload"},
-    {681, Call::kLibraryGetKernel, "cuLibraryGetKernel"},
-    {682, Call::kLibraryGetModule, "cuLibraryGetModule"},
-    {683, Call::kKernelGetFunction, "cuKernelGetFunction"},
+    {18, Call::kModuleLoad, "cuModuleLoad", 0, -1},
+    {19, Call::kModuleLoad, "cuModuleLoadData", 0, -1},
+    {20, Call::kModuleLoad, "cuModuleLoadDataEx", 0, -1},
+    {21, Call::kModuleLoad, "cuModuleLoadFatBinary", 0, -1},
+    {22, Call::kModuleUnload, "cuModuleUnload", -1, 0},
+    {23, Call::kModuleGetFunction, "cuModuleGetFunction", 0, 8},
+    {85, Call::kUse, "cuFuncGetAttribute", -1, 16},
+    {307, Call::kUse, "cuLaunchKernel", -1, 0},
+    {442, Call::kUse, "cuLaunchKernel_ptsz", -1, 0},
+    {477, Call::kUse, "cuLaunchCooperativeKernel", -1, 0},
+    {478, Call::kUse, "cuLaunchCooperativeKernel_ptsz", -1, 0},
+    {481, Call::kUse, "cuFuncSetAttribute", -1, 0},
+    {652, Call::kUse, "cuLaunchKernelEx", -1, 8},
+    {653, Call::kUse, "cuLaunchKernelEx_ptsz", -1, 8},
+    {678, Call::kLibraryLoad, "cuLibraryLoadData", 0, -1},
+    {679, Call::kLibraryLoad, "cuLibraryLoadFromFile", 0, -1},
+    {680, Call::kLibraryUnload, "cuLibraryUnload", -1, 0},
+    {681, Call::kLibraryGetKernel, "cuLibraryGetKernel", 0, 8},
+    {682, Call::kLibraryGetModule, "cuLibraryGetModule", 0, 8},
+    {683, Call::kKernelGetFunction, "cuKernelGetFunction", 0, 8},
+    {686, Call::kUse, "cuKernelGetAttribute", -1, 16},
+    {687, Call::kUse, "cuKernelSetAttribute", -1, 8},
 };
+constexpr uint32_t kCbidContextDestroyStarting = 2;  // CUPTI_CBID_RESOURCE_CONTEXT_DESTROY_STARTING
+constexpr uint32_t kCbidModuleUnloadStarting = 7;    // CUPTI_CBID_RESOURCE_MODULE_UNLOAD_STARTING
 
 #ifdef VITRIFY_HAVE_CUPTI_HEADERS
 static_assert(CUPTI_CB_DOMAIN_RESOURCE == kDomainResource);
@@ -95,7 +110,16 @@ static_assert(sizeof(CUpti_CallbackData) == sizeof(CallbackData));
 static_assert(offsetof(CUpti_CallbackData, functionParams) == offsetof(CallbackData, function_params));
 static_assert(offsetof(CUpti_CallbackData, functionReturnValue) ==
               offsetof(CallbackData, function_return_value));
+static_assert(CUPTI_CBID_RESOURCE_CONTEXT_DESTROY_STARTING == kCbidContextDestroyStarting &&
+              CUPTI_CBID_RESOURCE_MODULE_UNLOAD_STARTING == kCbidModuleUnloadStarting);
 #ifdef VITRIFY_HAVE_CUPTI_DRIVER_CBID
+static_assert(CUPTI_DRIVER_TRACE_CBID_cuModuleGetFunction == 23 &&
+              CUPTI_DRIVER_TRACE_CBID_cuFuncGetAttribute == 85 &&
+              CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel == 477 &&
+              CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernel_ptsz == 478 &&
+              CUPTI_DRIVER_TRACE_CBID_cuFuncSetAttribute == 481 &&
+              CUPTI_DRIVER_TRACE_CBID_cuKernelGetAttribute == 686 &&
+              CUPTI_DRIVER_TRACE_CBID_cuKernelSetAttribute == 687);
 static_assert(CUPTI_DRIVER_TRACE_CBID_cuModuleLoad == 18 && CUPTI_DRIVER_TRACE_CBID_cuModuleLoadData == 19 &&
               CUPTI_DRIVER_TRACE_CBID_cuModuleLoadDataEx == 20 &&
               CUPTI_DRIVER_TRACE_CBID_cuModuleLoadFatBinary == 21 &&
@@ -121,7 +145,12 @@ void callback(void* userdata, int domain, uint32_t cbid, const void* cbdata) {
                                                            cd->function_return_value);
     return;
   }
-  if (domain != kDomainResource || cbid != kCbidModuleLoaded) return;
+  if (domain != kDomainResource) return;
+  if (cbid == kCbidModuleUnloadStarting || cbid == kCbidContextDestroyStarting) {
+    static_cast<ModuleRecorder*>(userdata)->on_unloading();
+    return;
+  }
+  if (cbid != kCbidModuleLoaded) return;
   const auto* rd = static_cast<const ResourceData*>(cbdata);
   const auto* md = static_cast<const ModuleResourceData*>(rd->resource_descriptor);
   if (md == nullptr || md->cubin == nullptr || md->cubin_size == 0) return;
@@ -167,6 +196,13 @@ void ModuleRecorder::on_module_loaded(const void* data, size_t n) noexcept {
   }
 }
 
+void ModuleRecorder::on_unloading() noexcept {
+  try {
+    bindings_.unloading();
+  } catch (...) {
+  }
+}
+
 void ModuleRecorder::on_driver_call(uint32_t cbid, bool enter, const void* params,
                                     const void* result) noexcept {
   const Traced* t = nullptr;
@@ -179,34 +215,18 @@ void ModuleRecorder::on_driver_call(uint32_t cbid, bool enter, const void* param
       return;
     }
     const bool ok = result != nullptr && *static_cast<const CUresult*>(result) == CUDA_SUCCESS;
-    // The handles each call returns (`out`, through its first parameter, a pointer) and takes
-    // (`in`), read from the parameter struct the driver passes (generated_cuda_meta.h).
-    auto field = [&](size_t i) { return static_cast<const void* const*>(params)[i]; };
-    auto deref = [&](size_t i) -> const void* {
-      const void* p = field(i);
-      return ok && p != nullptr ? *static_cast<const void* const*>(p) : nullptr;
+    // The handles the call returns (through a pointer) and takes, read from the parameter
+    // struct the driver passes, at the table's byte offsets.
+    const auto* base = static_cast<const uint8_t*>(params);
+    auto field = [&](int off) -> const void* {
+      const void* v = nullptr;
+      if (off >= 0) std::memcpy(&v, base + off, sizeof v);
+      return v;
     };
+    const void* out_ptr = field(t->out);
     const void* out = nullptr;
-    const void* in = nullptr;
-    switch (t->call) {
-      case Call::kModuleLoad:         // (CUmodule* module, ...)
-      case Call::kLibraryLoad:        // (CUlibrary* library, ...)
-        out = deref(0);
-        break;
-      case Call::kLibraryGetModule:   // (CUmodule* pMod, CUlibrary library)
-      case Call::kLibraryGetKernel:   // (CUkernel* pKernel, CUlibrary library, const char* name)
-      case Call::kKernelGetFunction:  // (CUfunction* pFunc, CUkernel kernel)
-        out = deref(0);
-        in = field(1);
-        break;
-      case Call::kLaunch:             // cuLaunchKernel(CUfunction f, ...) /
-        in = cbid == 652 || cbid == 653 ? field(1) : field(0);  // Ex(const CUlaunchConfig*, f, ...)
-        break;
-      case Call::kModuleUnload:       // (CUmodule hmod)
-      case Call::kLibraryUnload:      // (CUlibrary library)
-        in = field(0);
-        break;
-    }
+    if (ok && out_ptr != nullptr) std::memcpy(&out, out_ptr, sizeof out);
+    const void* in = field(t->in);
     bindings_.exit(t->call, ok, out, in);
   } catch (...) {
     // Out of memory recording a binding: the kernel falls back to resolution by name.
@@ -260,10 +280,13 @@ void ModuleRecorder::start_locked(const std::vector<std::string>& extra_paths) {
   };
   void* sub = nullptr;
   if (CuptiResult r = subscribe(&sub, &callback, this); r != 0) fail("cuptiSubscribe", r);
-  if (CuptiResult r = enable(1, sub, kDomainResource, kCbidModuleLoaded); r != 0) {
-    unsubscribe(sub);
-    fail("cuptiEnableCallback(RESOURCE, MODULE_LOADED)", r);
-  }
+  for (uint32_t cbid : {kCbidModuleLoaded, kCbidModuleUnloadStarting, kCbidContextDestroyStarting})
+    if (CuptiResult r = enable(1, sub, kDomainResource, cbid); r != 0) {
+      unsubscribe(sub);
+      fail(("cuptiEnableCallback(RESOURCE, " + std::to_string(cbid) + ")").c_str(), r);
+    }
+  // Bindings from an earlier recording may be stale: unloads were not seen in between.
+  bindings_.clear();
   for (const Traced& t : kTraced) {
     if (CuptiResult r = enable(1, sub, kDomainDriver, t.cbid); r != 0) {
       unsubscribe(sub);
@@ -286,6 +309,7 @@ void ModuleRecorder::stop() {
   if (unsubscribe != nullptr) unsubscribe(subscriber_);
   subscriber_ = nullptr;
   active_ = false;
+  bindings_.clear();  // unloads are no longer seen: no handle stays trusted
 }
 
 bool ModuleRecorder::active() const {

@@ -54,13 +54,15 @@ GraphSet::~GraphSet() {
     next_job_ = templates_.size();  // no new builds
   }
   for (std::thread& t : threads_) t.join();
-  // Launched graphs may still run kernels from modules unloaded below: wait for them.
+  // Launched graphs may still run kernels from modules unloaded below: wait for them. The
+  // context stays current for the releases (module unloads need it, on whatever thread this is).
   bool built = false;
   for (const auto& t : templates_) built = built || t->exec != nullptr;
-  if (built && driver::available()) {
+  std::unique_ptr<driver::ContextGuard> ctx;
+  if (driver::available() && (!templates_.empty() || !loaded_.empty())) {
     try {
-      driver::ContextGuard ctx(device_);
-      driver::cu().cuCtxSynchronize();
+      ctx = std::make_unique<driver::ContextGuard>(device_);
+      if (built) driver::cu().cuCtxSynchronize();
     } catch (...) {
     }
   }
@@ -140,6 +142,8 @@ GraphSet::Loaded& GraphSet::ensure_loaded(const Hash& module) {
       m = modules_.at(module);
     }
     l.result = detail::load_module(&l.module, *m);
+    // Out of memory may pass (span restores run beside the loads): the next user retries.
+    if (l.result == CUDA_ERROR_OUT_OF_MEMORY) l.tried = false;
     if (l.result == CUDA_SUCCESS) {
       std::lock_guard<std::mutex> l2(mu_);
       ++stats_.modules_loaded;

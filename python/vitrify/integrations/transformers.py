@@ -17,8 +17,9 @@ layer for every batch size:
   written without ``torch.cat`` (see :func:`rotary`) so every decode graph stays relocatable.
 
 ``variant="compiled"`` runs the decode step through ``torch.compile`` (``dynamic=True``: one
-compile serves every batch size; Inductor's Triton kernels end up in the graphs). THAW never
-compiles: it replays the rebuilt graphs.
+compile serves every batch size; Inductor's Triton kernels end up in the graphs). THAW does not
+compile: it replays the rebuilt graphs (only the fallback that re-runs warmup compiles again).
+The rotary embedding's attention scaling is 1.0 for these configs (no rope scaling options).
 
 Phases (see ``docs/session.md``): ``build`` allocates the tensors of :func:`param_specs` in the
 region, unset; ``load_weights`` (FREEZE) checks them against the transformers model and fills them
@@ -253,6 +254,12 @@ def prefill_forward(W, d: Dims, k_caches, v_caches, row: int, ids):
     return F.linear(_rms_norm(x[-1], W["model.norm.weight"], d.eps), W["lm_head.weight"])
 
 
+def _code_digest() -> str:
+    """The first 16 hex digits of this module's SHA-256: another forward is another engine."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 class CausalLMEngine:
     """The engine and its :class:`vitrify.session.EngineAdapter`. Construct it before CUDA is
     initialised (it imports torch lazily, in ``build``). FREEZE builds the transformers model
@@ -273,16 +280,13 @@ class CausalLMEngine:
 
     # --- adapter: identity and routing ----------------------------------------------------------
     def fingerprint(self) -> dict:
-        import importlib.metadata
-
+        """What THAW runs must be what FREEZE ran: vitrify's version and this module's code (the
+        forward and the tensor layout) identify the engine. transformers is not in it: THAW does
+        not use it (its version at FREEZE is kept in the state)."""
         import vitrify
 
-        try:  # the installed version, without importing transformers (THAW does not need it)
-            tf = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            tf = "absent"
-        return {"engine": ENGINE, "engine_version": f"vitrify-{vitrify.__version__}/"
-                                                    f"transformers-{tf}",
+        return {"engine": ENGINE,
+                "engine_version": f"vitrify-{vitrify.__version__}/code-{_code_digest()}",
                 "model": self.cfg.model_id()}
 
     def route(self, region, phase: str):
@@ -435,7 +439,10 @@ class CausalLMEngine:
         torch.cuda.synchronize()
 
     def state(self) -> dict:
-        return {"config": self.cfg.to_dict(), "rope_scaling": self.dims.rope_scaling}
+        import transformers
+
+        return {"config": self.cfg.to_dict(), "rope_scaling": self.dims.rope_scaling,
+                "frozen_with": {"transformers": transformers.__version__}}
 
     def restore_state(self, state: dict, graphs) -> None:
         if EngineConfig.from_dict(state["config"]) != self.cfg:
