@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "temp_dir.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/file_io.hpp"
@@ -30,19 +31,7 @@ using vitrify::file_io::DirectIo;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("VITRIFY_TEST_DIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/vitrify-disk-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using vitrify::test::TempDir;
 
 uint64_t mix(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

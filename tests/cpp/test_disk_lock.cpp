@@ -19,6 +19,7 @@
 
 #include <gtest/gtest.h>
 
+#include "temp_dir.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
 
@@ -28,19 +29,7 @@ using vitrify::file_io::DirectIo;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("VITRIFY_TEST_DIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/vitrify-lock-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using vitrify::test::TempDir;
 
 Key key_of(uint8_t i) {
   Key k{};

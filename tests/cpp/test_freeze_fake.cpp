@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.hpp"
 #include "vitrify/disk.hpp"
 #include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
@@ -31,19 +32,7 @@ namespace snapshot = vitrify::snapshot;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("VITRIFY_TEST_DIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/vitrify-freeze-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using vitrify::test::TempDir;
 
 uint8_t pattern(uint64_t offset, uint8_t salt) {
   return static_cast<uint8_t>((offset * 131 + salt) ^ (offset >> 11));
