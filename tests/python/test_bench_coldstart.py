@@ -72,3 +72,11 @@ def test_small_config_is_a_valid_engine_config():
     assert small.layers < EngineConfig().layers and small.variant == "eager"
     assert EngineConfig.from_dict(coldstart.config("compiled", small=False)) == \
         EngineConfig(variant="compiled")
+
+
+def test_cold_runs_compile_from_nothing_unless_asked(tmp_path):
+    env = coldstart.cold_env("cold", str(tmp_path))
+    assert env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1"
+    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+    assert coldstart.cold_env("cold", str(tmp_path))["TRITON_CACHE_DIR"] != env["TRITON_CACHE_DIR"]
+    assert coldstart.cold_env("warm", str(tmp_path)) == {}

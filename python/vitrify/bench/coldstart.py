@@ -19,6 +19,10 @@ min(disk read, PCIe) (>= 0.9); ladder rebuild over capture (<= 0.5). Every run's
 logits must equal the frozen process's (a mismatch fails the benchmark).
 
     vitrify bench coldstart [--variant compiled|eager] [--runs 3] [--small] [--dir DIR]
+                            [--caches cold|warm]
+
+Cold runs compile from nothing by default (``--caches cold``: Inductor's caches off, an empty
+Triton cache directory per run), as a server on a fresh machine does.
 
 ``--plot`` also draws the breakdown (cold vs thaw, stacked) as ``coldstart-DATE-breakdown.png``.
 """
@@ -88,10 +92,22 @@ def config(variant: str, small: bool) -> dict:
     return cfg.to_dict()
 
 
-def _run(mode: str, archive: str, cfg: dict, opts: dict) -> dict:
+def _run(mode: str, archive: str, cfg: dict, opts: dict,
+         env: dict[str, str] | None = None) -> dict:
     from ..integrations.transformers import run_process
 
-    return run_process(mode, archive, cfg, opts)
+    return run_process(mode, archive, cfg, opts, env=env)
+
+
+def cold_env(caches: str, scratch: str) -> dict[str, str]:
+    """The environment of a cold run: with ``caches="cold"`` Inductor's caches are off and Triton
+    compiles into an empty directory of its own, as on a fresh machine; ``"warm"`` leaves both as
+    they are (a restart on the same machine)."""
+    if caches == "warm":
+        return {}
+    path = os.path.join(scratch, f"triton-{time.time_ns()}")
+    os.makedirs(path)
+    return {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TRITON_CACHE_DIR": path}
 
 
 def _floor() -> dict:
@@ -205,6 +221,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the demo's small engine (8 layers, hidden 1024) instead of 1.1 B")
     ap.add_argument("--dir", type=existing_dir, default=None,
                     help="where the archive goes (default: the system temp directory)")
+    ap.add_argument("--caches", choices=("cold", "warm"), default="cold",
+                    help="compile caches of the cold runs: off, as on a fresh machine (default), "
+                         "or as this machine has them")
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
@@ -235,8 +254,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         disk = _disk_read_rate(str(span))
         colds, thaws = [], []
         for i in range(args.runs):
-            progress(f"cold run {i + 1}/{args.runs}")
-            colds.append(_run("cold", "-", cfg, {}))
+            progress(f"cold run {i + 1}/{args.runs} ({args.caches} compile caches)")
+            colds.append(_run("cold", "-", cfg, {}, env=cold_env(args.caches, tmp)))
             progress(f"thaw run {i + 1}/{args.runs}")
             resultlib.drop_page_cache([str(span)])
             thaws.append(_run("thaw", archive, cfg, {}))
@@ -249,6 +268,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     res = resultlib.result("coldstart", rows=a["rows"], ratios=a["ratios"], goals=a["goals"],
                            goal_direction=a["goal_direction"], breakdown=a["breakdown"],
                            mismatches=a["mismatches"], config=cfg, runs=args.runs, disk=disk,
+                           compile_caches=args.caches,
                            floors=floors, weights_bytes=weights_bytes,
                            freeze_timings=fz["session"]["timings"],
                            cold=[_brief(r) for r in colds], thaw=[_brief(r) for r in thaws])

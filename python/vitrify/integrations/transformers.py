@@ -573,14 +573,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
-                timeout: int = 900) -> dict:
+                timeout: int = 900, env: dict[str, str] | None = None) -> dict:
     """Run :func:`main` in a fresh process (``python -m vitrify.integrations.transformers``) with
-    this process's clock as its start; return its result, or raise naming the mode and error."""
+    this process's clock as its start (``env``: variables added to this process's environment);
+    return its result, or raise naming the mode and error."""
+    import os
     import subprocess
 
     opts = dict(opts or {}, t0=time.time())
     p = subprocess.run([sys.executable, "-m", __name__, mode, archive, json.dumps(cfg),
-                        json.dumps(opts)], capture_output=True, text=True, timeout=timeout)
+                        json.dumps(opts)], capture_output=True, text=True, timeout=timeout,
+                       env=None if env is None else {**os.environ, **env})
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         raise RuntimeError(f"{mode} printed no result (exit {p.returncode}): {p.stderr[-2000:]}")
