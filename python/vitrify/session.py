@@ -206,6 +206,21 @@ class _Background:
 
 
 # ------------------------------------------------------------------------------------- FREEZE
+def run_phases(adapter: Any, region: Any, graphs: Any, timings: Timings) -> None:
+    """FREEZE's phases in order, each inside ``adapter.route(region, phase)`` and timed, with a
+    region checkpoint after each (``PHASES``); ``graphs`` goes to ``adapter.capture``. Also the
+    cold start an engine compares a thaw with (no recording, no archive)."""
+    a = adapter
+    for phase, call, checkpoint in (("build", lambda: a.build(region), "built"),
+                                    ("load_weights", a.load_weights, "weights"),
+                                    ("alloc_state", a.alloc_state, "state"),
+                                    ("warmup", a.warmup, "warmup"),
+                                    ("capture", lambda: a.capture(graphs), "captured")):
+        with timings.step(phase), a.route(region, phase):
+            call()
+        region.checkpoint(checkpoint)
+
+
 class FreezeSession:
     """Build, warm up, capture and freeze ``adapter`` into the archive at ``path``.
 
@@ -260,24 +275,10 @@ class FreezeSession:
         fp = _fingerprint(a, self.device)
         with t.step("reserve"):
             self.region = region = Region(self.region_bytes, base=self.base, device=self.device)
-        with t.step("build"), a.route(region, "build"):
-            a.build(region)
-        region.checkpoint("built")
-        with t.step("load_weights"), a.route(region, "load_weights"):
-            a.load_weights()
-        region.checkpoint("weights")
-        with t.step("alloc_state"), a.route(region, "alloc_state"):
-            a.alloc_state()
-        region.checkpoint("state")
-        with t.step("warmup"), a.route(region, "warmup"):
-            a.warmup()
-        region.checkpoint("warmup")
         store = None
         if self.record_kernels:
             store = _graph_module().GraphStore(region=region, device=self.device)
-        with t.step("capture"), a.route(region, "capture"):
-            a.capture(store)
-        region.checkpoint("captured")
+        run_phases(a, region, store, t)
         cps = region.checkpoints
         with t.step("state"):
             engine_state = a.state()
@@ -307,7 +308,7 @@ class FreezeSession:
                 "record_kernels": self.record_kernels,
             }, "engine": engine_state})
             with t.step("commit"):
-                pass  # the writer commits on leaving this block
+                w.commit()
         t.steps["total"] = time.perf_counter() - t_start
         log.info("frozen into %s: %d graphs, region %d bytes at 0x%x", self.path,
                  len(graphs.get("graphs", {})), cps["captured"], region.base)
@@ -519,4 +520,4 @@ class ThawSession:
 
 
 __all__ = ["CheckpointDrift", "EngineAdapter", "FreezeSession", "PHASES", "SESSION_FORMAT",
-           "SPANS", "SessionError", "ThawSession"]
+           "SPANS", "SessionError", "ThawSession", "Timings", "run_phases"]

@@ -85,10 +85,12 @@ void CodeBindings::exit(Call c, bool ok, const void* out, const void* in) {
     }
     break;
   }
+  const bool unload = c == Call::kModuleUnload || c == Call::kLibraryUnload;
+  if (!unload && loads.empty()) return;  // the common case (every traced launch): nothing to do
   std::sort(loads.begin(), loads.end());  // one binary loaded into several contexts is one
   loads.erase(std::unique(loads.begin(), loads.end()), loads.end());
   std::lock_guard<std::mutex> lock(mu_);
-  if (c == Call::kModuleUnload || c == Call::kLibraryUnload) {
+  if (unload) {
     if (ok && in != nullptr) {
       exact_.erase(in);
       if (auto it = library_modules_.find(in); it != library_modules_.end()) {

@@ -7,8 +7,8 @@ an archive frozen once at the start. Measured in the same run:
 
 - the floor every process pays before any engine work: ``import torch`` plus a CUDA context (a
   process that does only that), and the pinned host -> device copy rate;
-- the disk's read rate for the archive's weights span (O_DIRECT, page cache dropped when this
-  process may);
+- the disk's read rate for the archive's weights span (``dd``, O_DIRECT where the filesystem has
+  it, page cache dropped when this process may);
 - ``--runs`` cold and thaw runs (medians), the thaw's breakdown (open and verify, reserve, build
   and imports, weights, warmup gap, graph pools, kernel modules and graph rebuild, first token)
   and the graph ladder's rebuild time against its capture time at FREEZE.
@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vitrify._units import MiB
 
 from . import resultlib
 from .cli import existing_dir, positive_int
@@ -92,13 +91,6 @@ def config(variant: str, small: bool) -> dict:
     return cfg.to_dict()
 
 
-def _run(mode: str, archive: str, cfg: dict, opts: dict,
-         env: dict[str, str] | None = None) -> dict:
-    from ..integrations.transformers import run_process
-
-    return run_process(mode, archive, cfg, opts, env=env)
-
-
 def cold_env(caches: str, scratch: str) -> dict[str, str]:
     """The environment of a cold run: with ``caches="cold"`` Inductor's caches are off and Triton
     compiles into an empty directory of its own, as on a fresh machine; ``"warm"`` leaves both as
@@ -119,28 +111,17 @@ def _floor() -> dict:
 
 
 def _disk_read_rate(path: str) -> dict:
-    """O_DIRECT sequential read of ``path`` in 8 MiB blocks (page cache dropped when allowed)."""
-    import mmap
+    """The drive's read rate for ``path``: ``dd`` with O_DIRECT where the filesystem has it
+    (``vitrify bench snapshot``'s measurement), the page cache dropped first when allowed."""
+    from vitrify import _native
+
+    from .snapshot import dd_read_rate
 
     dropped = resultlib.drop_page_cache([path])
-    block = 8 * MiB
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    fd = os.open(path, flags)
-    total = 0
-    t = time.perf_counter()
-    try:
-        while True:
-            n = os.readv(fd, [buf])
-            total += n
-            if n < block:
-                break
-    finally:
-        os.close(fd)
-        buf.close()
-    dt = time.perf_counter() - t
-    return {"bytes": total, "seconds": dt, "bytes_per_s": total / dt if dt > 0 else 0.0,
-            "page_cache_dropped": bool(dropped), "o_direct": hasattr(os, "O_DIRECT")}
+    direct = bool(_native.probe_direct_io(os.path.dirname(path))["supported"])
+    rate, cmd = dd_read_rate(path, direct)
+    return {"bytes": os.path.getsize(path), "bytes_per_s": rate, "command": cmd,
+            "page_cache_dropped": bool(dropped), "o_direct": direct}
 
 
 def _sum(timings: dict, keys: tuple[str, ...]) -> float:
@@ -196,7 +177,7 @@ def analyse(freeze: dict, colds: list[dict], thaws: list[dict], floors: list[dic
         {"metric": "thaw above the floor, excluding weights", "value": thaw_above_excl,
          "unit": "s"},
         {"metric": "weights restored", "value": weight_rate / 1e9, "unit": "GB/s"},
-        {"metric": "disk read (O_DIRECT)", "value": disk["bytes_per_s"] / 1e9, "unit": "GB/s"},
+        {"metric": "disk read (dd)", "value": disk["bytes_per_s"] / 1e9, "unit": "GB/s"},
         {"metric": "pinned H2D", "value": h2d / 1e9, "unit": "GB/s"},
         {"metric": "ladder capture at FREEZE", "value": capture, "unit": "s"},
         {"metric": "ladder rebuild at THAW", "value": rebuild, "unit": "s"},
@@ -243,11 +224,13 @@ def problem(res: dict) -> str | None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    from ..integrations.transformers import run_process
+
     cfg = config(args.variant, args.small)
     with tempfile.TemporaryDirectory(prefix="vitrify-bench-coldstart-", dir=args.dir) as tmp:
         archive = str(Path(tmp) / "engine.vitrify")
         progress(f"FREEZE the {args.variant} engine once")
-        fz = _run("freeze", archive, cfg, {})
+        fz = run_process("freeze", archive, cfg, {})
         span = Path(archive) / "rank0" / "region" / "weights.span"
         progress("floor processes (import torch + CUDA context) and the disk's read rate")
         floors = [_floor() for _ in range(args.runs)]
@@ -255,10 +238,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         colds, thaws = [], []
         for i in range(args.runs):
             progress(f"cold run {i + 1}/{args.runs} ({args.caches} compile caches)")
-            colds.append(_run("cold", "-", cfg, {}, env=cold_env(args.caches, tmp)))
+            colds.append(run_process("cold", "-", cfg, {}, env=cold_env(args.caches, tmp)))
             progress(f"thaw run {i + 1}/{args.runs}")
             resultlib.drop_page_cache([str(span)])
-            thaws.append(_run("thaw", archive, cfg, {}))
+            thaws.append(run_process("thaw", archive, cfg, {}))
         weights_bytes = int(fz["session"]["span_bytes"].get("weights", 0))
     a = analyse(fz, colds, thaws, floors, disk, weights_bytes)
     resultlib.print_table(a["rows"], ["metric", "value", "unit"])

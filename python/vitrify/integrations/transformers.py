@@ -332,6 +332,8 @@ class CausalLMEngine:
         want = {n: (shape, dtype) for n, shape, dtype in param_specs(self.cfg)}
         params = {n for n, _ in model.named_parameters()}
         missing = [n for n in want if n not in have]
+        # The meta model was cast to bf16 as a whole, its rotary buffer too; the engine keeps
+        # that buffer in float32 (transformers computes it in float32): compare its shape only.
         wrong = [f"{n}: {have[n]} != {want[n]}" for n in want if n in have and have[n] != want[n]
                  and not (n.endswith("inv_freq") and have[n][0] == want[n][0])]
         extra = sorted(params - set(want))
@@ -596,17 +598,12 @@ def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
 def _cold(a: CausalLMEngine, region_bytes: int) -> dict:
     """FREEZE's phases without kernel recording or an archive: the cold start to compare with."""
     from ..region import Region
-    from ..session import Timings
+    from ..session import Timings, run_phases
 
     t = Timings()
     with t.step("reserve"):
         region = Region(region_bytes)
-    for phase, call in (("build", lambda: a.build(region)), ("load_weights", a.load_weights),
-                        ("alloc_state", a.alloc_state), ("warmup", a.warmup)):
-        with t.step(phase), a.route(region, phase):
-            call()
-    with t.step("capture"), a.route(region, "capture"):
-        a.capture(_TorchGraphs())
+    run_phases(a, region, _TorchGraphs(), t)
     return {"timings": t.as_dict(), "base": region.base}
 
 
