@@ -128,6 +128,12 @@ class EngineAdapter(Protocol):
         (:class:`vitrify.graph.LoadedGraphs`, or None when FREEZE captured none)."""
         ...
 
+    # Optional: ``compile()`` — JIT work (torch.compile, Triton autotuning) whose allocations are
+    # temporaries. The session calls it after ``alloc_state`` and before ``warmup`` (FREEZE, the
+    # cold start, and THAW when warmup re-runs), outside the region (no ``route``): how much
+    # a JIT allocates depends on its caches, so inside the region it would move the cursor
+    # (P11). ``warmup`` then only runs the compiled code.
+    #
     # Optional: an engine whose THAW needs none of its objects (it replays the graphs and reads
     # the region, no torch) sets ``thaw_without_objects = True`` and defines ``attach(region)``:
     # THAW then calls attach instead of build/alloc_state, maps each phase's range itself, and
@@ -206,16 +212,37 @@ class _Background:
 
 
 # ------------------------------------------------------------------------------------- FREEZE
+def run_compile(adapter: Any, region: Any, timings: Timings) -> None:
+    """The adapter's optional ``compile`` phase, outside the region (P11): it must not move the
+    region's cursor, else :class:`SessionError` naming both offsets."""
+    compile_ = getattr(adapter, "compile", None)
+    if compile_ is None:
+        return
+    if not callable(compile_):
+        raise _check.ArgumentTypeError(f"adapter.compile must be callable, got "
+                                       f"{_check.got(compile_)}")
+    before = region.offset
+    with timings.step("compile"):
+        compile_()
+    if region.offset != before:
+        raise SessionError(f"the engine's compile phase moved the region's cursor from {before} "
+                           f"to {region.offset} bytes: JIT work must allocate outside the region "
+                           f"(its allocations depend on the JIT's caches)")
+
+
 def run_phases(adapter: Any, region: Any, graphs: Any, timings: Timings) -> None:
     """FREEZE's phases in order, each inside ``adapter.route(region, phase)`` and timed, with a
-    region checkpoint after each (``PHASES``); ``graphs`` goes to ``adapter.capture``. Also the
-    cold start an engine compares a thaw with (no recording, no archive)."""
+    region checkpoint after each (``PHASES``); the optional ``compile`` phase runs outside the
+    region before warmup (P11); ``graphs`` goes to ``adapter.capture``. Also the cold start an
+    engine compares a thaw with (no recording, no archive)."""
     a = adapter
     for phase, call, checkpoint in (("build", lambda: a.build(region), "built"),
                                     ("load_weights", a.load_weights, "weights"),
                                     ("alloc_state", a.alloc_state, "state"),
                                     ("warmup", a.warmup, "warmup"),
                                     ("capture", lambda: a.capture(graphs), "captured")):
+        if phase == "warmup":
+            run_compile(a, region, timings)
         with timings.step(phase), a.route(region, phase):
             call()
         region.checkpoint(checkpoint)
@@ -486,6 +513,7 @@ class ThawSession:
             with t.step("restore_warmup"):
                 self._restore(archive, region, spans, "warmup", cps["warmup"])
         else:
+            run_compile(a, region, t)
             with t.step("warmup"), a.route(region, "warmup"):
                 a.warmup()
         self._compare(archive, "warmup", region)
@@ -520,4 +548,4 @@ class ThawSession:
 
 
 __all__ = ["CheckpointDrift", "EngineAdapter", "FreezeSession", "PHASES", "SESSION_FORMAT",
-           "SPANS", "SessionError", "ThawSession", "Timings", "run_phases"]
+           "SPANS", "SessionError", "ThawSession", "Timings", "run_compile", "run_phases"]

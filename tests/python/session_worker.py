@@ -13,7 +13,8 @@ over the weights and the table; THAW reports it with FREEZE's. The last stdout l
 Options: ``drift`` (build one more block at THAW), ``model`` (fingerprint), ``occupy`` (reserve
 the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``,
 ``objectless`` (THAW through ``thaw_without_objects``: nothing rebuilt, the state says where),
-``table_in_build`` (warmup writes a table build allocated: no warmup span), ``base_shift``.
+``table_in_build`` (warmup writes a table build allocated: no warmup span), ``base_shift``,
+``compile_in_region`` (the optional compile phase allocates in the region: refused, P11).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ MiB = 1 << 20
 
 class BytesEngine:
     def __init__(self, *, drift: bool = False, model: str = "bytes-4x3MiB",
-                 table_in_build: bool = False):
+                 table_in_build: bool = False, compile_in_region: bool = False):
         self.drift = drift
+        self.compile_in_region = compile_in_region
+        self.compiles = 0
         self.table_in_build = table_in_build  # warmup then allocates nothing in the region
         self.model = model
         self.region = None
@@ -76,6 +79,11 @@ class BytesEngine:
             h.update(r.read(r.base + off, n))
         return h.digest()
 
+    def compile(self) -> None:  # session P11: outside the region, before warmup
+        self.compiles += 1
+        if self.compile_in_region:
+            self.region.allocate(2 * MiB)
+
     def warmup(self) -> None:
         r = self.region
         self.warmups += 1
@@ -100,7 +108,7 @@ class BytesEngine:
         assert [tuple(p) for p in state["params"]] == self.params
         self.table = tuple(state["table"])
         self.result = {"digest": self._digest(), "frozen_digest": state["digest"],
-                       "warmups": self.warmups}
+                       "warmups": self.warmups, "compiles": self.compiles}
 
 
 class ObjectlessBytes(BytesEngine):
@@ -125,12 +133,15 @@ def main() -> int:
 
         kind = ObjectlessBytes if opts.get("objectless") and mode == "thaw" else BytesEngine
         eng = kind(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"),
-                   table_in_build=opts.get("table_in_build", False))
+                   table_in_build=opts.get("table_in_build", False),
+                   compile_in_region=opts.get("compile_in_region", False))
         if mode == "freeze":
             s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
                                       record_kernels=False,
                                       dump_warmup=opts.get("dump_warmup", True))
-            return s.run()
+            out = s.run()
+            out["compiles"] = eng.compiles
+            return out
         blocker = None
         if opts.get("occupy"):
             from vitrify import Region, archive

@@ -56,7 +56,9 @@ def test_freeze_records_every_phase_and_dumps_all_but_the_kv_cache(frozen):
     assert fz["span_bytes"]["weights"] == 4 * 4 * MiB
     assert fz["span_bytes"]["warmup"] == 2 * MiB
     assert "graphs" not in fz["span_bytes"]  # nothing allocated after warmup
-    assert set(fz["timings"]) >= {"reserve", "build", "load_weights", "warmup", "dump_spans"}
+    assert set(fz["timings"]) >= {"reserve", "build", "load_weights", "compile", "warmup",
+                                  "dump_spans"}
+    assert fz["compiles"] == 1
 
 
 @needs_fake
@@ -66,7 +68,7 @@ def test_thaw_restores_weights_and_warmup_state_at_the_same_base(frozen):
     assert th["ok"], th.get("traceback")
     assert th["base"] == fz["base"] and not th["relocated"]
     assert th["checkpoints"] == fz["checkpoints"]
-    assert th["warmup"] == "restore" and th["warmups"] == 0
+    assert th["warmup"] == "restore" and th["warmups"] == 0 and th["compiles"] == 0
     assert th["digest"] == th["frozen_digest"]
 
 
@@ -95,8 +97,17 @@ def test_warmup_rerun_reaches_the_same_checkpoints_and_state(frozen):
     th = run("thaw", path, warmup_restore=False)
     assert th["ok"], th.get("traceback")
     assert th["warmup"] == "rerun-warmup" and th["warmups"] == 1
+    assert th["compiles"] == 1  # a re-run warmup runs compiled code: compile first (P11)
     assert th["checkpoints"] == fz["checkpoints"]
     assert th["digest"] == th["frozen_digest"]
+
+
+@needs_fake
+def test_a_compile_phase_that_allocates_in_the_region_is_refused(tmp_path):
+    fz = run("freeze", tmp_path / "jit.vitrify", compile_in_region=True)
+    assert not fz["ok"]
+    assert "SessionError" in fz["error"] and "compile phase moved the region's cursor" in fz["error"]
+    assert not (tmp_path / "jit.vitrify").exists()  # P8: no archive
 
 
 @needs_fake

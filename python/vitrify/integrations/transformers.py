@@ -411,10 +411,27 @@ class CausalLMEngine:
         else:
             self._step_fn = decode_forward
 
-    def warmup(self) -> None:
+    def compile(self) -> None:
+        """The compiled variant's JIT work (Dynamo, Inductor, Triton autotuning), outside the
+        region (session P11): one step per batch size, so warmup finds every kernel compiled."""
         import torch
 
         self._make_step()
+        if self.cfg.variant != "compiled":
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bs in self.cfg.batch_sizes:
+                self._step(bs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def warmup(self) -> None:
+        import torch
+
+        if self._step_fn is None:
+            self._make_step()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
