@@ -382,9 +382,6 @@ class CausalLMEngine:
                          for _ in range(c.layers)]
         self.v_caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
                          for _ in range(c.layers)]
-        if c.variant == "compiled":  # updated in place by the compiled step, never copied
-            for t in self.k_caches + self.v_caches:
-                torch._dynamo.mark_static_address(t)
         self.tokens = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
         self.positions = torch.zeros(c.max_batch, dtype=torch.long, device="cuda")
         self.rows = torch.arange(c.max_batch, dtype=torch.long, device="cuda")
@@ -407,6 +404,10 @@ class CausalLMEngine:
         import torch
 
         if self.cfg.variant == "compiled":
+            # The caches are updated in place by the compiled step, never copied. Marked here,
+            # not in alloc_state: a THAW that restores warmup never imports Dynamo (~4 s).
+            for t in self.k_caches + self.v_caches:
+                torch._dynamo.mark_static_address(t)
             self._step_fn = torch.compile(decode_forward, dynamic=True)
         else:
             self._step_fn = decode_forward
