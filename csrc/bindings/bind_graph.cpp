@@ -329,11 +329,31 @@ void bind_graph(nb::module_& m) {
         nb::gil_scoped_release nogil;
         return to_hex(s.add_module(p, n, expected ? &want : nullptr));
       }, nb::arg("data"), nb::arg("expected") = nb::none())
-      .def("add", [](GraphSet& s, nb::bytes b, std::optional<uint64_t> relocate_to) {
+      .def("add_modules", [](GraphSet& s, const std::vector<std::pair<nb::bytes, std::string>>& mods) {
+        // Many modules, the GIL released once (a THAW loads ~100 beside a busy main thread).
+        std::vector<std::pair<std::string_view, Hash>> in;
+        in.reserve(mods.size());
+        for (const auto& [b, hex] : mods)
+          in.emplace_back(std::string_view(b.c_str(), b.size()), hash_from_hex(hex));
+        std::vector<std::string> out;
+        out.reserve(in.size());
+        nb::gil_scoped_release nogil;
+        for (const auto& [data, want] : in)
+          out.push_back(to_hex(s.add_module(data.data(), data.size(), &want)));
+        return out;
+      }, nb::arg("modules"), "add_module for [(data, expected SHA-256 hex)], in order.")
+      .def("add", [](GraphSet& s, nb::bytes b, std::optional<uint64_t> relocate_to,
+                     std::optional<std::string> expected) {
+        if (expected) {  // graphs are small: checked under the GIL, no hand-over per graph
+          const std::string got = to_hex(sha256(b.c_str(), b.size()));
+          if (got != *expected)
+            throw std::invalid_argument("graph SHA-256 " + got + " differs from the index's " +
+                                        *expected);
+        }
         Graph g = parse(b);
         if (relocate_to && *relocate_to != g.region_base) relocate(g, *relocate_to);
         return s.add(std::move(g));
-      }, nb::arg("data"), nb::arg("relocate_to") = nb::none())
+      }, nb::arg("data"), nb::arg("relocate_to") = nb::none(), nb::arg("expected") = nb::none())
       .def("start", [](GraphSet& s, unsigned threads) {
         nb::gil_scoped_release nogil;
         s.start(threads);

@@ -230,6 +230,26 @@ void bind_snapshot(nb::module_& m) {
     nb::gil_scoped_release nogil;
     return file_crc32c(path);
   }, nb::arg("path"), "CRC32C of a whole file (read in large blocks, without the GIL).");
+  m.def("read_whole_files", [](const std::vector<std::string>& paths,
+                               const std::vector<uint64_t>& expect, unsigned threads) {
+    std::vector<file_io::WholeFile> files;
+    {
+      nb::gil_scoped_release nogil;
+      files = file_io::read_whole_files(paths, expect, threads);
+    }
+    nb::list out;
+    for (file_io::WholeFile& f : files) {
+      nb::object data = f.size == 0 || !f.data.empty()
+                            ? nb::object(nb::bytes(reinterpret_cast<const char*>(f.data.data()),
+                                                   f.data.size()))
+                            : nb::none();
+      out.append(nb::make_tuple(f.size, data, f.crc32c));
+      std::vector<uint8_t>().swap(f.data);
+    }
+    return out;
+  }, nb::arg("paths"), nb::arg("expect"), nb::arg("threads") = 8,
+     "Reads each file whole when it has its expected size, several at a time, without the GIL: "
+     "[(size, bytes or None when the size differs, crc32c)].");
 
   nb::class_<PyScratchSpan>(m, "ScratchSpan",
                             "A VMM reservation with chosen granules mapped (tests, benchmarks).")

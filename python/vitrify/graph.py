@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -426,15 +427,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------- THAW
-def read_index(directory: str | os.PathLike) -> dict:
-    """The validated ``graphs/index.json`` of a saved store."""
+def read_index(directory: str | os.PathLike, data: bytes | None = None) -> dict:
+    """The validated ``graphs/index.json`` of a saved store (``data``: its bytes, already read)."""
     _check.path("directory", directory)
     path = Path(directory) / INDEX_FILE
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(path.read_bytes() if data is None else data)
     except FileNotFoundError:
         raise FileNotFoundError(f"no graph index at {path}") from None
-    except json.JSONDecodeError as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"graph index {path} is not valid JSON: {e}") from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise ValueError(f"{path} is not a vitrify graph index (format {index.get('format')!r})")
@@ -447,11 +448,14 @@ def read_index(directory: str | os.PathLike) -> dict:
     return index
 
 
-def _read_checked(root: Path, rel: str, size: int) -> bytes:
+def _read_checked(root: Path, rel: str, size: int,
+                  files: Mapping[str, bytes] | None = None) -> bytes:
     p = root / rel
     if ".." in Path(rel).parts or Path(rel).is_absolute():
         raise ValueError(f"graph index names a file outside its directory: {rel!r}")
-    data = p.read_bytes()
+    if files is not None and rel not in files:
+        raise ValueError(f"graph index names {rel!r}, which the archive does not list")
+    data = p.read_bytes() if files is None else files[rel]
     if len(data) != size:
         raise ValueError(f"{p}: {len(data)} bytes, the index says {size} (truncated file?)")
     return data
@@ -574,9 +578,11 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     if prefix + INDEX_FILE not in rels:
         raise KeyError(f"archive {archive.path} has no graphs for rank {rank} "
                        f"({prefix + INDEX_FILE} is not in its manifest)")
-    for rel in rels:
-        archive.check_file(rel, checksum=verify)
-    return load(Path(archive.path) / f"rank{int(rank)}", **kw)
+    # Read and verified in one native call (no GIL hand-over per file: P7's loader runs beside
+    # a main thread busy importing torch).
+    data = archive.read_files(rels, checksum=verify)
+    return load(Path(archive.path) / f"rank{int(rank)}",
+                files={rel[len(prefix):]: b for rel, b in data.items()}, **kw)
 
 
 def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] | None = None,
@@ -608,7 +614,8 @@ def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] 
 
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
          threads: int = 2, names: list[str] | None = None,
-         share_templates: bool = True, unrelocatable: str = "error") -> LoadedGraphs:
+         share_templates: bool = True, unrelocatable: str = "error",
+         files: Mapping[str, bytes] | None = None) -> LoadedGraphs:
     """Load the graphs saved under ``directory`` and start rebuilding them in the background.
 
     ``region_base``: where the region lives in this process (None: where it was at FREEZE);
@@ -618,7 +625,8 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     never run at another base: with ``unrelocatable="error"`` loading raises
     :class:`GraphNotRelocatable` naming the graph and kernel before any driver call; with
     ``"skip"`` such graphs are left out and listed in ``LoadedGraphs.skipped`` (name -> reason),
-    so the caller captures them cold.
+    so the caller captures them cold. ``files``: the store's files already read (path relative
+    to ``directory`` -> bytes; :func:`load_from_archive` passes the archive's verified ones).
     Every module file is checked against its SHA-256 name and every graph file against its
     checksums before any driver call; a mismatch is a ValueError naming the file.
     """
@@ -635,7 +643,9 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     if unrelocatable not in ("error", "skip"):
         raise ValueError(f"unrelocatable must be 'error' or 'skip', got {unrelocatable!r}")
     root = Path(directory)
-    index = read_index(root)
+    if files is not None and INDEX_FILE not in files:
+        raise ValueError(f"files lacks the graph index {INDEX_FILE}")
+    index = read_index(root, None if files is None else files[INDEX_FILE])
     entries = index["graphs"]
     skipped = unrelocatable_graphs(index, region_base, names, unrelocatable)
     if skipped:
@@ -651,19 +661,24 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         entries = [g for g in entries if g["name"] in wanted]
     gset = _native.GraphSet(device, share_templates)
     needed = sorted({h for g in entries for h in g["modules"]})
+    modules = []
     for h in needed:
         m = index["modules"].get(h)
         if m is None:
             raise ValueError(f"graph index lists no file for module {h}")
-        gset.add_module(_read_checked(root, m["file"], m["bytes"]), h)
+        modules.append((_read_checked(root, m["file"], m["bytes"], files), h))
+    gset.add_modules(modules)  # each checked against its SHA-256 name; the GIL released once
     ids = {}
+    relocate_to = None if region_base is None else int(region_base)
     for g in entries:
-        data = _read_checked(root, g["file"], g["bytes"])
-        if _native.graph_sha256(data) != g["sha256"]:
+        data = _read_checked(root, g["file"], g["bytes"], files)
+        try:
+            ids[g["name"]] = gset.add(data, relocate_to, g["sha256"])
+        except ValueError as e:
+            if "SHA-256" not in str(e):
+                raise
             raise ValueError(f"{root / g['file']}: SHA-256 differs from the index (graph "
-                             f"{g['name']!r})")
-        relocate_to = None if region_base is None else int(region_base)
-        ids[g["name"]] = gset.add(data, relocate_to)
+                             f"{g['name']!r})") from None
     gset.start(threads)
     loaded = LoadedGraphs(index, gset, ids)
     loaded.skipped = skipped

@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "vitrify/aligned.hpp"
+#include "vitrify/crc32c.hpp"
 #include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
 
@@ -236,6 +237,47 @@ TEST(FileIoTransfer, RealFileRoundTripAndShortReadAtEndOfFile) {
   EXPECT_EQ(back[data.size()], 0xEE);  // nothing written past what was read
   EXPECT_EQ(fio::pread_full(f.fd.get(), back.data(), 100, data.size(), path), 0u);
   EXPECT_EQ(fio::pread_full(f.fd.get(), back.data(), 0, 0, path), 0u);
+}
+
+TEST(FileIoWhole, ManyFilesInOneCallWithTheirChecksumsAndSizesChecked) {
+  TempDir d;
+  std::vector<std::string> paths;
+  std::vector<uint64_t> sizes;
+  std::vector<std::vector<uint8_t>> contents;
+  for (int i = 0; i < 9; ++i) {  // more files than threads, one empty
+    contents.push_back(pattern(static_cast<size_t>(i) * 3001, i));
+    paths.push_back(d.path + "/f" + std::to_string(i));
+    fio::OpenedFile f = fio::open_file(paths.back(), O_RDWR | O_CREAT, DirectIo::kOff);
+    fio::pwrite_full(f.fd.get(), contents.back().data(), contents.back().size(), 0, paths.back());
+    sizes.push_back(contents.back().size());
+  }
+  sizes[4] += 1;  // the manifest says one byte more: returned unread, with the real size
+  const auto got = fio::read_whole_files(paths, sizes, 4);
+  ASSERT_EQ(got.size(), paths.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].size, contents[i].size()) << i;
+    if (i == 4) {
+      EXPECT_TRUE(got[i].data.empty());
+      continue;
+    }
+    EXPECT_EQ(got[i].data, contents[i]) << i;
+    EXPECT_EQ(got[i].crc32c, vitrify::crc32c(contents[i].data(), contents[i].size())) << i;
+  }
+  // A missing file or a symlink is an OSError naming the call and the path; nothing is left
+  // running (every reader joined before the throw).
+  paths.push_back(d.path + "/missing");
+  sizes.push_back(1);
+  try {
+    fio::read_whole_files(paths, sizes, 3);
+    FAIL() << "no error";
+  } catch (const std::system_error& e) {
+    EXPECT_NE(std::string(e.what()).find(d.path + "/missing"), std::string::npos) << e.what();
+    EXPECT_EQ(e.code().value(), ENOENT);
+  }
+  const std::string link = d.path + "/link";
+  ASSERT_EQ(::symlink(paths[1].c_str(), link.c_str()), 0);
+  EXPECT_THROW(fio::read_whole_files({link}, {sizes[1]}, 1), std::system_error);
+  EXPECT_THROW(fio::read_whole_files({link}, {}, 1), std::invalid_argument);
 }
 
 TEST(FileIoTransfer, ReadLoopRetriesEintrAndShortReads) {

@@ -481,3 +481,31 @@ def test_current_fingerprint_names_engine_and_model():
 
     if not vitrify.cuda_available():
         assert fp.gpu is None and fp.sm is None
+
+
+def test_read_files_reads_and_checks_many_files_in_one_call(arch, tmp_path):
+    p, _ = arch
+    rels = ["rank0/graphs/decode_bs1.graph", "rank0/modules/ab12cd.cubin",
+            "rank1/graphs/templates.json", "rank0/graphs/templates.json"]
+    got = archive.open_archive(p).read_files(rels, checksum=True, threads=3)
+    assert list(got) == rels
+    for rel in rels:
+        assert got[rel] == (p / rel).read_bytes()
+    # Each damage is named as check_file names it.
+    a = archive.open_archive(p)
+    _flip(p / "rank0/modules/ab12cd.cubin", 10)
+    with pytest.raises(ArchiveCorrupt, match="rank0/modules/ab12cd.cubin.*checksum mismatch"):
+        a.read_files(rels, checksum=True)
+    assert a.read_files(rels[1:2], checksum=False)  # size only
+    with open(p / "rank0/graphs/decode_bs1.graph", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ArchiveCorrupt, match="decode_bs1.graph.*grown: 1001 bytes"):
+        a.read_files(rels, checksum=False)
+    (p / "rank1/graphs/templates.json").unlink()
+    with pytest.raises(ArchiveCorrupt, match="rank1/graphs/templates.json.*missing"):
+        a.read_files(rels[2:3], checksum=False)
+    os.symlink(p / "rank0/graphs/templates.json", p / "rank1/graphs/templates.json")
+    with pytest.raises(UnsafePath, match="symlink"):
+        a.read_files(rels[2:3], checksum=False)
+    with pytest.raises(ArchiveCorrupt, match="not listed"):
+        a.read_files(["rank0/graphs/other.graph"], checksum=False)

@@ -52,7 +52,8 @@ def _summary(r: dict) -> dict:
                                   "batch_size")} | {
         "timings": s.get("timings"), "base": s.get("base"), "relocated": s.get("relocated"),
         "warmup": s.get("warmup"), "graphs": s.get("graphs"),
-        "graph_stats": s.get("graph_stats"), "checkpoints": s.get("checkpoints")}
+        "graph_stats": s.get("graph_stats"), "checkpoints": s.get("checkpoints"),
+        "background": s.get("background")}
 
 
 def _compare(ref: dict, got: dict) -> dict:

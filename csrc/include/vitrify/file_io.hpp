@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "vitrify/fs.hpp"
 
@@ -80,6 +81,21 @@ size_t pread_full(int fd, void* buf, size_t n, uint64_t off, const std::string& 
 // Writes `n` bytes of `buf` at `off`, repeating on EINTR and short writes. An error, or a write
 // that moves nothing, is an OSError `pwrite("<path>", <n> bytes at <off>): <errno text>`.
 void pwrite_full(int fd, const void* buf, size_t n, uint64_t off, const std::string& path);
+
+// A file read whole (buffered), with the CRC32C of its bytes.
+struct WholeFile {
+  uint64_t size = 0;          // st_size when opened
+  std::vector<uint8_t> data;  // empty when size != the expected size (nothing read)
+  uint32_t crc32c = 0;
+};
+
+// Reads `paths[i]` whole when its size is `expect[i]`, `threads` files at a time, checksumming
+// each on the way: many small files (kernel modules, graphs) in one call, so a caller that holds
+// a lock per call (Python's GIL) takes it once. A file of another size is returned unread (the
+// caller names both sizes). The first open/read error (OSError naming the call and path) is
+// thrown after every reader stopped.
+std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
+                                        const std::vector<uint64_t>& expect, unsigned threads);
 
 // The directory part of `path`: "a/b" -> "a", "/b" -> "/", "b" -> ".".
 std::string directory_of(const std::string& path);

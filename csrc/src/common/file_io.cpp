@@ -2,9 +2,18 @@
 #include "vitrify/file_io.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "vitrify/crc32c.hpp"
 
 #include "vitrify/error.hpp"
 
@@ -68,6 +77,54 @@ size_t pread_full(int fd, void* buf, size_t n, uint64_t off, const std::string& 
 
 void pwrite_full(int fd, const void* buf, size_t n, uint64_t off, const std::string& path) {
   detail::pwrite_full(kSystemCalls, fd, buf, n, off, path);
+}
+
+std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
+                                        const std::vector<uint64_t>& expect, unsigned threads) {
+  if (paths.size() != expect.size())
+    throw std::invalid_argument("read_whole_files: " + std::to_string(paths.size()) +
+                                " paths but " + std::to_string(expect.size()) + " sizes");
+  std::vector<WholeFile> out(paths.size());
+  std::atomic<size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::exception_ptr first;
+  std::mutex mu;
+  auto work = [&] {
+    while (!stop.load()) {
+      const size_t i = next.fetch_add(1);
+      if (i >= paths.size()) return;
+      try {
+        const OpenedFile f = open_file(paths[i], O_RDONLY | O_NOFOLLOW, DirectIo::kOff);
+        struct stat st {};
+        VITRIFY_SYSCALL(::fstat(f.fd.get(), &st), paths[i]);
+        WholeFile& w = out[i];
+        w.size = static_cast<uint64_t>(st.st_size);
+        if (w.size != expect[i]) continue;
+        w.data.resize(w.size);
+        const size_t got = pread_full(f.fd.get(), w.data.data(), w.size, 0, paths[i]);
+        if (got != w.size) {  // shrank since fstat: report what is there
+          w.size = got;
+          w.data.clear();
+          continue;
+        }
+        w.crc32c = crc32c(w.data.data(), w.data.size());
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+        stop = true;
+      }
+    }
+  };
+  const size_t n = std::min<size_t>(std::max(1u, threads), paths.size());
+  std::vector<std::thread> pool;
+  try {
+    for (size_t t = 1; t < n; ++t) pool.emplace_back(work);
+  } catch (...) {  // no thread: the ones started and this one do the work
+  }
+  work();
+  for (std::thread& t : pool) t.join();
+  if (first) std::rethrow_exception(first);
+  return out;
 }
 
 namespace detail {
