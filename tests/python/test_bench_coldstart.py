@@ -86,3 +86,17 @@ def test_cold_runs_compile_from_nothing_unless_asked(tmp_path):
     assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path))
     assert coldstart.cold_env("cold", str(tmp_path))["TRITON_CACHE_DIR"] != env["TRITON_CACHE_DIR"]
     assert coldstart.cold_env("warm", str(tmp_path)) == {}
+
+
+def test_the_breakdown_plot_draws_a_result_read_back_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    colds = [_run(120.0, 118.0, COLD)]
+    thaws = [_run(8.0, 7.0, THAW)]
+    a = coldstart.analyse(FREEZE, colds, thaws, FLOORS[:1], DISK, weights_bytes=1)
+    res = json.loads(json.dumps({"breakdown": a["breakdown"], "config": {"variant": "compiled"},
+                                 "date": "2026-12-01T00:00:00", "git_sha": "abc"},
+                                sort_keys=True))  # as written: keys sorted
+    out = coldstart.plot_extra(res, tmp_path / "b.png")
+    assert out.stat().st_size > 1000

@@ -276,16 +276,24 @@ def plot_extra(res: dict, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    # The parts in time order (a result read back from JSON has its keys sorted), one colour each.
+    parts = list(dict.fromkeys(["process start + imports", *COLD_PARTS, *THAW_PARTS,
+                                *res["breakdown"]["cold"], *res["breakdown"]["thaw"]]))
+    order = {p: i for i, p in enumerate(p for p in parts if not p.startswith("first token"))}
+    order.update({p: len(parts) for p in parts if p.startswith("first token")})
+    color = {p: plt.cm.tab20(i % 20) for i, p in enumerate(parts)}
+    fig, ax = plt.subplots(figsize=(11, 3.8))
     try:
         for y, side in enumerate(("thaw", "cold")):
             left = 0.0
-            for i, (part, sec) in enumerate(res["breakdown"][side].items()):
-                ax.barh(y, sec, left=left, color=plt.cm.tab20(i % 20), edgecolor="white")
+            for part, sec in sorted(res["breakdown"][side].items(), key=lambda kv: order[kv[0]]):
+                ax.barh(y, sec, left=left, color=color[part], edgecolor="white",
+                        label=part if y == 1 or part not in res["breakdown"]["cold"] else None)
                 if sec > 0.04 * sum(res["breakdown"]["cold"].values()):
                     ax.text(left + sec / 2, y, f"{part}\n{sec:.1f}s", ha="center",
                             va="center", fontsize=6)
                 left += sec
+        ax.legend(fontsize=6, ncol=4, loc="upper right")
         ax.set_yticks([0, 1])
         ax.set_yticklabels(["thaw", "cold"])
         ax.set_xlabel("seconds from process start to the first token (median)")
