@@ -200,6 +200,10 @@ nb::dict stats_dict(const RebuildStats& s) {
   d["parameter_switches"] = s.parameter_switches;
   d["nodes_updated"] = s.nodes_updated;
   d["build_seconds"] = s.build_seconds;
+  d["module_seconds"] = s.module_seconds;
+  d["nodes_seconds"] = s.nodes_seconds;
+  d["instantiate_seconds"] = s.instantiate_seconds;
+  d["attributes_set"] = s.attributes_set;
   return d;
 }
 

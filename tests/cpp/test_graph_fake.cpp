@@ -210,11 +210,22 @@ TEST(GraphFake, WithoutTemplatesEveryGraphHasItsOwnExecutable) {
     GraphSet set(0, /*share_templates=*/false);
     set.add_module(kImageA.data(), kImageA.size());
     for (uint32_t n : {256u, 1000u, 4096u}) set.add(pipeline(kBase, n));
+    Graph other = pipeline(kBase, 2048);
+    other.nodes[4].kernel.func_attributes[0].value = 32768;
+    set.add(other);
     set.start(3);
     set.wait_all();
-    EXPECT_EQ(set.stats().templates, 3u);
-    EXPECT_EQ(live("execs"), 3);
+    const RebuildStats st = set.stats();
+    EXPECT_EQ(st.templates, 4u);
+    EXPECT_EQ(live("execs"), 4);
     EXPECT_EQ(live("modules"), 1) << "a module is loaded once per GraphSet";
+    // The span kernel's attribute is set once per value, not once per node (4 nodes, 2 values;
+    // 3 calls when the other value lands between two of the first).
+    EXPECT_GE(st.attributes_set, 2u);
+    EXPECT_LE(st.attributes_set, 3u);
+    EXPECT_EQ(st.built_templates, 4u);
+    EXPECT_NEAR(st.build_seconds, st.module_seconds + st.nodes_seconds + st.instantiate_seconds,
+                1e-6 + 0.01 * st.build_seconds + 0.01);
   }
   expect_nothing_alive();
 }

@@ -38,11 +38,12 @@ def test_ratios_are_taken_above_the_floor_and_without_the_weights():
     assert r["thaw_above_floor_excl_weights_over_cold_above_floor"] == pytest.approx(2.5 / 116)
     # 2.1 GB in 1.5 s = 1.4 GB/s against min(1.5 disk, 52 PCIe) GB/s.
     assert r["weight_restore_over_min_disk_pcie"] == pytest.approx(1.4 / 1.5)
-    # The ladder's rebuild is the background loader's wall time (median 0.9 s), not the 0.5 s
-    # THAW waited for it.
+    # Without a rebuild-alone measurement the ladder's rebuild is the background loader's wall
+    # time (median 0.9 s), not the 0.5 s THAW waited for; the capture is the cold runs' (2.0 s).
     assert r["ladder_rebuild_over_capture"] == pytest.approx(0.9 / 2.0)
     rows = {row["metric"]: row["value"] for row in a["rows"]}
     assert rows["ladder rebuild THAW waited for"] == pytest.approx(0.5)
+    assert rows["ladder rebuild (background, wall)"] == pytest.approx(0.9)
     assert r["cold_first_token_over_thaw_first_token"] == pytest.approx(120 / 8)
     assert a["mismatches"] == []
     thaw = a["breakdown"]["thaw"]
@@ -100,3 +101,17 @@ def test_the_breakdown_plot_draws_a_result_read_back_from_json(tmp_path):
                                 sort_keys=True))  # as written: keys sorted
     out = coldstart.plot_extra(res, tmp_path / "b.png")
     assert out.stat().st_size > 1000
+
+
+def test_the_ladder_rebuild_alone_is_compared_with_the_cold_capture():
+    colds = [_run(120.0, 118.0, dict(COLD, capture=c)) for c in (0.6, 0.7, 0.8)]
+    thaws = [_run(8.0, 7.0, THAW, background=1.8) | {"rebuild_alone": {"seconds": s}}
+             for s in (0.3, 0.2, 0.4)]
+    freeze = {**FREEZE, "session": {"timings": {"capture": 1.7}}}
+    a = coldstart.analyse(freeze, colds, thaws, FLOORS, DISK, weights_bytes=1)
+    assert a["ratios"]["ladder_rebuild_over_capture"] == pytest.approx(0.3 / 0.7)
+    rows = {row["metric"]: row["value"] for row in a["rows"]}
+    assert rows["ladder rebuild alone"] == pytest.approx(0.3)
+    assert rows["ladder rebuild inside THAW (background, wall)"] == pytest.approx(1.8)
+    assert rows["ladder capture at FREEZE (recording)"] == pytest.approx(1.7)
+    assert rows["ladder capture, cold (torch)"] == pytest.approx(0.7)

@@ -53,7 +53,7 @@ def _summary(r: dict) -> dict:
         "timings": s.get("timings"), "base": s.get("base"), "relocated": s.get("relocated"),
         "warmup": s.get("warmup"), "graphs": s.get("graphs"),
         "graph_stats": s.get("graph_stats"), "checkpoints": s.get("checkpoints"),
-        "background": s.get("background")}
+        "background": s.get("background"), "rebuild_alone": r.get("rebuild_alone")}
 
 
 def _compare(ref: dict, got: dict) -> dict:
@@ -69,7 +69,7 @@ def engine_runs(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"engine-{variant}")
     archive = d / "engine.vitrify"
     runs = {"freeze": run("freeze", archive, variant)}
-    runs["thaw"] = run("thaw", archive, variant)
+    runs["thaw"] = run("thaw", archive, variant, rebuild_again=True)
     runs["thaw_relocated"] = run("thaw", archive, variant, occupy=True)
     runs["thaw_warmup_rerun"] = run("thaw", archive, variant, warmup_restore=False)
     if variant == "eager":  # the compiled cold start is `vitrify bench coldstart`'s
@@ -106,6 +106,8 @@ def test_relocated_and_warmup_rerun_thaws_did_what_they_say(engine_runs):
     variant, runs = engine_runs
     assert runs["thaw"]["session"]["relocated"] is False
     assert runs["thaw"]["session"]["warmup"] == "restore"
+    alone = runs["thaw"]["rebuild_alone"]  # the ladder rebuilt once more, alone
+    assert alone["stats"]["ready_graphs"] == runs["freeze"]["session"]["graphs"]
     rel = runs["thaw_relocated"]["session"]
     assert rel["relocated"] is True and rel["base"] != rel["frozen_base"]
     assert runs["thaw_warmup_rerun"]["session"]["warmup"] == "rerun-warmup"

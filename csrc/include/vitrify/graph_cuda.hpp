@@ -160,6 +160,10 @@ struct RebuildStats {
   size_t graphs = 0, templates = 0, built_templates = 0, ready_graphs = 0;
   size_t modules_loaded = 0, parameter_switches = 0, nodes_updated = 0;
   double build_seconds = 0;  // summed over build threads: module loads + graph builds
+  // build_seconds' parts, summed over threads: modules loaded, graphs' nodes created (function
+  // lookups, attributes, edges), executables instantiated.
+  double module_seconds = 0, nodes_seconds = 0, instantiate_seconds = 0;
+  size_t attributes_set = 0;  // cuFuncSetAttribute calls (once per function and value)
 };
 
 // Rebuilds graphs in this process. Usage: add_module() for each binary, add() each graph, then
@@ -216,6 +220,7 @@ class GraphSet {
   void build(size_t t);
   void worker();
   Loaded& ensure_loaded(const Hash& module);
+  void set_attributes(const KernelNode& k, CUfunction f);
   CUfunction function(const Hash& module, const std::string& name);
   void apply(Template& t, size_t id);
 

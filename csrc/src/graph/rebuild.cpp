@@ -17,6 +17,9 @@ struct GraphSet::Loaded {
   CUresult result = CUDA_SUCCESS;
   CUmodule module = nullptr;
   std::map<std::string, CUfunction> functions;
+  // Function attributes applied (function name, attribute id) -> value: set once per value,
+  // not once per node (a ladder of 36 graphs holds each kernel ~36 times).
+  std::map<std::pair<std::string, int>, int> attributes;
   ~Loaded() {
     if (module != nullptr && driver::available() && driver::cu().cuModuleUnload != nullptr)
       driver::cu().cuModuleUnload(module);  // errors ignored: destructors never throw
@@ -35,6 +38,7 @@ struct GraphSet::Template {
   std::exception_ptr error;
   std::mutex launch_mu;  // apply + launch
   size_t current = SIZE_MAX;  // graph whose parameters `exec` holds (SIZE_MAX: unknown)
+  double nodes_seconds = 0, instantiate_seconds = 0;  // of build(), for the stats
 
   ~Template() {
     if (!driver::available()) return;
@@ -169,6 +173,7 @@ void GraphSet::worker() {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::lock_guard<std::mutex> lock(mu_);
       stats_.build_seconds += s;
+      stats_.module_seconds += s;
     }
   } catch (...) {
     // No context here: the builds below fail with the driver's error, naming their graph.
@@ -195,6 +200,8 @@ void GraphSet::worker() {
       T.error = error;
       T.done = true;
       stats_.build_seconds += s;
+      stats_.nodes_seconds += T.nodes_seconds;
+      stats_.instantiate_seconds += T.instantiate_seconds;
       if (!error) {
         ++stats_.built_templates;
         stats_.ready_graphs += T.members.size();
@@ -288,6 +295,7 @@ void GraphSet::build(size_t t) {
   const Graph& g = graphs_[gid];  // graphs_ is immutable after start()
   driver::ContextGuard ctx(device_);
   T.context = ctx.context();
+  const auto t0 = std::chrono::steady_clock::now();
   VITRIFY_CU(CU_NEED(cuGraphCreate)(&T.graph, 0));
   for (uint32_t e = 0; e < g.event_count; ++e) {
     CUevent ev = nullptr;
@@ -306,8 +314,7 @@ void GraphSet::build(size_t t) {
           const KernelNode& k = n.kernel;
           CUfunction f = function(k.module, k.name);
           T.functions[i] = f;
-          for (const FuncAttribute& a : k.func_attributes)
-            VITRIFY_CU(CU_NEED(cuFuncSetAttribute)(f, CUfunction_attribute(a.id), a.value));
+          if (!k.func_attributes.empty()) set_attributes(k, f);
           const CUDA_KERNEL_NODE_PARAMS p = kernel_params(k, f, args);
           VITRIFY_CU(CU_NEED(cuGraphAddKernelNode)(&node, T.graph, nullptr, 0, &p));
           for (const LaunchAttribute& a : k.attributes) {
@@ -371,8 +378,25 @@ void GraphSet::build(size_t t) {
       throw DriverUnavailable("graph " + std::to_string(gid) + " has typed edges (programmatic "
                               "dependencies) and this driver lacks cuGraphAddDependencies_v2");
   }
+  const auto t1 = std::chrono::steady_clock::now();
   VITRIFY_CU(CU_NEED(cuGraphInstantiateWithFlags)(&T.exec, T.graph, 0));
   T.current = gid;
+  T.nodes_seconds = std::chrono::duration<double>(t1 - t0).count();
+  T.instantiate_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+}
+
+void GraphSet::set_attributes(const KernelNode& k, CUfunction f) {
+  Loaded& l = ensure_loaded(k.module);
+  std::lock_guard<std::mutex> lock(l.mu);
+  for (const FuncAttribute& a : k.func_attributes) {
+    auto [it, fresh] = l.attributes.try_emplace({k.name, a.id}, a.value);
+    if (!fresh && it->second == a.value) continue;  // this value is set already
+    VITRIFY_CU(CU_NEED(cuFuncSetAttribute)(f, CUfunction_attribute(a.id), a.value));
+    it->second = a.value;
+    std::lock_guard<std::mutex> l2(mu_);
+    ++stats_.attributes_set;
+  }
 }
 
 void GraphSet::apply(Template& T, size_t id) {

@@ -538,10 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     MODE ``freeze`` (FREEZE into ARCHIVE), ``thaw`` (THAW from it) or ``cold`` (the same phases,
     no archive: the cold start to compare with); then serve OPTS.prompts (16) new prompts
     (OPTS.prompt_seed, never seen at FREEZE) for OPTS.steps (32) decode steps. THAW options:
-    ``occupy`` (reserve the frozen range first, so the session must relocate) and
-    ``warmup_restore``. Prints one JSON line last (tokens, logits hashes, session timings,
-    ``ready_s`` / ``first_token_s`` / ``process_s`` counted from OPTS.t0, the parent's
-    ``time.time()`` at launch, else this module's import)."""
+    ``occupy`` (reserve the frozen range first, so the session must relocate),
+    ``warmup_restore`` and ``rebuild_again`` (after serving, rebuild the graph ladder once more
+    alone and report its time as ``rebuild_alone``). Prints one JSON line last (tokens, logits
+    hashes, session timings, ``ready_s`` / ``first_token_s`` / ``process_s`` counted from
+    OPTS.t0, the parent's ``time.time()`` at launch, else this module's import)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4) or args[0] not in ("freeze", "thaw", "cold"):
         print("usage: python -m vitrify.integrations.transformers freeze|thaw|cold ARCHIVE "
@@ -585,11 +586,30 @@ def main(argv: list[str] | None = None) -> int:
         out["first_token_s"] = out["ready_s"] + served.pop("first_token_s", 0.0)
         out.update(served)
         out["process_s"] = time.time() - t0
+        if mode == "thaw" and opts.get("rebuild_again"):
+            out["rebuild_alone"] = _rebuild_alone(path, out["session"]["base"])
         return out
 
     from .._worker import report
 
     return report(run)
+
+
+def _rebuild_alone(path: str, base: int, threads: int = 8) -> dict:
+    """The graph ladder rebuilt once more after serving, with nothing else running: the archive's
+    files verified and read, every module loaded, every graph built (a benchmark's measurement of
+    the rebuild itself; THAW's own runs beside the main thread's phases)."""
+    from .. import archive as _archive
+    from .. import graph as _graph
+
+    t = time.perf_counter()
+    loaded = _graph.load_from_archive(_archive.open_archive(path), 0, region_base=base,
+                                      threads=threads)
+    loaded.wait_all()
+    seconds = time.perf_counter() - t
+    stats = loaded.stats()
+    loaded.close()
+    return {"seconds": seconds, "threads": threads, "stats": stats}
 
 
 def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
