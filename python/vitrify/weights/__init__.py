@@ -1,0 +1,2 @@
+"""Weight update into a thawed engine: the trainer's layout mapped onto the engine's
+(:mod:`vitrify.weights.mapping`)."""
