@@ -82,6 +82,30 @@ MODEL_CONFIG: dict[str, Any] = {
     "torch_dtype": "bfloat16", "dtype": "bfloat16",
 }
 
+# Model shapes (--shape): overrides of MODEL_CONFIG, and the run's settings for each.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    # Qwen3-8B's shape (36 layers, hidden 4096, 8 KV heads of 128): 147,456 B of KV per token.
+    "8b": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+           "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "max_window_layers": 36},
+}
+SHAPE_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    # 64-token pages of 9 MiB; an L3 budget for every prompt's pages; 16 GB of weights
+    "8b": {"model_dir": "/tmp/qwen3-8b-hicache", "page_bytes": 9 * MiB,
+           "vitrify_budget_bytes": 8 << 30, "mem_fraction": 0.5, "first_ready_s": 300.0,
+           "ready_s": 240.0, "budget_s": 570.0},
+}
+
+
+def model_config(shape: str) -> dict:
+    """MODEL_CONFIG with the shape's overrides."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; one of {sorted(SHAPES)}")
+    return {**MODEL_CONFIG, **SHAPES[shape]}
+
+
 def kv_bytes_per_token(cfg: dict) -> int:
     """K and V of every layer for one token (bf16)."""
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
@@ -100,6 +124,7 @@ def page_tokens_for(cfg: dict, page_bytes: int = MiB) -> int:
 
 @dataclass
 class Settings:
+    shape: str = "tiny"                      # a key of SHAPES (for_shape() sets the rest)
     bundle: str = ".whl/sglang-site.tar.xz"
     site: str = "/tmp/sgsite"
     model_dir: str = "/tmp/qwen3-tiny-hicache"
@@ -122,10 +147,22 @@ class Settings:
     mem_layout: str = "page_first"
     vitrify_budget_bytes: int = 1 << 30
     skip_file: bool = False
+    page_bytes: int = MiB
+    mem_fraction: float = 0.3
+
+    @classmethod
+    def for_shape(cls, shape: str, **kw: Any) -> "Settings":
+        """The settings of ``shape`` (SHAPE_SETTINGS), then ``kw``."""
+        model_config(shape)  # a known shape
+        return cls(**{"shape": shape, **SHAPE_SETTINGS[shape], **kw})
+
+    @property
+    def model_config(self) -> dict:
+        return model_config(self.shape)
 
     @property
     def page_tokens(self) -> int:
-        return page_tokens_for(MODEL_CONFIG)
+        return page_tokens_for(self.model_config, self.page_bytes)
 
     @property
     def vitrify_dir(self) -> str:
@@ -176,7 +213,7 @@ def server_args(s: Settings, scenario: str) -> list[str]:
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
         # CUDA graphs are not what this measures; capturing them costs ~45 s per fresh launch
         "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-        "--mem-fraction-static", "0.3", "--max-total-tokens", str(s.max_total_tokens),
+        "--mem-fraction-static", str(s.mem_fraction), "--max-total-tokens", str(s.max_total_tokens),
         "--page-size", str(s.page_tokens),
         "--enable-hierarchical-cache", "--hicache-ratio", str(s.hicache_ratio),
         "--hicache-write-policy", "write_through",
@@ -530,6 +567,53 @@ def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return num / den if num and den else None
 
 
+def drive_read_rate(directory: str) -> dict:
+    """The drive's cold read rate under ``directory``: ``dd iflag=direct`` over the largest slab
+    file the vitrify scenario left there (vitrify's own reader, ``vitrify bench snapshot``'s
+    measurement)."""
+    slabs = sorted(Path(directory).glob("*.slab"), key=lambda p: p.stat().st_size)
+    if not slabs:
+        return {"error": f"no slab file under {directory} to read"}
+    try:
+        from vitrify.bench.snapshot import dd_read_rate
+
+        rate, cmd = dd_read_rate(str(slabs[-1]), True)
+    except Exception as e:  # reported in the JSON; the run's checks do not depend on it
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"bytes_per_s": rate, "bytes": slabs[-1].stat().st_size, "command": cmd}
+
+
+def break_even(rows: list[dict], cfg: dict, drive_bytes_per_s: Optional[float]) -> dict:
+    """When an L3 hit pays: the model's prefill rate (the vitrify launch's miss pass: prompt
+    tokens over summed TTFT) times its KV bytes per token is the storage read rate above which
+    reading a prefix beats recomputing it. With the drive's rate, the L3 hit's floor per request
+    (its stored prefix's KV bytes at the drive's rate plus the uncached tail's prefill) and the
+    measured L3-hit TTFT over that floor."""
+    def row(sc, name):
+        return next((r for r in rows if r["scenario"] == sc and r["pass"] == name), None)
+
+    miss, hit = row("vitrify", "miss"), row("vitrify", "l3_hit")
+    if miss is None:
+        return {"error": "no miss pass of the vitrify launch"}
+    kv = kv_bytes_per_token(cfg)
+    tps = miss["prompt_tokens"] / (miss["ttft_ms_mean"] / 1e3 * miss["prompts"])
+    out: dict[str, Any] = {"prefill_tokens_per_s": tps, "kv_bytes_per_token": kv,
+                           "break_even_read_bytes_per_s": tps * kv}
+    if drive_bytes_per_s:
+        out["drive_read_bytes_per_s"] = drive_bytes_per_s
+        out["l3_pays"] = drive_bytes_per_s > tps * kv
+        out["verdict"] = (
+            f"an L3 hit {'beats' if out['l3_pays'] else 'loses to'} recomputing the prefix here: "
+            f"the drive reads {drive_bytes_per_s / 1e9:.2f} GB/s, recompute equals "
+            f"{tps * kv / 1e9:.2f} GB/s ({tps:,.0f} tokens/s x {kv:,} B/token)")
+        if hit is not None:
+            floor = (hit["cached_storage"] * kv / drive_bytes_per_s
+                     + (hit["prompt_tokens"] - hit["cached_tokens"]) / tps) / hit["prompts"]
+            out["l3_hit_floor_ms"] = 1e3 * floor
+            out["l3_hit_ttft_over_floor"] = hit["ttft_ms_mean"] / (1e3 * floor)
+    return out
+
+
 def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
              skipped: dict, extra: dict) -> dict:
     """The result object (resultlib convention): rows, ratios vs the same run, checks."""
@@ -551,7 +635,10 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
         "file_ttft_miss_over_l3_hit": ratio(val("file", "miss", "ttft_ms_median"),
                                             val("file", "l3_hit", "ttft_ms_median")),
     }
+    be = break_even(rows, s.model_config, (extra.get("drive") or {}).get("bytes_per_s"))
+    ratios["l3_hit_ttft_over_drive_floor"] = be.get("l3_hit_ttft_over_floor")
     ratios = {k: v for k, v in ratios.items() if v is not None}
+    extra = {**extra, "break_even": be}
     ran = [sc for sc in SCENARIOS if sc in scenarios]
     ok = bool(ran) and all(scenarios[sc].get("ok") for sc in ran) and \
         all(v for v in checks.values() if isinstance(v, bool))
@@ -561,7 +648,8 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
         checks=checks, scenarios=scenarios, skipped=skipped, ok=ok,
         settings={"prompts": s.prompts, "prompt_len": [s.min_len, s.max_len], "seed": s.seed,
                   "max_new_tokens": s.max_new_tokens, "page_tokens": s.page_tokens,
-                  "page_bytes": s.page_tokens * kv_bytes_per_token(MODEL_CONFIG),
+                  "page_bytes": s.page_tokens * kv_bytes_per_token(s.model_config),
+                  "shape": s.shape, "model_config": s.model_config,
                   "max_total_tokens": s.max_total_tokens, "hicache_ratio": s.hicache_ratio,
                   "io_backend": s.io_backend, "mem_layout": s.mem_layout,
                   "prefetch_policy": "wait_complete", "write_policy": "write_through",
@@ -611,7 +699,7 @@ def ensure_vitrify(s: Settings) -> str:
 
 def write_model(s: Settings) -> None:
     os.makedirs(s.model_dir, exist_ok=True)
-    Path(s.model_dir, "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+    Path(s.model_dir, "config.json").write_text(json.dumps(s.model_config, indent=1))
 
 
 class Run:
@@ -796,6 +884,7 @@ class Run:
                             "ninja": shutil.which("ninja", path=env.get("PATH")),
                             "c++": shutil.which("c++", path=env.get("PATH"))}
         self.l3_scenario("vitrify")
+        extra["drive"] = drive_read_rate(s.vitrify_dir)
         if not self.scenarios["vitrify"].get("ok") and ("vitrify", "miss") not in self.results:
             self.skipped["vitrify_restart"] = "the vitrify launch produced no pages to restart from"
         elif self.left() < 110:
@@ -825,12 +914,16 @@ def report(res: dict) -> None:
               f"{info.get('error', '')}")
     for sc, why in res.get("skipped", {}).items():
         print(f"  {sc}: skipped ({why})")
+    if res.get("break_even", {}).get("verdict"):
+        print(f"  {res['break_even']['verdict']}")
     print(f"ok={res.get('ok')}")
 
 
 def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     d = Settings()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                    help="model shape: tiny (8 layers, hidden 1024) or 8b (Qwen3-8B's)")
     ap.add_argument("--bundle", default=d.bundle)
     ap.add_argument("--site", default=d.site)
     ap.add_argument("--work", default=d.work, help="L3 directories (vitrify slabs, file backend)")
@@ -839,7 +932,8 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     ap.add_argument("--log-dir", default="", help="server logs (default: --out)")
     ap.add_argument("--port", type=int, default=d.port)
     ap.add_argument("--prompts", type=int, default=d.prompts)
-    ap.add_argument("--budget-s", type=float, default=d.budget_s)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"seconds for the whole run (default: the shape's; tiny {d.budget_s:.0f})")
     ap.add_argument("--io-backend", default=d.io_backend, choices=["kernel", "direct"])
     ap.add_argument("--mem-layout", default=d.mem_layout,
                     choices=["page_first", "layer_first", "page_first_direct"])
@@ -848,10 +942,11 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     a = ap.parse_args(argv)
     if a.prompts < 1:
         ap.error(f"--prompts must be >= 1, got {a.prompts}")
-    s = Settings(bundle=a.bundle, site=a.site, work=a.work, out=a.out, log_dir=a.log_dir,
-                 port=a.port,
-                 prompts=a.prompts, budget_s=a.budget_s, io_backend=a.io_backend,
-                 mem_layout=a.mem_layout, skip_file=a.skip_file)
+    explicit = {"budget_s": a.budget_s} if a.budget_s is not None else {}
+    s = Settings.for_shape(a.shape, bundle=a.bundle, site=a.site, work=a.work, out=a.out,
+                           log_dir=a.log_dir, port=a.port, prompts=a.prompts,
+                           io_backend=a.io_backend, mem_layout=a.mem_layout,
+                           skip_file=a.skip_file, **explicit)
     return s, a
 
 

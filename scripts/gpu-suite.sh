@@ -77,8 +77,9 @@ done
 # bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.
 if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
   if [ -f .whl/sglang-site.tar.xz ]; then
+    # VITRIFY_SGLANG_SHAPE: tiny (default) or 8b (Qwen3-8B's shape, 9 MiB pages; ~9 minutes)
     step sglang-e2e "$PY" benchmarks/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
-      --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
+      --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
   else
     echo "=== sglang-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
   fi

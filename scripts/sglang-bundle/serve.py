@@ -35,12 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
 import sglang_hicache_e2e as e2e  # noqa: E402
 
-SHAPES = {
-    "tiny": {},  # the e2e script's model: 8 layers, hidden 1024, 8 KV heads of 64
-    "8b": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-           "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "max_window_layers": 36},
-}
+SHAPES = e2e.SHAPES  # tiny: 8 layers, hidden 1024, 8 KV heads of 64; 8b: Qwen3-8B's
 MEM_FRACTION = {"tiny": 0.3, "8b": 0.5}
 STARTUP_LINES = re.compile(
     r"Load weight (begin|end)|KV Cache is allocated|max_total_num_tokens|Capture .*graph|"
@@ -66,14 +61,8 @@ print(json.dumps(out))
 """
 
 
-def model_config(shape: str) -> dict:
-    cfg = dict(e2e.MODEL_CONFIG)
-    cfg.update(SHAPES[shape])
-    return cfg
-
-
 def write_model(model_dir: str, shape: str) -> dict:
-    cfg = model_config(shape)
+    cfg = e2e.model_config(shape)
     os.makedirs(model_dir, exist_ok=True)
     Path(model_dir, "config.json").write_text(json.dumps(cfg, indent=1))
     return cfg

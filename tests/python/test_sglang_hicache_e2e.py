@@ -51,6 +51,43 @@ def _parse(cmd):
     return p.parse_args(cmd[3:])
 
 
+def test_the_8b_shape_has_9_mib_pages_and_its_own_launch_settings(tmp_path):
+    s = e2e.Settings.for_shape("8b", work=str(tmp_path / "w"), out=str(tmp_path / "o"))
+    assert e2e.kv_bytes_per_token(s.model_config) == 147456  # 36 x 2 x 8 x 128 x 2
+    assert s.page_tokens == 64 and s.page_bytes == 9 << 20
+    assert s.model_config["num_hidden_layers"] == 36 and s.model_dir != e2e.Settings().model_dir
+    a = _parse(e2e.server_args(s, "vitrify"))
+    assert a.mem_fraction_static == 0.5 and a.page_size == 64
+    assert json.loads(a.hicache_storage_backend_extra_config)["budget_bytes"] == 8 << 30
+    assert e2e.Settings.for_shape("8b", budget_s=100.0).budget_s == 100.0  # explicit wins
+    with pytest.raises(ValueError, match="unknown shape 'huge'"):
+        e2e.Settings.for_shape("huge")
+    s2, _ = e2e.parse_args(["--shape", "8b", "--work", str(tmp_path)])
+    assert s2.shape == "8b" and s2.budget_s == 570.0
+
+
+def test_break_even_bandwidth_and_the_drive_floor():
+    def row(name, prompt_tokens, cached, storage, ttft_ms, prompts=2):
+        return {"scenario": "vitrify", "pass": name, "prompts": prompts,
+                "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+                "cached_storage": storage, "ttft_ms_mean": ttft_ms}
+
+    cfg = e2e.model_config("8b")
+    # 2 prompts of 3,250 tokens in 100 ms each: 32,500 tokens/s x 147,456 B = 4.79 GB/s.
+    rows = [row("miss", 6500, 0, 0, 100.0), row("l3_hit", 6500, 6400, 6400, 330.0)]
+    be = e2e.break_even(rows, cfg, 1.5e9)
+    assert be["prefill_tokens_per_s"] == pytest.approx(32500)
+    assert be["break_even_read_bytes_per_s"] == pytest.approx(32500 * 147456)
+    assert be["l3_pays"] is False and "loses to" in be["verdict"]
+    # floor per request: 3,200 stored tokens' KV at 1.5 GB/s + 50 uncached tokens' prefill
+    floor = (3200 * 147456 / 1.5e9 + 50 / 32500) * 1e3
+    assert be["l3_hit_floor_ms"] == pytest.approx(floor)
+    assert be["l3_hit_ttft_over_floor"] == pytest.approx(330.0 / floor)
+    assert e2e.break_even(rows, cfg, 8e9)["l3_pays"] is True
+    assert "drive_read_bytes_per_s" not in e2e.break_even(rows, cfg, None)
+    assert "error" in e2e.break_even([], cfg, 1e9)
+
+
 def test_page_is_one_mib_for_the_model():
     assert e2e.kv_bytes_per_token(e2e.MODEL_CONFIG) == 16384
     assert e2e.page_tokens_for(e2e.MODEL_CONFIG) == 64
