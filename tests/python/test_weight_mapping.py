@@ -184,7 +184,8 @@ def test_overlaps_gaps_and_other_dimensions_are_refused():
     gap = wm.Mapping((Rule("a", (Move("w", Rows(), Rows(part=0, parts=2)),)),))
     with pytest.raises(MappingError, match="'w': rows 3..6 get nothing"):
         gap.plan({"a": ((3, 4), "float32")}, dst)
-    with pytest.raises(MappingError, match=r"dimensions other than the rows differ \(\[5\] vs \[4\]\)"):
+    with pytest.raises(MappingError,
+                       match=r"dimensions other than the rows differ \(\[5\] vs \[4\]\)"):
         gap.plan({"a": ((3, 5), "float32")}, dst)
     with pytest.raises(MappingError, match="do not cut into 2 equal parts"):
         wm.Mapping((Rule("a", (Move("w", Rows(part=1, parts=2)),)),)).plan(

@@ -16,8 +16,8 @@ an archive frozen once at the start. Measured in the same run:
 
 Ratios (goals from the issue, compiled variant): thaw above the floor, excluding the weights'
 bytes, over cold above the floor (<= 0.05) and in seconds (<= 2); weight restore over
-min(disk read, PCIe) (>= 0.9); ladder rebuild alone over the cold capture (<= 0.5). Every run's tokens and
-logits must equal the frozen process's (a mismatch fails the benchmark).
+min(disk read, PCIe) (>= 0.9); ladder rebuild alone over the cold capture (<= 0.5). Every run's
+tokens and logits must equal the frozen process's (a mismatch fails the benchmark).
 
     vitrify bench coldstart [--variant compiled|eager] [--runs 3] [--small] [--dir DIR]
                             [--caches cold|warm]
@@ -77,7 +77,8 @@ THAW_PARTS = {
 }
 COLD_PARTS = {
     "reserve": ("reserve",), "build (imports, objects)": ("build", "alloc_state"),
-    "weights": ("load_weights",), "compile + warmup": ("compile", "warmup"), "capture": ("capture",),
+    "weights": ("load_weights",), "compile + warmup": ("compile", "warmup"),
+    "capture": ("capture",),
 }
 
 

@@ -187,10 +187,14 @@ def _resolve(name: str, shape: tuple[int, ...], fields: dict, mv: Move,
         raise MappingError(f"source tensor {name!r} maps to {to!r}, which the engine does not "
                            f"have")
     dshape = dst[to][0]
-    for side, rows, shp, n in (("source", mv.src, shape, name), ("destination", mv.dst, dshape, to)):
+    for side, rows, shp, n in (("source", mv.src, shape, name),
+                               ("destination", mv.dst, dshape, to)):
         if not 0 <= rows.dim < len(shp):
             raise MappingError(f"{side} {n!r} has {len(shp)} dimensions; rows along dim "
                                f"{rows.dim} do not exist")
+    if mv.src.dim != mv.dst.dim:
+        raise MappingError(f"{name!r} -> {to!r}: rows are taken along dimension {mv.src.dim} "
+                           f"and written along {mv.dst.dim}; a move keeps its dimension")
     s = mv.src.resolve(shape[mv.src.dim], f"source {name!r}")
     d = mv.dst.resolve(dshape[mv.dst.dim], f"destination {to!r} (from {name!r})")
     if s[1] != d[1] or s[4] != d[4]:
