@@ -158,6 +158,24 @@ def test_a_wrong_group_count_is_refused_naming_the_tensor_and_the_rows():
         m.plan(specs(src), specs(eng))
 
 
+def test_a_trainer_with_more_kv_heads_is_a_mis_split_not_a_partial_copy():
+    # 8 heads in 4 KV groups on the trainer, 2 in the engine: the engine's rows would all be
+    # covered from the first 96 of 128 rows of linear_qkv; the rest going nowhere is refused.
+    src = megatron_reference(engine_tensors(kv_heads=4), 2, 8, 4)
+    m = wm.megatron_llama(heads=8, kv_heads=2, head_dim=8)
+    with pytest.raises(MappingError, match=r"linear_qkv\.weight': rows 96\.\. of 128 go nowhere"):
+        m.plan(specs(src), specs(engine_tensors()))
+    # rows dropped on purpose (a padded vocabulary) need a partial rule
+    pad = wm.Mapping((Rule("emb", (Move("e", Rows(length=5, stride=8)),), partial=True),))
+    pad.plan({"emb": ((8, 2), "float32")}, {"e": ((5, 2), "float32")})
+    with pytest.raises(MappingError, match="'emb': rows 5.. of 8 go nowhere"):
+        wm.Mapping((Rule("emb", (Move("e", Rows(length=5, stride=8)),)),)).plan(
+            {"emb": ((8, 2), "float32")}, {"e": ((5, 2), "float32")})
+    # a source copied to two destinations (tied embeddings) is fine
+    tied = wm.Mapping((Rule("e", (Move("a"), Move("b"))),))
+    tied.plan({"e": ((4, 2), "float32")}, {"a": ((4, 2), "float32"), "b": ((4, 2), "float32")})
+
+
 def test_unmapped_sources_and_uncovered_engine_tensors_are_named():
     eng = engine_tensors()
     src = megatron_reference(eng, 2, 8, 2)

@@ -14,7 +14,8 @@ against both sides' (shape, dtype) specs and checks everything before a byte mov
 
 - every source tensor is matched by exactly one rule (or listed in ``ignore``);
 - every move's row counts, group counts and the other dimensions agree, naming the tensor;
-- every destination tensor is covered exactly once, row by row, and no destination is missing.
+- every destination tensor is covered exactly once, row by row, and no destination is missing;
+- every row of every mapped source goes somewhere (rows left over are a mis-split).
 
 :func:`copy` runs one planned move with torch, on the tensors' device (a strided view of each
 side; ``copy_`` casts where the dtypes differ). Nothing here allocates beyond torch's views.
@@ -94,10 +95,13 @@ class Move:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Source tensors whose whole name matches ``pattern`` make ``moves``."""
+    """Source tensors whose whole name matches ``pattern`` make ``moves``. ``partial``: the
+    moves may leave rows of the source unused on purpose (a trainer's vocabulary padding, say);
+    otherwise rows going nowhere are a mis-split and refused."""
 
     pattern: str
     moves: tuple[Move, ...]
+    partial: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -159,6 +163,7 @@ class Mapping:
         compiled = [(re.compile(r.pattern), r) for r in self.rules]
         ignored = [re.compile(p) for p in self.ignore]
         copies: list[Copy] = []
+        partial: set[str] = set()
         for name, (shape, _dtype) in src.items():
             shape = tuple(int(d) for d in shape)
             hits = [(m, r) for rx, r in compiled if (m := rx.fullmatch(name))]
@@ -170,9 +175,12 @@ class Mapping:
                 raise MappingError(f"source tensor {name!r} matches {len(hits)} rules: "
                                    f"{[r.pattern for _, r in hits]}")
             m, rule = hits[0]
+            if rule.partial:
+                partial.add(name)
             for mv in rule.moves:
                 copies.append(_resolve(name, shape, m.groupdict(), mv, dst))
         _check_coverage(copies, dst)
+        _check_consumed([c for c in copies if c.src not in partial], src)
         return Plan(tuple(copies))
 
 
@@ -242,6 +250,30 @@ def _check_coverage(copies: list[Copy], dst: dict[str, Spec]) -> None:
         if at != rows:
             raise MappingError(f"engine tensor {name!r}: rows {at}..{rows} get nothing from the "
                                f"source")
+
+
+def _check_consumed(copies: list[Copy], src: MappingABC[str, Spec]) -> None:
+    """Every row of every mapped source goes somewhere (a row may go to several destinations,
+    e.g. tied embeddings): a source with rows left over is a mis-split — say a trainer with
+    more KV heads than the engine — and is refused."""
+    by_src: dict[str, list[Copy]] = {}
+    for c in copies:
+        by_src.setdefault(c.src, []).append(c)
+    for name, cs in by_src.items():
+        dims = {c.src_dim for c in cs}
+        if len(dims) > 1:
+            raise MappingError(f"source tensor {name!r} is moved along dimensions {sorted(dims)}; "
+                               f"a source's moves share one dimension")
+        rows = int(tuple(src[name][0])[cs[0].src_dim])
+        at = 0
+        for lo, hi in sorted(iv for c in cs for iv in _intervals(c.src_rows)):
+            if lo > at:
+                break
+            at = max(at, hi)
+        if at < rows:
+            used = sum(c.row_count for c in cs)
+            raise MappingError(f"source tensor {name!r}: rows {at}.. of {rows} go nowhere "
+                               f"({used} rows mapped): the mapping does not fit this layout")
 
 
 def _view(t: Any, dim: int, rows: tuple[int, int, int, int, int]) -> Any:

@@ -195,6 +195,29 @@ def _apply_copy(c: Copy, e: Entry, rows: Any, dst: Any) -> None:
         copy(c, rows, dst.narrow(0, e.row0, e.row1 - e.row0))
 
 
+def check_chunk(chunk: Chunk, specs: MappingABC[str, tuple[tuple[int, ...], str]],
+                limit: int) -> None:
+    """A received chunk's description against the manifest: every entry of a known tensor with
+    its shape and dtype, rows inside it, bytes matching the rows, inside ``limit`` staging
+    bytes. A :class:`MappingError` naming the entry otherwise (nothing is read past it)."""
+    if not 0 <= chunk.nbytes <= limit:
+        raise MappingError(f"chunk {chunk.index} claims {chunk.nbytes} bytes of a {limit}-byte "
+                           f"slot")
+    for e in chunk.entries:
+        if e.name not in specs:
+            raise MappingError(f"chunk {chunk.index} carries {e.name!r}, not in the manifest")
+        shape, dtype = specs[e.name]
+        if tuple(shape) != e.shape or dtype != e.dtype:
+            raise MappingError(f"chunk {chunk.index}: {e.name!r} is {list(e.shape)} {e.dtype} "
+                               f"there, {list(shape)} {dtype} in the manifest")
+        row_bytes = math.prod(e.shape[1:]) * _itemsize(e.dtype) if e.shape else _itemsize(e.dtype)
+        if not (0 <= e.row0 < e.row1 <= _rows(e.shape) and e.offset >= 0
+                and e.nbytes == (e.row1 - e.row0) * row_bytes
+                and e.offset + e.nbytes <= chunk.nbytes):
+            raise MappingError(f"chunk {chunk.index}: entry {e.name!r} rows {e.row0}..{e.row1} at "
+                               f"{e.offset} (+{e.nbytes}) does not fit the tensor or the chunk")
+
+
 def apply(chunk: Chunk, plan: Plan, staging: Any, engine: MappingABC[str, Any],
           expect: int) -> int:
     """Receiver: check the staged bytes against the sender's checksum ``expect``

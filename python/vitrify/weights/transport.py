@@ -1,0 +1,404 @@
+"""A weight update between two processes: a trainer (:class:`Sender`) streams tensors into an
+engine (:class:`Receiver`) through one shared staging buffer, over a Unix socket.
+
+Protocol (length-prefixed JSON frames; the staging buffer's file descriptor rides on the first
+frame with ``SCM_RIGHTS``, exported **once**):
+
+1. sender -> ``hello``: the manifest (name, shape, dtype, digest of every source tensor), the
+   staging buffer (kind, bytes, slots) and its descriptor.
+2. receiver: checks the peer's credentials (``SO_PEERCRED``: same user unless allowed), plans the
+   mapping against the engine's tensors (a misfit is an ``error`` frame naming the tensor, sent
+   before any byte moves), maps the buffer, answers ``ready`` with the names it needs: those
+   whose digest differs from the last update it completed (a delta update), or all.
+3. sender -> ``chunk`` (index, slot, entries, checksum) for each chunk of the needed tensors;
+   the staging buffer holds ``slots`` chunks, so the sender fills one slot while the receiver
+   applies another; receiver -> ``done`` per chunk after its copies finished.
+4. sender -> ``finish``; the receiver releases the buffer's mapping and closes its descriptor,
+   then answers ``finished`` (bytes moved, bytes of the whole model, seconds).
+
+While an update runs, and after one that failed, the receiver's :attr:`Receiver.state` is
+``"updating"`` / ``"incomplete"``: the engine must refuse to serve (its weights may be half
+old, half new) until an update completes (``"ready"``). A retry sends everything whose digest is
+not the last completed one, so it completes what failed.
+
+Staging buffers: :class:`HostStaging` (a memfd, for CPU engines and tests) and, on a GPU,
+:class:`CudaStaging` (VMM memory exported as a POSIX file descriptor; legacy CUDA IPC cannot
+export VMM memory). Both are ``uint8`` torch tensors over the shared bytes on either side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Mapping as MappingABC
+from typing import Any
+
+from .. import _check
+from . import stream
+from .mapping import Mapping, MappingError
+
+log = logging.getLogger("vitrify.weights")
+
+PROTOCOL = 1
+_LEN = struct.Struct("<I")
+_MAX_FRAME = 64 << 20
+
+
+class UpdateError(RuntimeError):
+    """The update could not be done; the message says what and, from the engine, why."""
+
+
+# ---- framing ------------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    data = _LEN.pack(len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), 4)
+        fds.extend(got)
+        if not data:
+            raise UpdateError(f"the peer closed the connection ({len(buf)} of {n} bytes read)")
+        buf += data
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    fds: list[int] = []
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds))
+    if n > _MAX_FRAME:
+        raise UpdateError(f"a frame of {n} bytes is larger than {_MAX_FRAME}")
+    msg = json.loads(_recv_exact(sock, n, fds))
+    if not isinstance(msg, dict) or "type" not in msg:
+        raise UpdateError(f"not a protocol frame: {str(msg)[:200]}")
+    return msg, fds
+
+
+def _expect(sock: socket.socket, kind: str) -> tuple[dict, list[int]]:
+    msg, fds = _recv(sock)
+    if msg["type"] == "error":
+        for fd in fds:
+            os.close(fd)
+        raise UpdateError(f"the engine refused the update: {msg.get('message')}")
+    if msg["type"] != kind:
+        for fd in fds:
+            os.close(fd)
+        raise UpdateError(f"expected a {kind!r} frame, got {msg['type']!r}")
+    return msg, fds
+
+
+# ---- staging buffers ----------------------------------------------------------------------------
+
+
+class HostStaging:
+    """Shared host memory (a memfd) as a ``uint8`` torch tensor; the descriptor is what crosses
+    the socket. ``open`` maps a received descriptor (and closes it on :meth:`close`)."""
+
+    kind = "host"
+
+    def __init__(self, nbytes: int, *, fd: int | None = None):
+        import torch
+
+        self.nbytes = _check.integer("nbytes", nbytes, 1, _check.U64_MAX)
+        if fd is None:
+            fd = os.memfd_create("vitrify-staging", os.MFD_CLOEXEC)
+            os.ftruncate(fd, self.nbytes)
+        elif os.fstat(fd).st_size < self.nbytes:
+            raise UpdateError(f"the staging descriptor holds {os.fstat(fd).st_size} bytes, "
+                              f"{self.nbytes} expected")
+        self.fd = fd
+        self.tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=self.nbytes,
+                                      dtype=torch.uint8)
+
+    @classmethod
+    def open(cls, fd: int, meta: dict) -> HostStaging:
+        return cls(int(meta["bytes"]), fd=fd)
+
+    def meta(self) -> dict:
+        return {"kind": self.kind, "bytes": self.nbytes}
+
+    def close(self) -> None:
+        self.tensor = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class CudaStaging:
+    """VMM device memory created exportable (``vitrify._native.SharedBuffer``), as a ``uint8``
+    torch tensor on that device; exported once as a POSIX file descriptor."""
+
+    kind = "cuda"
+
+    def __init__(self, nbytes: int, device: int = 0, *, _buffer: Any = None):
+        from .. import _native
+
+        self.device = device
+        self.buffer = _buffer if _buffer is not None else _native.SharedBuffer(nbytes, device)
+        self.nbytes = int(nbytes)
+        self.tensor = _device_tensor(self.buffer.ptr, self.nbytes, device)
+        self.fd: int | None = None
+
+    def export(self) -> int:
+        if self.fd is None:
+            self.fd = self.buffer.export_fd()
+        return self.fd
+
+    @classmethod
+    def open(cls, fd: int, meta: dict) -> CudaStaging:
+        from .. import _native
+
+        try:
+            buf = _native.SharedBuffer.import_fd(fd, int(meta["allocated"]), int(meta["device"]))
+        finally:
+            os.close(fd)
+        return cls(int(meta["bytes"]), int(meta["device"]), _buffer=buf)
+
+    def meta(self) -> dict:
+        return {"kind": self.kind, "bytes": self.nbytes, "allocated": int(self.buffer.size),
+                "device": self.device}
+
+    def close(self) -> None:
+        self.tensor = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+def _device_tensor(ptr: int, nbytes: int, device: int) -> Any:
+    """A ``uint8`` torch tensor over ``nbytes`` of device memory at ``ptr`` (not owned)."""
+    import torch
+
+    class _Iface:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                    "version": 3}
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Iface(), device=f"cuda:{device}")
+
+
+def _staging_fd(staging: Any) -> int:
+    return staging.export() if hasattr(staging, "export") else staging.fd
+
+
+# ---- digests ------------------------------------------------------------------------------------
+
+
+def digest(t: Any) -> str:
+    """A content digest of a tensor's bytes (:func:`stream.checksum`, on its device)."""
+    import torch
+
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    return f"{stream.checksum(flat):032x}"
+
+
+def _specs(tensors: MappingABC[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()}
+
+
+# ---- receiver -----------------------------------------------------------------------------------
+
+
+class Receiver:
+    """The engine's side: ``engine`` maps names to its tensors (updated in place), ``mapping``
+    the trainer's layout onto them. ``allowed_uids``: the users whose processes may send
+    (SO_PEERCRED; default: this process's user only). ``synchronize``: called after each chunk's copies (torch.cuda.synchronize on
+    a GPU engine) before ``done`` lets the sender reuse the slot."""
+
+    def __init__(self, engine: MappingABC[str, Any], mapping: Mapping, *,
+                 allowed_uids: tuple[int, ...] | None = None,
+                 synchronize: Callable[[], None] | None = None):
+        self.engine = engine
+        self.mapping = mapping
+        self.allowed_uids = {os.getuid()} if allowed_uids is None else set(allowed_uids)
+        self.synchronize = synchronize or (lambda: None)
+        self.state = "ready"
+        self.applied: dict[str, str] = {}  # source name -> digest of the last completed update
+        self.last: dict = {}
+
+    def serve_one(self, conn: socket.socket) -> dict:
+        """Run one update on an accepted connection; returns its summary. On any failure the
+        state is ``"incomplete"``, the peer gets an ``error`` frame when it can, the staging
+        mapping is released, and the error propagates."""
+        staging = None
+        fds: list[int] = []
+        try:
+            hello, fds = _expect(conn, "hello")
+            uid = _peer_uid(conn)
+            if uid not in self.allowed_uids:
+                raise UpdateError(f"a process of user {uid} may not update this engine "
+                                  f"(allowed: {sorted(self.allowed_uids)})")
+            if hello.get("protocol") != PROTOCOL:
+                raise UpdateError(f"protocol {hello.get('protocol')!r}, this engine speaks "
+                                  f"{PROTOCOL}")
+            manifest = {m["name"]: (tuple(m["shape"]), m["dtype"]) for m in hello["manifest"]}
+            digests = {m["name"]: m["digest"] for m in hello["manifest"]}
+            plan = self.mapping.plan(manifest, _specs(self.engine))  # names the misfit
+            if len(fds) != 1:
+                raise UpdateError(f"the hello frame carried {len(fds)} descriptors, not 1")
+            meta = hello["staging"]
+            opener = {"host": HostStaging, "cuda": CudaStaging}.get(meta.get("kind"))
+            if opener is None:
+                raise UpdateError(f"unknown staging buffer kind {meta.get('kind')!r}")
+            staging = opener.open(fds.pop(), meta)
+            need = [n for n in manifest if self.applied.get(n) != digests[n]]
+            self.state = "updating"
+            for n in need:
+                self.applied.pop(n, None)
+            _send(conn, {"type": "ready", "need": need})
+            t0 = time.perf_counter()
+            moved = copies = chunks = 0
+            slot_bytes = int(hello["slot_bytes"])
+            if slot_bytes * int(hello["slots"]) > staging.nbytes:
+                raise UpdateError(f"{hello['slots']} slots of {slot_bytes} bytes exceed the "
+                                  f"{staging.nbytes}-byte staging buffer")
+            while True:
+                msg, extra = _recv(conn)
+                for fd in extra:
+                    os.close(fd)
+                if msg["type"] == "finish":
+                    break
+                if msg["type"] != "chunk":
+                    raise UpdateError(f"expected a chunk or finish frame, got {msg['type']!r}")
+                ch = stream.Chunk(int(msg["index"]),
+                                  tuple(stream.Entry(e[0], e[1], tuple(e[2]), *e[3:])
+                                        for e in msg["entries"]), int(msg["nbytes"]))
+                stream.check_chunk(ch, {n: manifest[n] for n in need}, slot_bytes)
+                slot = int(msg["slot"])
+                if not 0 <= slot < int(hello["slots"]):
+                    raise UpdateError(f"chunk {ch.index} names slot {slot} of {hello['slots']}")
+                view = staging.tensor[slot * slot_bytes:(slot + 1) * slot_bytes]
+                copies += stream.apply(ch, plan, view, self.engine, int(msg["checksum"]))
+                self.synchronize()
+                moved += sum(e.nbytes for e in ch.entries)
+                chunks += 1
+                _send(conn, {"type": "done", "index": ch.index})
+            staging.close()  # released before "finished" is signalled
+            staging = None
+            for n in need:
+                self.applied[n] = digests[n]
+            total = sum(stream._itemsize(d) * _numel(s) for s, d in manifest.values())
+            self.last = {"bytes_moved": moved, "bytes_total": total, "chunks": chunks,
+                         "copies": copies, "tensors": len(need), "tensors_total": len(manifest),
+                         "seconds": time.perf_counter() - t0}
+            self.state = "ready"
+            _send(conn, {"type": "finished", **self.last})
+            return self.last
+        except BaseException as e:
+            self.state = "incomplete" if self.state == "updating" else self.state
+            try:
+                _send(conn, {"type": "error", "message": f"{type(e).__name__}: {e}"})
+            except OSError:
+                pass
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if staging is not None:
+                staging.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def listen(path: str) -> socket.socket:
+    """A Unix socket listening at ``path`` (created ``0600``; an existing socket file there is
+    replaced)."""
+    _check.path("path", path)
+    if os.path.exists(path):
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    s.listen(1)
+    return s
+
+
+# ---- sender -------------------------------------------------------------------------------------
+
+
+class Sender:
+    """The trainer's side: one staging buffer of ``chunk_bytes`` (split into ``slots``), created
+    once and exported once per connection; :meth:`update` streams ``tensors`` (name -> tensor in
+    the trainer's layout) to the engine listening at ``path``."""
+
+    def __init__(self, chunk_bytes: int, *, slots: int = 2, device: int | None = None):
+        _check.integer("chunk_bytes", chunk_bytes, 1, _check.U64_MAX)
+        self.slots = _check.integer("slots", slots, 1, 64)
+        self.slot_bytes = chunk_bytes // slots // 256 * 256
+        if self.slot_bytes == 0:
+            raise MappingError(f"chunk_bytes={chunk_bytes} leaves no room for {slots} slots")
+        self.chunk_bytes = chunk_bytes
+        self.staging = (HostStaging(chunk_bytes) if device is None
+                        else CudaStaging(chunk_bytes, device))
+
+    def update(self, path: str, tensors: MappingABC[str, Any], *, timeout: float = 600.0,
+               synchronize: Callable[[], None] | None = None) -> dict:
+        """Stream the tensors the engine needs (all, or those changed since its last completed
+        update); returns the engine's ``finished`` summary. Raises :class:`UpdateError` with the
+        engine's reason when it refuses."""
+        manifest = [{"name": n, "shape": list(t.shape),
+                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t)}
+                    for n, t in tensors.items()]
+        sync = synchronize or (lambda: None)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest,
+                         "staging": self.staging.meta(), "slot_bytes": self.slot_bytes,
+                         "slots": self.slots},
+                  [_staging_fd(self.staging)])
+            ready, _ = _expect(sock, "ready")
+            need = {n: tensors[n] for n in ready["need"]}
+            chunks = stream.plan_chunks(_specs(need), self.slot_bytes)
+            in_flight: list[int] = []
+            for ch in chunks:
+                slot = ch.index % self.slots
+                if len(in_flight) == self.slots:  # wait until the oldest slot is free
+                    done, _ = _expect(sock, "done")
+                    in_flight.remove(int(done["index"]))
+                view = self.staging.tensor[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+                check = stream.fill(ch, need, view)
+                sync()
+                _send(sock, {"type": "chunk", "index": ch.index, "slot": slot,
+                             "nbytes": ch.nbytes, "checksum": check,
+                             "entries": [[e.name, e.dtype, list(e.shape), e.row0, e.row1,
+                                          e.offset, e.nbytes] for e in ch.entries]})
+                in_flight.append(ch.index)
+            while in_flight:
+                done, _ = _expect(sock, "done")
+                in_flight.remove(int(done["index"]))
+            _send(sock, {"type": "finish"})
+            fin, _ = _expect(sock, "finished")
+        return fin
+
+    def close(self) -> None:
+        self.staging.close()
