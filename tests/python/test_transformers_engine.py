@@ -107,3 +107,31 @@ def test_config_validation_is_one_line_errors():
     assert "compiled" in vtt.EngineConfig(variant="compiled").model_id()
     with pytest.raises(TypeError, match="EngineConfig"):
         vtt.CausalLMEngine({"hidden": 64})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_trainer_layout_maps_back_onto_the_engines_weights(arch):
+    """megatron_tensors (what a trainer streams) agrees with the independent reference of
+    test_weight_mapping, and update_mapping brings it back onto the engine's names bit for bit."""
+    from test_weight_mapping import megatron_reference, specs
+
+    from vitrify.weights import mapping as wm
+
+    cfg = vtt.EngineConfig(arch=arch, vocab=50, hidden=64, ffn=96, layers=2, heads=8,
+                           kv_heads=2, max_len=32, batch_sizes=(1, 2))
+    g = torch.Generator().manual_seed(5)
+    w = {n: torch.randn(shape, generator=g).to(getattr(torch, dt))
+         for n, shape, dt in vtt.param_specs(cfg)}
+    src = vtt.megatron_tensors(w, cfg)
+    ref = megatron_reference(w, cfg.layers, cfg.heads, cfg.kv_heads, bias=arch == "qwen2")
+    assert set(src) == set(ref)
+    for n in ref:
+        assert torch.equal(src[n], ref[n]), n
+    back = {n: torch.zeros_like(t) for n, t in w.items()}
+    plan = vtt.update_mapping(cfg).plan(specs(src), specs(back))
+    for n, t in src.items():
+        for c in plan.for_source(n):
+            wm.copy(c, t, back[c.dst])
+    for n, t in w.items():
+        if not n.endswith("inv_freq"):
+            assert torch.equal(back[n], t), n

@@ -132,6 +132,64 @@ def param_specs(cfg: EngineConfig) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def fill_weights(weights: dict[str, Any], cfg: EngineConfig) -> None:
+    """The engine's seeded initialisation (``cfg.seed``), in :func:`param_specs`' order: norms
+    1, biases N(0, 0.02), embeddings N(0, 1), the rest N(0, ``init_std``); the rotary
+    frequencies are left alone. The same for the engine and for a trainer that builds the
+    weights a cold engine of this config would have."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, t in weights.items():
+            if name.endswith("inv_freq"):
+                continue
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif name.endswith(".bias"):
+                t.normal_(0.0, 0.02, generator=g)
+            else:
+                t.normal_(0.0, cfg.init_std if "embed" not in name else 1.0, generator=g)
+
+
+def update_mapping(cfg: EngineConfig):
+    """The Megatron-style layout of this engine's weights onto its own names."""
+    from ..weights.mapping import megatron_llama
+
+    return megatron_llama(heads=cfg.heads, kv_heads=cfg.kv_heads,
+                          head_dim=cfg.hidden // cfg.heads, qkv_bias=cfg.arch == "qwen2")
+
+
+def megatron_tensors(weights: dict[str, Any], cfg: EngineConfig) -> dict[str, Any]:
+    """The engine's weights in a Megatron-style trainer's layout (what a trainer streams):
+    ``linear_qkv`` with each KV group's query heads, key head and value head together,
+    ``linear_fc1`` = gate then up, the norms inside the fused linears."""
+    import torch
+
+    hd = cfg.hidden // cfg.heads
+    per = cfg.heads // cfg.kv_heads
+    out = {"embedding.word_embeddings.weight": weights["model.embed_tokens.weight"],
+           "output_layer.weight": weights["lm_head.weight"],
+           "decoder.final_layernorm.weight": weights["model.norm.weight"]}
+    for i in range(cfg.layers):
+        e, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for suffix in ("weight", "bias") if cfg.arch == "qwen2" else ("weight",):
+            q, k, v = (weights[f"{e}self_attn.{x}_proj.{suffix}"] for x in "qkv")
+            rest = q.shape[1:]
+            out[f"{m}self_attention.linear_qkv.{suffix}"] = torch.cat(
+                [q.view(cfg.kv_heads, per * hd, *rest), k.view(cfg.kv_heads, hd, *rest),
+                 v.view(cfg.kv_heads, hd, *rest)], dim=1).reshape(-1, *rest)
+        out[f"{m}self_attention.linear_qkv.layer_norm_weight"] = weights[
+            f"{e}input_layernorm.weight"]
+        out[f"{m}self_attention.linear_proj.weight"] = weights[f"{e}self_attn.o_proj.weight"]
+        out[f"{m}mlp.linear_fc1.weight"] = torch.cat([weights[f"{e}mlp.gate_proj.weight"],
+                                                     weights[f"{e}mlp.up_proj.weight"]])
+        out[f"{m}mlp.linear_fc1.layer_norm_weight"] = weights[
+            f"{e}post_attention_layernorm.weight"]
+        out[f"{m}mlp.linear_fc2.weight"] = weights[f"{e}mlp.down_proj.weight"]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """What the forward needs besides the tensors (plain numbers: torch.compile-friendly)."""
@@ -277,6 +335,7 @@ class CausalLMEngine:
         self.torch_graphs: dict[int, Any] = {}  # FREEZE: torch.cuda.CUDAGraph per batch size
         self.loaded = None  # THAW: vitrify LoadedGraphs
         self._step_fn = None
+        self.receiver = None  # weight updates (weight_receiver)
 
     # --- adapter: identity and routing ----------------------------------------------------------
     def fingerprint(self) -> dict:
@@ -355,23 +414,27 @@ class CausalLMEngine:
 
         meta = self.hf_model("meta")
         self.check_specs(meta)
-        g = torch.Generator(device="cuda").manual_seed(self.cfg.seed)
+        fill_weights(self.weights, self.cfg)
         with torch.no_grad():
-            for name, t in self.weights.items():
-                if name.endswith("inv_freq"):
-                    continue
-                if name.endswith("norm.weight"):
-                    t.fill_(1.0)
-                elif name.endswith(".bias"):
-                    t.normal_(0.0, 0.02, generator=g)
-                else:
-                    t.normal_(0.0, self.cfg.init_std if "embed" not in name else 1.0,
-                              generator=g)
             # The rotary frequencies as transformers computes them (its module, on the CPU).
             rot = type(meta.model.rotary_emb)(config=meta.config)
             self.weights["model.rotary_emb.inv_freq"].copy_(rot.inv_freq)
             self.dims = Dims.of(self.cfg, float(rot.attention_scaling))
         torch.cuda.synchronize()
+
+    # --- weight update (vitrify.weights) ----------------------------------------------------------
+    def weight_receiver(self):
+        """A :class:`vitrify.weights.transport.Receiver` that updates this engine's weights in
+        place (their region addresses, hence every graph, unchanged) from a trainer holding them
+        in the Megatron layout (:func:`megatron_tensors`). :meth:`serve` refuses while an update
+        is running or after one failed."""
+        import torch
+
+        from ..weights.transport import Receiver
+
+        self.receiver = Receiver(self.weights, update_mapping(self.cfg),
+                                 synchronize=torch.cuda.synchronize)
+        return self.receiver
 
     def alloc_state(self) -> None:
         import torch
@@ -498,6 +561,9 @@ class CausalLMEngine:
         ``first_token_s`` (until every prompt's first token exists)."""
         import torch
 
+        if self.receiver is not None and self.receiver.state != "ready":
+            raise RuntimeError(f"the engine's weights are {self.receiver.state}: a weight update "
+                               f"is running or failed; complete it before serving")
         c = self.cfg
         n = len(batch)
         bs = next((b for b in c.batch_sizes if b >= n), None)
@@ -544,14 +610,20 @@ def main(argv: list[str] | None = None) -> int:
     hashes, session timings, ``ready_s`` / ``first_token_s`` / ``process_s`` counted from
     OPTS.t0, the parent's ``time.time()`` at launch, else this module's import)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (3, 4) or args[0] not in ("freeze", "thaw", "cold"):
+    if len(args) not in (3, 4) or args[0] not in ("freeze", "thaw", "cold", "trainer"):
         print("usage: python -m vitrify.integrations.transformers freeze|thaw|cold ARCHIVE "
-              "CONFIG_JSON [OPTS_JSON]", file=sys.stderr)
+              "CONFIG_JSON [OPTS_JSON]\n"
+              "       python -m vitrify.integrations.transformers trainer SOCKET CONFIG_JSON "
+              "[OPTS_JSON]", file=sys.stderr)
         return 2
     mode, path = args[0], args[1]
     cfg_d = json.loads(args[2])
     opts = json.loads(args[3]) if len(args) > 3 else {}
     t0 = float(opts.get("t0", _T0))
+    if mode == "trainer":
+        from .._worker import report
+
+        return report(lambda: _train_and_send(path, EngineConfig.from_dict(cfg_d), opts))
 
     def run() -> dict:
         from .. import session
@@ -575,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
             s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
             out["session"] = s.run()
             out["blocked"] = blocker is not None
+            if opts.get("update_socket"):
+                out["update"] = _receive_update(eng, opts["update_socket"])
         out["ready_s"] = time.time() - t0
         import torch
 
@@ -593,6 +667,70 @@ def main(argv: list[str] | None = None) -> int:
     from .._worker import report
 
     return report(run)
+
+
+def _receive_update(eng: CausalLMEngine, path: str) -> dict:
+    """THAW's ``update_socket`` option: take one weight update from a trainer at ``path`` into
+    the thawed engine, in place; report it with the evidence that nothing moved (the weights'
+    addresses and the graphs the same objects) and a device-to-device copy of the same bytes
+    measured right after (the update's baseline)."""
+    import torch
+
+    from ..weights.transport import listen
+
+    before = {n: t.data_ptr() for n, t in eng.weights.items()}
+    graphs_before = (id(eng.loaded), len(eng.loaded) if eng.loaded is not None else 0)
+    rx = eng.weight_receiver()
+    with listen(path) as srv:
+        conn, _ = srv.accept()
+        with conn:
+            summary = rx.serve_one(conn)
+    moved = [t for n, t in eng.weights.items() if not n.endswith("inv_freq")]
+    scratch = torch.empty(sum(t.numel() * t.element_size() for t in moved), dtype=torch.uint8,
+                          device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    at = 0
+    for w in moved:
+        n = w.numel() * w.element_size()
+        scratch[at:at + n].copy_(w.view(-1).view(torch.uint8))
+        at += n
+    torch.cuda.synchronize()
+    d2d = time.perf_counter() - t
+    del scratch
+    return {**summary, "state": rx.state,
+            "weights_in_place": before == {n: t.data_ptr() for n, t in eng.weights.items()},
+            "graphs_unchanged": graphs_before == (id(eng.loaded), len(eng.loaded)
+                                                  if eng.loaded is not None else 0),
+            "graphs": graphs_before[1], "d2d_copy_seconds": d2d,
+            "update_over_d2d": d2d / summary["seconds"] if summary["seconds"] > 0 else None}
+
+
+def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
+    """``trainer`` mode: the weights a cold engine of ``cfg`` would have (its seed), in the
+    Megatron layout, streamed to the engine listening at ``path`` through a staging buffer of
+    OPTS.chunk_bytes (default 256 MiB) on the GPU."""
+    import torch
+
+    from ..weights.transport import Sender
+
+    weights = {n: torch.empty(shape, dtype=getattr(torch, dt), device="cuda")
+               for n, shape, dt in param_specs(cfg)}
+    fill_weights(weights, cfg)
+    src = megatron_tensors(weights, cfg)
+    chunk_bytes = int(opts.get("chunk_bytes", 256 << 20))
+    tx = Sender(chunk_bytes, device=0)
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        # the engine listens once it has thawed
+        fin = tx.update(path, src, connect_timeout=float(opts.get("wait_s", 300)),
+                        synchronize=torch.cuda.synchronize)
+        return {"finished": fin, "chunk_bytes": chunk_bytes,
+                "staging_bytes": tx.staging.nbytes,
+                "torch_bytes_during_update": torch.cuda.max_memory_allocated() - base}
+    finally:
+        tx.close()
 
 
 def _rebuild_alone(path: str, base: int, threads: int = 8) -> dict:

@@ -326,6 +326,18 @@ def _peer_uid(conn: socket.socket) -> int:
     return uid
 
 
+def _connect(sock: socket.socket, path: str, patience: float) -> None:
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            if time.monotonic() >= deadline:
+                raise UpdateError(f"no engine listening at {path}: {e.strerror}") from None
+            time.sleep(0.05)
+
+
 def listen(path: str) -> socket.socket:
     """A Unix socket listening at ``path`` (created ``0600``; an existing socket file there is
     replaced)."""
@@ -361,17 +373,19 @@ class Sender:
                         else CudaStaging(chunk_bytes, device))
 
     def update(self, path: str, tensors: MappingABC[str, Any], *, timeout: float = 600.0,
+               connect_timeout: float = 0.0,
                synchronize: Callable[[], None] | None = None) -> dict:
         """Stream the tensors the engine needs (all, or those changed since its last completed
         update); returns the engine's ``finished`` summary. Raises :class:`UpdateError` with the
-        engine's reason when it refuses."""
+        engine's reason when it refuses. ``connect_timeout``: keep trying to connect that long
+        while nothing listens at ``path`` yet (an engine still thawing)."""
         manifest = [{"name": n, "shape": list(t.shape),
                      "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t)}
                     for n, t in tensors.items()]
         sync = synchronize or (lambda: None)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(path)
+            _connect(sock, path, connect_timeout)
             _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest,
                          "staging": self.staging.meta(), "slot_bytes": self.slot_bytes,
                          "slots": self.slots},
