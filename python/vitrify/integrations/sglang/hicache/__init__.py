@@ -37,11 +37,16 @@ budget_bytes``     < ``budget_bytes``); default: derived from page sizes, see be
 ``stats_path``     a file the backend keeps its counters in, as JSON (default: none); with
                    more than one rank it must contain ``{rank}`` (replaced by the rank suffix
                    of the slab names, ``tp<r>of<n>-pp<r>of<n>-cp<r>of<n>``)
+``revision``       the weights' revision (str); default: SGLang's ``--revision``
+``weight_          the weights' version (str); default: SGLang's ``--weight-version``;
+version``          after a weight update call :meth:`VitrifyStorage.set_weight_version`
 =================  =====================================================================
 
-Slab files are per rank and per model: ``<dir>/<name>-<model>-<geometry hash>-tp<r>of<n>-
+Slab files are per rank and per model: ``<dir>/<name>-<model>-<identity hash>-tp<r>of<n>-
 pp<r>of<n>-cp<r>of<n>.kind0.slab``, so ranks never share a slab, and a key (SGLang's content
-hash of the token ids) can only ever resolve to a page of the same model, layout and geometry.
+hash of the token ids) can only ever resolve to a page of the same identity: model name and
+path, weights revision and version, quantization, KV cache dtype, and the pool's class, layout,
+dtype, page size and shapes (:meth:`VitrifyStorage.identity` lists them).
 
 Hybrid models (SGLang's v2 multi-pool API): SGLang's ``HybridCacheController`` registers its
 ``HostPoolGroup`` as the v1 host pool, then every entry of the group with
@@ -75,17 +80,26 @@ Configuration mistakes (a missing ``dirs``, a layout vitrify cannot gather) rais
 at start-up, naming the value.
 
 Counters: :meth:`VitrifyStorage.counters` gives the running totals (pages and bytes written and
-read, dedup hits, failures, misses, exists queries, errors, refused v2 transfers) as a dict. A
-process outside the server reads them from ``stats_path``: once the store is open and after every
-v1 or v2 transfer batch, error, clear and close, the backend replaces that file (write, then
+read, dedup hits, failures, misses, exists queries, errors, refused v2 transfers; the disk stores'
+GC runs, evictions, verify failures, full and failed writes) and gauges (slots used and total,
+occupancy, I/O queue depths) as a dict. With SGLang's ``enable_storage_metrics`` (or
+:meth:`VitrifyStorage.export_prometheus`) the same numbers are Prometheus metrics
+``vitrify_hicache_*`` (:mod:`.metrics`). A process outside the server reads them from
+``stats_path``: once the store is open and after every v1 or v2 transfer batch, exists query,
+error, clear, weight-version switch and close, the backend replaces that file (write, then
 rename) with ``{"pid", "time", "closed", "store": {"name", "page_bytes", "page_tokens", "layout",
-"slabs", "o_direct", "cold_start", "budget_bytes"}, "counters": counters()}`` (``store`` is null
-before :meth:`VitrifyStorage.register_mem_pool_host`). A file that cannot be written is logged
-once and never fails a call.
+"slabs", "o_direct", "cold_start", "budget_bytes", "identity"}, "counters": counters()}``
+(``store`` is null before :meth:`VitrifyStorage.register_mem_pool_host`). A file that cannot be
+written is logged once and never fails a call.
+
+Weight updates: SGLang records a new weight version where the backend cannot see it; call
+:meth:`VitrifyStorage.set_weight_version` on every rank after an update so that later pages are
+stored, and found, under the new version (the old version's slabs are deleted).
 
 The package, one job a module: :mod:`.settings` (the extra config), :mod:`.geometry` (host pool
 page layouts and slab names), :mod:`.v1` (zero-copy KV transfers by host index), :mod:`.v2` (the
-extra pools of hybrid models), :mod:`.backend` (the class: lifecycle, v0 calls, counters).
+extra pools of hybrid models), :mod:`.metrics` (Prometheus), :mod:`.backend` (the class:
+lifecycle, identity, v0 calls, counters).
 """
 
 from .backend import VitrifyStorage

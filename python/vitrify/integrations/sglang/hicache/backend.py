@@ -5,6 +5,7 @@ extra pools are mixed in from :mod:`.v1` and :mod:`.v2`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -23,8 +24,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from .... import host as _host
 from .... import disk as _disk
-from .geometry import _host_geometry, _HostGeometry, _rank_suffix, _store_name
-from .settings import _KIND, VitrifyStorageSettings, logger
+from .geometry import _host_geometry, _HostGeometry, _model_identity, _rank_suffix, _store_name
+from .metrics import PrometheusExport
+from .settings import _KIND, VitrifyStorageSettings, identity_text, logger
 from .v1 import _V1Path
 from .v2 import _ExtraPools
 
@@ -82,6 +84,11 @@ class _SharedLock:
 # the running totals of _Counters that counters() reports (the lists are get_stats()'s)
 _COUNTER_NAMES = ("set_pages", "set_bytes", "set_dedup", "set_failed", "get_pages", "get_bytes",
                   "get_misses", "exists_queries", "errors", "v2_refused")
+# running totals of the disk stores (KV and extra pools), closed stores included
+_STORE_TOTALS = ("gc_runs", "gc_reclaims", "verify_failures", "put_failures", "write_errors")
+# gauges of the open disk stores, summed over them (the slot counts over every kind)
+_STORE_GAUGES = ("slots_used", "slots_total", "write_queue_depth", "read_queue_depth",
+                 "in_flight_writes", "in_flight_reads")
 
 
 @dataclass
@@ -117,6 +124,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self.settings = VitrifyStorageSettings.from_extra_config(storage_config.extra_config)
         extra = storage_config.extra_config or {}
         self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self._model = _model_identity(storage_config, self.settings.revision,
+                                      self.settings.weight_version)
         if storage_config.is_mla_model and storage_config.tp_size > 1:
             # SGLang backs MLA pages up from TP rank 0 only and expects every rank to read them;
             # vitrify's slabs are private to one rank.
@@ -137,6 +146,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._stats_path: Optional[str] = stats_path
         self._stats_lock = threading.Lock()  # one writer of the stats file at a time
         self._stats_failed = False
+        self._metrics_failed = False
         self._store_info: Optional[dict] = None
         self.mem_pool_host = None
         self._geom: Optional[_HostGeometry] = None
@@ -150,6 +160,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._get_bufs: list = []
         self._chunk = 1
         self._c = _Counters()
+        self._retired = {k: 0 for k in _STORE_TOTALS}  # totals of the stores closed so far
         self._clock = threading.Lock()
         self._closed = False
         # v2 extra pools (see the package docstring): name -> _ExtraPool, the planned page bytes
@@ -159,6 +170,13 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._extra_budget = 0
         self._kv_budget = self.settings.budget_bytes
         self._kv_v2_pool: Any = None
+        self._metrics: list = []  # PrometheusExport, one per registry exported to
+        if storage_config.enable_storage_metrics:
+            try:
+                self.export_prometheus()
+            except ImportError as e:
+                logger.warning("vitrify HiCache backend: no Prometheus metrics (%s); counters "
+                               "stay readable through counters()", e)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -168,11 +186,11 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         geom = _host_geometry(mem_pool_host)
         cfg = self.storage_config
-        name = _store_name(self.settings.name, cfg, geom.identity)
+        name = _store_name(self.settings.name, cfg, geom.identity, self._model)
         plan, extra_budget = self._plan_extra_pools(mem_pool_host, geom.blob_bytes)
         with self._state.exclusive():
             if self._store is not None:
-                self._store.close()
+                self._retire(self._store)
             self._geom = geom
             self._store_name = name
             self._plan, self._extra_budget = plan, extra_budget
@@ -181,17 +199,21 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             for ep in self._extra.values():  # pools registered before the KV pool
                 if ep.store is None and ep.refused is None:
                     self._open_extra(ep)
-            slabs = [self._store.slab_path(_KIND, d) for d in range(len(self.settings.dirs))]
-            self._store_info = {"name": name, "page_bytes": geom.blob_bytes,
-                                "page_tokens": geom.page_tokens, "layout": mem_pool_host.layout,
-                                "slabs": slabs, "o_direct": self._store.direct_io(_KIND),
-                                "cold_start": self.settings.cold_start,
-                                "budget_bytes": self._kv_budget}
+            self._store_info = self._describe_store()
+            slabs = self._store_info["slabs"]
         logger.info("vitrify HiCache backend: %s, page %d B (%d tokens, %s), slabs %s, "
                     "O_DIRECT=%s, cold_start=%s, staging %d pages x 2", name, geom.blob_bytes,
                     geom.page_tokens, mem_pool_host.layout, slabs, self._store_info["o_direct"],
                     self.settings.cold_start, self._chunk)
         self._publish()
+
+    def _describe_store(self) -> dict:
+        """The open KV store as the stats file shows it (caller holds the state lock)."""
+        return {"name": self._store_name, "page_bytes": self._geom.blob_bytes,
+                "page_tokens": self._geom.page_tokens, "layout": self.mem_pool_host.layout,
+                "slabs": [self._store.slab_path(_KIND, d) for d in range(len(self.settings.dirs))],
+                "o_direct": self._store.direct_io(_KIND), "cold_start": self.settings.cold_start,
+                "budget_bytes": self._kv_budget, "identity": self._identity_locked()}
 
     def _open(self, cold_start: str) -> _disk.DiskStore:
         s = self.settings
@@ -216,11 +238,11 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             if self._store is not None:
                 store, self._store = self._store, None
                 self._set_bufs, self._get_bufs = [], []
-                store.close()
+                self._retire(store)
             for ep in self._extra.values():
                 if ep.store is not None:
                     ep_store, ep.store = ep.store, None
-                    ep_store.close()
+                    self._retire(ep_store)
         self._publish()
 
     def clear(self) -> bool:
@@ -243,6 +265,80 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             self._error("clear", e)
             return False
 
+    # -- identity ----------------------------------------------------------------------------
+
+    def identity(self) -> dict:
+        """Everything this rank's pages are stored under (a stored page is found only under
+        the same values): ``model`` (SGLang's model name, ``--model-path``, ``--revision``,
+        ``--weight-version``, ``--quantization``, ``--kv-cache-dtype``; None where SGLang did
+        not publish them), ``pool`` (the host KV pool's class, layout, dtype, layers, heads,
+        head dim, page tokens and page bytes; None before :meth:`register_mem_pool_host`),
+        ``rank`` (TP/PP/CP rank and size) and ``store`` (the KV store's name, their hash)."""
+        with self._state.shared():
+            return self._identity_locked()
+
+    def _identity_locked(self) -> dict:
+        return {"model": dataclasses.asdict(self._model),
+                "pool": self._geom.identity if self._geom is not None else None,
+                "rank": _rank_suffix(self.storage_config), "store": self._store_name}
+
+    def set_weight_version(self, version: str) -> Optional[str]:
+        """Store and find pages under weight version ``version`` from now on; the name of the
+        KV store now open (None before :meth:`register_mem_pool_host`).
+
+        SGLang's weight updates (``update_weights_from_disk`` / ``_from_tensor`` /
+        ``_from_distributed``) record the new ``weight_version`` in the tokenizer process only,
+        so the backend cannot see them: whoever updates the weights calls this on every rank.
+        The KV store and every extra pool's store are closed, their slab files deleted (their
+        pages were computed by weights no longer served, and the disk budget holds one store
+        per pool) and new ones opened under the new identity (``cold_start`` as configured).
+        Calls in flight finish first. ValueError for a bad version or a closed backend."""
+        version = identity_text("weight_version", version)
+        with self._state.exclusive():
+            if self._closed:
+                raise ValueError(f"vitrify HiCache backend: set_weight_version({version!r}) "
+                                 f"on a closed backend")
+            old = self._model.weight_version
+            if version == old:
+                return self._store_name
+            self._model = dataclasses.replace(self._model, weight_version=version)
+            if self._store is None:
+                return None
+            store, self._store = self._store, None   # no store if the new one cannot open
+            self._set_bufs, self._get_bufs = [], []
+            self._retire(store, delete=True)
+            self._store_name = _store_name(self.settings.name, self.storage_config,
+                                           self._geom.identity, self._model)
+            self._store = self._open(self.settings.cold_start)
+            for ep in self._extra.values():
+                if ep.store is not None:
+                    ep_store, ep.store = ep.store, None
+                    self._retire(ep_store, delete=True)
+                    self._open_extra(ep)
+            self._store_info = self._describe_store()
+            name = self._store_name
+        logger.info("vitrify HiCache backend: weight version %r -> %r: pages now in %s",
+                    old, version, name)
+        self._publish()
+        return name
+
+    def _retire(self, store: _disk.DiskStore, delete: bool = False) -> None:
+        """Close ``store``, keeping its running totals in :meth:`counters`; ``delete``: remove
+        its slab files too (caller holds the state lock exclusively)."""
+        paths = [store.slab_path(k, d) for k in store.kind_names for d in range(len(store.dirs))]
+        totals = store.stats()
+        store.close()
+        with self._clock:
+            for k in _STORE_TOTALS:
+                self._retired[k] += totals[k]
+        if delete:
+            for p in paths:
+                for f in (p, p + ".owner"):
+                    try:
+                        os.unlink(f)
+                    except FileNotFoundError:
+                        pass
+
     # -- helpers -----------------------------------------------------------------------------
 
     def _error(self, op: str, exc: BaseException) -> None:
@@ -256,16 +352,29 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._publish()
 
     def _publish(self) -> None:
-        """Write :meth:`counters` and the KV store's identity as JSON to ``stats_path`` (written
-        to a temporary file, then renamed over it); a no-op without ``stats_path``. Called once
-        the store is open and after every v1/v2 transfer batch, error, clear and close. Never
-        raises: a failure is logged once."""
+        """Bring the Prometheus metrics up to date and write :meth:`counters` and the KV store's
+        identity as JSON to ``stats_path`` (written to a temporary file, then renamed over it;
+        no file without ``stats_path``). Called once the store is open and after every v1/v2
+        transfer batch, exists query, error, clear, weight-version switch and close. Never raises: a failure
+        is logged once."""
         path = self._stats_path
+        if path is None and not self._metrics:
+            return
+        try:
+            counters = self.counters()
+            for m in self._metrics:
+                m.update(counters)
+        except Exception as e:
+            if not self._metrics_failed:
+                self._metrics_failed = True
+                logger.warning("vitrify HiCache backend: cannot update the metrics (%s: %s); "
+                               "counters() still answers", type(e).__name__, e)
+            return
         if path is None:
             return
         with self._stats_lock:
             doc = {"pid": os.getpid(), "time": time.time(), "closed": self._closed,
-                   "store": self._store_info, "counters": self.counters()}
+                   "store": self._store_info, "counters": counters}
             tmp = f"{path}.tmp{os.getpid()}"
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -306,6 +415,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 found = self._store.batch_exists(keys, _KIND)
             with self._clock:
                 self._c.exists_queries += 1
+            self._publish()
             for i, f in enumerate(found):
                 if not f:
                     return i
@@ -388,10 +498,40 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     def counters(self) -> dict:
         """The backend's running totals since start-up, one int each: ``set_pages`` /
         ``set_bytes`` (KV pages written), ``set_dedup`` (already stored), ``set_failed``,
-        ``get_pages`` / ``get_bytes`` (KV pages read), ``get_misses``, ``exists_queries``,
-        ``errors`` (failed calls, each logged) and ``v2_refused`` (refused v2 transfers)."""
-        with self._clock:
-            return {k: getattr(self._c, k) for k in _COUNTER_NAMES}
+        ``get_pages`` / ``get_bytes`` (KV pages read: hits), ``get_misses``,
+        ``exists_queries``, ``errors`` (failed calls, each logged), ``v2_refused`` (refused v2
+        transfers); the disk stores' totals (KV and extra pools, stores closed by
+        :meth:`set_weight_version` or :meth:`close` included): ``gc_runs``, ``gc_reclaims``
+        (pages evicted), ``verify_failures`` (slots that did not verify: misses),
+        ``put_failures`` (puts refused, store full), ``write_errors``; and gauges of the open
+        stores: ``slots_used`` / ``slots_total`` (``occupancy``, a float in [0, 1], is their
+        ratio), ``write_queue_depth`` / ``read_queue_depth`` (queued I/O jobs) and
+        ``in_flight_writes`` / ``in_flight_reads``. The same numbers reach Prometheus (see
+        :mod:`.metrics`)."""
+        with self._state.shared():
+            stores = [self._store] + [ep.store for ep in self._extra.values()]
+            stats = [st.stats() for st in stores if st is not None]
+            with self._clock:
+                d = {k: getattr(self._c, k) for k in _COUNTER_NAMES}
+                d.update({k: self._retired[k] + sum(x[k] for x in stats) for k in _STORE_TOTALS})
+        for k in _STORE_GAUGES:
+            if k.startswith("slots_"):
+                d[k] = sum(kd[k] for x in stats for kd in x["kinds"].values())
+            else:
+                d[k] = sum(x[k] for x in stats)
+        d["occupancy"] = d["slots_used"] / d["slots_total"] if d["slots_total"] else 0.0
+        return d
+
+    def export_prometheus(self, registry: Any = None) -> None:
+        """Export :meth:`counters` as Prometheus metrics on ``registry`` (None: the default
+        ``prometheus_client.REGISTRY``, which SGLang serves; done at construction when SGLang's
+        ``enable_storage_metrics`` is set), kept up to date from then on (see :mod:`.metrics`).
+        ImportError when prometheus_client is not installed."""
+        export = PrometheusExport(self.storage_config.model_name,
+                                  _rank_suffix(self.storage_config),
+                                  _COUNTER_NAMES + _STORE_TOTALS, registry)
+        self._metrics = self._metrics + [export]
+        export.update(self.counters())
 
     def vitrify_stats(self) -> dict:
         """:meth:`counters` plus the disk store's (occupancy, spills, reloads, GC, errors)."""

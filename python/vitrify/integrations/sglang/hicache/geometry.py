@@ -1,10 +1,13 @@
 """Page geometry of SGLang's host pools: the :class:`~vitrify.host.PageLayout` of the host KV pool
 (cross-checked against SGLang's own page metadata), the flat data page of every other pool, what
-identifies each, and the per-rank slab-store names derived from them."""
+identifies each, the model's part of a page's identity (path, revision, weight version,
+quantization, KV cache dtype), and the per-rank slab-store names derived from them."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -139,10 +142,66 @@ def _rank_suffix(cfg: Any) -> str:
             f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
 
 
-def _store_name(prefix: str, cfg: Any, identity: str, pool: Optional[str] = None) -> str:
-    """``<prefix>-<model>-<hash of model and identity>[-<pool>]-<rank suffix>``: the slab-file
-    name of one store, so a key only ever resolves to a page of the same model, layout, geometry
-    and rank (``pool``: an extra pool's name; None for the KV store)."""
-    digest = hashlib.sha256(f"{cfg.model_name}|{identity}".encode()).hexdigest()[:12]
+def _store_name(prefix: str, cfg: Any, identity: str, model: "_ModelIdentity",
+                pool: Optional[str] = None) -> str:
+    """``<prefix>-<model>-<hash of model identity and pool identity>[-<pool>]-<rank suffix>``:
+    the slab-file name of one store, so a key only ever resolves to a page of the same model
+    (name, path, revision, weight version, quantization, KV cache dtype), layout, geometry and
+    rank (``pool``: an extra pool's name; None for the KV store)."""
+    digest = hashlib.sha256(f"{model.text()}|{identity}".encode()).hexdigest()[:12]
     part = f"-{_slug(pool, 24)}" if pool is not None else ""
     return f"{prefix}-{_slug(cfg.model_name or 'model')}-{digest}{part}-{_rank_suffix(cfg)}"
+
+
+# ---- the model's part of a page's identity -------------------------------------------------------
+
+# ServerArgs fields that change the bytes of a KV page without changing the host pool's geometry.
+_SERVER_ARGS_FIELDS = ("model_path", "revision", "weight_version", "quantization",
+                       "kv_cache_dtype")
+
+
+@dataclass(frozen=True)
+class _ModelIdentity:
+    """What, besides the pool's geometry (:class:`_HostGeometry` / :func:`_pool_identity`),
+    decides the bytes of a page. Learned at construction: ``model_name`` from SGLang's
+    ``HiCacheStorageConfig``, the rest from the scheduler's published ``ServerArgs``
+    (``--model-path``, ``--revision``, ``--weight-version``, ``--quantization``,
+    ``--kv-cache-dtype``; None where the process published none), ``revision`` and
+    ``weight_version`` from the extra config when it names them. A later weight update bumps
+    SGLang's weight version in the tokenizer process only; the scheduler, and so this backend,
+    never sees it: :meth:`~.backend.VitrifyStorage.set_weight_version` tells the backend."""
+
+    model_name: Optional[str]
+    model_path: Optional[str] = None
+    revision: Optional[str] = None
+    weight_version: Optional[str] = None
+    quantization: Optional[str] = None
+    kv_cache_dtype: Optional[str] = None
+
+    def text(self) -> str:
+        """The canonical text hashed into the slab names (every field, named)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+
+def _published_server_args() -> Any:
+    """SGLang's process-wide ``ServerArgs``, or None where none is published (tests, tools)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        return get_context().server_args
+    except (ImportError, ValueError):
+        return None
+
+
+def _model_identity(cfg: Any, revision: Optional[str],
+                    weight_version: Optional[str]) -> _ModelIdentity:
+    """The model identity of this rank: ``revision`` / ``weight_version`` (the extra config's,
+    None: not given) win over the published server args."""
+    args = _published_server_args()
+    found = {f: getattr(args, f, None) for f in _SERVER_ARGS_FIELDS}
+    found = {f: (None if v is None else str(v)) for f, v in found.items()}
+    if revision is not None:
+        found["revision"] = revision
+    if weight_version is not None:
+        found["weight_version"] = weight_version
+    return _ModelIdentity(model_name=cfg.model_name, **found)

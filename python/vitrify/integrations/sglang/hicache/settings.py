@@ -24,6 +24,7 @@ _SGLANG_KEYS = frozenset({
 _VITRIFY_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
     "read_threads", "write_threads", "name", "extra_pool_budget_bytes", "stats_path",
+    "revision", "weight_version",
 })
 _KIND = "kv"  # the one payload kind of every slab store of this backend
 _MiB = 1 << 20
@@ -44,6 +45,8 @@ class VitrifyStorageSettings:
     name: str = "hicache"
     extra_pool_budget_bytes: Optional[int] = None
     stats_path: Optional[str] = None
+    revision: Optional[str] = None
+    weight_version: Optional[str] = None
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "VitrifyStorageSettings":
@@ -127,9 +130,20 @@ class VitrifyStorageSettings:
             if problem:
                 raise ValueError(f"vitrify HiCache backend: 'stats_path' {stats_path!r} "
                                  f"{problem}")
+        versions = {k: identity_text(k, extra[k]) if k in extra else None
+                    for k in ("revision", "weight_version")}
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, stats_path=stats_path,
-                   **ints)
+                   **versions, **ints)
+
+
+def identity_text(what: str, value: object) -> str:
+    """``value`` checked as one field of the storage identity (a revision or weight version):
+    a str of 1-256 printable characters. ValueError names ``what`` and the value."""
+    if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
+        raise ValueError(f"vitrify HiCache backend: '{what}' must be a string of 1-256 printable "
+                         f"characters, got {value!r:.80}")
+    return value
 
 
 def _dir_problem(d: str) -> str:

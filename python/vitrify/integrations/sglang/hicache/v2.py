@@ -90,7 +90,7 @@ class _ExtraPools:
             return
         total = sum(self._plan.values())
         ep.budget = self._extra_budget * self._plan[ep.name] // total
-        ep.store_name = _store_name(s.name, cfg, ep.identity, ep.name)
+        ep.store_name = _store_name(s.name, cfg, ep.identity, self._model, ep.name)
         try:
             if ep.budget <= 0:
                 raise ValueError(f"budget {ep.budget} B")
@@ -338,6 +338,7 @@ class _ExtraPools:
                     final = min(final, boundary)
             with self._clock:
                 self._c.exists_queries += 1
+            self._publish()
             return PoolTransferResult(final, hit_count)
         except Exception as e:
             self._error("batch_exists_v2", e)
