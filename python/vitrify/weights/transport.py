@@ -176,8 +176,10 @@ class CudaStaging:
             os.close(self.fd)
             self.fd = None
         if self.buffer is not None:
-            self.buffer.release()
-            self.buffer = None
+            buf, self.buffer = self.buffer, None
+            rc = buf.release()
+            if rc:
+                raise UpdateError(f"releasing the staging buffer's mapping failed: CUresult {rc}")
 
 
 def _device_tensor(ptr: int, nbytes: int, device: int) -> Any:
