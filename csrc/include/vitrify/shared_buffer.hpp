@@ -27,9 +27,11 @@ class SharedBuffer {
   // CudaError for a failing driver call. A failure leaves nothing behind.
   SharedBuffer(uint64_t size, int device);
 
-  // Maps the buffer another SharedBuffer exported as `fd`. The fd is not consumed: the driver
-  // takes its own reference to the allocation during the import (as it would from a dup), so
-  // the caller still owns `fd` and may close it as soon as this returns. `size` is rounded up to
+  // Maps the buffer another SharedBuffer exported as `fd`. The fd is not consumed: the caller
+  // still owns `fd` and closes it, as soon as this returns if it likes — the imported handle
+  // holds its own reference to the allocation (NVIDIA's memMapIPCDrv sample closes its fds right
+  // after importing; the fake driver's import keeps a dup). Not yet checked on a GPU here:
+  // scripts/experiments/shared_fd_probe.py does. `size` is rounded up to
   // the granularity and must be the exporter's size(): a different size is std::invalid_argument
   // naming both (when the fd says its size) or fails the mapping (when it does not).
   // std::system_error (EBADF) when fd is not open.
