@@ -9,6 +9,7 @@ void bind_common(nanobind::module_& m);
 void bind_driver(nanobind::module_& m);
 void bind_disk(nanobind::module_& m);
 void bind_region(nanobind::module_& m);
+void bind_shared(nanobind::module_& m);
 void bind_snapshot(nanobind::module_& m);
 void bind_host(nanobind::module_& m);
 void bind_graph(nanobind::module_& m);

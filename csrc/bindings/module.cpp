@@ -6,6 +6,7 @@ NB_MODULE(_native, m) {
   vitrify::bindings::bind_driver(m);
   vitrify::bindings::bind_disk(m);
   vitrify::bindings::bind_region(m);
+  vitrify::bindings::bind_shared(m);
   vitrify::bindings::bind_snapshot(m);
   vitrify::bindings::bind_host(m);
   vitrify::bindings::bind_graph(m);

@@ -3,11 +3,12 @@
 namespace vitrify::region::detail {
 namespace {
 
-CUmemAllocationProp device_prop(int device) {
+CUmemAllocationProp device_prop(int device, CUmemAllocationHandleType handle_types) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device;
+  prop.requestedHandleTypes = handle_types;
   return prop;
 }
 
@@ -31,8 +32,9 @@ int Reservation::release() noexcept {
   return r;
 }
 
-PhysicalMemory::PhysicalMemory(uint64_t size, int device) : size_(size) {
-  const CUmemAllocationProp prop = device_prop(device);
+PhysicalMemory::PhysicalMemory(uint64_t size, int device, CUmemAllocationHandleType handle_types)
+    : size_(size) {
+  const CUmemAllocationProp prop = device_prop(device, handle_types);
   VITRIFY_CU(driver::cu().cuMemCreate(&handle_, size, &prop, 0));
 }
 
@@ -78,8 +80,8 @@ int Mapping::release() noexcept {
   return first != 0 ? first : r;
 }
 
-uint64_t granularity(int device) {
-  const CUmemAllocationProp prop = device_prop(device);
+uint64_t granularity(int device, CUmemAllocationHandleType handle_types) {
+  const CUmemAllocationProp prop = device_prop(device, handle_types);
   size_t g = 0;
   VITRIFY_CU(driver::cu().cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   VITRIFY_EXPECT(g > 0 && (g & (g - 1)) == 0,

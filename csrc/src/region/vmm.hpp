@@ -1,6 +1,6 @@
 // Internal: one RAII owner per VMM driver object (invariant R9 in DESIGN.md).
 //   Reservation     cuMemAddressReserve  -> cuMemAddressFree
-//   PhysicalMemory  cuMemCreate          -> cuMemRelease
+//   PhysicalMemory  cuMemCreate or cuMemImportFromShareableHandle -> cuMemRelease
 //   Mapping         cuMemMap (+ SetAccess) -> cuMemUnmap, then its PhysicalMemory is released
 // A failed multi-step operation unwinds by letting its local owners die. Destructors never throw.
 #pragma once
@@ -31,7 +31,15 @@ class Reservation {
 
 class PhysicalMemory {
  public:
-  PhysicalMemory(uint64_t size, int device);
+  // cuMemCreate of `size` bytes on `device`; `handle_types` are the shareable handle types the
+  // allocation may later be exported as (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: SharedBuffer).
+  PhysicalMemory(uint64_t size, int device,
+                 CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE);
+  // Becomes the owner of a handle the caller just obtained from the driver (a successful
+  // cuMemImportFromShareableHandle): from here on cuMemRelease is this object's job.
+  static PhysicalMemory adopt(CUmemGenericAllocationHandle handle, uint64_t size) noexcept {
+    return PhysicalMemory(Adopted{}, handle, size);
+  }
   ~PhysicalMemory() { (void)release(); }
   PhysicalMemory(PhysicalMemory&& o) noexcept
       : handle_(std::exchange(o.handle_, 0)), size_(std::exchange(o.size_, 0)) {}
@@ -42,6 +50,9 @@ class PhysicalMemory {
   int release() noexcept;
 
  private:
+  struct Adopted {};
+  PhysicalMemory(Adopted, CUmemGenericAllocationHandle handle, uint64_t size) noexcept
+      : handle_(handle), size_(size) {}
   CUmemGenericAllocationHandle handle_ = 0;
   uint64_t size_ = 0;
 };
@@ -55,6 +66,8 @@ class Mapping {
   Mapping& operator=(const Mapping&) = delete;
   uint64_t ptr() const { return ptr_; }
   uint64_t size() const { return mem_.size(); }
+  // The mapped physical memory's handle (0 once released), e.g. for cuMemExportToShareableHandle.
+  CUmemGenericAllocationHandle handle() const { return mem_.handle(); }
   // Unmaps, then releases the physical memory; returns the first failing CUresult (or 0).
   int release() noexcept;
 
@@ -64,7 +77,8 @@ class Mapping {
   PhysicalMemory mem_;
 };
 
-// The driver's minimum allocation granularity for pinned device memory on `device`.
-uint64_t granularity(int device);
+// The driver's minimum allocation granularity for pinned device memory on `device` (requested
+// with `handle_types`, as PhysicalMemory is).
+uint64_t granularity(int device, CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE);
 
 }  // namespace vitrify::region::detail

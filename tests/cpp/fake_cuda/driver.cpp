@@ -17,6 +17,9 @@
 //                            tests of regions, the host tier and graphs set 1
 //   FAKE_CUDA_DEVICE_MEMORY  bytes of "device memory" per process (default 64 GiB)
 //   FAKE_CUDA_MAX_REGISTER   per-call ceiling of cuMemHostRegister (default 1 TiB)
+//   FAKE_CUDA_POSIX_FD=0     devices cannot export memory as POSIX fds: the attribute
+//                            HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0 and cuMemCreate
+//                            asking for that handle type fails with NOT_SUPPORTED
 //   FAKE_CUDA_TRACE=1        print primary-context reference counts to stderr
 // Every entry point no module implements returns CUDA_ERROR_NOT_SUPPORTED.
 #include <cstdio>
@@ -159,6 +162,9 @@ CUresult device_get_attribute(int* v, CUdevice_attribute a, CUdevice d) {
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+      *v = env_int("FAKE_CUDA_POSIX_FD", 1) != 0;
+      break;
     default: *v = 0;
   }
   return CUDA_SUCCESS;

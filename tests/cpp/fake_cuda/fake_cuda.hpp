@@ -4,7 +4,7 @@
 //
 // Knobs (environment, read at each call; driver.cpp describes them all):
 //   FAKE_CUDA_VERSION  FAKE_CUDA_INIT  FAKE_CUDA_MISSING  FAKE_CUDA_FAIL  FAKE_CUDA_DEVICES
-//   FAKE_CUDA_DEVICE_MEMORY  FAKE_CUDA_MAX_REGISTER  FAKE_CUDA_TRACE
+//   FAKE_CUDA_DEVICE_MEMORY  FAKE_CUDA_MAX_REGISTER  FAKE_CUDA_POSIX_FD  FAKE_CUDA_TRACE
 #pragma once
 
 #include <cuda.h>

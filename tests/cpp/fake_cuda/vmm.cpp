@@ -1,11 +1,16 @@
 // Device memory of the fake driver, emulated on host memory: VMM reservations are PROT_NONE
 // mmaps at the hint (elsewhere when the hint is taken, like the real driver), physical handles
 // are memfds, cuMemMap maps them MAP_SHARED over the reservation, cuMemSetAccess makes them
-// read-write. cuMemAlloc blocks are private mmaps that belong to the current context's device
+// read-write. A handle created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR exports as a dup
+// of its memfd (cuMemExportToShareableHandle); importing such an fd (in this or another process)
+// makes a handle of its own holding a dup, so every process that maps it sees the same bytes.
+// cuMemAlloc blocks are private mmaps that belong to the current context's device
 // (gone when its primary context is reset). Synchronous copies need a current context and fail
 // with CUDA_ERROR_INVALID_VALUE unless their device range lies inside one cuMemAlloc block or
 // is covered by accessible mappings. fake_cuda_counts() exports the live objects.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -24,8 +29,13 @@ constexpr uint64_t kGran = uint64_t(2) << 20;  // 2 MiB, like the H200
 struct Vmm {
   std::mutex mu;
   std::map<uint64_t, uint64_t> reservations;  // start -> size
-  struct Handle { int fd; uint64_t size; };
-  std::map<uint64_t, Handle> handles;         // id -> memfd
+  struct Handle {
+    int fd;
+    uint64_t size;
+    bool exportable;  // created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, or imported
+    bool imported;    // its bytes are counted in the exporting process's `physical`
+  };
+  std::map<uint64_t, Handle> handles;         // id -> memfd (or a dup of an imported one)
   uint64_t next_handle = 1;
   struct Map { uint64_t size; bool access; };
   std::map<uint64_t, Map> mappings;           // start -> mapping
@@ -166,6 +176,11 @@ CUresult mem_create(CUmemGenericAllocationHandle* h, size_t size, const CUmemAll
   if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_device(prop->location.id))
     return CUDA_ERROR_INVALID_DEVICE;
   if (size == 0 || size % kGran) return CUDA_ERROR_INVALID_VALUE;
+  const auto types = prop->requestedHandleTypes;
+  if (types != CU_MEM_HANDLE_TYPE_NONE && types != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return CUDA_ERROR_NOT_SUPPORTED;
+  if (types == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && env_int("FAKE_CUDA_POSIX_FD", 1) == 0)
+    return CUDA_ERROR_NOT_SUPPORTED;
   Vmm& v = vmm();
   std::lock_guard<std::mutex> lk(v.mu);
   if (v.physical + size > device_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -176,8 +191,45 @@ CUresult mem_create(CUmemGenericAllocationHandle* h, size_t size, const CUmemAll
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   const uint64_t id = v.next_handle++;
-  v.handles[id] = Vmm::Handle{fd, size};
+  v.handles[id] = Vmm::Handle{fd, size, types == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, false};
   v.physical += size;
+  *h = id;
+  return CUDA_SUCCESS;
+}
+
+// A dup of the handle's memfd, without FD_CLOEXEC (the caller decides).
+CUresult export_handle(void* out, CUmemGenericAllocationHandle h, CUmemAllocationHandleType type,
+                       unsigned long long flags) {
+  FAKE_FAIL_POINT("cuMemExportToShareableHandle");
+  if (out == nullptr || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || flags != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  Vmm& v = vmm();
+  std::lock_guard<std::mutex> lk(v.mu);
+  auto it = v.handles.find(h);
+  if (it == v.handles.end() || !it->second.exportable) return CUDA_ERROR_INVALID_VALUE;
+  const int fd = ::fcntl(it->second.fd, F_DUPFD, 0);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
+}
+
+// The fd (passed by value in the pointer) is not consumed: the new handle holds a dup of it.
+CUresult import_handle(CUmemGenericAllocationHandle* h, void* os_handle,
+                       CUmemAllocationHandleType type) {
+  FAKE_FAIL_POINT("cuMemImportFromShareableHandle");
+  if (h == nullptr || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return CUDA_ERROR_INVALID_VALUE;
+  const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
+      uint64_t(st.st_size) % kGran != 0)
+    return CUDA_ERROR_INVALID_VALUE;  // not an fd this driver exported
+  const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  Vmm& v = vmm();
+  std::lock_guard<std::mutex> lk(v.mu);
+  const uint64_t id = v.next_handle++;
+  v.handles[id] = Vmm::Handle{own, uint64_t(st.st_size), true, true};
   *h = id;
   return CUDA_SUCCESS;
 }
@@ -189,7 +241,7 @@ CUresult mem_release(CUmemGenericAllocationHandle h) {
   auto it = v.handles.find(h);
   if (it == v.handles.end()) return CUDA_ERROR_INVALID_VALUE;
   ::close(it->second.fd);  // a live mapping keeps the pages, as with the real driver
-  v.physical -= it->second.size;
+  if (!it->second.imported) v.physical -= it->second.size;
   v.handles.erase(it);
   return CUDA_SUCCESS;
 }
@@ -316,6 +368,8 @@ FAKE_CUDA_ENTRIES({
     {"cuMemAddressFree", FAKE_FN(address_free)},
     {"cuMemCreate", FAKE_FN(mem_create)},
     {"cuMemRelease", FAKE_FN(mem_release)},
+    {"cuMemExportToShareableHandle", FAKE_FN(export_handle)},
+    {"cuMemImportFromShareableHandle", FAKE_FN(import_handle)},
     {"cuMemMap", FAKE_FN(mem_map)},
     {"cuMemUnmap", FAKE_FN(mem_unmap)},
     {"cuMemSetAccess", FAKE_FN(mem_set_access)},
@@ -338,7 +392,9 @@ bool device_range(uint64_t p, uint64_t n) {
 }  // namespace fake
 
 // Live fake driver objects, for tests that check nothing leaked:
-// [reservations, physical handles, mappings, cuMemAlloc blocks, physical bytes].
+// [reservations, physical handles (created or imported), mappings, cuMemAlloc blocks, physical
+// bytes (of created handles and cuMemAlloc blocks: an imported handle's bytes count where they
+// were created)].
 FAKE_EXPORT void fake_cuda_counts(uint64_t out[5]) {
   fake::Vmm& v = fake::vmm();
   std::lock_guard<std::mutex> lk(v.mu);
