@@ -64,10 +64,18 @@ def start_holder(d: str) -> subprocess.Popen:
     ready, _, _ = select.select([child.stdout], [], [], 30)
     line = child.stdout.readline().strip() if ready else ""
     if line != "ready":
-        child.kill()
-        child.wait(timeout=10)
+        stop(child)
         pytest.fail(f"the holder did not get ready (said {line!r}, exit {child.returncode})")
     return child
+
+
+def stop(child: subprocess.Popen) -> None:
+    """Kill the child (if it still runs), reap it and close its pipes."""
+    if child.poll() is None:
+        child.kill()
+    if child.stdin is not None and child.stdin.closed:
+        child.stdin = None  # communicate() would flush it
+    child.communicate(timeout=10)
 
 
 def assert_refused_by(d: str, pid: int, cold_start: str) -> None:
@@ -92,8 +100,7 @@ def test_sigkilled_holder_refuses_then_never_blocks_the_restart(d):
         for cold_start in ("clear", "load"):  # refused before anything is cleared or scanned
             assert_refused_by(d, child.pid, cold_start)
     finally:
-        child.kill()
-        child.wait(timeout=10)
+        stop(child)
     assert child.returncode == -9
     # Its owner record is stale now; the kernel dropped its lock with its files.
     with open(slab(d) + ".owner") as f:
@@ -116,9 +123,7 @@ def test_a_holder_that_exits_normally_releases_the_lock(d, how):
         child.stdin.close()  # "exit": EOF, the process ends with its store open
         assert child.wait(timeout=30) == 0
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=10)
+        stop(child)
     if how == "close":  # a closed store removes its owner record
         assert not os.path.exists(slab(d) + ".owner")
     with open_store(d, cold_start="load") as s:

@@ -45,7 +45,7 @@ class Engine:
 
     def close(self):
         self.p.kill()
-        self.p.wait()
+        self.p.communicate()  # reaps it and closes its pipes
 
 
 def expected(ref) -> dict:
