@@ -604,7 +604,8 @@ class Archive:
         out: dict[str, bytes] = {}
         for rel, (size, data, crc) in zip(rels, got):
             want = self.files[rel]
-            if data is None:
+            if data is None or len(data) != want["bytes"]:
+                size = size if data is None else len(data)
                 kind = "truncated" if size < want["bytes"] else "grown"
                 raise ArchiveCorrupt(self.path, rel, f"{kind}: {size} bytes, the manifest says "
                                                      f"{want['bytes']}")

@@ -543,7 +543,11 @@ class ThawSession:
         t0 = time.perf_counter()
         loaded = g.load_from_archive(archive, RANK, verify=self.verify, device=self.device,
                                      region_base=region.base, threads=self.graph_threads)
-        loaded.wait_all()
+        try:
+            loaded.wait_all()
+        except BaseException:
+            loaded.close()  # nobody else holds it: release the builds and modules now
+            raise
         self._graphs_background = time.perf_counter() - t0
         return loaded
 

@@ -153,9 +153,131 @@ def test_host_staging_is_shared_through_its_descriptor():
     assert b.tensor[:5].tolist() == [1, 2, 3, 4, 5]
     b.close()
     a.close()
-    with pytest.raises(wt.UpdateError, match="holds 0 bytes"):
-        fd = os.memfd_create("empty")
-        try:
+    import fcntl
+
+    fd = os.memfd_create("empty", os.MFD_ALLOW_SEALING)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    try:
+        with pytest.raises(wt.UpdateError, match="holds 0 bytes"):
             wt.HostStaging(10, fd=fd)
-        finally:
-            os.close(fd)
+    finally:
+        os.close(fd)
+
+
+def _small_engine():
+    ref = engine_tensors(bias=True)
+    return {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in ref.items()}
+
+
+def _receiver(engine, **kw):
+    from vitrify.weights import mapping as wm
+
+    return wt.Receiver(engine, wm.megatron_llama(heads=8, kv_heads=2, head_dim=8, qkv_bias=True),
+                       **kw)
+
+
+def _serve_in_thread(rx, conn):
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["summary"] = rx.serve_one(conn)
+        except Exception as e:  # what the engine saw
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def test_finish_without_the_data_is_refused_and_the_engine_stays_incomplete():
+    import socket
+
+    engine = _small_engine()
+    rx = _receiver(engine)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t, box = _serve_in_thread(rx, a)
+    src = megatron_reference(engine_tensors(bias=True), 2, 8, 2, bias=True)
+    staging = wt.HostStaging(1 << 16)
+    try:
+        manifest = [{"name": n, "shape": list(x.shape), "dtype": "float32", "digest": "d"}
+                    for n, x in src.items()]
+        wt._send(b, {"type": "hello", "protocol": wt.PROTOCOL, "manifest": manifest,
+                     "staging": staging.meta(), "slot_bytes": 1 << 15, "slots": 2}, [staging.fd])
+        wt._expect(b, "ready")
+        wt._send(b, {"type": "finish"})  # no chunk at all
+        with pytest.raises(wt.UpdateError, match="never arrived: the update is not complete"):
+            wt._expect(b, "finished")
+    finally:
+        t.join(timeout=30)
+        a.close()
+        b.close()
+        staging.close()
+    assert isinstance(box.get("error"), wt.UpdateError)
+    assert rx.state == "incomplete" and rx.applied == {}
+    assert all(not x.any() for x in engine.values())
+
+
+def test_the_sender_gets_the_engines_reason_when_it_fails_mid_stream(tmp_path):
+    engine = _small_engine()
+    calls = []
+
+    def failing_sync():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("engine GPU fault")
+
+    rx = _receiver(engine, synchronize=failing_sync)
+    path = str(tmp_path / "e.sock")
+    srv = wt.listen(path)
+    import threading
+
+    box = {}
+
+    def accept_and_serve():
+        conn, _ = srv.accept()
+        with conn:
+            try:
+                rx.serve_one(conn)
+            except Exception as e:
+                box["error"] = e
+
+    t = threading.Thread(target=accept_and_serve)
+    t.start()
+    tx = wt.Sender(chunk_bytes=8 << 10, slots=2)
+    try:
+        src = megatron_reference(engine_tensors(bias=True), 2, 8, 2, bias=True)
+        with pytest.raises(wt.UpdateError, match="engine GPU fault"):
+            tx.update(path, src)
+    finally:
+        t.join(timeout=30)
+        srv.close()
+        tx.close()
+    assert rx.state == "incomplete"
+
+
+def test_digests_see_structured_changes_views_and_dtypes():
+    key = (12345, 67890)
+    x = torch.tensor([1, 2, 2, 1], dtype=torch.int32)
+    y = torch.tensor([2, 1, 1, 2], dtype=torch.int32)  # the position-weighted sum ties these
+    assert ws.checksum(x.view(torch.uint8)) == ws.checksum(y.view(torch.uint8))
+    assert wt.digest(x, key) != wt.digest(y, key)
+    z = torch.tensor([5, 3, 7, 7], dtype=torch.int32)  # +1/-1 pairs at (0,1) and -1/+1 at (2,3)
+    z2 = torch.tensor([6, 2, 6, 8], dtype=torch.int32)
+    assert wt.digest(z, key) != wt.digest(z2, key)
+    flat = torch.arange(9, dtype=torch.bfloat16)
+    view = flat[1:7]  # 2 bytes past a 4-byte boundary
+    assert wt.digest(view, key) == wt.digest(view.clone(), key)
+    assert wt.digest(view, key) != wt.digest(view, (1, 2))  # keyed
+    assert wt.digest(x, key) != wt.digest(x.view(torch.float32), key)  # dtype is part of it
+
+
+def test_an_unsealed_staging_descriptor_is_refused_and_closed():
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, 4096)
+    with pytest.raises(wt.UpdateError, match="not sealed"):
+        wt.HostStaging.open(fd, {"kind": "host", "bytes": 4096})
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the failed open

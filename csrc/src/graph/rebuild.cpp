@@ -390,10 +390,11 @@ void GraphSet::set_attributes(const KernelNode& k, CUfunction f) {
   Loaded& l = ensure_loaded(k.module);
   std::lock_guard<std::mutex> lock(l.mu);
   for (const FuncAttribute& a : k.func_attributes) {
-    auto [it, fresh] = l.attributes.try_emplace({k.name, a.id}, a.value);
-    if (!fresh && it->second == a.value) continue;  // this value is set already
+    const auto key = std::make_pair(k.name, static_cast<int>(a.id));
+    const auto it = l.attributes.find(key);
+    if (it != l.attributes.end() && it->second == a.value) continue;  // this value is set
     VITRIFY_CU(CU_NEED(cuFuncSetAttribute)(f, CUfunction_attribute(a.id), a.value));
-    it->second = a.value;
+    l.attributes[key] = a.value;  // recorded only once the driver took it
     std::lock_guard<std::mutex> l2(mu_);
     ++stats_.attributes_set;
   }

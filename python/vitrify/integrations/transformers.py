@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -432,8 +433,9 @@ class CausalLMEngine:
 
         from ..weights.transport import Receiver
 
-        self.receiver = Receiver(self.weights, update_mapping(self.cfg),
-                                 synchronize=torch.cuda.synchronize)
+        if self.receiver is None:  # one per engine: its state and digests outlive each update
+            self.receiver = Receiver(self.weights, update_mapping(self.cfg),
+                                     synchronize=torch.cuda.synchronize)
         return self.receiver
 
     def alloc_state(self) -> None:
@@ -681,10 +683,14 @@ def _receive_update(eng: CausalLMEngine, path: str) -> dict:
     before = {n: t.data_ptr() for n, t in eng.weights.items()}
     graphs_before = (id(eng.loaded), len(eng.loaded) if eng.loaded is not None else 0)
     rx = eng.weight_receiver()
-    with listen(path) as srv:
-        conn, _ = srv.accept()
-        with conn:
-            summary = rx.serve_one(conn)
+    try:
+        with listen(path) as srv:
+            conn, _ = srv.accept()
+            with conn:
+                summary = rx.serve_one(conn)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
     moved = [t for n, t in eng.weights.items() if not n.endswith("inv_freq")]
     scratch = torch.empty(sum(t.numel() * t.element_size() for t in moved), dtype=torch.uint8,
                           device="cuda")
@@ -703,7 +709,9 @@ def _receive_update(eng: CausalLMEngine, path: str) -> dict:
             "graphs_unchanged": graphs_before == (id(eng.loaded), len(eng.loaded)
                                                   if eng.loaded is not None else 0),
             "graphs": graphs_before[1], "d2d_copy_seconds": d2d,
-            "update_over_d2d": d2d / summary["seconds"] if summary["seconds"] > 0 else None}
+            # bytes/s of the update over bytes/s of one device-to-device copy of the same bytes
+            "update_throughput_over_d2d": (d2d / summary["seconds"] if summary["seconds"] > 0
+                                           else None)}
 
 
 def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:

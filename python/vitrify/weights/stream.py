@@ -148,6 +148,48 @@ def checksum(buf: Any, nbytes: int | None = None) -> int:
     return plain << 61 | weighted
 
 
+_KEYED_PIECE = 1 << 22  # keyed sums per step: 4 MiB of the tensor (~64 MiB of temporaries)
+
+
+def _weights(pos: Any, k1: int, k2: int) -> Any:
+    """24-bit pseudo-random weights of word positions under key (k1, k2): multiply-xorshift
+    rounds on 31-bit values, every product below 2**62 (no int64 overflow)."""
+    x = (pos & 0x7FFFFFFF) * k1
+    x = x ^ (x >> 29)
+    x = (x & 0x7FFFFFFF) * k2
+    x = x ^ (x >> 31)
+    return x & 0xFFFFFF
+
+
+def keyed_sums(buf: Any, key: tuple[int, int]) -> int:
+    """Two sums of ``buf``'s bytes (uint8 tensor) as 32-bit words, each word's 16-bit halves
+    weighted by pseudo-random 24-bit weights of its position under ``key`` (two 31-bit
+    integers), modulo 2**61 - 1: unlike :func:`checksum` (linear in the position), a structured
+    change (two words swapped, +1/-1 pairs) leaves them equal only by chance. Pieces of 4 MiB:
+    each product < 2**40, each piece's sum < 2**62."""
+    import torch
+
+    k1, k2 = (int(k) for k in key)
+    if not (0 < k1 < 1 << 31 and 0 < k2 < 1 << 31):
+        raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
+    prime = (1 << 61) - 1
+    a = b = 0
+    n = buf.numel()
+    for lo in range(0, n, _KEYED_PIECE):
+        piece = buf[lo:min(n, lo + _KEYED_PIECE)]
+        pad = (-piece.numel()) % 4
+        if pad:
+            piece = torch.cat([piece, piece.new_zeros(pad)])
+        words = piece.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        pos = torch.arange(lo // 4, lo // 4 + words.numel(), device=words.device,
+                           dtype=torch.int64)
+        wa, wb = _weights(pos, k1, k2), _weights(pos, k2, k1)
+        h0, h1 = words & 0xFFFF, words >> 16
+        a = (a + int((h0 * wa).sum()) + int((h1 * wb).sum())) % prime
+        b = (b + int((h0 * wb).sum()) + int((h1 * wa).sum())) % prime
+    return a << 61 | b
+
+
 def _entry_view(e: Entry, staging: Any) -> Any:
     import torch
 

@@ -28,9 +28,11 @@ export VMM memory). Both are ``uint8`` torch tensors over the shared bytes on ei
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import secrets
 import socket
 import struct
 import time
@@ -76,25 +78,40 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
 
 
 def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    """One frame and the descriptors that came with it (closed here if the frame is bad)."""
     fds: list[int] = []
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds))
-    if n > _MAX_FRAME:
-        raise UpdateError(f"a frame of {n} bytes is larger than {_MAX_FRAME}")
-    msg = json.loads(_recv_exact(sock, n, fds))
-    if not isinstance(msg, dict) or "type" not in msg:
-        raise UpdateError(f"not a protocol frame: {str(msg)[:200]}")
+    try:
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds))
+        if n > _MAX_FRAME:
+            raise UpdateError(f"a frame of {n} bytes is larger than {_MAX_FRAME}")
+        try:
+            msg = json.loads(_recv_exact(sock, n, fds))
+        except ValueError as e:
+            raise UpdateError(f"a frame that is not JSON: {e}") from None
+        if not isinstance(msg, dict) or "type" not in msg:
+            raise UpdateError(f"not a protocol frame: {str(msg)[:200]}")
+    except BaseException:
+        _close_all(fds)
+        raise
     return msg, fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _expect(sock: socket.socket, kind: str) -> tuple[dict, list[int]]:
     msg, fds = _recv(sock)
     if msg["type"] == "error":
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         raise UpdateError(f"the engine refused the update: {msg.get('message')}")
     if msg["type"] != kind:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         raise UpdateError(f"expected a {kind!r} frame, got {msg['type']!r}")
     return msg, fds
 
@@ -113,18 +130,30 @@ class HostStaging:
 
         self.nbytes = _check.integer("nbytes", nbytes, 1, _check.U64_MAX)
         if fd is None:
-            fd = os.memfd_create("vitrify-staging", os.MFD_CLOEXEC)
+            fd = os.memfd_create("vitrify-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, self.nbytes)
-        elif os.fstat(fd).st_size < self.nbytes:
-            raise UpdateError(f"the staging descriptor holds {os.fstat(fd).st_size} bytes, "
-                              f"{self.nbytes} expected")
+            # Its size is fixed for good: a peer cannot shrink it under a mapping (SIGBUS).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_SEAL)
+        else:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise UpdateError("the staging descriptor is not sealed against shrinking")
+            if os.fstat(fd).st_size < self.nbytes:
+                raise UpdateError(f"the staging descriptor holds {os.fstat(fd).st_size} bytes, "
+                                  f"{self.nbytes} expected")
         self.fd = fd
         self.tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=self.nbytes,
                                       dtype=torch.uint8)
 
     @classmethod
-    def open(cls, fd: int, meta: dict) -> HostStaging:
-        return cls(int(meta["bytes"]), fd=fd)
+    def open(cls, fd: int, meta: dict, device: int | None = None) -> HostStaging:
+        """Map a received descriptor (owned from now on: closed on failure too)."""
+        try:
+            return cls(int(meta["bytes"]), fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def meta(self) -> dict:
         return {"kind": self.kind, "bytes": self.nbytes}
@@ -157,14 +186,21 @@ class CudaStaging:
         return self.fd
 
     @classmethod
-    def open(cls, fd: int, meta: dict) -> CudaStaging:
+    def open(cls, fd: int, meta: dict, device: int | None = None) -> CudaStaging:
+        """Map a received descriptor on ``device`` (this process's numbering: the engine's
+        device, not the sender's number); the descriptor is closed either way."""
         from .. import _native
 
+        dev = int(meta["device"]) if device is None else device
         try:
-            buf = _native.SharedBuffer.import_fd(fd, int(meta["allocated"]), int(meta["device"]))
+            buf = _native.SharedBuffer.import_fd(fd, int(meta["allocated"]), dev)
         finally:
             os.close(fd)
-        return cls(int(meta["bytes"]), int(meta["device"]), _buffer=buf)
+        if not 0 < int(meta["bytes"]) <= buf.size:
+            buf.release()
+            raise UpdateError(f"the sender claims {meta['bytes']} staging bytes of a "
+                              f"{buf.size}-byte buffer")
+        return cls(int(meta["bytes"]), dev, _buffer=buf)
 
     def meta(self) -> dict:
         return {"kind": self.kind, "bytes": self.nbytes, "allocated": int(self.buffer.size),
@@ -201,12 +237,18 @@ def _staging_fd(staging: Any) -> int:
 # ---- digests ------------------------------------------------------------------------------------
 
 
-def digest(t: Any) -> str:
-    """A content digest of a tensor's bytes (:func:`stream.checksum`, on its device)."""
+def digest(t: Any, key: tuple[int, int]) -> str:
+    """A content digest of a tensor: its dtype, shape and :func:`stream.keyed_sums` of its bytes
+    under ``key`` (a sender's secret: the same key gives the same digest for the same bytes, and
+    a change the position-weighted checksum would not see is caught with probability about
+    1 - 2**-46). Computed on the tensor's device."""
     import torch
 
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
-    return f"{stream.checksum(flat):032x}"
+    flat = t.detach().contiguous().view(-1)
+    if (flat.storage_offset() * flat.element_size()) % 4:  # 32-bit words need aligned bytes
+        flat = flat.clone()
+    sums = stream.keyed_sums(flat.view(torch.uint8), key)
+    return f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:{sums:x}"
 
 
 def _specs(tensors: MappingABC[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -219,24 +261,31 @@ def _specs(tensors: MappingABC[str, Any]) -> dict[str, tuple[tuple[int, ...], st
 class Receiver:
     """The engine's side: ``engine`` maps names to its tensors (updated in place), ``mapping``
     the trainer's layout onto them. ``allowed_uids``: the users whose processes may send
-    (SO_PEERCRED; default: this process's user only). ``synchronize``: called after each chunk's copies (torch.cuda.synchronize on
-    a GPU engine) before ``done`` lets the sender reuse the slot."""
+    (SO_PEERCRED; default: this process's user only). ``synchronize``: called after each
+    chunk's copies (torch.cuda.synchronize on a GPU engine) before ``done`` lets the sender reuse
+    the slot, and before the staging buffer is released. ``device``: where a GPU staging buffer
+    is mapped (default: the engine's tensors' device)."""
 
     def __init__(self, engine: MappingABC[str, Any], mapping: Mapping, *,
                  allowed_uids: tuple[int, ...] | None = None,
-                 synchronize: Callable[[], None] | None = None):
+                 synchronize: Callable[[], None] | None = None, device: int | None = None):
         self.engine = engine
         self.mapping = mapping
         self.allowed_uids = {os.getuid()} if allowed_uids is None else set(allowed_uids)
         self.synchronize = synchronize or (lambda: None)
+        if device is None:
+            first = next(iter(engine.values()), None)
+            device = getattr(getattr(first, "device", None), "index", None)
+        self.device = device
         self.state = "ready"
         self.applied: dict[str, str] = {}  # source name -> digest of the last completed update
         self.last: dict = {}
 
     def serve_one(self, conn: socket.socket) -> dict:
-        """Run one update on an accepted connection; returns its summary. On any failure the
-        state is ``"incomplete"``, the peer gets an ``error`` frame when it can, the staging
-        mapping is released, and the error propagates."""
+        """Run one update on an accepted connection; returns its summary. On any failure after
+        the engine said ``ready`` the state is ``"incomplete"``; the peer gets an ``error`` frame
+        when it can, the staging mapping is released (after the queued copies), every received
+        descriptor is closed, and the error propagates."""
         staging = None
         fds: list[int] = []
         try:
@@ -248,8 +297,9 @@ class Receiver:
             if hello.get("protocol") != PROTOCOL:
                 raise UpdateError(f"protocol {hello.get('protocol')!r}, this engine speaks "
                                   f"{PROTOCOL}")
-            manifest = {m["name"]: (tuple(m["shape"]), m["dtype"]) for m in hello["manifest"]}
-            digests = {m["name"]: m["digest"] for m in hello["manifest"]}
+            manifest = {m["name"]: (tuple(int(d) for d in m["shape"]), str(m["dtype"]))
+                        for m in hello["manifest"]}
+            digests = {m["name"]: str(m["digest"]) for m in hello["manifest"]}
             plan = self.mapping.plan(manifest, _specs(self.engine))  # names the misfit
             if len(fds) != 1:
                 raise UpdateError(f"the hello frame carried {len(fds)} descriptors, not 1")
@@ -257,7 +307,11 @@ class Receiver:
             opener = {"host": HostStaging, "cuda": CudaStaging}.get(meta.get("kind"))
             if opener is None:
                 raise UpdateError(f"unknown staging buffer kind {meta.get('kind')!r}")
-            staging = opener.open(fds.pop(), meta)
+            staging = opener.open(fds.pop(), meta, self.device)  # owns the descriptor now
+            slot_bytes, slots = int(hello["slot_bytes"]), int(hello["slots"])
+            if slot_bytes < 1 or slots < 1 or slot_bytes * slots > staging.nbytes:
+                raise UpdateError(f"{slots} slots of {slot_bytes} bytes do not fit the "
+                                  f"{staging.nbytes}-byte staging buffer")
             need = [n for n in manifest if self.applied.get(n) != digests[n]]
             self.state = "updating"
             for n in need:
@@ -265,14 +319,10 @@ class Receiver:
             _send(conn, {"type": "ready", "need": need})
             t0 = time.perf_counter()
             moved = copies = chunks = 0
-            slot_bytes = int(hello["slot_bytes"])
-            if slot_bytes * int(hello["slots"]) > staging.nbytes:
-                raise UpdateError(f"{hello['slots']} slots of {slot_bytes} bytes exceed the "
-                                  f"{staging.nbytes}-byte staging buffer")
+            got: dict[str, list[tuple[int, int]]] = {n: [] for n in need}
             while True:
                 msg, extra = _recv(conn)
-                for fd in extra:
-                    os.close(fd)
+                _close_all(extra)
                 if msg["type"] == "finish":
                     break
                 if msg["type"] != "chunk":
@@ -282,19 +332,22 @@ class Receiver:
                                         for e in msg["entries"]), int(msg["nbytes"]))
                 stream.check_chunk(ch, {n: manifest[n] for n in need}, slot_bytes)
                 slot = int(msg["slot"])
-                if not 0 <= slot < int(hello["slots"]):
-                    raise UpdateError(f"chunk {ch.index} names slot {slot} of {hello['slots']}")
+                if not 0 <= slot < slots:
+                    raise UpdateError(f"chunk {ch.index} names slot {slot} of {slots}")
+                for e in ch.entries:
+                    got[e.name].append((e.row0, e.row1))
                 view = staging.tensor[slot * slot_bytes:(slot + 1) * slot_bytes]
                 copies += stream.apply(ch, plan, view, self.engine, int(msg["checksum"]))
                 self.synchronize()
                 moved += sum(e.nbytes for e in ch.entries)
                 chunks += 1
                 _send(conn, {"type": "done", "index": ch.index})
-            staging.close()  # released before "finished" is signalled
-            staging = None
+            _check_complete(got, manifest)  # every row of every needed tensor, exactly once
+            st, staging = staging, None
+            st.close()  # released before "finished" is signalled
             for n in need:
                 self.applied[n] = digests[n]
-            total = sum(stream._itemsize(d) * _numel(s) for s, d in manifest.values())
+            total = sum(stream._itemsize(d) * _numel(sh) for sh, d in manifest.values())
             self.last = {"bytes_moved": moved, "bytes_total": total, "chunks": chunks,
                          "copies": copies, "tensors": len(need), "tensors_total": len(manifest),
                          "seconds": time.perf_counter() - t0}
@@ -302,17 +355,38 @@ class Receiver:
             _send(conn, {"type": "finished", **self.last})
             return self.last
         except BaseException as e:
-            self.state = "incomplete" if self.state == "updating" else self.state
+            if self.state == "updating":
+                self.state = "incomplete"
             try:
                 _send(conn, {"type": "error", "message": f"{type(e).__name__}: {e}"})
             except OSError:
                 pass
             raise
         finally:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             if staging is not None:
+                try:
+                    self.synchronize()  # no queued copy may read the buffer after it is unmapped
+                except Exception as e:  # the first error is the one that propagates
+                    log.debug("synchronize before releasing the staging buffer: %s", e)
                 staging.close()
+
+
+def _check_complete(got: dict[str, list[tuple[int, int]]],
+                    manifest: MappingABC[str, tuple[tuple[int, ...], str]]) -> None:
+    """Every needed tensor's rows arrived, each exactly once; else :class:`UpdateError`."""
+    for name, spans in got.items():
+        rows = manifest[name][0][0] if manifest[name][0] else 1
+        at = 0
+        for lo, hi in sorted(spans):
+            if lo != at:
+                what = "twice" if lo < at else "never"
+                raise UpdateError(f"rows {min(lo, at)}..{max(lo, at)} of {name!r} arrived "
+                                  f"{what}: the update is not complete")
+            at = hi
+        if at != rows:
+            raise UpdateError(f"rows {at}..{rows} of {name!r} never arrived: the update is not "
+                              f"complete")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -371,6 +445,9 @@ class Sender:
         if self.slot_bytes == 0:
             raise MappingError(f"chunk_bytes={chunk_bytes} leaves no room for {slots} slots")
         self.chunk_bytes = chunk_bytes
+        # The digests' key: the same for every update of this sender (so unchanged tensors
+        # are recognised), unknown to anyone else.
+        self.key = (secrets.randbelow((1 << 31) - 1) + 1, secrets.randbelow((1 << 31) - 1) + 1)
         self.staging = (HostStaging(chunk_bytes) if device is None
                         else CudaStaging(chunk_bytes, device))
 
@@ -379,41 +456,63 @@ class Sender:
                synchronize: Callable[[], None] | None = None) -> dict:
         """Stream the tensors the engine needs (all, or those changed since its last completed
         update); returns the engine's ``finished`` summary. Raises :class:`UpdateError` with the
-        engine's reason when it refuses. ``connect_timeout``: keep trying to connect that long
-        while nothing listens at ``path`` yet (an engine still thawing)."""
+        engine's reason when it refuses or fails. ``connect_timeout``: keep trying to connect
+        that long while nothing listens at ``path`` yet (an engine still thawing)."""
         manifest = [{"name": n, "shape": list(t.shape),
-                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t)}
+                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t, self.key)}
                     for n, t in tensors.items()]
-        sync = synchronize or (lambda: None)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             _connect(sock, path, connect_timeout)
-            _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest,
-                         "staging": self.staging.meta(), "slot_bytes": self.slot_bytes,
-                         "slots": self.slots},
-                  [_staging_fd(self.staging)])
-            ready, _ = _expect(sock, "ready")
-            need = {n: tensors[n] for n in ready["need"]}
-            chunks = stream.plan_chunks(_specs(need), self.slot_bytes)
-            in_flight: list[int] = []
-            for ch in chunks:
-                slot = ch.index % self.slots
-                if len(in_flight) == self.slots:  # wait until the oldest slot is free
-                    done, _ = _expect(sock, "done")
-                    in_flight.remove(int(done["index"]))
-                view = self.staging.tensor[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-                check = stream.fill(ch, need, view)
-                sync()
-                _send(sock, {"type": "chunk", "index": ch.index, "slot": slot,
-                             "nbytes": ch.nbytes, "checksum": check,
-                             "entries": [[e.name, e.dtype, list(e.shape), e.row0, e.row1,
-                                          e.offset, e.nbytes] for e in ch.entries]})
-                in_flight.append(ch.index)
-            while in_flight:
-                done, _ = _expect(sock, "done")
-                in_flight.remove(int(done["index"]))
-            _send(sock, {"type": "finish"})
-            fin, _ = _expect(sock, "finished")
+            try:
+                return self._stream(sock, tensors, manifest, synchronize or (lambda: None))
+            except OSError as e:  # the engine hung up: its error frame says why, if it sent one
+                try:
+                    sock.settimeout(5.0)
+                    _expect(sock, "error")
+                except UpdateError as refused:
+                    raise refused from e
+                except OSError:
+                    pass
+                raise UpdateError(f"the connection to the engine at {path} broke: {e}") from e
+
+    def _stream(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
+                sync: Callable[[], None]) -> dict:
+        _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest,
+                     "staging": self.staging.meta(), "slot_bytes": self.slot_bytes,
+                     "slots": self.slots}, [_staging_fd(self.staging)])
+        ready, _ = _expect(sock, "ready")
+        unknown = [n for n in ready["need"] if n not in tensors]
+        if unknown:
+            raise UpdateError(f"the engine asks for tensors this update does not have: "
+                              f"{unknown[:4]}")
+        need = {n: tensors[n] for n in ready["need"]}
+        chunks = stream.plan_chunks(_specs(need), self.slot_bytes)
+        in_flight: list[int] = []
+
+        def wait_oldest() -> None:
+            done, _ = _expect(sock, "done")
+            if int(done["index"]) != in_flight[0]:
+                raise UpdateError(f"the engine finished chunk {done['index']}, expected "
+                                  f"{in_flight[0]}")
+            in_flight.pop(0)
+
+        for ch in chunks:
+            slot = ch.index % self.slots
+            if len(in_flight) == self.slots:  # the oldest chunk's slot is this one
+                wait_oldest()
+            view = self.staging.tensor[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+            check = stream.fill(ch, need, view)
+            sync()
+            _send(sock, {"type": "chunk", "index": ch.index, "slot": slot, "nbytes": ch.nbytes,
+                         "checksum": check,
+                         "entries": [[e.name, e.dtype, list(e.shape), e.row0, e.row1, e.offset,
+                                      e.nbytes] for e in ch.entries]})
+            in_flight.append(ch.index)
+        while in_flight:
+            wait_oldest()
+        _send(sock, {"type": "finish"})
+        fin, _ = _expect(sock, "finished")
         return fin
 
     def close(self) -> None:
