@@ -730,6 +730,7 @@ def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
     tx = Sender(chunk_bytes, device=0)
     try:
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         # the engine listens once it has thawed
         fin = tx.update(path, src, connect_timeout=float(opts.get("wait_s", 300)),
