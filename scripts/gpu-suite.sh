@@ -13,7 +13,8 @@
 # first call with VITRIFY_PYTEST_K="not transformers_engine_gpu" (about 6 minutes), the second with
 # VITRIFY_PYTEST_K="transformers_engine_gpu" VITRIFY_SUITE_BENCH=0 VITRIFY_SUITE_CTEST=0 (the
 # 1.1 B engine, eager and compiled: about 6 minutes). `vitrify bench coldstart` gets a call of
-# its own (three cold starts of the compiled engine take about 6 minutes).
+# its own (three cold starts of the compiled engine take about 6 minutes). `bench weights` (an
+# 8 B-shaped update between two processes) is new: time it before relying on one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=$(realpath -m "${1:-${OUT:-build/gpu-suite}}")
@@ -38,7 +39,7 @@ step() {  # step NAME CMD...: run, log, record the exit code
 
 # GPU benchmarks (`vitrify bench NAME`, python/vitrify/bench/NAME.py): each prints a table and
 # writes <name>-<date>.json into the directory it is given with --out. Append new ones here.
-GPU_BENCHMARKS=(region snapshot host graphs)
+GPU_BENCHMARKS=(region snapshot host graphs weights)
 # VITRIFY_SUITE_BENCH=0: tests only (the second call of a split run).
 [ "${VITRIFY_SUITE_BENCH:-1}" = 0 ] && GPU_BENCHMARKS=()
 

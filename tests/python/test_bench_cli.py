@@ -264,7 +264,7 @@ def test_every_benchmark_has_help():
 def test_gpu_suite_runs_every_gpu_benchmark_by_its_cli_name():
     text = (ROOT / "scripts" / "gpu-suite.sh").read_text()
     (listed,) = re.findall(r"^GPU_BENCHMARKS=\(([^)]*)\)", text, re.M)
-    assert set(listed.split()) == {"region", "snapshot", "host", "graphs"}
+    assert set(listed.split()) == {"region", "snapshot", "host", "graphs", "weights"}
     assert '-m vitrify bench "$b"' in text and "benchmarks/python" not in text
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu-suite.sh")]).returncode == 0

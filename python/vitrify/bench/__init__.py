@@ -22,6 +22,8 @@ graphs    CUDA graph rebuild in a fresh process vs capture, replay vs torch     
 hicache   vitrify's HiCache L3 backend vs SGLang's file backend                  SGLang
 coldstart process start -> first token: cold engine vs thaw, above the            a GPU, torch,
           import-torch + CUDA-context floor; weight restore vs disk and PCIe     transformers
+weights   weight update (two processes, staged) vs D2D copies and per-tensor     a GPU, torch
+          CUDA IPC; bytes moved by a 1 % delta
 ========  =====================================================================  ==============
 
 Exit status of ``vitrify bench``: 0 when the benchmark ran and wrote its result, or when it cannot
@@ -47,6 +49,8 @@ BENCHMARKS: dict[str, str] = {
     "hicache": "SGLang HiCache L3: vitrify's backend vs SGLang's file backend (needs SGLang)",
     "coldstart": "engine start: cold vs thaw to the first token, above the import/context floor "
                  "(GPU)",
+    "weights": "weight update between two processes vs one and two D2D copies and per-tensor "
+               "CUDA IPC; a 1 % delta (GPU)",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -458,23 +458,30 @@ class Sender:
         update); returns the engine's ``finished`` summary. Raises :class:`UpdateError` with the
         engine's reason when it refuses or fails. ``connect_timeout``: keep trying to connect
         that long while nothing listens at ``path`` yet (an engine still thawing)."""
-        manifest = [{"name": n, "shape": list(t.shape),
-                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t, self.key)}
-                    for n, t in tensors.items()]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             _connect(sock, path, connect_timeout)
+            return self.update_over(sock, tensors, synchronize=synchronize,
+                                    where=f"the engine at {path}")
+
+    def update_over(self, sock: socket.socket, tensors: MappingABC[str, Any], *,
+                    synchronize: Callable[[], None] | None = None,
+                    where: str = "the engine") -> dict:
+        """:meth:`update` over a connected socket (the engine's next frame is ``hello``)."""
+        manifest = [{"name": n, "shape": list(t.shape),
+                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t, self.key)}
+                    for n, t in tensors.items()]
+        try:
+            return self._stream(sock, tensors, manifest, synchronize or (lambda: None))
+        except OSError as e:  # the engine hung up: its error frame says why, if it sent one
             try:
-                return self._stream(sock, tensors, manifest, synchronize or (lambda: None))
-            except OSError as e:  # the engine hung up: its error frame says why, if it sent one
-                try:
-                    sock.settimeout(5.0)
-                    _expect(sock, "error")
-                except UpdateError as refused:
-                    raise refused from e
-                except OSError:
-                    pass
-                raise UpdateError(f"the connection to the engine at {path} broke: {e}") from e
+                sock.settimeout(5.0)
+                _expect(sock, "error")
+            except UpdateError as refused:
+                raise refused from e
+            except OSError:
+                pass
+            raise UpdateError(f"the connection to {where} broke: {e}") from e
 
     def _stream(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
                 sync: Callable[[], None]) -> dict:

@@ -1,0 +1,249 @@
+"""Weight update throughput on one GPU, two processes (GPU): a trainer process streams a model's
+weights (Megatron-style layout) into an engine process's tensors through vitrify's staging
+buffer, against baselines measured in the same run:
+
+- one device-to-device copy of the same bytes in one process (the HBM limit), and two copies
+  (the limit of any design that stages: every byte crosses memory twice);
+- the legacy per-tensor CUDA IPC path: the trainer exports every tensor with CUDA IPC handles
+  (torch.multiprocessing's reductions), the engine opens each handle and copies, per update;
+- a delta update where 1 % of the tensors changed (bytes moved over the model's).
+
+SGLang's own update-from-tensor path needs a running server (the SGLang plugin): not measured
+here, said in the result.
+
+    vitrify bench weights [--shape 1b|8b] [--chunk-mib 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import resultlib
+from .cli import positive_int
+
+SHAPES = {  # EngineConfig overrides: a 1.1 B Llama (the engine's default) and Qwen3-8B's shape
+    "1b": {},
+    "8b": {"vocab": 151936, "hidden": 4096, "ffn": 12288, "layers": 36, "heads": 32,
+           "kv_heads": 8},
+}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                    help="model shape: 8b (Qwen3-8B's, 16 GB of bf16; default) or 1b")
+    ap.add_argument("--chunk-mib", type=positive_int, default=256,
+                    help="staging buffer, MiB (the bound on the update's extra memory)")
+    ap.add_argument("--quick", action="store_true", help="the 1b shape and one repetition")
+
+
+def unavailable(args: argparse.Namespace) -> str | None:
+    import vitrify
+
+    if not vitrify.cuda_available():
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    if importlib.util.find_spec("torch") is None:
+        return "needs torch (pip install torch)"
+    return None
+
+
+def _config(shape: str):
+    from ..integrations.transformers import EngineConfig
+
+    return EngineConfig(**SHAPES[shape], batch_sizes=(1,))
+
+
+# ---- the engine process -------------------------------------------------------------------------
+
+
+def _engine(path: str, shape: str) -> int:
+    """``python -m vitrify.bench.weights _engine SOCKET SHAPE``: the engine's weights (zeros,
+    bf16, on the GPU), serving vitrify updates and per-tensor IPC updates until told to stop."""
+    import torch
+
+    from ..integrations.transformers import param_specs, update_mapping
+    from ..weights import mapping as wm
+    from ..weights import transport as wt
+
+    cfg = _config(shape)
+    engine = {n: torch.zeros(s, dtype=getattr(torch, d), device="cuda")
+              for n, s, d in param_specs(cfg)}
+    mapping = update_mapping(cfg)
+    rx = wt.Receiver(engine, mapping, synchronize=torch.cuda.synchronize)
+    with wt.listen(path) as srv:
+        print(json.dumps({"listening": path}), flush=True)
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                msg, _ = wt._recv(conn)
+                if msg["type"] == "stop":
+                    return 0
+                if msg["type"] == "vitrify":
+                    wt._send(conn, {"type": "go"})
+                    summary = rx.serve_one(conn)
+                    print(json.dumps({"vitrify": summary}), flush=True)
+                elif msg["type"] == "ipc":  # the legacy path: one CUDA IPC handle per tensor
+                    t0 = time.perf_counter()
+                    handles = pickle.loads(bytes.fromhex(msg["tensors"]))
+                    src = {n: fn(*args) for n, (fn, args) in handles.items()}
+                    plan = mapping.plan({n: (tuple(t.shape), str(t.dtype)[6:])
+                                         for n, t in src.items()},
+                                        {n: (tuple(t.shape), str(t.dtype)[6:])
+                                         for n, t in engine.items()})
+                    for n, t in src.items():
+                        for c in plan.for_source(n):
+                            wm.copy(c, t, engine[c.dst])
+                    torch.cuda.synchronize()
+                    del src
+                    seconds = time.perf_counter() - t0
+                    wt._send(conn, {"type": "done", "seconds": seconds})
+                    print(json.dumps({"ipc": seconds}), flush=True)
+
+
+# ---- the trainer (this process) -----------------------------------------------------------------
+
+
+def _call(path: str, msg: dict, then: Callable[[Any], Any] | None = None) -> Any:
+    import socket
+
+    from ..weights import transport as wt
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(600)
+        wt._connect(s, path, 120.0)
+        wt._send(s, msg)
+        return then(s) if then else None
+
+
+def _update(sock: Any, tx: Any, src: dict) -> dict:
+    import torch
+
+    from ..weights import transport as wt
+
+    wt._expect(sock, "go")
+    return tx.update_over(sock, src, synchronize=torch.cuda.synchronize)
+
+
+def _d2d(src: dict, copies: int) -> float:
+    """Seconds to copy every tensor's bytes into one scratch buffer, ``copies`` times over."""
+    import torch
+
+    total = sum(t.numel() * t.element_size() for t in src.values())
+    scratch = torch.empty(total, dtype=torch.uint8, device="cuda")
+    flat = [t.view(-1).view(torch.uint8) for t in src.values()]
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            at = 0
+            for f in flat:
+                scratch[at:at + f.numel()].copy_(f)
+                at += f.numel()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del scratch
+    return best
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from ..integrations.transformers import fill_weights, megatron_tensors, param_specs
+    from ..weights import transport as wt
+
+    shape = "1b" if args.quick else args.shape
+    cfg = _config(shape)
+    chunk = args.chunk_mib << 20
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="vitrify-bench-weights-") as d:
+        path = os.path.join(d, "engine.sock")
+        eng = subprocess.Popen([sys.executable, "-m", "vitrify.bench.weights", "_engine", path,
+                                shape], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        try:
+            line = eng.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the engine process failed: {eng.stderr.read()[-3000:]}")
+            progress(f"trainer: {shape} weights in the Megatron layout")
+            weights = {n: torch.empty(s, dtype=getattr(torch, dt), device="cuda")
+                       for n, s, dt in param_specs(cfg)}
+            fill_weights(weights, cfg)
+            src = megatron_tensors(weights, cfg)
+            del weights
+            total = sum(t.numel() * t.element_size() for t in src.values())
+            tx = wt.Sender(chunk, device=0)
+            try:
+                progress(f"vitrify update, {total / 1e9:.1f} GB through {args.chunk_mib} MiB")
+                t0 = time.perf_counter()
+                full = _call(path, {"type": "vitrify"}, lambda s: _update(s, tx, src))
+                full_s = time.perf_counter() - t0
+                progress("delta update: 1 % of the tensors changed")
+                names = list(src)
+                changed = names[::100] or names[:1]
+                for n in changed:
+                    src[n].add_(1)
+                t0 = time.perf_counter()
+                delta = _call(path, {"type": "vitrify"}, lambda s: _update(s, tx, src))
+                delta_s = time.perf_counter() - t0
+            finally:
+                tx.close()
+            progress("per-tensor CUDA IPC (the legacy path)")
+            t0 = time.perf_counter()
+            handles = {n: reduce_tensor(t) for n, t in src.items()}
+            ipc = _call(path, {"type": "ipc", "tensors": pickle.dumps(handles).hex()},
+                        lambda s: wt._expect(s, "done")[0])
+            ipc_s = time.perf_counter() - t0
+            progress("device-to-device copies of the same bytes")
+            d2d_s, d2d2_s = _d2d(src, 1), _d2d(src, 2)
+            _call(path, {"type": "stop"})
+            eng.wait(timeout=60)
+        finally:
+            if eng.poll() is None:
+                eng.kill()
+            eng.communicate()
+    gbs = lambda s: total / s / 1e9  # noqa: E731
+    rows += [
+        {"case": "vitrify update (trainer's wall time)", "seconds": full_s, "GB/s": gbs(full_s)},
+        {"case": "vitrify update (engine's copy loop)", "seconds": full["seconds"],
+         "GB/s": gbs(full["seconds"])},
+        {"case": "delta update, 1 % of tensors", "seconds": delta_s,
+         "GB/s": delta["bytes_moved"] / delta_s / 1e9},
+        {"case": "per-tensor CUDA IPC", "seconds": ipc_s, "GB/s": gbs(ipc_s)},
+        {"case": "one D2D copy (HBM limit)", "seconds": d2d_s, "GB/s": gbs(d2d_s)},
+        {"case": "two D2D copies (staged limit)", "seconds": d2d2_s, "GB/s": gbs(d2d2_s)},
+    ]
+    ratios = {"update_throughput_over_d2d": d2d_s / full_s,
+              "update_throughput_over_staged_limit": d2d2_s / full_s,
+              "update_throughput_over_ipc": ipc_s / full_s,
+              "delta_bytes_fraction": delta["bytes_moved"] / delta["bytes_total"]}
+    resultlib.print_table(rows, ["case", "seconds", "GB/s"])
+    for k, v in ratios.items():
+        print(f"{k:40s} {v:8.3f}")
+    return resultlib.result(
+        "weights", rows=rows, ratios=ratios,
+        goals={"update_throughput_over_d2d": 0.8, "delta_bytes_fraction": 0.02},
+        goal_direction={"delta_bytes_fraction": "<="}, shape=shape, config=cfg.to_dict(),
+        bytes=total, chunk_bytes=chunk, full=full, delta=delta, ipc_engine_seconds=ipc["seconds"],
+        changed_tensors=len(changed), tensors=len(src),
+        not_measured={"sglang_update_from_tensor": "needs an SGLang server with vitrify's "
+                                                   "plugin (issue 16)"},
+        note="a staged update moves every byte twice (into the staging buffer, out of it): "
+             "its limit is the two-copy row, half the one-copy HBM limit")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "_engine":
+        sys.exit(_engine(sys.argv[2], sys.argv[3]))
+    print("usage: vitrify bench weights (the _engine mode is internal)", file=sys.stderr)
+    sys.exit(2)
