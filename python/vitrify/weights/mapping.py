@@ -238,18 +238,29 @@ def _check_coverage(copies: list[Copy], dst: dict[str, Spec]) -> None:
                            f"{missing[:4]}{' ...' if len(missing) > 4 else ''}")
     for name, spans in by_dst.items():
         rows = dst[name][0][dims[name]]
-        at = 0
-        for lo, hi, src in sorted(spans):
-            if lo < at:
+        bad = first_misfit([(lo, hi) for lo, hi, _ in spans], rows)
+        if bad is not None:
+            kind, lo, hi = bad
+            if kind == "overlap":
+                src = next(s for a, b, s in sorted(spans) if a == lo)
                 raise MappingError(f"engine tensor {name!r}: rows {lo}..{hi} from {src!r} "
                                    f"overlap rows written by another source")
-            if lo > at:
-                raise MappingError(f"engine tensor {name!r}: rows {at}..{lo} get nothing from "
-                                   f"the source")
-            at = hi
-        if at != rows:
-            raise MappingError(f"engine tensor {name!r}: rows {at}..{rows} get nothing from the "
+            raise MappingError(f"engine tensor {name!r}: rows {lo}..{hi} get nothing from the "
                                f"source")
+
+
+def first_misfit(spans: Iterable[tuple[int, int]], rows: int) -> tuple[str, int, int] | None:
+    """How row spans fail to cover ``[0, rows)`` exactly once: ("overlap", lo, hi) for the
+    first span starting inside another, ("gap", lo, hi) for the first rows none covers, or
+    None when they tile it."""
+    at = 0
+    for lo, hi in sorted(spans):
+        if lo < at:
+            return "overlap", lo, hi
+        if lo > at:
+            return "gap", at, lo
+        at = hi
+    return None if at == rows else ("gap", at, rows)
 
 
 def _check_consumed(copies: list[Copy], src: MappingABC[str, Spec]) -> None:

@@ -119,6 +119,19 @@ def plan_chunks(specs: MappingABC[str, tuple[tuple[int, ...], str]], chunk_bytes
     return chunks
 
 
+def _words(buf: Any, n: int, piece: int) -> Iterable[tuple[int, Any]]:
+    """``buf[:n]`` (uint8) in pieces of ``piece`` bytes: (first byte, the piece's little-endian
+    32-bit words as non-negative int64, the last one zero-padded)."""
+    import torch
+
+    for lo in range(0, n, piece):
+        part = buf[lo:min(n, lo + piece)]
+        pad = (-part.numel()) % 4
+        if pad:
+            part = torch.cat([part, part.new_zeros(pad)])
+        yield lo, part.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
 def checksum(buf: Any, nbytes: int | None = None) -> int:
     """A checksum of ``buf[:nbytes]`` (a uint8 torch tensor): the bytes as little-endian 32-bit
     words (zero-padded), summed plainly and weighted by position, modulo 2**61 - 1, on the
@@ -131,12 +144,7 @@ def checksum(buf: Any, nbytes: int | None = None) -> int:
         raise ValueError(f"nbytes={n} exceeds the buffer's {buf.numel()} bytes")
     prime = (1 << 61) - 1
     plain = weighted = 0
-    for lo in range(0, n, _PIECE):
-        piece = buf[lo:min(n, lo + _PIECE)]
-        pad = (-piece.numel()) % 4
-        if pad:
-            piece = torch.cat([piece, piece.new_zeros(pad)])
-        words = piece.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for lo, words in _words(buf, n, _PIECE):
         pos = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
         halves = (words & 0xFFFF, words >> 16)  # < 2**16 each; x pos < 2**38; summed < 2**60
         s = [int(h.sum()) for h in halves]
@@ -174,13 +182,7 @@ def keyed_sums(buf: Any, key: tuple[int, int]) -> int:
         raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
     prime = (1 << 61) - 1
     a = b = 0
-    n = buf.numel()
-    for lo in range(0, n, _KEYED_PIECE):
-        piece = buf[lo:min(n, lo + _KEYED_PIECE)]
-        pad = (-piece.numel()) % 4
-        if pad:
-            piece = torch.cat([piece, piece.new_zeros(pad)])
-        words = piece.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for lo, words in _words(buf, buf.numel(), _KEYED_PIECE):
         pos = torch.arange(lo // 4, lo // 4 + words.numel(), device=words.device,
                            dtype=torch.int64)
         wa, wb = _weights(pos, k1, k2), _weights(pos, k2, k1)

@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import _check
 from . import stream
-from .mapping import Mapping, MappingError
+from .mapping import Mapping, MappingError, first_misfit
 
 log = logging.getLogger("vitrify.weights")
 
@@ -376,17 +376,11 @@ def _check_complete(got: dict[str, list[tuple[int, int]]],
                     manifest: MappingABC[str, tuple[tuple[int, ...], str]]) -> None:
     """Every needed tensor's rows arrived, each exactly once; else :class:`UpdateError`."""
     for name, spans in got.items():
-        rows = manifest[name][0][0] if manifest[name][0] else 1
-        at = 0
-        for lo, hi in sorted(spans):
-            if lo != at:
-                what = "twice" if lo < at else "never"
-                raise UpdateError(f"rows {min(lo, at)}..{max(lo, at)} of {name!r} arrived "
-                                  f"{what}: the update is not complete")
-            at = hi
-        if at != rows:
-            raise UpdateError(f"rows {at}..{rows} of {name!r} never arrived: the update is not "
-                              f"complete")
+        bad = first_misfit(spans, manifest[name][0][0] if manifest[name][0] else 1)
+        if bad is not None:
+            kind, lo, hi = bad
+            how = "arrived twice" if kind == "overlap" else "never arrived"
+            raise UpdateError(f"rows {lo}..{hi} of {name!r} {how}: the update is not complete")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
