@@ -213,3 +213,54 @@ def test_rank0_writes_every_rank_reads_the_same_bytes_and_hits_like_hicache_file
     assert counters[0]["set_pages"] == 14
     assert all(c["set_pages"] == 0 and c["errors"] == 0 for c in counters[1:])
     assert all(c["errors"] == 0 for c in counters)
+
+
+# ---- in one process: the reader's rescan interval, its open timeout, the settings -------------
+
+def _in_process(tmp_path, rank, **extra):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    dev = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64,
+                           qk_rope_head_dim=16, layer_num=2, device="cpu",
+                           enable_memory_saver=False)
+    host = MLATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first", pin_memory=False, device="cpu")
+    cfg = HiCacheStorageConfig(
+        tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="deepseek-ai/tiny-mla",
+        extra_config=hicache_cases.extra_config(tmp_path, cold_start="clear", **extra))
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    b.register_mem_pool_host(host)
+    return host, b
+
+
+def test_reader_rescans_at_most_once_per_interval_and_times_out_without_a_writer(tmp_path):
+    import time
+
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    with pytest.raises(RuntimeError, match="TP rank 0"):
+        _in_process(tmp_path, 1, reader_open_timeout_s=0.2)
+    assert not any(tmp_path.iterdir())               # the reader created nothing
+    for bad in (-1, "2", True, 1e9):
+        with pytest.raises(ValueError, match="reader_refresh_s"):
+            _in_process(tmp_path, 0, reader_refresh_s=bad)
+
+    host0, w = _in_process(tmp_path, 0)
+    _, r = _in_process(tmp_path, 1, reader_refresh_s=1.0)
+    keys = get_hash_str(list(range(8 * 16)), None, page_size=16)
+    assert w.batch_set_v1(keys[:4], host0.alloc(4 * 16)) == [True] * 4
+    # the reader opened after nothing was written: the first miss rescans only once the
+    # interval since the open has passed
+    time.sleep(1.1)
+    assert r.batch_exists(keys) == 4                 # rescanned on the miss
+    assert w.batch_set_v1(keys[4:], host0.alloc(4 * 16)) == [True] * 4
+    assert r.batch_exists(keys) == 4                 # within the interval: no rescan
+    time.sleep(1.1)
+    assert r.batch_exists(keys) == 8
+    assert r.clear() and r.batch_exists(keys) == 8   # a reader's clear is rank 0's business
+    r.close()
+    w.close()
