@@ -133,7 +133,7 @@ nb::dict stats_dict(const disk::StoreStats& s) {
   VITRIFY_STAT(spills); VITRIFY_STAT(spill_bytes); VITRIFY_STAT(reloads); VITRIFY_STAT(reload_bytes);
   VITRIFY_STAT(misses); VITRIFY_STAT(verify_failures); VITRIFY_STAT(dedup_hits); VITRIFY_STAT(gc_runs);
   VITRIFY_STAT(gc_reclaims); VITRIFY_STAT(deletes); VITRIFY_STAT(write_errors); VITRIFY_STAT(put_failures);
-  VITRIFY_STAT(loaded_entries); VITRIFY_STAT(clears); VITRIFY_STAT(in_flight_writes); VITRIFY_STAT(in_flight_reads);
+  VITRIFY_STAT(loaded_entries); VITRIFY_STAT(clears); VITRIFY_STAT(refreshes); VITRIFY_STAT(in_flight_writes); VITRIFY_STAT(in_flight_reads);
   VITRIFY_STAT(write_queue_depth); VITRIFY_STAT(read_queue_depth); VITRIFY_STAT(direct_io);
 #undef VITRIFY_STAT
   return d;
@@ -192,7 +192,7 @@ void bind_disk(nb::module_& m) {
              std::vector<uint64_t> page_bytes, std::vector<double> shares, std::string name,
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
-             double gc_low, unsigned load_threads, std::string slab_lock) {
+             double gc_low, unsigned load_threads, std::string slab_lock, bool read_only) {
             VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -211,6 +211,7 @@ void bind_disk(nb::module_& m) {
             c.gc_low = gc_low;
             c.load_threads = load_threads;
             c.slab_locking = disk::parse_slab_locking(slab_lock);
+            c.read_only = read_only;
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
@@ -218,7 +219,7 @@ void bind_disk(nb::module_& m) {
           nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
           nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0,
-          nb::arg("slab_lock") = "auto")
+          nb::arg("slab_lock") = "auto", nb::arg("read_only") = false)
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;
@@ -229,6 +230,12 @@ void bind_disk(nb::module_& m) {
              nb::gil_scoped_release nogil;
              s.clear();
            })
+      .def("refresh",
+           [](disk::Store& s) {
+             nb::gil_scoped_release nogil;
+             return s.refresh();
+           })
+      .def("read_only", &disk::Store::read_only)
       .def("kind_count", &disk::Store::kind_count)
       .def("page_bytes", &disk::Store::page_bytes)
       .def("slot_bytes", &disk::Store::slot_bytes)

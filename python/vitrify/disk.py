@@ -4,7 +4,7 @@ API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="vitrify", cold_start="clear", direct_io=None,
 write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85,
-load_threads=0)``
+load_threads=0, mode="write")``
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -24,6 +24,7 @@ load_threads=0)``
 ``stats()``                                  occupancy, spills, reloads, GC, errors, queues
 ``prometheus_collector()``                   a prometheus_client collector (if installed)
 ``clear()``                                  drop every page (files and threads stay open)
+``refresh(min_interval=0.0)``                a reader picks up the writer's later pages
 ``close()`` / ``with DiskStore(...) as s``   drain the I/O threads and close the files
 ==========================================  ===================================================
 
@@ -58,12 +59,22 @@ naming the file and the holder's process id and host, read from ``<slab>.owner``
 holder writes after taking the lock), and leaves nothing locked. The kernel drops the lock when
 the holder's files close, so a holder that died (even by SIGKILL) never blocks a restart: open
 it again with ``cold_start="load"`` to find every page whose put was acknowledged.
+
+Readers (``mode="read"``): any number of stores may open the slab files another open store (the
+one writer, in this process or another) writes, read-only: ``O_RDONLY``, no lock, nothing ever
+written, truncated, formatted or reclaimed. The slabs must exist and carry this store's header
+(same name, kinds, budget and directories as the writer's), otherwise ``FileNotFoundError`` /
+``ValueError``. A reader indexes what the slab headers held when it opened; ``refresh()`` scans
+them again, so pages the writer committed later become visible and pages it evicted or cleared
+disappear (DESIGN.md D14). A page the writer overwrites while a reader reads it is a miss, never
+wrong bytes. Puts, deletes and ``clear()`` on a reader raise ``OSError`` (errno ``EROFS``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -248,7 +259,10 @@ class DiskStore:
         max_batch: writes per fdatasync on one write thread (group commit).
         gc_high, gc_low: GC starts at ``gc_high`` occupancy and evicts down to ``gc_low``.
         load_threads: threads scanning each slab's slot headers for ``cold_start="load"``
-            (0: the default, 8; 1: one header read after another).
+            and ``refresh()`` (0: the default, 8; 1: one header read after another).
+        mode: ``"write"`` (the owner: locks the slabs) or ``"read"`` (a reader of the slabs an
+            open writer owns; see the module docstring). A reader always loads (``cold_start``
+            must be None or ``"load"``) and never creates a directory or file.
 
     Raises:
         SlabLockedError: another open store (this process or another) holds one of the slab
@@ -258,11 +272,12 @@ class DiskStore:
 
     def __init__(self, dirs: str | os.PathLike | Sequence[str | os.PathLike], budget_bytes: int,
                  kinds: int | Mapping[str, Any], *, name: str = "vitrify",
-                 cold_start: str = "clear", direct_io: str | None = None,
+                 cold_start: str | None = None, direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
                  max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85,
-                 load_threads: int = 0) -> None:
+                 load_threads: int = 0, mode: str = "write") -> None:
         self._s = None
+        self._last_refresh = 0.0
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         dirs = [_check.path(f"dirs[{i}]", d) for i, d in enumerate(_check.sequence("dirs", dirs))]
@@ -271,7 +286,13 @@ class DiskStore:
         if len(set(os.path.realpath(d) for d in dirs)) != len(dirs):
             raise ValueError(f"dirs must be distinct directories, got {dirs!r}")
         budget_bytes = _check.integer("budget_bytes", budget_bytes, 1, _check.I64_MAX)
+        mode = _check.choice("mode", mode, ("write", "read"))
+        if cold_start is None:
+            cold_start = "load" if mode == "read" else "clear"
         cold_start = _check.choice("cold_start", cold_start, ("clear", "load"))
+        if mode == "read" and cold_start != "load":
+            raise ValueError("a read-only store (mode=\"read\") always loads; cold_start must be "
+                             f"None or \"load\", got {cold_start!r}")
         if direct_io is None:
             direct_io = config.settings().direct_io
         direct_io = _check.choice("direct_io", direct_io, _native.DIRECT_IO_MODES)
@@ -290,14 +311,17 @@ class DiskStore:
         self.kind_names, pages, shares = _parse_kinds(kinds)
         _check_budget(budget_bytes, len(dirs), self.kind_names, pages, shares)
         self._kind_index = {n: i for i, n in enumerate(self.kind_names)}
-        for i, d in enumerate(dirs):
-            _check.directory_to_create(f"dirs[{i}]", d)
+        if mode == "write":
+            for i, d in enumerate(dirs):
+                _check.directory_to_create(f"dirs[{i}]", d)
         self.name = name
         self.dirs = dirs
+        self.mode = mode
         self._s = _native.DiskStore(
             dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
             threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
-            threads["max_batch"], gc_high, gc_low, load_threads)
+            threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read")
+        self._last_refresh = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -314,6 +338,24 @@ class DiskStore:
         neither this store nor a later ``cold_start="load"`` sees the old pages. OSError when a
         slab header cannot be rewritten."""
         self._native().clear()
+
+    def refresh(self, min_interval: float = 0.0) -> int | None:
+        """Readers only: scan the slab headers again and replace the index (DESIGN.md D14), so
+        pages the writer committed since the open or the last refresh are found and pages it
+        evicted or cleared are not. Skipped (None) when the last scan (or the open) is less
+        than ``min_interval`` seconds old; otherwise the number of pages now indexed. Reads in
+        progress wait for the scan. ``OSError`` (``EROFS``) on a writable store."""
+        s = self._native()
+        now = time.monotonic()
+        if min_interval > 0 and now - self._last_refresh < min_interval:
+            return None
+        n = s.refresh()
+        self._last_refresh = time.monotonic()
+        return n
+
+    @property
+    def read_only(self) -> bool:
+        return self.mode == "read"
 
     @property
     def closed(self) -> bool:

@@ -555,9 +555,6 @@ def test_unsupported_pools_are_refused_at_attach(tmp_path):
     b = StorageBackendFactory.create_backend("dynamic", _config(_extra(tmp_path)), host)
     with pytest.raises(ValueError, match="page_head"):
         b.register_mem_pool_host(host)
-    with pytest.raises(ValueError, match="MLA"):
-        StorageBackendFactory.create_backend(
-            "dynamic", _config(_extra(tmp_path), tp_size=2, mla=True), None)
 
 
 def test_concurrent_set_get_exists(tmp_path):

@@ -203,6 +203,14 @@ class SlabFile {
            file_io::DirectIo dio, SlabLocking locking = SlabLocking::kAuto);
   // The same with a file already opened and locked by lock_slab.
   SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode);
+  // Opens an existing slab O_RDONLY for a read-only store (D14): takes no lock, never creates,
+  // truncates, preallocates or formats it. O_DIRECT as `dio` says (kAuto falls back to buffered
+  // when open refuses it; no probe file is created). Throws std::system_error (OSError, e.g.
+  // ENOENT) when the file cannot be opened, std::invalid_argument (ValueError) when it is
+  // shorter than `geometry`, has no valid file header or belongs to another store or geometry.
+  static std::unique_ptr<SlabFile> open_read_only(const std::string& path,
+                                                  const SlabGeometry& geometry,
+                                                  file_io::DirectIo dio);
   ~SlabFile();
   SlabFile(const SlabFile&) = delete;
   SlabFile& operator=(const SlabFile&) = delete;
@@ -243,6 +251,13 @@ class SlabFile {
   // Throws std::system_error on an I/O error.
   void reformat();
 
+  // Read-only slabs (D14): reads the file header again and adopts its slab id (a writer's
+  // clear() or reopen changes it). Returns "" when it verifies and matches this geometry,
+  // otherwise why not; then the slab id becomes 0, so no slot verifies until a later reload.
+  // Not concurrent with slot I/O. Never throws.
+  std::string reload_header() noexcept;
+  bool read_only() const noexcept { return read_only_; }
+
   // Overwrites the slot's first 4 KiB with zeros so its header never verifies again.
   // Throws std::system_error on an I/O error.
   void invalidate(uint64_t slot);
@@ -266,6 +281,9 @@ class SlabFile {
   const std::string& buffered_reason() const noexcept { return buffered_reason_; }
 
  private:
+  SlabFile() = default;  // open_read_only
+  static void check_geometry(const SlabGeometry& geo);
+  void check_writable() const;
   bool verify_header(const SlotHeader& h, uint64_t slot) const noexcept;
   std::vector<ScannedSlot> scan_range(uint64_t first, uint64_t last) const;
   void format();
@@ -276,6 +294,7 @@ class SlabFile {
   SlabLock lock_;  // on fd_; declared after it, so released before fd_ closes
   bool direct_ = false;
   bool formatted_ = false;
+  bool read_only_ = false;
   uint32_t slab_id_ = 0;
   std::string buffered_reason_;
 };
@@ -307,6 +326,10 @@ struct StoreConfig {
   int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
                                    // -1 when read_threads == 1, 0 never, 1 always
   SlabLocking slab_locking = SlabLocking::kAuto;  // how slab files are locked (D13)
+  // A reader of a store that another Store writes (D14): the existing slabs are opened
+  // O_RDONLY without a lock and their headers scanned (cold_start is ignored); puts, remove()
+  // and clear() are refused; refresh() picks up the writer's later pages. write_threads unused.
+  bool read_only = false;
 };
 constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 
@@ -339,6 +362,7 @@ struct StoreStats {
   uint64_t put_failures = 0;    // kFull
   uint64_t loaded_entries = 0;  // entries rebuilt by cold start `load`
   uint64_t clears = 0;          // Store::clear() calls
+  uint64_t refreshes = 0;       // Store::refresh() calls (read-only stores)
   uint64_t in_flight_writes = 0;  // puts given a slot and not yet acknowledged (queued included)
   uint64_t in_flight_reads = 0;
   uint64_t write_queue_depth = 0;
@@ -559,6 +583,16 @@ class Store {
   // cannot be rewritten (the index is empty anyway; that slab's old slots become misses).
   void clear();
 
+  // Read-only stores (D14): waits until no slot read is in progress (new reads wait), reads
+  // every file header again (a writer's clear changes the slab id), scans the slot headers and
+  // replaces the index with what it found, so pages the writer committed since the open (or the
+  // last refresh) become visible and pages it reclaimed disappear. Queued reads keep their old
+  // locations: verification (D1) makes a reused slot a miss. Returns the entries now indexed.
+  // std::system_error (EROFS) on a writable store; 0 on a closed one. Throws std::system_error
+  // when a scan fails (the index is then empty until a refresh succeeds).
+  size_t refresh();
+  bool read_only() const noexcept { return cfg_.read_only; }
+
   size_t kind_count() const noexcept { return kinds_.size(); }
   uint64_t page_bytes(unsigned kind) const;
   uint64_t slot_bytes(unsigned kind) const;
@@ -642,6 +676,7 @@ class Store {
   void complete_read(ReadJob& j, std::optional<size_t> r);
   void finish_write(WriteJob& job, PutResult r);
   void load_index();
+  void refuse_if_read_only(const char* what) const;
   // I/O threads hold the gate around each batch of slot I/O; clear() closes it and waits
   // until no I/O is in progress (new I/O waits while a clear is pending).
   void gate_enter();

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <algorithm>
@@ -68,14 +69,23 @@ SlabFile::SlabFile(const std::string& path, const SlabGeometry& geometry, ColdSt
                    file_io::DirectIo dio, SlabLocking locking)
     : SlabFile(lock_slab(path, dio, locking), geometry, mode) {}
 
+void SlabFile::check_geometry(const SlabGeometry& geo) {
+  VITRIFY_EXPECT(geo.slot_bytes > kSlotHeaderBytes && geo.slot_bytes % kBlock == 0 &&
+                  geo.slot_bytes <= (uint64_t{1} << 32),
+              "slot_bytes must be a multiple of 4096 in (64, 4 GiB], got " +
+                  std::to_string(geo.slot_bytes));
+  VITRIFY_EXPECT(geo.slot_count >= 1 && geo.slot_count <= 0xFFFFFFFFull,
+              "slot_count must be in [1, 2^32), got " + std::to_string(geo.slot_count));
+}
+
+void SlabFile::check_writable() const {
+  if (read_only_)
+    vitrify::detail::throw_errno(EROFS, "write", path_, "slab opened read-only");
+}
+
 SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode)
     : path_(std::move(locked.path)), geo_(geometry) {
-  VITRIFY_EXPECT(geo_.slot_bytes > kSlotHeaderBytes && geo_.slot_bytes % kBlock == 0 &&
-                  geo_.slot_bytes <= (uint64_t{1} << 32),
-              "slot_bytes must be a multiple of 4096 in (64, 4 GiB], got " +
-                  std::to_string(geo_.slot_bytes));
-  VITRIFY_EXPECT(geo_.slot_count >= 1 && geo_.slot_count <= 0xFFFFFFFFull,
-              "slot_count must be in [1, 2^32), got " + std::to_string(geo_.slot_count));
+  check_geometry(geo_);
   VITRIFY_EXPECT(locked.lock.held() && locked.file.fd,
                  "slab file " + path_ + " must be open and locked (lock_slab)");
   const std::string& path = path_;
@@ -125,7 +135,75 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
 
 SlabFile::~SlabFile() = default;
 
+// D14: no lock, no O_CREAT, no probe file, nothing written; a file the writer has not formatted
+// (yet) is an error here, never formatted.
+std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
+                                                   const SlabGeometry& geometry,
+                                                   file_io::DirectIo dio) {
+  check_geometry(geometry);
+  std::unique_ptr<SlabFile> s(new SlabFile());
+  s->path_ = path;
+  s->geo_ = geometry;
+  s->read_only_ = true;
+  if (dio != file_io::DirectIo::kOff) {
+    int fd;
+    do fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    while (fd == -1 && errno == EINTR);
+    if (fd >= 0) {
+      s->fd_.reset(fd);
+      s->direct_ = true;
+    } else if (errno == EINVAL && dio == file_io::DirectIo::kAuto) {
+      s->buffered_reason_ = std::string("open(O_DIRECT) refused: ") + std::strerror(EINVAL);
+    } else {
+      vitrify::detail::throw_errno(errno, "open", path, "read-only");
+    }
+  } else {
+    s->buffered_reason_ = "direct_io is off";
+  }
+  if (!s->fd_) {
+    int fd;
+    VITRIFY_SYSCALL_RETRY(fd, ::open(path.c_str(), O_RDONLY | O_CLOEXEC), path, "read-only");
+    s->fd_.reset(fd);
+  }
+  struct stat st{};
+  VITRIFY_SYSCALL(::fstat(s->fd_.get(), &st), path);
+  const uint64_t size = kFileHeaderBytes + geometry.slot_count * geometry.slot_bytes;
+  VITRIFY_EXPECT(static_cast<uint64_t>(st.st_size) >= size,
+                 "slab file " + path + " holds " + std::to_string(st.st_size) +
+                     " bytes, fewer than the " + std::to_string(size) +
+                     " its geometry needs; a read-only store never formats or grows a slab");
+  const std::string why = s->reload_header();
+  VITRIFY_EXPECT(why.empty(), "slab file " + path + " " + why +
+                                  "; a read-only store never formats a slab");
+  return s;
+}
+
+std::string SlabFile::reload_header() noexcept {
+  slab_id_ = 0;  // nothing verifies unless the header does
+  try {
+    AlignedBuffer hb(kFileHeaderBytes);
+    const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path_);
+    FileHeader fh{};
+    std::memcpy(&fh, hb.data(), sizeof fh);
+    if (r != kFileHeaderBytes || fh.magic != kFileMagic || fh.version != kFormatVersion ||
+        fh.header_crc != crc32c(&fh, offsetof(FileHeader, header_crc)) || fh.slab_id == 0)
+      return "has no valid slab header";
+    if (fh.kind != geo_.kind || fh.slot_bytes != geo_.slot_bytes ||
+        fh.slot_count != geo_.slot_count || fh.store_tag != geo_.store_tag)
+      return "belongs to another store or geometry (kind " + std::to_string(fh.kind) +
+             ", slot_bytes " + std::to_string(fh.slot_bytes) + ", slot_count " +
+             std::to_string(fh.slot_count) + "; expected kind " + std::to_string(geo_.kind) +
+             ", slot_bytes " + std::to_string(geo_.slot_bytes) + ", slot_count " +
+             std::to_string(geo_.slot_count) + ")";
+    slab_id_ = fh.slab_id;
+    return {};
+  } catch (const std::exception& e) {
+    return std::string("cannot be read: ") + e.what();
+  }
+}
+
 void SlabFile::format() {
+  check_writable();
   AlignedBuffer hb(kFileHeaderBytes);
   FileHeader fh{};
   fh.magic = kFileMagic;
@@ -144,10 +222,14 @@ void SlabFile::format() {
   formatted_ = true;
 }
 
-void SlabFile::sync() { VITRIFY_SYSCALL(::fdatasync(fd_.get()), path_); }
+void SlabFile::sync() {
+  check_writable();
+  VITRIFY_SYSCALL(::fdatasync(fd_.get()), path_);
+}
 
 void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
                              uint32_t seq) {
+  check_writable();
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
                                           std::to_string(geo_.slot_count) + ") in " + path_);
   VITRIFY_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
@@ -174,6 +256,7 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
 }
 
 void SlabFile::invalidate(uint64_t slot) {
+  check_writable();
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
   AlignedBuffer zero(kBlock);
   file_io::pwrite_full(fd_.get(), zero.data(), kBlock, slot_offset(slot), path_);
@@ -284,6 +367,7 @@ std::vector<ScannedSlot> SlabFile::scan(unsigned threads) const {
 }
 
 void SlabFile::reformat() {
+  check_writable();
   slab_id_ = slab_id_ + 1 == 0 ? 1 : slab_id_ + 1;
   format();
 }

@@ -2,6 +2,7 @@
 // and GC decisions) and the background I/O threads that write, sync, read and load the slabs.
 // Invariants (numbered as in DESIGN.md) are cited where they are kept.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -68,6 +69,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   };
   kinds_.resize(cfg_.kinds.size());
   std::vector<std::vector<uint64_t>> counts(kinds_.size());
+  if (cfg_.read_only) cfg_.cold_start = ColdStart::kLoad;  // a reader only ever loads (D14)
   for (size_t i = 0; i < kinds_.size(); ++i) {
     KindState& k = kinds_[i];
     k.cfg = cfg_.kinds[i];
@@ -85,18 +87,24 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   // Lock every slab file before reading or writing any of them (D13): a slab held by another
   // open store refuses the whole store (SlabBusy), and the locks already taken are released
   // when `locked` goes out of scope, before any file was formatted or scanned.
+  // A read-only store takes no lock and opens the existing slabs O_RDONLY (D14).
   std::vector<LockedSlab> locked;
-  locked.reserve(kinds_.size() * nd);
-  for (size_t i = 0; i < kinds_.size(); ++i)
-    for (size_t d = 0; d < nd; ++d)
-      locked.push_back(lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking));
+  if (!cfg_.read_only) {
+    locked.reserve(kinds_.size() * nd);
+    for (size_t i = 0; i < kinds_.size(); ++i)
+      for (size_t d = 0; d < nd; ++d)
+        locked.push_back(lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking));
+  }
   for (size_t i = 0; i < kinds_.size(); ++i) {
     KindState& k = kinds_[i];
-    for (size_t d = 0; d < nd; ++d)
-      k.slabs.push_back(std::make_unique<SlabFile>(
-          std::move(locked[i * nd + d]),
-          SlabGeometry{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag},
-          cfg_.cold_start));
+    for (size_t d = 0; d < nd; ++d) {
+      const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag};
+      if (cfg_.read_only)
+        k.slabs.push_back(SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io));
+      else
+        k.slabs.push_back(
+            std::make_unique<SlabFile>(std::move(locked[i * nd + d]), geo, cfg_.cold_start));
+    }
     k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
   }
   counters_.direct_io = true;
@@ -106,7 +114,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
   try {
     for (size_t d = 0; d < nd; ++d) {
-      for (unsigned t = 0; t < cfg_.write_threads; ++t)
+      for (unsigned t = 0; t < (cfg_.read_only ? 0u : cfg_.write_threads); ++t)
         drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
       for (unsigned t = 0; t < cfg_.read_threads; ++t)
         drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
@@ -143,9 +151,11 @@ void Store::close() noexcept {
   for (auto& d : drives_)
     for (auto& t : d->threads)
       if (t.joinable()) t.join();
-  // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5).
+  // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5). A reader
+  // writes nothing (D14): its stale slots are the writer's business.
   std::lock_guard lk(mu_);
   for (auto& k : kinds_) {
+    if (cfg_.read_only) break;
     for (uint32_t d = 0; d < k.slabs.size(); ++d) {
       if (k.index->stale(d).empty()) continue;
       try {
@@ -165,6 +175,7 @@ void Store::close() noexcept {
 // Scan the slab headers; the kind's SlotIndex rebuilds the index, slot pool and GC order (D7).
 void Store::load_index() {
   const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
+  counters_.loaded_entries = 0;
   for (KindState& k : kinds_) {
     std::vector<FoundSlot> found;
     for (size_t d = 0; d < k.slabs.size(); ++d) {
@@ -210,7 +221,13 @@ bool Store::push(Queue<Job>& q, Job& job) {
   return true;
 }
 
+void Store::refuse_if_read_only(const char* what) const {
+  if (cfg_.read_only)
+    vitrify::detail::throw_errno(EROFS, what, cfg_.name, "the disk store is open read-only");
+}
+
 Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
+  refuse_if_read_only("put");
   KindState& k = kind_state(kind);
   for (size_t i = 0; i < items.size(); ++i) {
     const PutItem& it = items[i];
@@ -284,6 +301,7 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
 Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
                               const std::vector<const void*>& srcs,
                               const std::vector<size_t>& lens) {
+  refuse_if_read_only("put");
   KindState& k = kind_state(kind);
   VITRIFY_EXPECT(keys.size() == srcs.size() && keys.size() == lens.size(),
               "keys, sources and lengths differ in count");
@@ -641,6 +659,7 @@ std::optional<size_t> Store::lookup(unsigned kind, const Key& key) const {
 }
 
 bool Store::remove(unsigned kind, const Key& key) {
+  refuse_if_read_only("remove");
   KindState& k = kind_state(kind);
   std::lock_guard lk(mu_);
   if (!k.index->remove(key)) return false;  // index entry first, then the slot (D4)
@@ -663,6 +682,7 @@ void Store::gate_leave() {
 }
 
 void Store::clear() {
+  refuse_if_read_only("clear");
   std::lock_guard cl(clear_mu_);
   {
     std::lock_guard lk(mu_);
@@ -726,6 +746,62 @@ void Store::clear() {
       }
     }
   if (err) std::rethrow_exception(err);
+}
+
+// D14: rescan under the closed gate (no slot read in progress, so slab ids may change), then
+// swap the index. Queued reads carry their old location and are verified against the new
+// slab id: a slot the writer reused or cleared is a miss (D1).
+size_t Store::refresh() {
+  if (!cfg_.read_only)  // the writer's index is the truth; a rescan would only lose state
+    vitrify::detail::throw_errno(EROFS, "refresh", cfg_.name,
+                                 "refresh() is for read-only stores; this one is the writer");
+  std::lock_guard cl(clear_mu_);
+  {
+    std::lock_guard lk(mu_);
+    if (closed_) return 0;
+  }
+  {
+    std::unique_lock g(gate_mu_);
+    ++gate_clearing_;
+    gate_cv_.wait(g, [&] { return gate_active_ == 0; });
+  }
+  struct Reopen {
+    Store* s;
+    ~Reopen() {
+      {
+        std::lock_guard g(s->gate_mu_);
+        --s->gate_clearing_;
+      }
+      s->gate_cv_.notify_all();
+    }
+  } reopen{this};
+  const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
+  std::vector<std::vector<FoundSlot>> found(kinds_.size());
+  std::exception_ptr err;
+  for (size_t i = 0; i < kinds_.size(); ++i) {
+    KindState& k = kinds_[i];
+    for (size_t d = 0; d < k.slabs.size(); ++d) {
+      const std::string why = k.slabs[d]->reload_header();
+      if (!why.empty()) {  // being formatted, or replaced: no slot of it is served for now
+        log::warning("vitrify.disk: refresh: " + k.slabs[d]->path() + " " + why);
+        continue;
+      }
+      try {
+        for (const ScannedSlot& s : k.slabs[d]->scan(threads))
+          if (s.payload_len <= k.cfg.page_bytes) found[i].push_back({static_cast<uint32_t>(d), s});
+      } catch (...) {
+        if (!err) err = std::current_exception();
+        found[i].clear();
+      }
+    }
+  }
+  std::lock_guard lk(mu_);
+  ++counters_.refreshes;
+  size_t entries = 0;
+  for (size_t i = 0; i < kinds_.size(); ++i)
+    entries += kinds_[i].index->load(std::move(found[i]), seq_);
+  if (err) std::rethrow_exception(err);
+  return entries;
 }
 
 StoreStats Store::stats() const {

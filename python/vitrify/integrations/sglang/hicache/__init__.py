@@ -40,6 +40,10 @@ budget_bytes``     < ``budget_bytes``); default: derived from page sizes, see be
 ``revision``       the weights' revision (str); default: SGLang's ``--revision``
 ``weight_          the weights' version (str); default: SGLang's ``--weight-version``;
 version``          after a weight update call :meth:`VitrifyStorage.set_weight_version`
+``reader_          MLA with ``tp_size > 1``: ranks > 0 rescan the shared store at most this
+refresh_s``        often, on an exists query that misses (seconds, default 2; 0: every miss)
+``reader_open_     MLA with ``tp_size > 1``: how long ranks > 0 wait at attach for TP rank 0
+timeout_s``        to create the shared store (seconds, default 300)
 =================  =====================================================================
 
 Slab files are per rank and per model: ``<dir>/<name>-<model>-<identity hash>-tp<r>of<n>-
@@ -47,6 +51,13 @@ pp<r>of<n>-cp<r>of<n>.kind0.slab``, so ranks never share a slab, and a key (SGLa
 hash of the token ids) can only ever resolve to a page of the same identity: model name and
 path, weights revision and version, quantization, KV cache dtype, and the pool's class, layout,
 dtype, page size and shapes (:meth:`VitrifyStorage.identity` lists them).
+
+MLA models under tensor parallelism (``tp_size > 1``): the TP ranks share one store, named
+``...-tpsharedof<n>-pp<r>of<n>-cp<r>of<n>``. SGLang backs MLA pages up from TP rank 0 only; rank
+0 opens the store read-write, the other ranks read-only (``DiskStore(mode="read")``): their sets
+write nothing and succeed, their exists queries rescan the store on a miss (at most once per
+``reader_refresh_s``) and their gets read rank 0's pages (see DESIGN.md, "MLA under tensor
+parallelism").
 
 Hybrid models (SGLang's v2 multi-pool API): SGLang's ``HybridCacheController`` registers its
 ``HostPoolGroup`` as the v1 host pool, then every entry of the group with

@@ -24,7 +24,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from .... import host as _host
 from .... import disk as _disk
-from .geometry import _host_geometry, _HostGeometry, _model_identity, _rank_suffix, _store_name
+from .geometry import (_host_geometry, _HostGeometry, _model_identity, _rank_suffix,
+                       _shares_tp_store, _store_name)
 from .metrics import PrometheusExport
 from .settings import _KIND, VitrifyStorageSettings, identity_text, logger
 from .v1 import _V1Path
@@ -126,13 +127,11 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self._model = _model_identity(storage_config, self.settings.revision,
                                       self.settings.weight_version)
-        if storage_config.is_mla_model and storage_config.tp_size > 1:
-            # SGLang backs MLA pages up from TP rank 0 only and expects every rank to read them;
-            # vitrify's slabs are private to one rank.
-            raise ValueError(
-                f"vitrify HiCache backend: MLA models with tp_size={storage_config.tp_size} > 1 "
-                f"are not supported (SGLang writes MLA pages from TP rank 0 only and vitrify "
-                f"slabs are per rank)")
+        # MLA under tensor parallelism (DESIGN.md): SGLang backs pages up from TP rank 0 only
+        # and every rank reads them, so the TP ranks share one store: rank 0 opens it as its
+        # writer, the other ranks as readers (no writes, a rescan on misses).
+        self._reader = _shares_tp_store(storage_config) and storage_config.tp_rank != 0
+        self._last_refresh = 0.0
         stats_path = self.settings.stats_path
         if stats_path is not None:
             cfg = storage_config
@@ -213,14 +212,35 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 "page_tokens": self._geom.page_tokens, "layout": self.mem_pool_host.layout,
                 "slabs": [self._store.slab_path(_KIND, d) for d in range(len(self.settings.dirs))],
                 "o_direct": self._store.direct_io(_KIND), "cold_start": self.settings.cold_start,
+                "mode": self._store.mode,
                 "budget_bytes": self._kv_budget, "identity": self._identity_locked()}
 
-    def _open(self, cold_start: str) -> _disk.DiskStore:
+    def _open_store(self, budget: int, page_bytes: int, name: str,
+                    cold_start: str) -> _disk.DiskStore:
+        """Open one slab store of this rank: read-write, or on an MLA rank > 0 read-only, waiting
+        up to ``reader_open_timeout_s`` for TP rank 0 to create and format it."""
         s = self.settings
-        store = _disk.DiskStore(list(s.dirs), self._kv_budget, {_KIND: self._geom.blob_bytes},
-                                name=self._store_name, cold_start=cold_start,
-                                direct_io=s.direct_io, read_threads=s.read_threads,
-                                write_threads=s.write_threads)
+        args = dict(name=name, direct_io=s.direct_io, read_threads=s.read_threads)
+        if not self._reader:
+            return _disk.DiskStore(list(s.dirs), budget, {_KIND: page_bytes},
+                                   cold_start=cold_start, write_threads=s.write_threads, **args)
+        deadline = time.monotonic() + s.reader_open_timeout_s
+        while True:
+            try:
+                return _disk.DiskStore(list(s.dirs), budget, {_KIND: page_bytes}, mode="read",
+                                       **args)
+            except (FileNotFoundError, ValueError) as e:  # not created / formatted yet
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"vitrify HiCache backend: TP rank {self.storage_config.tp_rank} (MLA) "
+                        f"found no store {name!r} written by TP rank 0 within "
+                        f"reader_open_timeout_s={s.reader_open_timeout_s:g} s ({e})") from e
+                time.sleep(0.05)
+
+    def _open(self, cold_start: str) -> _disk.DiskStore:
+        store = self._open_store(self._kv_budget, self._geom.blob_bytes, self._store_name,
+                                 cold_start)
+        self._last_refresh = time.monotonic()
         # Staging buffers belong to a store; new ones with every (re)open. Writes use two sets
         # (gather one chunk while the previous one is written), and so do reads (scatter one
         # chunk while the next one is read).
@@ -253,6 +273,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             with self._state.exclusive():
                 if self._store is None:
                     return not self._closed
+                if self._reader:  # TP rank 0 clears the shared store; nothing to do here
+                    return True
                 self._store.clear()
                 for ep in self._extra.values():
                     if ep.store is not None:
@@ -280,7 +302,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     def _identity_locked(self) -> dict:
         return {"model": dataclasses.asdict(self._model),
                 "pool": self._geom.identity if self._geom is not None else None,
-                "rank": _rank_suffix(self.storage_config), "store": self._store_name}
+                "rank": _rank_suffix(self.storage_config), "store": self._store_name,
+                "role": "reader" if self._reader else "writer"}
 
     def set_weight_version(self, version: str) -> Optional[str]:
         """Store and find pages under weight version ``version`` from now on; the name of the
@@ -331,7 +354,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         with self._clock:
             for k in _STORE_TOTALS:
                 self._retired[k] += totals[k]
-        if delete:
+        if delete and not self._reader:  # a reader never deletes the writer's files
             for p in paths:
                 for f in (p, p + ".owner"):
                     try:
@@ -394,6 +417,22 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
 
     # -- existence ---------------------------------------------------------------------------
 
+    def _refresh_readers(self) -> bool:
+        """MLA ranks > 0: rescan the shared stores (KV and extra pools) for pages TP rank 0
+        wrote since the last scan, at most once per ``reader_refresh_s`` (caller holds the
+        state lock shared and just saw a miss). True when it rescanned."""
+        if not self._reader:
+            return False
+        with self._clock:
+            now = time.monotonic()
+            if now - self._last_refresh < self.settings.reader_refresh_s:
+                return False
+            self._last_refresh = now
+        for st in [self._store] + [ep.store for ep in self._extra.values()]:
+            if st is not None:
+                st.refresh()
+        return True
+
     def exists(self, key: str) -> bool:
         """True when ``key`` is in this rank's index (no disk I/O)."""
         try:
@@ -413,6 +452,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 if self._store is None or not keys:
                     return 0
                 found = self._store.batch_exists(keys, _KIND)
+                if not all(found) and self._refresh_readers():
+                    found = self._store.batch_exists(keys, _KIND)
             with self._clock:
                 self._c.exists_queries += 1
             self._publish()
@@ -471,6 +512,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             with self._state.shared():
                 if self._store is None:
                     return False
+                if self._reader:  # TP rank 0 writes the shared pages (SGLang's MLA backup)
+                    return True
                 datas = [v.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
                          for v in values]
                 return all(self._store.batch_put(keys, datas, _KIND))

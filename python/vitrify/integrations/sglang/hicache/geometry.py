@@ -142,15 +142,31 @@ def _rank_suffix(cfg: Any) -> str:
             f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
 
 
+def _shares_tp_store(cfg: Any) -> bool:
+    """MLA under tensor parallelism: every TP rank holds the same KV pages, so SGLang backs them
+    up from TP rank 0 only and every rank reads them; the ranks share one store."""
+    return bool(cfg.is_mla_model) and cfg.tp_size > 1
+
+
+def _store_suffix(cfg: Any) -> str:
+    """The parallel slice in a store name: :func:`_rank_suffix`, except that the TP ranks of an
+    MLA model share one store (``tpsharedof<n>``: the TP size stays, the TP rank goes)."""
+    if _shares_tp_store(cfg):
+        return (f"tpsharedof{cfg.tp_size}-pp{cfg.pp_rank}of{cfg.pp_size}"
+                f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+    return _rank_suffix(cfg)
+
+
 def _store_name(prefix: str, cfg: Any, identity: str, model: "_ModelIdentity",
                 pool: Optional[str] = None) -> str:
     """``<prefix>-<model>-<hash of model identity and pool identity>[-<pool>]-<rank suffix>``:
     the slab-file name of one store, so a key only ever resolves to a page of the same model
     (name, path, revision, weight version, quantization, KV cache dtype), layout, geometry and
-    rank (``pool``: an extra pool's name; None for the KV store)."""
+    rank (``pool``: an extra pool's name; None for the KV store). MLA under tensor parallelism
+    names no TP rank: the TP ranks share the store (:func:`_store_suffix`)."""
     digest = hashlib.sha256(f"{model.text()}|{identity}".encode()).hexdigest()[:12]
     part = f"-{_slug(pool, 24)}" if pool is not None else ""
-    return f"{prefix}-{_slug(cfg.model_name or 'model')}-{digest}{part}-{_rank_suffix(cfg)}"
+    return f"{prefix}-{_slug(cfg.model_name or 'model')}-{digest}{part}-{_store_suffix(cfg)}"
 
 
 # ---- the model's part of a page's identity -------------------------------------------------------

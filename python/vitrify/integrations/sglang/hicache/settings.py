@@ -24,7 +24,7 @@ _SGLANG_KEYS = frozenset({
 _VITRIFY_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
     "read_threads", "write_threads", "name", "extra_pool_budget_bytes", "stats_path",
-    "revision", "weight_version",
+    "revision", "weight_version", "reader_refresh_s", "reader_open_timeout_s",
 })
 _KIND = "kv"  # the one payload kind of every slab store of this backend
 _MiB = 1 << 20
@@ -47,6 +47,11 @@ class VitrifyStorageSettings:
     stats_path: Optional[str] = None
     revision: Optional[str] = None
     weight_version: Optional[str] = None
+    # MLA with tp_size > 1 (DESIGN.md "MLA under tensor parallelism"): ranks > 0 rescan the
+    # shared store at most this often, on an exists query that misses ...
+    reader_refresh_s: float = 2.0
+    # ... and wait this long at open for TP rank 0 to create (format) the shared store.
+    reader_open_timeout_s: float = 300.0
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "VitrifyStorageSettings":
@@ -130,11 +135,19 @@ class VitrifyStorageSettings:
             if problem:
                 raise ValueError(f"vitrify HiCache backend: 'stats_path' {stats_path!r} "
                                  f"{problem}")
+        floats = {}
+        for key, default, high in (("reader_refresh_s", 2.0, 3600.0),
+                                   ("reader_open_timeout_s", 300.0, 86400.0)):
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= high:
+                raise ValueError(f"vitrify HiCache backend: '{key}' must be a number of seconds "
+                                 f"in [0, {high:g}], got {v!r}")
+            floats[key] = float(v)
         versions = {k: identity_text(k, extra[k]) if k in extra else None
                     for k in ("revision", "weight_version")}
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, stats_path=stats_path,
-                   **versions, **ints)
+                   **versions, **ints, **floats)
 
 
 def identity_text(what: str, value: object) -> str:

@@ -46,6 +46,8 @@ class _V1Path:
                 store, g = self._store, self._geom
                 if store is None:
                     return [False] * n
+                if self._reader:  # MLA, TP rank > 0: rank 0 writes the shared pages
+                    return [True] * n
                 pages = self._pages(n, host_indices)
                 results = [bool(x) for x in store.batch_exists(keys, _KIND)]
                 todo = [i for i in range(n) if not results[i]]

@@ -94,10 +94,7 @@ class _ExtraPools:
         try:
             if ep.budget <= 0:
                 raise ValueError(f"budget {ep.budget} B")
-            ep.store = _disk.DiskStore(list(s.dirs), ep.budget, {_KIND: ep.page_bytes},
-                                       name=ep.store_name, cold_start=s.cold_start,
-                                       direct_io=s.direct_io, read_threads=s.read_threads,
-                                       write_threads=s.write_threads)
+            ep.store = self._open_store(ep.budget, ep.page_bytes, ep.store_name, s.cold_start)
         except Exception as e:
             ep.refused = f"its slab store could not be opened ({type(e).__name__}: {e})"
             logger.error("vitrify HiCache backend: extra pool %r: %s; its pages are not stored",
@@ -197,6 +194,8 @@ class _ExtraPools:
         return idx.reshape(-1)[::page_tokens].to("cpu").tolist()
 
     def _set_extra(self, ep: "_ExtraPool", keys: List[str], pages: list) -> List[bool]:
+        if self._reader:  # MLA, TP rank > 0: rank 0 writes the shared pages
+            return [True] * len(keys)
         store = ep.store
         results = [bool(x) for x in store.batch_exists(keys, _KIND)]
         todo = [i for i in range(len(keys)) if not results[i]]
@@ -313,6 +312,8 @@ class _ExtraPools:
                 if self._store is None:
                     return PoolTransferResult(0, {})
                 kv_found = self._store.batch_exists(keys, _KIND) if keys else []
+                if not all(kv_found) and self._refresh_readers():
+                    kv_found = self._store.batch_exists(keys, _KIND)
                 kv_pages = next((i for i, f in enumerate(kv_found) if not f), len(keys))
                 hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
                 final = kv_pages
