@@ -703,6 +703,17 @@ class Store {
   unsigned gate_active_ = 0;   // I/O threads inside the gate
   unsigned gate_clearing_ = 0; // clear() calls waiting or running
   std::mutex clear_mu_;        // one clear at a time
+  // Closes the gate and waits until no slot I/O is inside it; reopens it when destroyed.
+  class ClosedGate {
+   public:
+    explicit ClosedGate(Store& s);
+    ~ClosedGate();
+    ClosedGate(const ClosedGate&) = delete;
+    ClosedGate& operator=(const ClosedGate&) = delete;
+
+   private:
+    Store& s_;
+  };
   StoreStats counters_;
   uint64_t in_flight_writes_ = 0;  // under mu_: jobs created and not yet acknowledged
   std::atomic<uint64_t> in_flight_reads_{0};

@@ -688,22 +688,7 @@ void Store::clear() {
     std::lock_guard lk(mu_);
     if (closed_) return;
   }
-  // Close the gate and wait until no slot write or read is in progress.
-  {
-    std::unique_lock g(gate_mu_);
-    ++gate_clearing_;
-    gate_cv_.wait(g, [&] { return gate_active_ == 0; });
-  }
-  struct Reopen {
-    Store* s;
-    ~Reopen() {
-      {
-        std::lock_guard g(s->gate_mu_);
-        --s->gate_clearing_;
-      }
-      s->gate_cv_.notify_all();
-    }
-  } reopen{this};
+  const ClosedGate gate(*this);  // no slot write or read in progress until it reopens
   // Take every queued job: they are acknowledged below without I/O.
   std::vector<WriteJob> writes;
   std::vector<ReadJob> reads;
@@ -748,6 +733,20 @@ void Store::clear() {
   if (err) std::rethrow_exception(err);
 }
 
+Store::ClosedGate::ClosedGate(Store& s) : s_(s) {
+  std::unique_lock g(s_.gate_mu_);
+  ++s_.gate_clearing_;
+  s_.gate_cv_.wait(g, [&] { return s_.gate_active_ == 0; });
+}
+
+Store::ClosedGate::~ClosedGate() {
+  {
+    std::lock_guard g(s_.gate_mu_);
+    --s_.gate_clearing_;
+  }
+  s_.gate_cv_.notify_all();
+}
+
 // D14: rescan under the closed gate (no slot read in progress, so slab ids may change), then
 // swap the index. Queued reads carry their old location and are verified against the new
 // slab id: a slot the writer reused or cleared is a miss (D1).
@@ -760,21 +759,7 @@ size_t Store::refresh() {
     std::lock_guard lk(mu_);
     if (closed_) return 0;
   }
-  {
-    std::unique_lock g(gate_mu_);
-    ++gate_clearing_;
-    gate_cv_.wait(g, [&] { return gate_active_ == 0; });
-  }
-  struct Reopen {
-    Store* s;
-    ~Reopen() {
-      {
-        std::lock_guard g(s->gate_mu_);
-        --s->gate_clearing_;
-      }
-      s->gate_cv_.notify_all();
-    }
-  } reopen{this};
+  const ClosedGate gate(*this);
   const unsigned threads = cfg_.load_threads == 0 ? kDefaultLoadThreads : cfg_.load_threads;
   std::vector<std::vector<FoundSlot>> found(kinds_.size());
   std::exception_ptr err;
