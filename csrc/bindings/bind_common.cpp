@@ -20,6 +20,20 @@
 namespace nb = nanobind;
 
 namespace vitrify::bindings {
+
+void raise_with_attributes(PyObject* type, PyObject* exc,
+                           std::initializer_list<std::pair<const char*, PyObject*>> attrs) {
+  bool all = true;
+  for (const auto& [name, value] : attrs) all = all && value != nullptr;
+  if (!all) PyErr_Clear();  // a failed creation: the exception still carries its message
+  for (const auto& [name, value] : attrs) {
+    if (all) PyObject_SetAttrString(exc, name, value);
+    Py_XDECREF(value);
+  }
+  PyErr_SetObject(type, exc);
+  Py_DECREF(exc);
+}
+
 namespace {
 
 PyObject* g_cuda_error = nullptr;
@@ -30,22 +44,11 @@ PyObject* g_log_callable = nullptr;  // strong reference, replaced under the GIL
 void raise_cuda(PyObject* type, const CudaError& e) {
   PyObject* exc = PyObject_CallFunction(type, "s", e.what());
   if (exc == nullptr) return;  // the call already set an exception
-  PyObject* code = PyLong_FromLong(e.code());
-  PyObject* name = PyUnicode_FromString(e.name().c_str());
-  PyObject* call = PyUnicode_FromString(e.call().c_str());
-  PyObject* where = PyUnicode_FromString(e.where().c_str());
-  if (code && name && call && where) {
-    PyObject_SetAttrString(exc, "code", code);
-    PyObject_SetAttrString(exc, "result_name", name);
-    PyObject_SetAttrString(exc, "call", call);
-    PyObject_SetAttrString(exc, "where", where);
-  }
-  Py_XDECREF(code);
-  Py_XDECREF(name);
-  Py_XDECREF(call);
-  Py_XDECREF(where);
-  PyErr_SetObject(type, exc);
-  Py_DECREF(exc);
+  raise_with_attributes(type, exc,
+                        {{"code", PyLong_FromLong(e.code())},
+                         {"result_name", PyUnicode_FromString(e.name().c_str())},
+                         {"call", PyUnicode_FromString(e.call().c_str())},
+                         {"where", PyUnicode_FromString(e.where().c_str())}});
 }
 
 void translate(const std::exception_ptr& p, void*) {

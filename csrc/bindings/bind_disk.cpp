@@ -91,28 +91,13 @@ PyObject* g_slab_locked = nullptr;  // vitrify.disk.SlabLockedError (an OSError)
 void raise_slab_locked(const disk::SlabBusy& e) {
   PyObject* exc = PyObject_CallFunction(g_slab_locked, "is", e.code().value(), e.what());
   if (exc == nullptr) return;  // the call already set an exception
-  PyObject* path = PyUnicode_FromString(e.path().c_str());
-  PyObject* pid = nullptr;
-  PyObject* host = nullptr;
-  if (e.holder_pid() >= 0) {
-    pid = PyLong_FromLong(e.holder_pid());
-    host = PyUnicode_FromString(e.holder_host().c_str());
-  } else {  // no owner record
-    Py_INCREF(Py_None);
-    pid = Py_None;
-    Py_INCREF(Py_None);
-    host = Py_None;
-  }
-  if (path && pid && host) {
-    PyObject_SetAttrString(exc, "path", path);
-    PyObject_SetAttrString(exc, "holder_pid", pid);
-    PyObject_SetAttrString(exc, "holder_host", host);
-  }
-  Py_XDECREF(path);
-  Py_XDECREF(pid);
-  Py_XDECREF(host);
-  PyErr_SetObject(g_slab_locked, exc);
-  Py_DECREF(exc);
+  const bool known = e.holder_pid() >= 0;  // else no owner record: None for both
+  raise_with_attributes(
+      g_slab_locked, exc,
+      {{"path", PyUnicode_FromString(e.path().c_str())},
+       {"holder_pid", known ? PyLong_FromLong(e.holder_pid()) : Py_NewRef(Py_None)},
+       {"holder_host", known ? PyUnicode_FromString(e.holder_host().c_str())
+                             : Py_NewRef(Py_None)}});
 }
 
 nb::dict stats_dict(const disk::StoreStats& s) {

@@ -32,11 +32,9 @@ def run(mode: str, archive: Path, variant: str, timeout: int = 560, **opts) -> d
     p = subprocess.run([sys.executable, "-m", "vitrify.integrations.transformers", mode,
                         str(archive), json.dumps(config(variant)), json.dumps(opts)],
                        capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"{mode} printed no result (rc {p.returncode}):\n{p.stderr[-4000:]}"
-    r = json.loads(lines[-1])
-    assert r["ok"], f"{mode} failed: {r['error']}\n{r.get('traceback', '')}\n{p.stderr[-3000:]}"
-    return r
+    from vitrify.integrations.transformers import result_of
+
+    return result_of(mode, p.stdout, p.stderr, p.returncode)
 
 
 def _artifact(name: str, result: dict) -> None:

@@ -27,17 +27,9 @@ def _cfg(seed: int) -> dict:
     return EngineConfig(variant="eager", seed=seed).to_dict()
 
 
-def _result(p_stdout: str, what: str, stderr: str) -> dict:
-    lines = [ln for ln in p_stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"{what} printed no result:\n{stderr[-4000:]}"
-    r = json.loads(lines[-1])
-    assert r["ok"], f"{what} failed: {r.get('error')}\n{r.get('traceback', '')}\n{stderr[-3000:]}"
-    return r
-
-
 @pytest.fixture(scope="module")
 def updated(tmp_path_factory):
-    from vitrify.integrations.transformers import run_process
+    from vitrify.integrations.transformers import result_of, run_process
 
     d = tmp_path_factory.mktemp("weight-update")
     archive, sock = str(d / "engine.vitrify"), str(d / "engine.sock")
@@ -53,7 +45,7 @@ def updated(tmp_path_factory):
     finally:
         if thaw.poll() is None:
             thaw.kill()
-    thawed = _result(out, "thaw with update", err)
+    thawed = result_of("thaw with update", out, err, thaw.returncode)
     art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
     if art:
         same = sum(a == b for a, b in zip(cold["tokens"], thawed["tokens"]))

@@ -771,12 +771,19 @@ def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
     p = subprocess.run([sys.executable, "-m", __name__, mode, archive, json.dumps(cfg),
                         json.dumps(opts)], capture_output=True, text=True, timeout=timeout,
                        env=None if env is None else {**os.environ, **env})
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return result_of(mode, p.stdout, p.stderr, p.returncode)
+
+
+def result_of(what: str, stdout: str, stderr: str, returncode: int | None = None) -> dict:
+    """The result line :func:`main` printed (its last JSON line), or RuntimeError naming
+    ``what`` with the error and the tail of stderr."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        raise RuntimeError(f"{mode} printed no result (exit {p.returncode}): {p.stderr[-2000:]}")
+        raise RuntimeError(f"{what} printed no result (exit {returncode}): {stderr[-2000:]}")
     r = json.loads(lines[-1])
     if not r.get("ok"):
-        raise RuntimeError(f"{mode} failed: {r.get('error')}")
+        raise RuntimeError(f"{what} failed: {r.get('error')}\n{r.get('traceback', '')}"
+                           f"{stderr[-2000:]}")
     return r
 
 

@@ -139,10 +139,6 @@ class Plan:
     def for_source(self, name: str) -> list[Copy]:
         return [c for c in self.copies if c.src == name]
 
-    @property
-    def destinations(self) -> set[str]:
-        return {c.dst for c in self.copies}
-
 
 @dataclasses.dataclass(frozen=True)
 class Mapping:

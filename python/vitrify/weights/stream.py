@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping as MappingABC
 from typing import Any
 
 from .. import _check
-from .mapping import Copy, MappingError, Plan
+from .mapping import Copy, MappingError, Plan, copy
 
 _PIECE = 1 << 24  # checksum work per step: 16 MiB of the buffer (bounded temporaries)
 
@@ -228,8 +228,6 @@ def _segments(c: Copy, row0: int, row1: int) -> Iterable[tuple[int, int, int]]:
 
 
 def _apply_copy(c: Copy, e: Entry, rows: Any, dst: Any) -> None:
-    from .mapping import copy
-
     if e.whole:
         copy(c, rows, dst)
     elif c.src_dim == 0:  # the move cuts the first dimension: its pieces inside these rows

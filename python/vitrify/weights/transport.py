@@ -31,6 +31,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -347,7 +348,7 @@ class Receiver:
             st.close()  # released before "finished" is signalled
             for n in need:
                 self.applied[n] = digests[n]
-            total = sum(stream._itemsize(d) * _numel(sh) for sh, d in manifest.values())
+            total = sum(stream._itemsize(d) * math.prod(sh) for sh, d in manifest.values())
             self.last = {"bytes_moved": moved, "bytes_total": total, "chunks": chunks,
                          "copies": copies, "tensors": len(need), "tensors_total": len(manifest),
                          "seconds": time.perf_counter() - t0}
@@ -381,13 +382,6 @@ def _check_complete(got: dict[str, list[tuple[int, int]]],
             kind, lo, hi = bad
             how = "arrived twice" if kind == "overlap" else "never arrived"
             raise UpdateError(f"rows {lo}..{hi} of {name!r} {how}: the update is not complete")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _peer_uid(conn: socket.socket) -> int:
