@@ -663,7 +663,12 @@ def main(argv: list[str] | None = None) -> int:
         out.update(served)
         out["process_s"] = time.time() - t0
         if mode == "thaw" and opts.get("rebuild_again"):
-            out["rebuild_alone"] = _rebuild_alone(path, out["session"]["base"])
+            # rebuild_again: True (8 build threads) or a list of thread counts (a sweep; the
+            # first count's figures are the result, every count's are under "sweep")
+            again = opts["rebuild_again"]
+            counts = [8] if again is True else [int(n) for n in again]
+            sweep = [_rebuild_alone(path, out["session"]["base"], n) for n in counts]
+            out["rebuild_alone"] = dict(sweep[0], sweep=sweep) if len(sweep) > 1 else sweep[0]
         return out
 
     from .._worker import report
