@@ -333,7 +333,8 @@ void bind_graph(nb::module_& m) {
         nb::gil_scoped_release nogil;
         return to_hex(s.add_module(p, n, expected ? &want : nullptr));
       }, nb::arg("data"), nb::arg("expected") = nb::none())
-      .def("add_modules", [](GraphSet& s, const std::vector<std::pair<nb::bytes, std::string>>& mods) {
+      .def("add_modules", [](GraphSet& s, const std::vector<std::pair<nb::bytes, std::string>>& mods,
+                             bool check) {
         // Many modules, the GIL released once (a THAW loads ~100 beside a busy main thread).
         std::vector<std::pair<std::string_view, Hash>> in;
         in.reserve(mods.size());
@@ -343,12 +344,14 @@ void bind_graph(nb::module_& m) {
         out.reserve(in.size());
         nb::gil_scoped_release nogil;
         for (const auto& [data, want] : in)
-          out.push_back(to_hex(s.add_module(data.data(), data.size(), &want)));
+          out.push_back(to_hex(s.add_module(data.data(), data.size(), &want, check)));
         return out;
-      }, nb::arg("modules"), "add_module for [(data, expected SHA-256 hex)], in order.")
+      }, nb::arg("modules"), nb::arg("check") = true,
+      "add_module for [(data, expected SHA-256 hex)], in order; check=False trusts the names "
+      "(the bytes were verified by another checksum) instead of hashing every byte again.")
       .def("add", [](GraphSet& s, nb::bytes b, std::optional<uint64_t> relocate_to,
-                     std::optional<std::string> expected) {
-        if (expected) {  // graphs are small: checked under the GIL, no hand-over per graph
+                     std::optional<std::string> expected, bool check) {
+        if (expected && check) {  // graphs are small: checked under the GIL, no hand-over
           const std::string got = to_hex(sha256(b.c_str(), b.size()));
           if (got != *expected)
             throw std::invalid_argument("graph SHA-256 " + got + " differs from the index's " +
@@ -357,7 +360,8 @@ void bind_graph(nb::module_& m) {
         Graph g = parse(b);
         if (relocate_to && *relocate_to != g.region_base) relocate(g, *relocate_to);
         return s.add(std::move(g));
-      }, nb::arg("data"), nb::arg("relocate_to") = nb::none(), nb::arg("expected") = nb::none())
+      }, nb::arg("data"), nb::arg("relocate_to") = nb::none(), nb::arg("expected") = nb::none(),
+         nb::arg("check") = true)
       .def("start", [](GraphSet& s, unsigned threads) {
         nb::gil_scoped_release nogil;
         s.start(threads);

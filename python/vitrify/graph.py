@@ -581,8 +581,10 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     # Read and verified in one native call (no GIL hand-over per file: P7's loader runs beside
     # a main thread busy importing torch).
     data = archive.read_files(rels, checksum=verify)
+    # Their CRC32C verified every byte: the SHA-256 names are not recomputed (P12 of
+    # csrc/src/graph/DESIGN.md; hashing ~100 modules cost a THAW ~1 s).
     return load(Path(archive.path) / f"rank{int(rank)}",
-                files={rel[len(prefix):]: b for rel, b in data.items()}, **kw)
+                files={rel[len(prefix):]: b for rel, b in data.items()}, checked=verify, **kw)
 
 
 def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] | None = None,
@@ -615,7 +617,7 @@ def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] 
 def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | None = None,
          threads: int = 2, names: list[str] | None = None,
          share_templates: bool = True, unrelocatable: str = "error",
-         files: Mapping[str, bytes] | None = None) -> LoadedGraphs:
+         files: Mapping[str, bytes] | None = None, checked: bool = False) -> LoadedGraphs:
     """Load the graphs saved under ``directory`` and start rebuilding them in the background.
 
     ``region_base``: where the region lives in this process (None: where it was at FREEZE);
@@ -629,6 +631,8 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
     to ``directory`` -> bytes; :func:`load_from_archive` passes the archive's verified ones).
     Every module file is checked against its SHA-256 name and every graph file against its
     checksums before any driver call; a mismatch is a ValueError naming the file.
+    ``checked=True`` (only with ``files``): another checksum already verified these bytes (the
+    archive's CRC32C), so the SHA-256 names are trusted instead of recomputed.
     """
     _check.path("directory", directory)
     _check.integer("device", device, 0, (1 << 31) - 1)
@@ -638,6 +642,9 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         for i, n in enumerate(_check.sequence("names", names)):
             _check.string(f"names[{i}]", n)
     _check.boolean("share_templates", share_templates)
+    _check.boolean("checked", checked)
+    if checked and files is None:
+        raise ValueError("checked=True needs files (bytes another checksum verified)")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if unrelocatable not in ("error", "skip"):
@@ -667,13 +674,13 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         if m is None:
             raise ValueError(f"graph index lists no file for module {h}")
         modules.append((_read_checked(root, m["file"], m["bytes"], files), h))
-    gset.add_modules(modules)  # each checked against its SHA-256 name; the GIL released once
+    gset.add_modules(modules, not checked)  # SHA-256 names checked; the GIL released once
     ids = {}
     relocate_to = None if region_base is None else int(region_base)
     for g in entries:
         data = _read_checked(root, g["file"], g["bytes"], files)
         try:
-            ids[g["name"]] = gset.add(data, relocate_to, g["sha256"])
+            ids[g["name"]] = gset.add(data, relocate_to, g["sha256"], not checked)
         except ValueError as e:
             if "SHA-256" not in str(e):
                 raise

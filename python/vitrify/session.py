@@ -361,7 +361,7 @@ class ThawSession:
 
     def __init__(self, adapter: Any, path: str | os.PathLike, *, base: int | None = None,
                  relocate: bool = True, device: int = 0, warmup_restore: bool | None = None,
-                 verify: bool = True, graph_threads: int = 8,
+                 verify: bool = True, graph_threads: int = 4,
                  progress: Callable[[int, int], None] | None = None):
         self.adapter = _check_adapter(adapter)
         self.path = os.path.abspath(_check.path("path", path))

@@ -555,6 +555,10 @@ TEST(GraphSetCpu, ModuleHashIsChecked) {
   EXPECT_EQ(set.add_module(bytes.data(), bytes.size(), &right), right);
   const Hash wrong = module_hash('w');
   EXPECT_THROW(set.add_module(bytes.data(), bytes.size(), &wrong), std::invalid_argument);
+  // check=false: bytes another checksum verified keep the name they were saved under, unhashed
+  EXPECT_EQ(set.add_module(bytes.data(), bytes.size(), &wrong, false), wrong);
+  // ...and without a name they are hashed all the same
+  EXPECT_EQ(set.add_module(bytes.data(), bytes.size(), nullptr, false), right);
 }
 
 TEST(GraphSetCpu, TemplatesAndLifecycleWithoutADriver) {

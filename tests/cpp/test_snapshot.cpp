@@ -143,14 +143,22 @@ TEST(SpanFile, RoundTripWithHolesAndSmallChunks) {  // S5, S6
   EXPECT_EQ(fsys::file_size(path) % 4096, 0u);
   EXPECT_NO_THROW(verify_span_file(path, opt));
 
-  HostBackend dst(12 * kG, {});
-  std::memset(dst.data(), 0, dst.size());
-  const FileStats rs = restore_from_file(dst, path, dst.base(), 12 * kG, opt);
-  EXPECT_EQ(rs.intervals, want);
-  EXPECT_EQ(rs.bytes_written, info.data_bytes);
-  for (const Interval& i : want)
-    EXPECT_EQ(std::memcmp(dst.data() + i.begin, src.data() + i.begin, i.size()), 0);
-  EXPECT_EQ(dst.data()[5 * kG], 0);
+  // Each chunk read as 1, 4 (the default) or 7 concurrent parts (7 does not divide it evenly).
+  for (unsigned lanes : {1u, 4u, 7u}) {
+    SCOPED_TRACE("read_lanes " + std::to_string(lanes));
+    opt.read_lanes = lanes;
+    HostBackend dst(12 * kG, {});
+    std::memset(dst.data(), 0, dst.size());
+    const FileStats rs = restore_from_file(dst, path, dst.base(), 12 * kG, opt);
+    EXPECT_EQ(rs.intervals, want);
+    EXPECT_EQ(rs.bytes_written, info.data_bytes);
+    for (const Interval& i : want)
+      EXPECT_EQ(std::memcmp(dst.data() + i.begin, src.data() + i.begin, i.size()), 0);
+    EXPECT_EQ(dst.data()[5 * kG], 0);
+  }
+  opt.read_lanes = 0;
+  HostBackend none(12 * kG, {});
+  EXPECT_THROW(restore_from_file(none, path, none.base(), 12 * kG, opt), std::invalid_argument);
 }
 
 TEST(SpanFile, StagingBufferIsNotRefilledBeforeItsCopyCompleted) {  // S9

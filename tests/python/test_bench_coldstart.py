@@ -115,3 +115,15 @@ def test_the_ladder_rebuild_alone_is_compared_with_the_cold_capture():
     assert rows["ladder rebuild inside THAW (background, wall)"] == pytest.approx(1.8)
     assert rows["ladder capture at FREEZE (recording)"] == pytest.approx(1.7)
     assert rows["ladder capture, cold (torch)"] == pytest.approx(0.7)
+
+
+def test_the_drive_rate_is_the_median_of_the_measurements_beside_the_thaws():
+    runs = [{"bytes": 8, "bytes_per_s": b, "dd_bytes_per_s": d, "command": "dd",
+             "o_direct": True, "page_cache_dropped": True,
+             "fio_bytes_per_s": {"libaio_4MiB_qd16": b, **({"psync_4MiB_qd4": d} if d > 1 else {})}}
+            for b, d in ((3.0, 1.0), (1.0, 0.5), (2.0, 2.0))]
+    s = coldstart._disk_summary(runs)
+    assert s["bytes_per_s"] == 2.0 and s["dd_bytes_per_s"] == 1.0
+    # a variant missing from a run (fio failed to fit the file) is the median of the others
+    assert s["fio_bytes_per_s"] == {"libaio_4MiB_qd16": 2.0, "psync_4MiB_qd4": 2.0}
+    assert s["measurements"] == 3 and s["runs"] == runs

@@ -249,6 +249,9 @@ def test_load_rejects_corrupt_and_mismatched_files(tmp_path):
     modfile.write_bytes(PTX.replace(b"ret", b"RET"))
     with pytest.raises(ValueError, match="does not match its name"):
         tg.load(tmp_path)
+    # checked=True says another checksum verified the bytes: it needs those bytes
+    with pytest.raises(ValueError, match="checked=True needs files"):
+        tg.load(tmp_path, checked=True)
     modfile.write_bytes(PTX)
     gfile = tmp_path / "graphs" / "00001.tgraph"
     raw = bytearray(gfile.read_bytes())

@@ -198,7 +198,9 @@ class GraphSet {
   GraphSet& operator=(const GraphSet&) = delete;
 
   // Registers a binary (its content hash must equal `expected` when given). No driver call.
-  Hash add_module(const void* data, size_t n, const Hash* expected = nullptr);
+  // check=false takes `expected` as the hash without hashing the bytes: for binaries whose
+  // content a checksum already verified (an archive's CRC32C); without `expected` it hashes.
+  Hash add_module(const void* data, size_t n, const Hash* expected = nullptr, bool check = true);
   // Adds a graph (before start()); every module it references must already be added, else a
   // ValueError naming the kernel and the hash. Returns the graph's id (0, 1, ...).
   size_t add(Graph g);

@@ -182,6 +182,8 @@ struct FileOptions {
   uint64_t chunk_bytes = 64ull << 20;   // staging buffer size; multiple of 4096
   uint64_t granularity = 2ull << 20;    // trial-copy piece size on a span with holes
   file_io::DirectIo direct_io = file_io::DirectIo::kAuto;
+  // restore: concurrent reads per staging chunk (parts of chunk_bytes / read_lanes), 1..64
+  unsigned read_lanes = 4;
   Progress progress;                    // optional
 };
 

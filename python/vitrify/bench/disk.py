@@ -114,9 +114,12 @@ def bench_vitrify(d: str, page: int, depth: int, total: int) -> tuple[float, flo
 
 def fio_run(path: str, rw: str, page: int, depth: int, total: int, engine: str,
             fdatasync: int = 0) -> float:
+    """Bytes/s of one fio job over ``path`` (O_DIRECT; reads of an existing file never write)."""
     cmd = ["fio", "--name=vitrify-bench", f"--filename={path}", f"--rw={rw}", f"--bs={page}",
            "--direct=1", f"--ioengine={engine}", "--output-format=json", "--end_fsync=0",
            "--invalidate=1", "--group_reporting", f"--fdatasync={fdatasync}"]
+    if rw == "read":
+        cmd.append("--readonly")
     if engine == "libaio":
         cmd += [f"--size={total}", f"--iodepth={depth}", "--numjobs=1"]
     else:  # psync: `depth` threads, each over its own contiguous part of the file

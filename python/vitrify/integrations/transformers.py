@@ -663,10 +663,10 @@ def main(argv: list[str] | None = None) -> int:
         out.update(served)
         out["process_s"] = time.time() - t0
         if mode == "thaw" and opts.get("rebuild_again"):
-            # rebuild_again: True (8 build threads) or a list of thread counts (a sweep; the
+            # rebuild_again: True (4 build threads, THAW's default) or a list of thread counts (a sweep; the
             # first count's figures are the result, every count's are under "sweep")
             again = opts["rebuild_again"]
-            counts = [8] if again is True else [int(n) for n in again]
+            counts = [4] if again is True else [int(n) for n in again]
             sweep = [_rebuild_alone(path, out["session"]["base"], n) for n in counts]
             out["rebuild_alone"] = dict(sweep[0], sweep=sweep) if len(sweep) > 1 else sweep[0]
         return out
@@ -747,7 +747,7 @@ def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
         tx.close()
 
 
-def _rebuild_alone(path: str, base: int, threads: int = 8) -> dict:
+def _rebuild_alone(path: str, base: int, threads: int = 4) -> dict:
     """The graph ladder rebuilt once more after serving, with nothing else running: the archive's
     files verified and read, every module loaded, every graph built (a benchmark's measurement of
     the rebuild itself; THAW's own runs beside the main thread's phases)."""
@@ -755,13 +755,17 @@ def _rebuild_alone(path: str, base: int, threads: int = 8) -> dict:
     from .. import graph as _graph
 
     t = time.perf_counter()
-    loaded = _graph.load_from_archive(_archive.open_archive(path), 0, region_base=base,
-                                      threads=threads)
+    opened = _archive.open_archive(path)
+    t_open = time.perf_counter()
+    loaded = _graph.load_from_archive(opened, 0, region_base=base, threads=threads)
+    t_started = time.perf_counter()  # files read and verified, graphs parsed and added
     loaded.wait_all()
-    seconds = time.perf_counter() - t
+    t_end = time.perf_counter()
     stats = loaded.stats()
     loaded.close()
-    return {"seconds": seconds, "threads": threads, "stats": stats}
+    return {"seconds": t_end - t, "threads": threads, "stats": stats,
+            "open_s": t_open - t, "read_and_add_s": t_started - t_open,
+            "build_wait_s": t_end - t_started}
 
 
 def run_process(mode: str, archive: str, cfg: dict, opts: dict | None = None,
