@@ -663,8 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         out.update(served)
         out["process_s"] = time.time() - t0
         if mode == "thaw" and opts.get("rebuild_again"):
-            # rebuild_again: True (4 build threads, THAW's default) or a list of thread counts (a sweep; the
-            # first count's figures are the result, every count's are under "sweep")
+            # rebuild_again: True (4 build threads, THAW's default) or a list of thread counts
+            # (a sweep; the first count's figures are the result, every count's under "sweep")
             again = opts["rebuild_again"]
             counts = [4] if again is True else [int(n) for n in again]
             sweep = [_rebuild_alone(path, out["session"]["base"], n) for n in counts]
