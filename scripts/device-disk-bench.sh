@@ -30,25 +30,7 @@ if ! (cd /tmp && "$PY" -c "import vitrify.disk, vitrify.bench") 2>/dev/null; the
   "$PY" -m pip install --no-build-isolation --no-deps --no-index -q . || exit 2
 fi
 
-if ! command -v fio >/dev/null 2>&1 && [ -f .whl/fio-bundle.tar.xz ]; then
-  mkdir -p /tmp/fio-bundle/bin
-  tar -xJf .whl/fio-bundle.tar.xz -C /tmp/fio-bundle
-  # a wrapper, so the bundled libraries reach fio only
-  printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/fio-bundle/lib exec /tmp/fio-bundle/fio "$@"\n' \
-    >/tmp/fio-bundle/bin/fio
-  chmod +x /tmp/fio-bundle/bin/fio
-  if err=$(/tmp/fio-bundle/bin/fio --version 2>&1); then
-    export PATH="/tmp/fio-bundle/bin:$PATH"
-  else  # e.g. built against a newer glibc than this machine's
-    echo "== the carried fio bundle does not run here: $(echo "$err" | head -1)"
-  fi
-fi
-if command -v fio >/dev/null 2>&1; then
-  echo "== fio: $(fio --version 2>&1)"
-else
-  echo "== fio: not on PATH and no .whl/fio-bundle.tar.xz (bash scripts/fio-bundle.sh builds it):" \
-       "the fio baselines are skipped"
-fi
+. scripts/use-fio-bundle.sh
 
 rename_result() {  # NAME: move WORK/NAME-<date>.json to OUTDIR/NAME-TAG-<date>.json
   for f in "$WORK/$1"-*.json; do

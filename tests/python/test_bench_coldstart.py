@@ -127,3 +127,11 @@ def test_the_drive_rate_is_the_median_of_the_measurements_beside_the_thaws():
     # a variant missing from a run (fio failed to fit the file) is the median of the others
     assert s["fio_bytes_per_s"] == {"libaio_4MiB_qd16": 2.0, "psync_4MiB_qd4": 2.0}
     assert s["measurements"] == 3 and s["runs"] == runs
+
+
+def test_a_thaw_that_rebuilt_several_times_counts_the_median_at_its_thread_count():
+    sweep = [{"threads": 4, "seconds": 0.5}, {"threads": 8, "seconds": 0.05},
+             {"threads": 4, "seconds": 0.2}, {"threads": 8, "seconds": 0.06},
+             {"threads": 4, "seconds": 0.3}]
+    assert coldstart._rebuild_seconds(dict(sweep[0], sweep=sweep)) == pytest.approx(0.3)
+    assert coldstart._rebuild_seconds({"threads": 4, "seconds": 0.4}) == pytest.approx(0.4)

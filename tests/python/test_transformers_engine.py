@@ -64,6 +64,33 @@ def test_prefill_and_batched_decode_match_the_models_own_forward(arch):
             positions = positions + 1
 
 
+def test_a_right_padded_batch_prefill_gives_each_prompt_its_own_forward():
+    """The engine's prefill: prompts of different lengths in one right-padded batch give each
+    prompt's own logits and the cache rows its own keys/values (padding beyond, unread)."""
+    cfg, model, W, dims = _model("llama")
+    hd = cfg.hidden // cfg.heads
+    shape = (cfg.max_batch, cfg.max_len, cfg.kv_heads, hd)
+    k_cache = [torch.zeros(shape) for _ in range(cfg.layers)]
+    v_cache = [torch.zeros(shape) for _ in range(cfg.layers)]
+    k_one = [torch.zeros(shape) for _ in range(cfg.layers)]
+    v_one = [torch.zeros(shape) for _ in range(cfg.layers)]
+    prompts = vtt.prompts(3, seed=7, vocab=cfg.vocab, min_len=2, max_len=11)
+    assert len({len(p) for p in prompts}) > 1  # the batch really is padded
+    n = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (n - len(p)) for p in prompts])
+    lengths = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        logits = vtt.prefill_batch_forward(W, dims, k_cache, v_cache, 1, ids, lengths)
+        for b, p in enumerate(prompts):
+            torch.testing.assert_close(logits[b], _reference_next_logits(model, p), rtol=1e-4,
+                                       atol=1e-4)
+            vtt.prefill_forward(W, dims, k_one, v_one, 1 + b, torch.tensor(p))
+            for i in range(cfg.layers):
+                torch.testing.assert_close(k_cache[i][1 + b, :len(p)], k_one[i][1 + b, :len(p)])
+                torch.testing.assert_close(v_cache[i][1 + b, :len(p)], v_one[i][1 + b, :len(p)])
+        assert not k_cache[0][0].any() and not v_cache[0][0].any()  # the row before, untouched
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_param_specs_are_exactly_the_transformers_models_tensors(arch):
     """What THAW allocates without transformers is what transformers builds at FREEZE."""

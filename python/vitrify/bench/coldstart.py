@@ -8,7 +8,8 @@ an archive frozen once at the start. Measured in the same run:
 - the floor every process pays before any engine work: ``import torch`` plus a CUDA context (a
   process that does only that), and the pinned host -> device copy rate;
 - the drive's read rate for the archive's weights span after each thaw run (the best of ``dd``
-  and fio's O_DIRECT reads at depth, page cache dropped when this process may; medians);
+  and fio's O_DIRECT reads at depth, page cache dropped when this process may; medians; on the
+  GPU machine fio comes from the carried bundle: ``. scripts/use-fio-bundle.sh``);
 - ``--runs`` cold and thaw runs (medians), the thaw's breakdown (open and verify, reserve, build
   and imports, weights, warmup gap, graph pools, kernel modules and graph rebuild, first token)
   and the graph ladder's rebuild (once more after serving, alone) against the cold runs' capture
@@ -145,6 +146,11 @@ def _disk_read_rate(path: str) -> dict:
             "fio_bytes_per_s": fio, "page_cache_dropped": bool(dropped), "o_direct": direct}
 
 
+# After serving, each thaw rebuilds the ladder alone at THAW's thread count (4) three times and at
+# 8 twice, alternating: the median at 4 is the result, the sweep shows the thread count's effect.
+REBUILDS = [4, 8, 4, 8, 4]
+
+
 def _disk_summary(runs: list[dict]) -> dict:
     """Medians over the drive measurements taken beside the thaw runs (the drive's rate drifts
     between minutes on a cloud machine): the best rate, dd's and each fio variant's."""
@@ -157,6 +163,13 @@ def _disk_summary(runs: list[dict]) -> dict:
             "command": runs[0]["command"], "o_direct": runs[0]["o_direct"],
             "page_cache_dropped": all(r["page_cache_dropped"] for r in runs),
             "measurements": len(runs), "runs": runs}
+
+
+def _rebuild_seconds(alone: dict) -> float:
+    """One thaw's ladder rebuild alone: the median of its rebuilds at THAW's thread count (the
+    first one's), where it rebuilt several times (a sweep over thread counts)."""
+    runs = [s for s in alone.get("sweep", [alone]) if s.get("threads") == alone.get("threads")]
+    return statistics.median(float(s["seconds"]) for s in runs)
 
 
 def _sum(timings: dict, keys: tuple[str, ...]) -> float:
@@ -179,7 +192,7 @@ def analyse(freeze: dict, colds: list[dict], thaws: list[dict], floors: list[dic
     # measured after serving, nothing else running) against capturing it the way a server
     # without vitrify does (the cold runs' torch capture); beside it the background loader's wall
     # time inside THAW (beside the main thread's imports and restores) and what THAW waited for.
-    alone = [float(r["rebuild_alone"]["seconds"]) for r in thaws if "rebuild_alone" in r]
+    alone = [_rebuild_seconds(r["rebuild_alone"]) for r in thaws if "rebuild_alone" in r]
     background = med(float(r["session"].get("background", {}).get("graphs_background", 0.0))
                      for r in thaws)
     rebuild = med(alone) if alone else background
@@ -285,15 +298,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         progress(f"FREEZE the {args.variant} engine once")
         fz = run_process("freeze", archive, cfg, {})
         span = Path(archive) / "rank0" / "region" / "weights.span"
-        progress("floor processes (import torch + CUDA context)")
-        floors = [_floor() for _ in range(args.runs)]
-        colds, thaws, disks = [], [], []
+        colds, thaws, disks, floors = [], [], [], []
         for i in range(args.runs):
+            # the floor beside each thaw: it drifts by a second between minutes on that machine
+            progress(f"floor process {i + 1}/{args.runs} (import torch + CUDA context)")
+            floors.append(_floor())
             progress(f"cold run {i + 1}/{args.runs} ({args.caches} compile caches)")
             colds.append(run_process("cold", "-", cfg, {}, env=cold_env(args.caches, tmp)))
             progress(f"thaw run {i + 1}/{args.runs}")
             resultlib.drop_page_cache([str(span)])
-            thaws.append(run_process("thaw", archive, cfg, {"rebuild_again": [4, 2, 8]}))
+            thaws.append(run_process("thaw", archive, cfg, {"rebuild_again": REBUILDS}))
             progress(f"the drive's read rate for the weights span {i + 1}/{args.runs}")
             disks.append(_disk_read_rate(str(span)))
         disk = _disk_summary(disks)

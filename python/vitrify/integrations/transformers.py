@@ -291,26 +291,41 @@ def prefill_forward(W, d: Dims, k_caches, v_caches, row: int, ids):
     """Causal forward of one prompt ``ids`` ([n] token ids) writing its keys/values into cache row
     ``row`` (positions ``0..n-1``); returns the last position's logits ``[vocab]``."""
     import torch
+
+    lengths = torch.tensor([ids.shape[0]], device=ids.device)
+    return prefill_batch_forward(W, d, k_caches, v_caches, row, ids[None], lengths)[0]
+
+
+def prefill_batch_forward(W, d: Dims, k_caches, v_caches, row0: int, ids, lengths):
+    """Causal forward of ``B`` prompts at once: ``ids`` ``[B, n]`` right-padded (prompt ``b`` is
+    ``ids[b, :lengths[b]]``), keys/values written into cache rows ``row0..row0+B-1`` at positions
+    ``0..n-1``; returns each prompt's last-token logits ``[B, vocab]``. A real position never
+    attends to padding (it comes after, and attention is causal); the padding's keys/values lie
+    beyond the prompt, where decode's mask (key position <= the row's position) ignores them
+    until decode overwrites them. One batch instead of a forward per prompt: a launch per
+    operation for all prompts, and one GEMM shape per layer instead of one per prompt length."""
+    import torch
     import torch.nn.functional as F
 
-    n = ids.shape[0]
-    x = F.embedding(ids, W["model.embed_tokens.weight"])  # [n, hidden]
+    B, n = ids.shape
+    x = F.embedding(ids, W["model.embed_tokens.weight"])  # [B, n, hidden]
     cos, sin = _rope(W, torch.arange(n, device=ids.device), d, x.dtype)  # [n, hd/2]
     cos, sin = cos[None, :, None], sin[None, :, None]  # [1, n, 1, hd/2]
     for i in range(d.layers):
         p = f"model.layers.{i}."
-        h = _rms_norm(x, W[p + "input_layernorm.weight"], d.eps)[None]  # [1, n, hidden]
-        q = rotary(_proj(W, p + "self_attn.q_proj", h, d.bias).view(1, n, d.heads, d.head_dim),
+        h = _rms_norm(x, W[p + "input_layernorm.weight"], d.eps)  # [B, n, hidden]
+        q = rotary(_proj(W, p + "self_attn.q_proj", h, d.bias).view(B, n, d.heads, d.head_dim),
                    cos, sin)
-        k = rotary(_proj(W, p + "self_attn.k_proj", h, d.bias).view(1, n, d.kv_heads,
+        k = rotary(_proj(W, p + "self_attn.k_proj", h, d.bias).view(B, n, d.kv_heads,
                                                                       d.head_dim), cos, sin)
-        v = _proj(W, p + "self_attn.v_proj", h, d.bias).view(1, n, d.kv_heads, d.head_dim)
-        k_caches[i][row, :n] = k[0]
-        v_caches[i][row, :n] = v[0]
+        v = _proj(W, p + "self_attn.v_proj", h, d.bias).view(B, n, d.kv_heads, d.head_dim)
+        k_caches[i][row0:row0 + B, :n] = k
+        v_caches[i][row0:row0 + B, :n] = v
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        x = _layer_tail(W, p, x, o.transpose(1, 2).reshape(n, d.heads * d.head_dim), d)
-    return F.linear(_rms_norm(x[-1], W["model.norm.weight"], d.eps), W["lm_head.weight"])
+        x = _layer_tail(W, p, x, o.transpose(1, 2).reshape(B, n, d.heads * d.head_dim), d)
+    last = x[torch.arange(B, device=ids.device), lengths - 1]  # [B, hidden]
+    return F.linear(_rms_norm(last, W["model.norm.weight"], d.eps), W["lm_head.weight"])
 
 
 def _code_digest() -> str:
@@ -536,17 +551,23 @@ class CausalLMEngine:
         self.loaded = graphs
 
     # --- serving --------------------------------------------------------------------------------
-    def _prefill(self, row: int, ids: list[int]) -> int:
-        """Eager prefill of one prompt into cache row ``row``; returns its first generated token."""
+    def _prefill(self, batch: list[list[int]]) -> list[int]:
+        """Eager prefill of the prompts, one right-padded batch, into cache rows ``0..len-1``;
+        returns each prompt's first generated token."""
         import torch
 
-        n = len(ids)
-        if not 0 < n < self.cfg.max_len:
-            raise ValueError(f"a prompt must have 1..{self.cfg.max_len - 1} tokens, got {n}")
+        for ids in batch:
+            if not 0 < len(ids) < self.cfg.max_len:
+                raise ValueError(f"a prompt must have 1..{self.cfg.max_len - 1} tokens, got "
+                                 f"{len(ids)}")
+        n = max(len(ids) for ids in batch)
         with torch.no_grad():
-            t = torch.tensor(ids, dtype=torch.long, device="cuda")
-            logits = prefill_forward(self.weights, self.dims, self.k_caches, self.v_caches, row, t)
-            return int(logits.argmax(-1).item())
+            t = torch.tensor([ids + [0] * (n - len(ids)) for ids in batch], dtype=torch.long,
+                             device="cuda")
+            lengths = torch.tensor([len(ids) for ids in batch], device="cuda")
+            logits = prefill_batch_forward(self.weights, self.dims, self.k_caches, self.v_caches,
+                                           0, t, lengths)
+            return logits.argmax(-1).tolist()
 
     def _replay(self, bs: int) -> None:
         import torch
@@ -574,8 +595,8 @@ class CausalLMEngine:
         if max(len(p) for p in batch) + steps >= c.max_len:
             raise ValueError(f"prompt + {steps} steps exceed max_len {c.max_len}")
         t0 = time.perf_counter()
-        first = [self._prefill(r, p) for r, p in enumerate(batch)]
-        first_token_s = time.perf_counter() - t0  # .item() synchronised: the tokens exist
+        first = self._prefill(batch)
+        first_token_s = time.perf_counter() - t0  # .tolist() synchronised: the tokens exist
         toks = [[t] for t in first]
         with torch.no_grad():
             self.tokens[:bs].zero_()
@@ -830,7 +851,8 @@ class _TorchGraphs:
 
 
 __all__ = ["CausalLMEngine", "DEFAULT_BATCH_SIZES", "Dims", "ENGINE", "EngineConfig",
-           "decode_forward", "main", "param_specs", "prefill_forward", "prompts", "rotary",
+           "decode_forward", "main", "param_specs", "prefill_batch_forward",
+           "prefill_forward", "prompts", "rotary",
            "run_process"]
 
 if __name__ == "__main__":
