@@ -20,7 +20,7 @@ bytes, over cold above the floor (<= 0.05) and in seconds (<= 2); weight restore
 min(disk read, PCIe) (>= 0.9); ladder rebuild alone over the cold capture (<= 0.5). Every run's
 tokens and logits must equal the frozen process's (a mismatch fails the benchmark).
 
-    vitrify bench coldstart [--variant compiled|eager] [--runs 3] [--small] [--dir DIR]
+    vitrify bench coldstart [--variant compiled|eager] [--runs 3] [--small | --shape 1b|8b] [--dir DIR]
                             [--caches cold|warm]
 
 Cold runs compile from nothing by default (``--caches cold``: Inductor's caches off, an empty
@@ -83,14 +83,15 @@ COLD_PARTS = {
 }
 
 
-def config(variant: str, small: bool) -> dict:
+def config(variant: str, small: bool, shape: str = "1b") -> dict:
     from ..integrations.transformers import EngineConfig
+    from .weights import SHAPES
 
     if small:  # the demo's size: a minute for everything
         cfg = EngineConfig(variant=variant, vocab=8192, hidden=1024, ffn=2816, layers=8, heads=16,
                            kv_heads=4, max_len=256, batch_sizes=(1, 2, 4, 8, 16, 32))
-    else:
-        cfg = EngineConfig(variant=variant)
+    else:  # 1b: the engine's default (1.1 B Llama); 8b: Qwen3-8B's shape, 16 GB of bf16
+        cfg = EngineConfig(variant=variant, **SHAPES[shape])
     return cfg.to_dict()
 
 
@@ -266,6 +267,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", type=positive_int, default=3, help="cold and thaw runs (median)")
     ap.add_argument("--small", action="store_true",
                     help="the demo's small engine (8 layers, hidden 1024) instead of 1.1 B")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b",
+                    help="the engine's shape: 1.1 B Llama (default) or Qwen3-8B's (16 GB)")
     ap.add_argument("--dir", type=existing_dir, default=None,
                     help="where the archive goes (default: the system temp directory)")
     ap.add_argument("--caches", choices=("cold", "warm"), default="cold",
@@ -292,7 +295,7 @@ def problem(res: dict) -> str | None:
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from ..integrations.transformers import run_process
 
-    cfg = config(args.variant, args.small)
+    cfg = config(args.variant, args.small, getattr(args, "shape", "1b"))
     with tempfile.TemporaryDirectory(prefix="vitrify-bench-coldstart-", dir=args.dir) as tmp:
         archive = str(Path(tmp) / "engine.vitrify")
         progress(f"FREEZE the {args.variant} engine once")
