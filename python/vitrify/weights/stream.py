@@ -11,8 +11,9 @@ staging buffer, and each chunk applied in place to the engine's tensors through 
   engine's tensors: the planned moves intersected with the rows the entry carries (``copy_``
   casts where the dtypes differ). A checksum that differs from the sender's is
   :class:`ChunkCorrupt` before anything is copied.
-- :func:`checksum`: a position-dependent sum of the bytes as 32-bit words, computed by torch on
-  the buffer's device (the GPU in production), in bounded pieces.
+- :func:`checksum`: a position-dependent sum of the bytes as 32-bit words, computed on the
+  buffer's device: on a GPU by one Triton kernel (:mod:`vitrify.weights.kernels`, one pass, one
+  synchronisation), else by torch in bounded pieces (the reference the kernel equals).
 
 Everything is torch on whatever device the tensors are on; nothing here knows about processes
 or sockets (the transport carries the chunks' descriptions and the staging buffer is shared).
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Mapping as MappingABC
 from typing import Any
 
 from .. import _check
+from . import kernels
 from .mapping import Copy, MappingError, Plan, copy
 
 _PIECE = 1 << 24  # checksum work per step: 16 MiB of the buffer (bounded temporaries)
@@ -142,6 +144,8 @@ def checksum(buf: Any, nbytes: int | None = None) -> int:
     n = buf.numel() if nbytes is None else int(nbytes)
     if n > buf.numel():
         raise ValueError(f"nbytes={n} exceeds the buffer's {buf.numel()} bytes")
+    if kernels.usable(buf) and buf.is_contiguous() and buf.data_ptr() % 4 == 0:
+        return kernels.checksum(buf, n)  # the same integer in one pass
     prime = (1 << 61) - 1
     plain = weighted = 0
     for lo, words in _words(buf, n, _PIECE):
@@ -180,6 +184,8 @@ def keyed_sums(buf: Any, key: tuple[int, int]) -> int:
     k1, k2 = (int(k) for k in key)
     if not (0 < k1 < 1 << 31 and 0 < k2 < 1 << 31):
         raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
+    if kernels.usable(buf) and buf.is_contiguous() and buf.data_ptr() % 4 == 0:
+        return kernels.keyed_sums(buf, (k1, k2))  # the same integer in one pass
     prime = (1 << 61) - 1
     a = b = 0
     for lo, words in _words(buf, buf.numel(), _KEYED_PIECE):

@@ -1,0 +1,129 @@
+"""The weight update's sums in one pass each, as Triton kernels: :func:`checksum` and
+:func:`keyed_sums` give exactly the integers of :func:`vitrify.weights.stream.checksum` and
+:func:`vitrify.weights.stream.keyed_sums` (their torch form, kept as the reference and for CPU
+tensors) with one read of the bytes and one device synchronisation per call, instead of a
+dozen int64 passes and four synchronisations per piece.
+
+Each program sums ``span`` consecutive 32-bit words (the bytes as little-endian words; the last
+zero-padded word of a length that is not a multiple of 4 is added on the host). Bounds that keep
+every int64 exact: a word's 16-bit halves are below ``2**16``, a position inside a program's span
+(``span <= 2**16``) at most ``2**16``, so a program's position-weighted sum stays below ``2**48``
+and ``group`` programs (``<= 2**14``) combine on the device below ``2**62``; keyed products are
+below ``2**40`` and a program's keyed sum below ``2**57``, combined on the host. Everything else
+is Python integers modulo ``2**61 - 1``.
+
+:func:`usable` says whether a tensor can take this path (a CUDA tensor, Triton importable, not
+turned off with ``VITRIFY_WEIGHTS_TRITON=0``); tests force it on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+PRIME = (1 << 61) - 1
+SPAN = 1 << 16  # words per program
+TILE = 2048  # words per step inside a program
+GROUP = 1 << 14  # programs combined on the device per synchronisation (checksum)
+
+
+def usable(t: Any) -> bool:
+    """Whether ``t`` takes the Triton path: a CUDA tensor, Triton importable, and
+    ``VITRIFY_WEIGHTS_TRITON`` not ``0``."""
+    if os.environ.get("VITRIFY_WEIGHTS_TRITON", "1") == "0":
+        return False
+    return bool(getattr(t, "is_cuda", False)) and _have_triton()
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    from . import _triton_sums  # imports triton: only where a kernel runs
+
+    return _triton_sums.checksum_blocks, _triton_sums.keyed_blocks
+
+
+def _split(buf: Any, n: int) -> tuple[Any, int, int]:
+    """``buf[:n]`` (uint8, contiguous, 4-byte aligned) as int32 words, their count, and the
+    trailing 0..3 bytes as one zero-padded little-endian word (an int)."""
+    import torch
+
+    if not buf.is_contiguous() or buf.dtype != torch.uint8:
+        raise ValueError("the sums need a contiguous uint8 tensor")
+    if buf.data_ptr() % 4:
+        raise ValueError("the sums need 4-byte aligned bytes")
+    full = n // 4
+    words = buf[:full * 4].view(torch.int32)
+    rest = buf[full * 4:n].tolist() if n % 4 else []
+    return words, full, int.from_bytes(bytes(rest) + bytes(4 - len(rest)), "little") if rest else 0
+
+
+def _weight(pos: int, k1: int, k2: int) -> int:
+    """stream._weights for one position (Python integers)."""
+    x = (pos & 0x7FFFFFFF) * k1
+    x ^= x >> 29
+    x = (x & 0x7FFFFFFF) * k2
+    x ^= x >> 31
+    return x & 0xFFFFFF
+
+
+def checksum(buf: Any, nbytes: int | None = None, *, span: int = SPAN, tile: int = TILE,
+             group: int = GROUP) -> int:
+    """:func:`vitrify.weights.stream.checksum` of ``buf[:nbytes]`` in one pass (Triton)."""
+    import torch
+
+    n = buf.numel() if nbytes is None else int(nbytes)
+    if n > buf.numel():
+        raise ValueError(f"nbytes={n} exceeds the buffer's {buf.numel()} bytes")
+    words, full, tail = _split(buf, n)
+    kernel = _kernels()[0]
+    plain = weighted = 0
+    piece = span * group  # words per device-side combination
+    for lo in range(0, full, piece):
+        m = min(piece, full - lo)
+        blocks = -(-m // span)
+        out = torch.empty((blocks, 4), dtype=torch.int64, device=buf.device)
+        kernel[(blocks,)](words[lo:lo + m], m, out, SPAN=span, TILE=tile)
+        idx = torch.arange(blocks, dtype=torch.int64, device=buf.device)
+        s0, s1, w0, w1, b0, b1 = torch.stack([
+            out[:, 0].sum(), out[:, 1].sum(), out[:, 2].sum(), out[:, 3].sum(),
+            (idx * out[:, 0]).sum(), (idx * out[:, 1]).sum()]).tolist()  # one synchronisation
+        total = s0 + (s1 << 16)
+        # word g = lo + b * span + (j - 1) weighs g + 1 = lo + b * span + j
+        weighted += w0 + (w1 << 16) + span * (b0 + (b1 << 16)) + lo * total
+        plain += total
+    if n % 4:
+        plain += tail
+        weighted += (full + 1) * tail
+    return (plain % PRIME) << 61 | (weighted % PRIME)
+
+
+def keyed_sums(buf: Any, key: tuple[int, int], *, span: int = SPAN, tile: int = TILE) -> int:
+    """:func:`vitrify.weights.stream.keyed_sums` of ``buf`` (uint8) in one pass (Triton)."""
+    import torch
+
+    k1, k2 = (int(k) for k in key)
+    if not (0 < k1 < 1 << 31 and 0 < k2 < 1 << 31):
+        raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
+    n = buf.numel()
+    words, full, tail = _split(buf, n)
+    a = b = 0
+    if full:
+        blocks = -(-full // span)
+        out = torch.empty((blocks, 2), dtype=torch.int64, device=buf.device)
+        _kernels()[1][(blocks,)](words, full, 0, k1, k2, out, SPAN=span, TILE=tile)
+        pa, pb = out.t().tolist()  # one synchronisation; each below 2**57
+        a, b = sum(pa), sum(pb)
+    if n % 4:
+        lo16, hi16 = tail & 0xFFFF, tail >> 16
+        wa, wb = _weight(full, k1, k2), _weight(full, k2, k1)
+        a += lo16 * wa + hi16 * wb
+        b += lo16 * wb + hi16 * wa
+    return (a % PRIME) << 61 | (b % PRIME)

@@ -1,0 +1,87 @@
+"""The weight update's one-pass sums (vitrify.weights.kernels, Triton) give exactly the integers
+of their torch reference (vitrify.weights.stream), run here on CPU tensors under Triton's
+interpreter: lengths that are not multiples of 4, several programs, several device-side groups,
+the largest words, and a key. On a GPU the same kernels run compiled (tests/python/
+test_weight_update_gpu.py, and `vitrify bench weights` compares both paths' times)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                or importlib.util.find_spec("torch") is None,
+                                reason="needs torch and triton (pip install torch)")
+
+SCRIPT = r'''
+import json, torch
+from vitrify.weights import kernels as K, stream as S
+g = torch.Generator().manual_seed(0)
+checked = []
+def same(buf, n, **kw):
+    assert K.checksum(buf, n, **kw) == S.checksum(buf, n), ("checksum", n, kw)
+    keykw = {k: v for k, v in kw.items() if k != "group"}
+    t = buf[:n]
+    assert K.keyed_sums(t, (12345, 987654321), **keykw) == S.keyed_sums(t, (12345, 987654321)), \
+        ("keyed", n, kw)
+    checked.append(n)
+for n in (0, 1, 2, 3, 4, 5, 7, 1000, 4096 * 3 + 2, 70001):
+    buf = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=g)
+    for span, tile, group in ((256, 64, 2), (1024, 256, 4)):
+        same(buf, n, span=span, tile=tile, group=group)
+# the largest words at the real span and tile (the int64 bounds), over two groups of one program
+full = torch.full((4 * K.SPAN * 2 + 6,), 255, dtype=torch.uint8)
+same(full, full.numel(), group=1)
+# a changed byte changes both
+buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+c0, k0 = K.checksum(buf, 5000, span=256, tile=64), K.keyed_sums(buf, (3, 5), span=256, tile=64)
+buf[4097] ^= 1
+assert K.checksum(buf, 5000, span=256, tile=64) != c0
+assert K.keyed_sums(buf, (3, 5), span=256, tile=64) != k0
+print(json.dumps({"checked": checked}))
+'''
+
+
+def test_the_one_pass_sums_equal_their_torch_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    checked = json.loads(p.stdout.strip().splitlines()[-1])["checked"]
+    assert len(checked) == 21
+
+
+def test_only_cuda_tensors_take_the_kernel_path(monkeypatch):
+    import torch
+
+    from vitrify.weights import kernels
+
+    assert not kernels.usable(torch.zeros(4, dtype=torch.uint8))  # a CPU tensor: torch's path
+    monkeypatch.setenv("VITRIFY_WEIGHTS_TRITON", "0")
+
+    class FakeCuda:
+        is_cuda = True
+
+    assert not kernels.usable(FakeCuda())  # turned off
+    monkeypatch.delenv("VITRIFY_WEIGHTS_TRITON")
+    assert kernels.usable(FakeCuda())
+
+
+def test_the_sums_refuse_what_they_cannot_read_as_words():
+    import torch
+
+    from vitrify.weights import kernels
+
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        kernels.checksum(torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        kernels.checksum(torch.zeros(16, dtype=torch.uint8)[1:])
+    with pytest.raises(ValueError, match="exceeds"):
+        kernels.checksum(torch.zeros(8, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match="key must be"):
+        kernels.keyed_sums(torch.zeros(8, dtype=torch.uint8), (0, 1))
