@@ -3,7 +3,8 @@ weights (Megatron-style layout) into an engine process's tensors through vitrify
 buffer, against baselines measured in the same run:
 
 - one device-to-device copy of the same bytes in one process (the HBM limit), and two copies
-  (the limit of any design that stages: every byte crosses memory twice);
+  (the limit of any design that stages: every byte crosses memory twice), and two copies plus
+  two reads (a staged update verified on both sides: its ceiling on this GPU);
 - the legacy per-tensor CUDA IPC path: the trainer exports every tensor with CUDA IPC handles
   (torch.multiprocessing's reductions), the engine opens each handle and copies, per update;
 - a delta update where 1 % of the tensors changed (bytes moved over the model's).
@@ -270,6 +271,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         {"case": "per-tensor CUDA IPC", "seconds": ipc_s, "GB/s": gbs(ipc_s)},
         {"case": "one D2D copy (HBM limit)", "seconds": d2d_s, "GB/s": gbs(d2d_s)},
         {"case": "two D2D copies (staged limit)", "seconds": d2d2_s, "GB/s": gbs(d2d2_s)},
+        # a verified staged update moves every byte twice and checksums it on both sides: two
+        # copies plus two reads of the bytes (computed from the rows measured here)
+        {"case": "staged and verified limit (2 copies + 2 reads)",
+         "seconds": d2d2_s + 2 * sums["read"] * total / chunk,
+         "GB/s": gbs(d2d2_s + 2 * sums["read"] * total / chunk)},
         {"case": "chunk checksum, one pass (Triton)", "seconds": sums["triton"],
          "GB/s": chunk / sums["triton"] / 1e9},
         {"case": "chunk checksum, torch reference", "seconds": sums["torch"],
@@ -279,6 +285,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     ]
     ratios = {"update_throughput_over_d2d": d2d_s / full_s,
               "update_throughput_over_staged_limit": d2d2_s / full_s,
+              "update_throughput_over_staged_verified_limit":
+                  (d2d2_s + 2 * sums["read"] * total / chunk) / full_s,
               "update_throughput_over_ipc": ipc_s / full_s,
               "delta_bytes_fraction": delta["bytes_moved"] / delta["bytes_total"],
               "checksum_triton_over_torch": sums["torch"] / sums["triton"],
