@@ -5,7 +5,9 @@ bounds that keep the int64 sums exact are in that module's docstring."""
 import triton
 import triton.language as tl
 
-@triton.jit
+# Lengths, offsets and keys are never specialised on (a key of 1 would otherwise become a
+# compile-time constant, and every new length a new compilation).
+@triton.jit(do_not_specialize=["n_words"])
 def checksum_blocks(words, n_words, out, SPAN: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     start = pid * SPAN
@@ -37,7 +39,7 @@ def mix(pos, k1, k2):  # stream._weights, on int64 lanes
     x = x ^ (x >> 31)
     return x & 0xFFFFFF
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words", "base", "k1", "k2"])
 def keyed_blocks(words, n_words, base, k1, k2, out, SPAN: tl.constexpr,
                  TILE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
