@@ -564,6 +564,7 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     Every graph and module file of that rank is first checked against the manifest (listed,
     inside the archive, no symlinks, size, and with ``verify`` its CRC32C): damage is a
     :class:`vitrify.archive.ArchiveCorrupt` naming the file, raised before any driver call.
+    ``verify=False`` checks no content (neither CRC32C nor the modules' SHA-256 names).
     ``kw`` goes to :func:`load` (device, region_base, threads, names, share_templates).
     """
     if not (hasattr(archive, "files") and hasattr(archive, "path")
@@ -581,10 +582,11 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     # Read and verified in one native call (no GIL hand-over per file: P7's loader runs beside
     # a main thread busy importing torch).
     data = archive.read_files(rels, checksum=verify)
-    # Their CRC32C verified every byte: the SHA-256 names are not recomputed (P12 of
-    # csrc/src/graph/DESIGN.md; hashing ~100 modules cost a THAW ~1 s).
+    # The SHA-256 names are not recomputed (G2 of csrc/src/graph/DESIGN.md; hashing ~100 modules
+    # cost a THAW ~1 s): with ``verify`` the CRC32C checked every byte; without it the caller
+    # chose not to check the archive's bytes at all.
     return load(Path(archive.path) / f"rank{int(rank)}",
-                files={rel[len(prefix):]: b for rel, b in data.items()}, checked=verify, **kw)
+                files={rel[len(prefix):]: b for rel, b in data.items()}, checked=True, **kw)
 
 
 def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] | None = None,

@@ -89,6 +89,21 @@ def test_a_right_padded_batch_prefill_gives_each_prompt_its_own_forward():
                 torch.testing.assert_close(k_cache[i][1 + b, :len(p)], k_one[i][1 + b, :len(p)])
                 torch.testing.assert_close(v_cache[i][1 + b, :len(p)], v_one[i][1 + b, :len(p)])
         assert not k_cache[0][0].any() and not v_cache[0][0].any()  # the row before, untouched
+        # decode after the padded prefill (rows 1..3, plus an idle row 0): the padding's keys and
+        # values beyond each prompt are masked, then overwritten
+        seqs = [p + [int(logits[b].argmax())] for b, p in enumerate(prompts)]
+        key_index = torch.arange(cfg.max_len)
+        rows = torch.arange(4)
+        tokens = torch.tensor([0] + [s[-1] for s in seqs])
+        positions = torch.tensor([0] + [len(s) - 1 for s in seqs])
+        for _ in range(4):
+            out, nxt = vtt.decode_forward(W, dims, k_cache, v_cache, key_index, tokens,
+                                          positions, rows)
+            for b, s in enumerate(seqs):
+                torch.testing.assert_close(out[1 + b], _reference_next_logits(model, s),
+                                           rtol=1e-4, atol=1e-4)
+                s.append(int(nxt[1 + b]))
+            tokens, positions = nxt.clone(), positions + 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

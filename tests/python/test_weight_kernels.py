@@ -85,3 +85,9 @@ def test_the_sums_refuse_what_they_cannot_read_as_words():
         kernels.checksum(torch.zeros(8, dtype=torch.uint8), 9)
     with pytest.raises(ValueError, match="key must be"):
         kernels.keyed_sums(torch.zeros(8, dtype=torch.uint8), (0, 1))
+    for bad in ({"span": 96, "tile": 64}, {"span": 1 << 17}, {"tile": 48, "span": 96}):
+        with pytest.raises(ValueError, match="power-of-two tile"):
+            kernels.checksum(torch.zeros(8, dtype=torch.uint8), **bad)
+    with pytest.raises(ValueError, match="group"):
+        kernels.checksum(torch.zeros(8, dtype=torch.uint8), group=0)
+    assert not kernels.takes(torch.zeros(8, dtype=torch.int32))  # only uint8 bytes

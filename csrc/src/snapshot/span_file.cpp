@@ -83,7 +83,13 @@ void pread_parallel(int fd, uint8_t* p, size_t n, uint64_t off, const std::strin
       errors[i] = std::current_exception();
     }
   };
-  for (unsigned i = 1; i < lanes; ++i) helpers.emplace_back(one, i);
+  helpers.reserve(lanes - 1);
+  unsigned next = 1;
+  try {
+    for (; next < lanes; ++next) helpers.emplace_back(one, next);
+  } catch (...) {  // no thread for the rest: this thread reads those parts itself
+    for (; next < lanes; ++next) one(next);
+  }
   one(0);
   for (std::thread& t : helpers) t.join();
   for (const std::exception_ptr& e : errors)

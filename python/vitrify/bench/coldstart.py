@@ -295,13 +295,16 @@ def problem(res: dict) -> str | None:
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from ..integrations.transformers import run_process
 
-    cfg = config(args.variant, args.small, getattr(args, "shape", "1b"))
+    shape = getattr(args, "shape", "1b")
+    if args.small and shape != "1b":
+        raise ValueError(f"--small and --shape {shape} choose two engines: give one")
+    cfg = config(args.variant, args.small, shape)
     with tempfile.TemporaryDirectory(prefix="vitrify-bench-coldstart-", dir=args.dir) as tmp:
         archive = str(Path(tmp) / "engine.vitrify")
         progress(f"FREEZE the {args.variant} engine once")
         # the region: 12 GiB holds the 1.1 B engine (the default); the 8 B one needs 16 GB of
         # weights and 19 GB of KV cache at 256 x 512 tokens
-        sized = {"region_bytes": 64 << 30} if getattr(args, "shape", "1b") == "8b" else {}
+        sized = {"region_bytes": 64 << 30} if shape == "8b" else {}
         fz = run_process("freeze", archive, cfg, sized)
         span = Path(archive) / "rank0" / "region" / "weights.span"
         colds, thaws, disks, floors = [], [], [], []

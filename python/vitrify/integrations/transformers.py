@@ -9,7 +9,8 @@ names and its forward is functional over them (CPU-tested against the transforme
 forward), so THAW needs torch but not transformers, and the KV cache is one static tensor per
 layer for every batch size:
 
-- prefill (eager, one prompt at a time, causal SDPA) writes a prompt's keys/values into its row;
+- prefill (eager, the prompts in one right-padded batch, causal SDPA) writes each prompt's
+  keys/values into its row;
 - a decode step for batch ``bs`` reads ``tokens[:bs]`` and ``positions[:bs]``, writes the new
   keys/values at each row's position (``index_put_`` in place, also under ``torch.compile``),
   attends over the row's cache up to it (masked SDPA), and writes ``logits[:bs]`` and
@@ -578,10 +579,10 @@ class CausalLMEngine:
             self.torch_graphs[bs].replay()
 
     def serve(self, batch: list[list[int]], steps: int) -> dict:
-        """Greedy generation for ``batch`` prompts: prefill each eagerly, then ``steps`` decode
-        steps through the decode graph of the smallest captured batch size that fits. Returns
-        the tokens per prompt, the SHA-256 of each step's logits bytes (rows of the batch) and
-        ``first_token_s`` (until every prompt's first token exists)."""
+        """Greedy generation for ``batch`` prompts: prefill them eagerly in one right-padded
+        batch, then ``steps`` decode steps through the decode graph of the smallest captured
+        batch size that fits. Returns the tokens per prompt, the SHA-256 of each step's logits
+        bytes (rows of the batch) and ``first_token_s`` (until every prompt's first token exists)."""
         import torch
 
         if self.receiver is not None and self.receiver.state != "ready":

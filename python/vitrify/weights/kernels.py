@@ -38,9 +38,26 @@ def usable(t: Any) -> bool:
     return bool(getattr(t, "is_cuda", False)) and _have_triton()
 
 
+def takes(buf: Any) -> bool:
+    """Whether the sums of ``buf`` run as kernels: :func:`usable`, and a contiguous 1-D uint8
+    tensor starting on a 4-byte boundary (else the torch reference computes them)."""
+    import torch
+
+    return (usable(buf) and buf.dtype == torch.uint8 and buf.dim() == 1
+            and buf.is_contiguous() and buf.data_ptr() % 4 == 0)
+
+
 @functools.cache
 def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _check_shape(span: int, tile: int, group: int = 1) -> None:
+    """The bounds the module docstring relies on (span, tile and group are tuning knobs)."""
+    if not (0 < tile <= span <= SPAN and span % tile == 0 and tile & (tile - 1) == 0
+            and 0 < group <= GROUP):
+        raise ValueError(f"span={span}, tile={tile}, group={group}: need a power-of-two tile "
+                         f"dividing span <= {SPAN}, and 1 <= group <= {GROUP}")
 
 
 @functools.cache
@@ -79,9 +96,27 @@ def checksum(buf: Any, nbytes: int | None = None, *, span: int = SPAN, tile: int
     """:func:`vitrify.weights.stream.checksum` of ``buf[:nbytes]`` in one pass (Triton)."""
     import torch
 
+    _check_shape(span, tile, group)
     n = buf.numel() if nbytes is None else int(nbytes)
     if n > buf.numel():
         raise ValueError(f"nbytes={n} exceeds the buffer's {buf.numel()} bytes")
+    with _on(buf):
+        return _checksum(buf, n, span, tile, group)
+
+
+def _on(buf: Any) -> Any:
+    """The buffer's device current while a kernel is launched (Triton launches on the current
+    device and stream; the sums after it run on the buffer's)."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext()
+
+
+def _checksum(buf: Any, n: int, span: int, tile: int, group: int) -> int:
+    import torch
+
     words, full, tail = _split(buf, n)
     kernel = _kernels()[0]
     plain = weighted = 0
@@ -112,6 +147,14 @@ def keyed_sums(buf: Any, key: tuple[int, int], *, span: int = SPAN, tile: int = 
     k1, k2 = (int(k) for k in key)
     if not (0 < k1 < 1 << 31 and 0 < k2 < 1 << 31):
         raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
+    _check_shape(span, tile)
+    with _on(buf):
+        return _keyed(buf, k1, k2, span, tile)
+
+
+def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
+    import torch
+
     n = buf.numel()
     words, full, tail = _split(buf, n)
     a = b = 0
