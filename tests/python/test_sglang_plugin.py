@@ -338,6 +338,25 @@ def test_missing_target_is_fatal_and_nothing_registered(fresh, save_config, bogu
     assert _our_hooks() == [] and not plugin.STATE.registered
 
 
+class _NotAFunction:
+    pass
+
+
+@pytest.mark.parametrize("hook, words", [
+    (plugin.Hook(TARGET, "WRAP", lambda r, *a, **k: None), ["hook kind 'WRAP'"]),
+    (plugin.Hook(TARGET, "AFTER", _NotAFunction), ["_NotAFunction", "only as REPLACE"]),
+])
+def test_bad_hook_entry_is_fatal_and_nothing_registered(fresh, save_config, hook, words):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (hook,))
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    for w in words:
+        assert w in msg, msg
+    assert _our_hooks() == []
+
+
 def test_missing_server_args_field_is_fatal(fresh, save_config):
     fresh.setenv(plugin.CONFIG_ENV, save_config)
     fresh.setattr(plugin, "SERVER_ARGS_FIELDS", plugin.SERVER_ARGS_FIELDS + ("no_such_field",))

@@ -4,7 +4,7 @@ SGLang calls :func:`register` (no arguments) early in every server process — t
 ``Engine``, each scheduler — and then applies the hooks registered with its ``HookRegistry``.
 The plugin is inert unless ``VITRIFY_SGLANG_CONFIG`` names a TOML file (``config.py``); with one,
 it validates the file, checks the SGLang version, resolves every hook target and every
-``ServerArgs`` field its hooks read, and only then registers the hooks (invariants P1–P4).
+``ServerArgs`` field its hooks read, and only then registers the hooks (invariants P1–P5).
 
 SGLang only logs exceptions raised by a plugin and by hook application, so every error here is
 fatal: :class:`PluginFatal`, a ``SystemExit`` with a one-line message starting
@@ -37,13 +37,10 @@ _DISABLED = "disabled"  # SGLang's cuda_graph_config Backend.DISABLED (cuda_grap
 class PluginFatal(SystemExit):
     """A fatal plugin error: SystemExit so that SGLang's ``except Exception`` lets it through.
 
-    ``str()`` of it (and what Python prints at exit) is the one-line message."""
+    Its ``code`` (what ``str()`` gives and what Python prints at exit) is the one-line message."""
 
     def __init__(self, message: str):
         super().__init__(_PREFIX + " ".join(str(message).split()))
-
-    def __str__(self) -> str:
-        return str(self.code)
 
 
 def fatal(message: str) -> PluginFatal:
@@ -57,7 +54,7 @@ class PluginState:
 
     ``fingerprint`` is set in the process that builds ``ServerArgs`` (the launcher). Other
     processes receive ``ServerArgs`` pickled, without ``__post_init__``; hooks there recompute it
-    with :func:`apply_server_args`, a pure function of the arguments (invariant P7)."""
+    with :func:`apply_server_args`, a pure function of the arguments (invariant P8)."""
 
     config: Any = None  # PluginConfig once register() accepted the file
     sglang_version: str | None = None
@@ -191,7 +188,7 @@ def fingerprint(args: Any) -> dict:
 
 
 def apply_server_args(args: Any, mode: str) -> dict:
-    """Refuse, force, fingerprint (P6, P7): what the ``__post_init__`` hook does to ``args``.
+    """Refuse, force, fingerprint (P6–P8): what the ``__post_init__`` hook does to ``args``.
 
     Raises :class:`PluginFatal` naming every refused argument; otherwise turns prefill CUDA graphs
     off (one log line) and returns the fingerprint. Calling it again on the same arguments
@@ -288,7 +285,7 @@ def _check_server_args_fields(version: str) -> None:
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert without ``VITRIFY_SGLANG_CONFIG`` (P1);
-    otherwise config, version, every target, then registration (P2–P5); once per process."""
+    otherwise config, version, every target, then registration (P2–P5); once per process (P9)."""
     path = os.environ.get(CONFIG_ENV)
     if not path:
         return
@@ -313,6 +310,9 @@ def register() -> None:
         if hook.kind not in hook_type.__members__:
             raise fatal(f"hook kind {hook.kind!r} for {hook.target!r} is not a HookType of "
                         f"SGLang {version}")
+        if isinstance(hook.fn, type) and hook.kind != "REPLACE":  # the registry would raise
+            raise fatal(f"hook {hook.fn.__name__} on {hook.target!r} is a class; SGLang takes "
+                        f"classes only as REPLACE hooks")
     _check_server_args_fields(version)
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
