@@ -310,6 +310,19 @@ def test_bad_config_is_fatal(fresh, tmp_path):
     assert _our_hooks() == []
 
 
+def test_fatal_exit_status_and_message(tmp_path):
+    """P3 as an operator sees it: status 1 and the one line on stderr, nothing else."""
+    bad = _write(tmp_path / "c.toml", 'mode = "load"\narchive = "/no/such/archive"\n'
+                                      'region_bytes = 1\n')
+    env = dict(os.environ, **{plugin.CONFIG_ENV: bad})
+    code = "from vitrify.integrations.sglang.plugin import register; register()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(PREFIX), r.stderr
+    assert "'/no/such/archive' does not exist" in r.stderr
+
+
 def test_version_mismatch_is_fatal(fresh, save_config):
     fresh.setenv(plugin.CONFIG_ENV, save_config)
     fresh.setattr(sglang, "__version__", "0.5.16")

@@ -192,7 +192,7 @@ def apply_server_args(args: Any, mode: str) -> dict:
 
     Raises :class:`PluginFatal` naming every refused argument; otherwise turns prefill CUDA graphs
     off (one log line) and returns the fingerprint. Calling it again on the same arguments
-    changes nothing and returns the same fingerprint."""
+    leaves every value as it was and returns the same fingerprint."""
     refused = _refusals(args)
     if refused:
         raise fatal(f"mode {mode!r} cannot freeze these server arguments yet: "
