@@ -1,0 +1,186 @@
+"""The SGLang plugin's configuration: a TOML file named by ``VITRIFY_SGLANG_CONFIG``, parsed and
+validated into :class:`PluginConfig` (PLUGIN.md invariant P5).
+
+=================  ==============================  ===========================================
+key                value                           meaning
+=================  ==============================  ===========================================
+``mode``           ``"save"`` | ``"load"`` |       SAVE freezes the engine into ``archive`` once
+                   ``"off"`` (required)            it is built and captured; LOAD thaws it from
+                                                   there; ``off`` registers no hook
+``archive``        path (required unless off)      the archive directory. LOAD: it must exist.
+                                                   SAVE: its parent must exist and be writable
+                                                   (the archive is written beside it, then
+                                                   renamed into place)
+``region_bytes``   int > 0, or a string such as    size of the VMM region every engine
+                   ``"64GiB"`` (required unless    allocation is routed into
+                   off)
+``on_mismatch``    ``"refuse"`` (default) |        what LOAD does when the archive does not
+                   ``"cold-start"``                match this server: stop, or build cold
+``prefill_graphs`` ``"disabled"`` (default, the    prefill CUDA graphs are not frozen yet, so
+                   only accepted value)            the plugin turns them off
+=================  ==============================  ===========================================
+
+Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
+``TiB`` (case-insensitive, a space allowed before the unit). Every problem — unreadable file, bad
+TOML, unknown key, wrong type, bad value — is one line raised as :class:`PluginConfigError`.
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("save", "load", "off")
+ON_MISMATCH = ("refuse", "cold-start")
+PREFILL_GRAPHS = ("disabled",)
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
+_KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs")
+
+
+class PluginConfigError(ValueError):
+    """The plugin's configuration is unusable; the message is one line naming the key and value."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """The validated plugin configuration (see the module docstring for the keys)."""
+
+    mode: str
+    archive: str | None = None
+    region_bytes: int | None = None
+    on_mismatch: str = "refuse"
+    prefill_graphs: str = "disabled"
+    source: str | None = None  # the TOML file it came from, for messages
+
+    @property
+    def active(self) -> bool:
+        """True for SAVE and LOAD: the plugin registers its hooks."""
+        return self.mode != "off"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _type_error(key: str, expected: str, value: Any) -> PluginConfigError:
+    return PluginConfigError(f"config key {key!r}: expected {expected}, got "
+                             f"{type(value).__name__} {value!r:.80}")
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a size string (``"64GiB"``); the result is > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _type_error(key, "an int or a size string such as \"64GiB\"", value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise PluginConfigError(
+                f"config key {key!r}: {value!r} is not a size (a whole number with an optional "
+                f"unit B, KiB, MiB, GiB or TiB, e.g. \"64GiB\")")
+        value = int(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise PluginConfigError(f"config key {key!r}: must be > 0 bytes, got {value}")
+    if value > _MAX_BYTES:
+        raise PluginConfigError(f"config key {key!r}: {value} bytes is more than 2**63-1")
+    return value
+
+
+def _choice(data: Mapping, key: str, choices: tuple, default: str | None) -> str:
+    if key not in data:
+        if default is None:
+            raise PluginConfigError(f"config key {key!r} is required (one of {list(choices)})")
+        return default
+    value = data[key]
+    if not isinstance(value, str):
+        raise _type_error(key, f"a string, one of {list(choices)}", value)
+    if value not in choices:
+        raise PluginConfigError(f"config key {key!r}: {value!r} is not one of {list(choices)}")
+    return value
+
+
+def _archive_path(data: Mapping, mode: str) -> str | None:
+    if "archive" not in data:
+        if mode == "off":
+            return None
+        raise PluginConfigError(f"config key 'archive' is required when mode is {mode!r}")
+    value = data["archive"]
+    if not isinstance(value, str) or not value:
+        raise _type_error("archive", "a non-empty path string", value)
+    path = os.path.abspath(os.path.expanduser(value))
+    if mode == "load" and not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise PluginConfigError(f"config key 'archive': {path!r} {what} (mode 'load' reads an "
+                                f"archive directory written by mode 'save')")
+    if mode == "save":
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise PluginConfigError(f"config key 'archive': the parent directory {parent!r} does "
+                                    f"not exist (mode 'save' writes the archive there)")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PluginConfigError(f"config key 'archive': the parent directory {parent!r} is "
+                                    f"not writable (mode 'save' writes the archive there)")
+    return path
+
+
+def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
+    """Validate an already-parsed TOML table (tests and :func:`load` use it)."""
+    if not isinstance(data, Mapping):
+        raise PluginConfigError(f"the configuration must be a table, got {type(data).__name__}")
+    unknown = sorted(k for k in data if k not in _KEYS)
+    if unknown:
+        raise PluginConfigError(f"unknown config key(s) {unknown} (known: {list(_KEYS)})")
+    mode = _choice(data, "mode", MODES, None)
+    archive = _archive_path(data, mode)
+    if "region_bytes" in data:
+        region_bytes = parse_size("region_bytes", data["region_bytes"])
+    elif mode == "off":
+        region_bytes = None
+    else:
+        raise PluginConfigError(f"config key 'region_bytes' is required when mode is {mode!r}")
+    on_mismatch = _choice(data, "on_mismatch", ON_MISMATCH, "refuse")
+    if "prefill_graphs" in data and data["prefill_graphs"] not in PREFILL_GRAPHS:
+        value = data["prefill_graphs"]
+        if not isinstance(value, str):
+            raise _type_error("prefill_graphs", "the string \"disabled\"", value)
+        raise PluginConfigError(f"config key 'prefill_graphs': {value!r} is not supported: "
+                                f"prefill CUDA graphs are not frozen yet, only \"disabled\" is")
+    return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
+                        on_mismatch=on_mismatch, prefill_graphs="disabled", source=source)
+
+
+def _toml_module():
+    if sys.version_info >= (3, 11):
+        import tomllib
+        return tomllib
+    try:
+        import tomli
+    except ImportError:
+        raise PluginConfigError("reading the TOML config needs Python >= 3.11 or the 'tomli' "
+                                "package on Python 3.10 (pip install tomli)") from None
+    return tomli
+
+
+def load(path: str) -> PluginConfig:
+    """Read and validate the TOML file at ``path``."""
+    toml = _toml_module()
+    try:
+        with open(path, "rb") as f:
+            data = toml.load(f)
+    except OSError as e:
+        raise PluginConfigError(f"cannot read config file {path!r}: "
+                                f"{_one_line(e.strerror or e)}") from None
+    except toml.TOMLDecodeError as e:
+        raise PluginConfigError(f"config file {path!r} is not valid TOML: {_one_line(e)}") from None
+    try:
+        return from_mapping(data, source=path)
+    except PluginConfigError as e:
+        raise PluginConfigError(f"{path}: {e}") from None

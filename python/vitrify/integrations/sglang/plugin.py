@@ -1,0 +1,323 @@
+"""vitrify's SGLang plugin: the ``sglang.srt.plugins`` entry point and its hooks (PLUGIN.md).
+
+SGLang calls :func:`register` (no arguments) early in every server process — the launcher,
+``Engine``, each scheduler — and then applies the hooks registered with its ``HookRegistry``.
+The plugin is inert unless ``VITRIFY_SGLANG_CONFIG`` names a TOML file (``config.py``); with one,
+it validates the file, checks the SGLang version, resolves every hook target and every
+``ServerArgs`` field its hooks read, and only then registers the hooks (invariants P1–P5).
+
+SGLang only logs exceptions raised by a plugin and by hook application, so every error here is
+fatal: :class:`PluginFatal`, a ``SystemExit`` with a one-line message starting
+``vitrify SGLang plugin:`` (SGLang's loader catches ``Exception``, which ``SystemExit`` is not).
+
+Hooks implemented now: an AFTER hook on ``ServerArgs.__post_init__``
+(:func:`after_server_args_post_init`) that refuses the arguments vitrify cannot freeze yet,
+turns prefill CUDA graphs off and records the engine-shaping arguments in :data:`STATE`.
+Importing this module imports only the standard library (and the ``vitrify`` package).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import pkgutil
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("vitrify.sglang")
+
+CONFIG_ENV = "VITRIFY_SGLANG_CONFIG"
+SUPPORTED_SGLANG_VERSIONS = ("0.5.17",)
+_PREFIX = "vitrify SGLang plugin: "
+_DISABLED = "disabled"  # SGLang's cuda_graph_config Backend.DISABLED (cuda_graph_config.py)
+
+
+class PluginFatal(SystemExit):
+    """A fatal plugin error: SystemExit so that SGLang's ``except Exception`` lets it through.
+
+    Its ``code`` (what ``str()`` gives and what Python prints at exit) is the one-line message."""
+
+    def __init__(self, message: str):
+        super().__init__(_PREFIX + " ".join(str(message).split()))
+
+
+def fatal(message: str) -> PluginFatal:
+    """The exception to raise for ``message`` (callers write ``raise fatal(...)``)."""
+    return PluginFatal(message)
+
+
+@dataclasses.dataclass
+class PluginState:
+    """What this process's plugin knows; later hooks read it.
+
+    ``fingerprint`` is set in the process that builds ``ServerArgs`` (the launcher). Other
+    processes receive ``ServerArgs`` pickled, without ``__post_init__``; hooks there recompute it
+    with :func:`apply_server_args`, a pure function of the arguments (invariant P8)."""
+
+    config: Any = None  # PluginConfig once register() accepted the file
+    sglang_version: str | None = None
+    registered: bool = False  # hooks handed to HookRegistry (never twice per process)
+    fingerprint: dict | None = None  # engine-shaping ServerArgs, JSON-able
+    prefill_graphs_were: str | None = None  # the prefill backend before it was forced off
+
+
+STATE = PluginState()
+
+
+# ---------------------------------------------------------------------------------------------
+# ServerArgs.__post_init__ (AFTER)
+# ---------------------------------------------------------------------------------------------
+
+SERVER_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.__post_init__"
+SERVER_ARGS_OVERRIDE = "sglang.srt.server_args.ServerArgs.override"
+
+# (field, flag, refused when, why). vitrify freezes one process on one GPU, allocating
+# everything through its region; each of these breaks that.
+REFUSED_ARGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+    ("enable_memory_saver", "--enable-memory-saver", bool,
+     "the memory saver's allocator bypasses vitrify's region"),
+    ("speculative_algorithm", "--speculative-algorithm", lambda v: v not in (None, ""),
+     "speculative decoding is not frozen yet"),
+    ("tp_size", "--tp-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("pp_size", "--pp-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("dp_size", "--dp-size", lambda v: v > 1, "only one GPU is supported for now"),
+)
+
+# ServerArgs fields that shape the engine vitrify freezes (copied into the fingerprint as is).
+FINGERPRINT_ARGS = (
+    "model_path", "revision", "dtype", "kv_cache_dtype", "quantization", "context_length",
+    "max_running_requests", "attention_backend", "prefill_attention_backend",
+    "decode_attention_backend", "page_size", "chunked_prefill_size", "random_seed", "tp_size",
+)
+# Fields read for the CUDA graph settings (the resolved cuda_graph_config, or the flags while it
+# is unresolved: model_path "dummy"/"none" return from __post_init__ before resolving it).
+_GRAPH_ARGS = (
+    "cuda_graph_config", "cuda_graph_backend_decode", "cuda_graph_backend_prefill",
+    "cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "disable_prefill_cuda_graph",
+    "disable_decode_cuda_graph", "disable_cuda_graph",
+)
+SERVER_ARGS_FIELDS = tuple(dict.fromkeys(
+    [name for name, *_ in REFUSED_ARGS] + list(FINGERPRINT_ARGS) + list(_GRAPH_ARGS)))
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able copy (the fingerprint is compared with an archive's recorded one)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _refusals(args: Any) -> list[str]:
+    return [f"{field}={getattr(args, field)!r} ({flag}): {why}"
+            for field, flag, refused, why in REFUSED_ARGS if refused(getattr(args, field))]
+
+
+def _set_fields(args: Any, fields: dict) -> None:
+    """Write server arguments the way 0.5.17 allows after resolution: ``ServerArgs.override``
+    (its one post-resolution mutation point; bare assignment raises once the declarations are
+    materialized), recorded with the source ``"vitrify"``. Plain objects get setattr."""
+    override = getattr(args, "override", None)
+    if callable(override):
+        override("vitrify", **fields)
+    else:
+        for name, value in fields.items():
+            setattr(args, name, value)
+
+
+def _force_prefill_graphs_off(args: Any) -> str:
+    """Turn prefill CUDA graphs off everywhere 0.5.17 keeps the setting; return the backend that
+    was in effect.
+
+    After ``__post_init__`` the decision lives in the resolved ``cuda_graph_config.prefill``
+    (what the runtime context publishes to the model runner); the flags
+    ``cuda_graph_backend_prefill`` / ``disable_prefill_cuda_graph`` are set as well, so that a
+    config rebuilt from the flags agrees. With model_path "dummy"/"none" ``__post_init__``
+    returns before resolving, so ``cuda_graph_config`` may still be None or the raw JSON dict."""
+    cg = args.cuda_graph_config
+    before = None
+    if isinstance(cg, dict):
+        cg = copy.deepcopy(cg)
+        prefill = cg.setdefault("prefill", {})
+        before = prefill.get("backend")
+        prefill["backend"] = _DISABLED
+    elif cg is not None:
+        cg = copy.deepcopy(cg)
+        before = cg.prefill.backend
+        cg.prefill.backend = _DISABLED
+    if before is None:  # unresolved: the flags in SGLang's precedence order
+        if args.cuda_graph_backend_prefill is not None:
+            before = args.cuda_graph_backend_prefill
+        elif args.disable_prefill_cuda_graph or args.disable_cuda_graph:
+            before = _DISABLED
+        else:
+            before = "SGLang's default"
+    fields = {"cuda_graph_backend_prefill": _DISABLED, "disable_prefill_cuda_graph": True}
+    if cg is not None:
+        fields["cuda_graph_config"] = cg
+    _set_fields(args, fields)
+    return str(before)
+
+
+def _graph_fingerprint(args: Any) -> dict:
+    cg = args.cuda_graph_config
+    if cg is not None and not isinstance(cg, dict):
+        return {"cuda_graph_decode_backend": cg.decode.backend,
+                "cuda_graph_decode_max_bs": cg.decode.max_bs,
+                "cuda_graph_decode_bs": _plain(cg.decode.bs),
+                "cuda_graph_prefill_backend": cg.prefill.backend}
+    decode = (cg or {}).get("decode", {})
+    backend = decode.get("backend", args.cuda_graph_backend_decode)
+    if backend is None and (args.disable_decode_cuda_graph or args.disable_cuda_graph):
+        backend = _DISABLED
+    return {"cuda_graph_decode_backend": backend,
+            "cuda_graph_decode_max_bs": decode.get("max_bs", args.cuda_graph_max_bs_decode),
+            "cuda_graph_decode_bs": _plain(decode.get("bs", args.cuda_graph_bs_decode)),
+            "cuda_graph_prefill_backend": _DISABLED}
+
+
+def fingerprint(args: Any) -> dict:
+    """The engine-shaping server arguments as a JSON-able dict (``FINGERPRINT_ARGS`` plus the
+    CUDA graph backends and batch sizes)."""
+    fp = {name: _plain(getattr(args, name)) for name in FINGERPRINT_ARGS}
+    fp.update(_graph_fingerprint(args))
+    return fp
+
+
+def apply_server_args(args: Any, mode: str) -> dict:
+    """Refuse, force, fingerprint (P6–P8): what the ``__post_init__`` hook does to ``args``.
+
+    Raises :class:`PluginFatal` naming every refused argument; otherwise turns prefill CUDA graphs
+    off (one log line) and returns the fingerprint. Calling it again on the same arguments
+    leaves every value as it was and returns the same fingerprint."""
+    refused = _refusals(args)
+    if refused:
+        raise fatal(f"mode {mode!r} cannot freeze these server arguments yet: "
+                    + "; ".join(refused))
+    before = _force_prefill_graphs_off(args)
+    STATE.prefill_graphs_were = before
+    if before == _DISABLED:
+        log.info("vitrify (mode %s): prefill CUDA graphs are off (vitrify does not freeze them "
+                 "yet)", mode)
+    else:
+        log.info("vitrify (mode %s): prefill CUDA graphs forced off (backend was %s; vitrify does "
+                 "not freeze them yet; pass --cuda-graph-backend-prefill disabled to size memory "
+                 "without them)", mode, before)
+    return fingerprint(args)
+
+
+def after_server_args_post_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on ``ServerArgs.__post_init__``: :func:`apply_server_args`, then store the
+    fingerprint in :data:`STATE`. Any failure is fatal (P3)."""
+    cfg = STATE.config
+    if cfg is None or not cfg.active:
+        return None
+    try:
+        STATE.fingerprint = apply_server_args(self, cfg.mode)
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise fatal(f"the ServerArgs.__post_init__ hook failed: {type(e).__name__}: {e}") from e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One hook: SGLang target (dotted path ending in one attribute), HookType name, function."""
+
+    target: str
+    kind: str  # "BEFORE" | "AFTER" | "AROUND" | "REPLACE"
+    fn: Callable
+
+
+# Every hook register() hands to SGLang (PLUGIN.md's table lists the ones still to come).
+HOOKS: tuple[Hook, ...] = (
+    Hook(SERVER_ARGS_TARGET, "AFTER", after_server_args_post_init),
+)
+_REGISTRY_TARGET = "sglang.srt.plugins.hook_registry.HookRegistry"
+_HOOK_TYPE_TARGET = "sglang.srt.plugins.hook_registry.HookType"
+
+
+def _sglang_version() -> str:
+    try:
+        import sglang
+    except Exception as e:
+        raise fatal(f"cannot import sglang: {type(e).__name__}: {e}") from None
+    version = str(getattr(sglang, "__version__", "unknown"))
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise fatal(f"SGLang {version} is not supported; this vitrify supports SGLang "
+                    f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}")
+    return version
+
+
+def _resolve(target: str, version: str) -> Any:
+    """The object ``target`` names, resolved as SGLang's registry does (module path, then one
+    attribute); fatal naming the target and the SGLang version if it is missing."""
+    obj_path, _, attr = target.rpartition(".")
+    try:
+        if not obj_path:
+            raise ValueError("need a module path and an attribute")
+        owner = pkgutil.resolve_name(obj_path)
+        return getattr(owner, attr)
+    except Exception as e:
+        raise fatal(f"hook target {target!r} is missing in SGLang {version}: "
+                    f"{type(e).__name__}: {e}") from None
+
+
+def _check_server_args_fields(version: str) -> None:
+    """The ServerArgs fields and the ``override`` method the ``__post_init__`` hook uses."""
+    cls = _resolve(SERVER_ARGS_TARGET.rsplit(".", 1)[0], version)
+    _resolve(SERVER_ARGS_OVERRIDE, version)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    missing = [name for name in SERVER_ARGS_FIELDS if name not in fields]
+    if missing:
+        raise fatal(f"ServerArgs of SGLang {version} lacks the field(s) {missing} the plugin "
+                    f"reads")
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point. Inert without ``VITRIFY_SGLANG_CONFIG`` (P1);
+    otherwise config, version, every target, then registration (P2–P5); once per process (P9)."""
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        return
+    if STATE.registered:
+        log.debug("vitrify SGLang plugin already registered in this process")
+        return
+    from . import config as _config
+
+    try:
+        cfg = _config.load(path)
+    except _config.PluginConfigError as e:
+        raise fatal(f"{CONFIG_ENV}: {e}") from None
+    if not cfg.active:
+        STATE.config, STATE.registered = cfg, True
+        log.info("vitrify SGLang plugin: mode 'off' in %s, no hooks registered", path)
+        return
+    version = _sglang_version()
+    registry = _resolve(_REGISTRY_TARGET, version)
+    hook_type = _resolve(_HOOK_TYPE_TARGET, version)
+    for hook in HOOKS:
+        _resolve(hook.target, version)
+        if hook.kind not in hook_type.__members__:
+            raise fatal(f"hook kind {hook.kind!r} for {hook.target!r} is not a HookType of "
+                        f"SGLang {version}")
+        if isinstance(hook.fn, type) and hook.kind != "REPLACE":  # the registry would raise
+            raise fatal(f"hook {hook.fn.__name__} on {hook.target!r} is a class; SGLang takes "
+                        f"classes only as REPLACE hooks")
+    _check_server_args_fields(version)
+    # Everything resolved: from here on nothing can fail half-way (P2).
+    STATE.config, STATE.sglang_version = cfg, version
+    for hook in HOOKS:
+        registry.register(hook.target, hook.fn, hook_type[hook.kind])
+    STATE.registered = True
+    log.info("vitrify SGLang plugin: mode %r, archive %s, %d hook(s) registered (SGLang %s)",
+             cfg.mode, cfg.archive, len(HOOKS), version)

@@ -1,0 +1,560 @@
+"""vitrify's SGLang plugin on the CPU (PLUGIN.md invariants P1-P8): the TOML config, the entry
+point, registration through SGLang's own HookRegistry and loader, and the ServerArgs hook on real
+``ServerArgs`` objects (a tiny local model config, ``device="cpu"``: no GPU, no network).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+sglang = pytest.importorskip("sglang", reason="the SGLang plugin tests need sglang importable")
+
+from sglang.srt import plugins as sgl_plugins  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from vitrify.integrations.sglang import config as pconfig  # noqa: E402
+from vitrify.integrations.sglang import plugin  # noqa: E402
+from vitrify.integrations.sglang.config import PluginConfig, PluginConfigError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "vitrify SGLang plugin:"
+TARGET = plugin.SERVER_ARGS_TARGET
+
+# A tiny Llama: enough for ServerArgs.__post_init__ to resolve everything on the CPU.
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return str(d)
+
+
+def _server_args(model_path, **kw):
+    """A real ServerArgs resolved on the CPU (the plugin's hook is not applied here)."""
+    return ServerArgs(model_path=model_path, device="cpu", skip_tokenizer_init=True, **kw)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A clean plugin state and an empty SGLang hook registry (both restored afterwards); the
+    config env var and SGLang's plugin allow-list unset."""
+    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.delenv(plugin.CONFIG_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    # apply_hooks() patches ServerArgs.__post_init__; put the original back after the test.
+    monkeypatch.setattr(ServerArgs, "__post_init__", ServerArgs.__dict__["__post_init__"])
+    return monkeypatch
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.fixture
+def save_config(tmp_path):
+    return _write(tmp_path / "vitrify.toml", f"""
+        mode = "save"
+        archive = "{tmp_path / 'archive'}"
+        region_bytes = "2GiB"
+        """)
+
+
+def _active(mode="save", tmp=None):
+    return PluginConfig(mode=mode, archive=str(tmp or "/tmp/a"), region_bytes=1 << 30)
+
+
+def _our_hooks():
+    return [(t, ht, fn) for t, hooks in HookRegistry._hooks.items() for ht, fn, _ in hooks
+            if getattr(fn, "__module__", "").startswith("vitrify.")]
+
+
+def _one_line_fatal(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert isinstance(excinfo.value, SystemExit)
+    assert msg.startswith(PREFIX), msg
+    assert "\n" not in msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------------
+# config (P5)
+# ------------------------------------------------------------------------------------------
+
+def test_config_good_file(tmp_path):
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    path = _write(tmp_path / "c.toml", f"""
+        mode = "load"
+        archive = "{arch}"
+        region_bytes = 68719476736
+        on_mismatch = "cold-start"
+        prefill_graphs = "disabled"
+        """)
+    cfg = pconfig.load(path)
+    assert cfg == PluginConfig(mode="load", archive=str(arch), region_bytes=64 << 30,
+                               on_mismatch="cold-start", prefill_graphs="disabled", source=path)
+    assert cfg.active
+
+
+def test_config_defaults_and_save_parent(tmp_path):
+    cfg = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "new"),
+                                "region_bytes": "512MiB"})
+    assert (cfg.on_mismatch, cfg.prefill_graphs, cfg.region_bytes) == ("refuse", "disabled",
+                                                                       512 << 20)
+    assert cfg.archive == str(tmp_path / "new")
+
+
+def test_config_is_frozen(tmp_path):
+    cfg = pconfig.from_mapping({"mode": "off"})
+    with pytest.raises(Exception):
+        cfg.mode = "save"
+    assert not cfg.active and cfg.archive is None and cfg.region_bytes is None
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("64GiB", 64 << 30), ("64 gib", 64 << 30), ("512MiB", 512 << 20), ("4KiB", 4096),
+    ("1TiB", 1 << 40), ("123", 123), ("123B", 123), (4096, 4096), (1, 1),
+])
+def test_config_sizes(value, expected):
+    assert pconfig.parse_size("region_bytes", value) == expected
+
+
+@pytest.mark.parametrize("value, words", [
+    ("64GB", ["'64GB'", "is not a size"]), ("1.5GiB", ["is not a size"]),
+    ("", ["is not a size"]), ("-1", ["is not a size"]), ("GiB", ["is not a size"]),
+    (0, ["> 0"]), (-5, ["> 0"]), ("0GiB", ["> 0"]), (1 << 63, ["2**63-1"]),
+    (True, ["expected an int or a size string", "bool"]),
+    (1.5, ["expected an int or a size string", "float", "1.5"]),
+    ([1], ["expected an int or a size string", "list"]),
+])
+def test_config_bad_sizes(value, words):
+    with pytest.raises(PluginConfigError) as e:
+        pconfig.from_mapping({"mode": "off", "region_bytes": value})
+    msg = str(e.value)
+    assert "'region_bytes'" in msg and "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def _bad(tmp_path, **over):
+    base = {"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": "1GiB"}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"mode": None}, ["'mode' is required"]),
+    ({"mode": "freeze"}, ["'mode'", "'freeze'", "not one of", "save"]),
+    ({"mode": 1}, ["'mode'", "expected a string", "int", "1"]),
+    ({"archive": None}, ["'archive' is required", "'save'"]),
+    ({"archive": 7}, ["'archive'", "expected a non-empty path string", "int", "7"]),
+    ({"archive": ""}, ["'archive'", "non-empty"]),
+    ({"region_bytes": None}, ["'region_bytes' is required"]),
+    ({"on_mismatch": "ignore"}, ["'on_mismatch'", "'ignore'", "refuse", "cold-start"]),
+    ({"on_mismatch": False}, ["'on_mismatch'", "expected a string", "bool"]),
+    ({"prefill_graphs": "breakable"}, ["'prefill_graphs'", "'breakable'",
+                                       "prefill CUDA graphs are not frozen yet"]),
+    ({"prefill_graphs": 0}, ["'prefill_graphs'", "expected", "int"]),
+])
+def test_config_bad_fields(tmp_path, over, words):
+    with pytest.raises(PluginConfigError) as e:
+        pconfig.from_mapping(_bad(tmp_path, **over))
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_config_unknown_keys(tmp_path):
+    with pytest.raises(PluginConfigError) as e:
+        pconfig.from_mapping(_bad(tmp_path, regoin_bytes=1, zeta=2))
+    assert "['regoin_bytes', 'zeta']" in str(e.value)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(PluginConfigError, ValueError)
+
+
+def test_config_load_archive_must_exist(tmp_path):
+    with pytest.raises(PluginConfigError, match="does not exist"):
+        pconfig.from_mapping(_bad(tmp_path, mode="load", archive=str(tmp_path / "nope")))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PluginConfigError, match="is not a directory"):
+        pconfig.from_mapping(_bad(tmp_path, mode="load", archive=str(tmp_path / "file")))
+
+
+def test_config_save_parent(tmp_path, monkeypatch):
+    with pytest.raises(PluginConfigError, match="parent directory .* does not exist"):
+        pconfig.from_mapping(_bad(tmp_path, archive=str(tmp_path / "no" / "arch")))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):  # root may write anyway: make the check see it read-only
+            real = os.access
+            monkeypatch.setattr(os, "access",
+                                lambda p, m: False if str(p) == str(ro) else real(p, m))
+        with pytest.raises(PluginConfigError, match="is not writable"):
+            pconfig.from_mapping(_bad(tmp_path, archive=str(ro / "arch")))
+    finally:
+        ro.chmod(0o755)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(PluginConfigError, match="cannot read config file"):
+        pconfig.load(str(tmp_path / "missing.toml"))
+    bad = _write(tmp_path / "bad.toml", 'mode = "save\n')
+    with pytest.raises(PluginConfigError, match="is not valid TOML") as e:
+        pconfig.load(bad)
+    assert "\n" not in str(e.value)
+    unknown = _write(tmp_path / "u.toml", 'mode = "off"\nextra = 1\n')
+    with pytest.raises(PluginConfigError, match=r"u\.toml: unknown config key\(s\) \['extra'\]"):
+        pconfig.load(unknown)
+
+
+def test_config_python310_without_tomli(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "version_info", (3, 10, 0))
+    monkeypatch.setitem(sys.modules, "tomli", None)  # makes `import tomli` fail
+    with pytest.raises(PluginConfigError, match="Python >= 3.11 or the 'tomli' package"):
+        pconfig.load(_write(tmp_path / "c.toml", 'mode = "off"\n'))
+
+
+# ------------------------------------------------------------------------------------------
+# entry point and registration (P1-P4, P8)
+# ------------------------------------------------------------------------------------------
+
+def test_entry_point_declared_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    with open(REPO / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    group = project["entry-points"]["sglang.srt.plugins"]
+    assert group == {"vitrify": "vitrify.integrations.sglang.plugin:register"}
+    ep = metadata.EntryPoint("vitrify", group["vitrify"], "sglang.srt.plugins")
+    assert ep.load() is plugin.register
+
+
+def test_inert_without_env(fresh):
+    assert plugin.register() is None
+    assert _our_hooks() == [] and not plugin.STATE.registered and plugin.STATE.config is None
+    fresh.setenv(plugin.CONFIG_ENV, "")
+    plugin.register()
+    assert _our_hooks() == [] and not plugin.STATE.registered
+
+
+def test_inert_imports_nothing_heavy():
+    """P1 in a fresh interpreter: register() without the env var imports neither sglang nor
+    torch, and neither does importing the entry point's module."""
+    env = {k: v for k, v in os.environ.items() if k != plugin.CONFIG_ENV}
+    code = ("import sys; from vitrify.integrations.sglang.plugin import register; register(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_register_registers_after_hook(fresh, save_config):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    plugin.register()
+    assert _our_hooks() == [(TARGET, HookType.AFTER, plugin.after_server_args_post_init)]
+    assert plugin.STATE.registered and plugin.STATE.sglang_version == sglang.__version__
+    assert plugin.STATE.config.mode == "save" and plugin.STATE.config.region_bytes == 2 << 30
+
+
+def test_register_idempotent(fresh, save_config):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    plugin.register()
+    plugin.register()
+    assert len(_our_hooks()) == 1
+
+
+def test_mode_off_registers_nothing_and_skips_version(fresh, tmp_path):
+    fresh.setenv(plugin.CONFIG_ENV, _write(tmp_path / "off.toml", 'mode = "off"\n'))
+    fresh.setattr(sglang, "__version__", "9.9.9")
+    plugin.register()
+    assert _our_hooks() == [] and plugin.STATE.config.mode == "off"
+
+
+def test_bad_config_is_fatal(fresh, tmp_path):
+    fresh.setenv(plugin.CONFIG_ENV, _write(tmp_path / "c.toml", 'mode = "save"\nbogus = 1\n'))
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    assert plugin.CONFIG_ENV in msg and "['bogus']" in msg
+    assert _our_hooks() == []
+
+
+def test_fatal_exit_status_and_message(tmp_path):
+    """P3 as an operator sees it: status 1 and the one line on stderr, nothing else."""
+    bad = _write(tmp_path / "c.toml", 'mode = "load"\narchive = "/no/such/archive"\n'
+                                      'region_bytes = 1\n')
+    env = dict(os.environ, **{plugin.CONFIG_ENV: bad})
+    code = "from vitrify.integrations.sglang.plugin import register; register()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(PREFIX), r.stderr
+    assert "'/no/such/archive' does not exist" in r.stderr
+
+
+def test_version_mismatch_is_fatal(fresh, save_config):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(sglang, "__version__", "0.5.16")
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    assert "SGLang 0.5.16 is not supported" in msg
+    for v in plugin.SUPPORTED_SGLANG_VERSIONS:
+        assert v in msg
+    assert _our_hooks() == [] and not plugin.STATE.registered
+
+
+@pytest.mark.parametrize("bogus", [
+    "sglang.srt.server_args.ServerArgs.no_such_method",
+    "sglang.srt.no_such_module.some_function",
+    "nodots",
+])
+def test_missing_target_is_fatal_and_nothing_registered(fresh, save_config, bogus):
+    """P2: the valid ServerArgs hook comes first in the table, yet nothing is registered."""
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (plugin.Hook(bogus, "AROUND", lambda f: f),))
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    assert repr(bogus) in msg and f"SGLang {sglang.__version__}" in msg
+    assert _our_hooks() == [] and not plugin.STATE.registered
+
+
+class _NotAFunction:
+    pass
+
+
+@pytest.mark.parametrize("hook, words", [
+    (plugin.Hook(TARGET, "WRAP", lambda r, *a, **k: None), ["hook kind 'WRAP'"]),
+    (plugin.Hook(TARGET, "AFTER", _NotAFunction), ["_NotAFunction", "only as REPLACE"]),
+])
+def test_bad_hook_entry_is_fatal_and_nothing_registered(fresh, save_config, hook, words):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (hook,))
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    for w in words:
+        assert w in msg, msg
+    assert _our_hooks() == []
+
+
+def test_missing_server_args_field_is_fatal(fresh, save_config):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(plugin, "SERVER_ARGS_FIELDS", plugin.SERVER_ARGS_FIELDS + ("no_such_field",))
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    assert "['no_such_field']" in _one_line_fatal(e)
+    assert _our_hooks() == []
+
+
+def _fake_entry_points(monkeypatch):
+    """SGLang's loader sees vitrify's entry point (the installed metadata may predate it)."""
+    ep = metadata.EntryPoint("vitrify", "vitrify.integrations.sglang.plugin:register",
+                             "sglang.srt.plugins")
+    monkeypatch.setattr(sgl_plugins, "entry_points",
+                        lambda group: metadata.EntryPoints([ep] if group == ep.group else []))
+    monkeypatch.setattr(sgl_plugins, "_plugins_loaded", False)
+
+
+def test_fatal_error_propagates_through_sglang_loader(fresh, save_config):
+    """P3: SGLang's load_plugins() catches Exception only, so the SystemExit gets through."""
+    _fake_entry_points(fresh)
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setattr(sglang, "__version__", "0.4.0")
+    with pytest.raises(SystemExit) as e:
+        sgl_plugins.load_plugins()
+    assert "SGLang 0.4.0 is not supported" in _one_line_fatal(e)
+
+
+def test_through_sglang_loader_end_to_end(fresh, save_config, tiny_model, caplog):
+    """SGLang's own loader registers and applies the hook twice-safely; a real ServerArgs built
+    afterwards goes through it (prefill graphs off, fingerprint stored) and a refused argument
+    stops construction."""
+    _fake_entry_points(fresh)
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    sgl_plugins.load_plugins()
+    fresh.setattr(sgl_plugins, "_plugins_loaded", False)
+    sgl_plugins.load_plugins()  # a second load in the same process (Engine does this)
+    assert len(_our_hooks()) == 1
+    with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+        args = _server_args(tiny_model)
+    assert args.cuda_graph_config.prefill.backend == "disabled"
+    assert plugin.STATE.fingerprint == plugin.fingerprint(args)
+    assert plugin.STATE.fingerprint["model_path"] == tiny_model
+    assert any("prefill CUDA graphs" in r.getMessage() for r in caplog.records)
+    with pytest.raises(SystemExit) as e:
+        ServerArgs(model_path="dummy", tp_size=2)
+    assert "tp_size=2" in _one_line_fatal(e)
+
+
+# ------------------------------------------------------------------------------------------
+# ServerArgs.__post_init__ hook (P6, P7), called directly on real ServerArgs
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def active(fresh, tmp_path):
+    fresh.setattr(plugin.STATE, "config", _active("save", tmp_path / "a"))
+    return plugin.STATE
+
+
+def test_hook_forces_prefill_graphs_off(active, tiny_model, caplog):
+    args = _server_args(tiny_model)
+    was = args.cuda_graph_config.prefill.backend
+    assert was != "disabled"  # SGLang turned them on by default: the hook has work to do
+    decode_before = args.cuda_graph_config.decode.backend
+    with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+        assert plugin.after_server_args_post_init(None, args) is None
+    assert args.cuda_graph_config.prefill.backend == "disabled"
+    assert args.cuda_graph_backend_prefill == "disabled" and args.disable_prefill_cuda_graph
+    assert args.cuda_graph_config.decode.backend == decode_before  # decode graphs untouched
+    assert active.prefill_graphs_were == was
+    lines = [r.getMessage() for r in caplog.records if r.name == "vitrify.sglang"]
+    assert len(lines) == 1 and "forced off" in lines[0] and was in lines[0]
+    # Through SGLang's sanctioned mutation point, with provenance.
+    assert any(src == "vitrify" for src, _ in getattr(args, "_runtime_mutations", []))
+
+
+def test_hook_reaches_published_config(active, tiny_model):
+    """What the model runner reads (the runtime context's exec.graph bag) says disabled too."""
+    from sglang.srt.runtime_context import get_exec, publish
+    args = _server_args(tiny_model)
+    plugin.after_server_args_post_init(None, args)
+    publish(args, role="test")
+    assert get_exec().graph.cuda_graph_config.prefill.backend == "disabled"
+
+
+def test_hook_already_off_logs_so(active, tiny_model, caplog):
+    args = _server_args(tiny_model, cuda_graph_backend_prefill="disabled")
+    with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+        plugin.after_server_args_post_init(None, args)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vitrify.sglang"]
+    assert len(lines) == 1 and "are off" in lines[0] and "forced" not in lines[0]
+    assert args.cuda_graph_config.prefill.backend == "disabled"
+
+
+@pytest.mark.parametrize("raw, was", [(None, "SGLang's default"),
+                                      ({"prefill": {"backend": "full"}}, "full")])
+def test_hook_on_unresolved_dummy_args(active, raw, was):
+    """model_path "dummy": __post_init__ stops before resolving cuda_graph_config."""
+    args = ServerArgs(model_path="dummy", cuda_graph_config=raw)
+    plugin.after_server_args_post_init(None, args)
+    assert args.cuda_graph_backend_prefill == "disabled" and args.disable_prefill_cuda_graph
+    assert active.prefill_graphs_were == was
+    if raw is not None:
+        assert args.cuda_graph_config["prefill"]["backend"] == "disabled"
+    assert active.fingerprint["cuda_graph_prefill_backend"] == "disabled"
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("enable_memory_saver", True, "--enable-memory-saver"),
+    ("speculative_algorithm", "EAGLE", "--speculative-algorithm"),
+    ("tp_size", 2, "--tp-size"),
+    ("pp_size", 2, "--pp-size"),
+    ("dp_size", 2, "--dp-size"),
+])
+def test_hook_refuses_unsupported_args(active, field, value, flag):
+    args = ServerArgs(model_path="dummy", **{field: value})  # "dummy": no resolution of these
+    with pytest.raises(SystemExit) as e:
+        plugin.after_server_args_post_init(None, args)
+    msg = _one_line_fatal(e)
+    assert f"{field}={value!r}" in msg and flag in msg and "'save'" in msg
+    assert active.fingerprint is None
+    # Every other refusable field is at its default, so it is not named.
+    for other, _, _, _ in plugin.REFUSED_ARGS:
+        if other != field:
+            assert f"{other}=" not in msg
+
+
+def test_hook_accepts_single_gpu_defaults(active):
+    args = ServerArgs(model_path="dummy")
+    plugin.after_server_args_post_init(None, args)
+    assert active.fingerprint is not None
+
+
+def test_fingerprint_contents(active, tiny_model):
+    args = _server_args(tiny_model, dtype="float16", kv_cache_dtype="auto", random_seed=7,
+                        context_length=256, max_running_requests=8, chunked_prefill_size=1024,
+                        attention_backend="triton", page_size=16,
+                        cuda_graph_bs_decode=[1, 2, 4])
+    plugin.after_server_args_post_init(None, args)
+    fp = active.fingerprint
+    assert set(fp) == set(plugin.FINGERPRINT_ARGS) | {
+        "cuda_graph_decode_backend", "cuda_graph_decode_max_bs", "cuda_graph_decode_bs",
+        "cuda_graph_prefill_backend"}
+    assert fp["model_path"] == tiny_model
+    assert (fp["dtype"], fp["random_seed"], fp["context_length"], fp["max_running_requests"],
+            fp["chunked_prefill_size"], fp["attention_backend"], fp["page_size"],
+            fp["tp_size"]) == ("float16", 7, 256, 8, 1024, "triton", 16, 1)
+    assert fp["cuda_graph_decode_bs"] == [1, 2, 4] and fp["cuda_graph_decode_max_bs"] == 4
+    assert fp["cuda_graph_decode_backend"] == args.cuda_graph_config.decode.backend
+    assert fp["cuda_graph_prefill_backend"] == "disabled"
+    assert fp["cuda_graph_decode_bs"] == list(args.cuda_graph_config.decode.bs)
+    assert json.loads(json.dumps(fp)) == fp  # JSON-able: it goes into the archive
+
+
+def test_fingerprint_tracks_each_argument(active, tiny_model):
+    base = plugin.apply_server_args(_server_args(tiny_model, random_seed=1), "save")
+    for kw in ({"random_seed": 2}, {"dtype": "float16"}, {"page_size": 32},
+               {"chunked_prefill_size": 512}, {"cuda_graph_bs_decode": [1, 8]}):
+        other = plugin.apply_server_args(_server_args(tiny_model, **{"random_seed": 1, **kw}),
+                                         "save")
+        changed = {k for k in base if base[k] != other[k]}
+        assert changed, kw
+        assert changed <= set(kw) | {"cuda_graph_decode_max_bs", "cuda_graph_decode_bs"}, kw
+
+
+def test_apply_is_idempotent_and_pickle_stable(active, tiny_model):
+    """P7: a scheduler gets ServerArgs pickled (no __post_init__) and recomputes the same one."""
+    import pickle
+    args = _server_args(tiny_model, random_seed=3)
+    first = plugin.apply_server_args(args, "load")
+    assert plugin.apply_server_args(args, "load") == first
+    child = pickle.loads(pickle.dumps(args))
+    assert plugin.fingerprint(child) == first
+    assert child.cuda_graph_config.prefill.backend == "disabled"
+
+
+def test_hook_inactive_without_config(fresh, tiny_model):
+    args = _server_args(tiny_model)
+    was = args.cuda_graph_config.prefill.backend
+    plugin.after_server_args_post_init(None, args)
+    assert args.cuda_graph_config.prefill.backend == was and plugin.STATE.fingerprint is None
+
+
+def test_hook_unexpected_error_is_fatal(active):
+    import types
+    with pytest.raises(SystemExit) as e:
+        plugin.after_server_args_post_init(None, types.SimpleNamespace(tp_size=1))
+    assert "ServerArgs.__post_init__ hook failed: AttributeError" in _one_line_fatal(e)
