@@ -35,6 +35,7 @@ class Settings:
     bench_dir: str | None = None
     git_sha: str | None = None
     test_dir: str | None = None
+    weights_triton: bool = True
 
 
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
@@ -119,6 +120,8 @@ VARIABLES: tuple[Variable, ...] = (
              "restore the warmup gap at thaw (`0`: re-run warmup)", _bool),
     Variable("VITRIFY_SGLANG_CONFIG", "sglang_config", "path", "unset",
              "SGLang freeze/thaw hook configuration", _path),
+    Variable("VITRIFY_WEIGHTS_TRITON", "weights_triton", "`1`, `0`", "`1`",
+             "weight-update checksums on a GPU by Triton kernels (`0`: by torch ops)", _bool),
     Variable("VITRIFY_CUPTI_PATH", "cupti_path", "path",
              "unset (`libcupti.so.13`, then CUDA's `lib64`)",
              "the libcupti that `vitrify.graph.record_modules()` loads", _path),
@@ -216,7 +219,7 @@ def configure_native(native) -> None:
 
 @contextlib.contextmanager
 def override(**changes) -> Iterator[Settings]:
-    """Temporarily replace fields of :func:`settings` (for tests)."""
+    """Temporarily replace fields of :func:`settings` (for tests and benchmarks)."""
     global _current
     before = _current
     _current = dataclasses.replace(settings(), **changes)

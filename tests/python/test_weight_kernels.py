@@ -56,20 +56,21 @@ def test_the_one_pass_sums_equal_their_torch_reference():
     assert len(checked) == 21
 
 
-def test_only_cuda_tensors_take_the_kernel_path(monkeypatch):
+def test_only_cuda_tensors_take_the_kernel_path():
     import torch
 
+    from vitrify import config
     from vitrify.weights import kernels
 
     assert not kernels.usable(torch.zeros(4, dtype=torch.uint8))  # a CPU tensor: torch's path
-    monkeypatch.setenv("VITRIFY_WEIGHTS_TRITON", "0")
 
     class FakeCuda:
         is_cuda = True
 
-    assert not kernels.usable(FakeCuda())  # turned off
-    monkeypatch.delenv("VITRIFY_WEIGHTS_TRITON")
     assert kernels.usable(FakeCuda())
+    with config.override(weights_triton=False):  # VITRIFY_WEIGHTS_TRITON=0
+        assert not kernels.usable(FakeCuda())
+    assert config.from_environ({"VITRIFY_WEIGHTS_TRITON": "0"}).weights_triton is False
 
 
 def test_the_sums_refuse_what_they_cannot_read_as_words():

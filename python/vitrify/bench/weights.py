@@ -176,16 +176,11 @@ def _sums(nbytes: int) -> dict[str, float]:
             out = min(out, time.perf_counter() - t0)
         return out
 
-    saved = os.environ.get("VITRIFY_WEIGHTS_TRITON")
-    os.environ["VITRIFY_WEIGHTS_TRITON"] = "0"
-    try:
+    from .. import config
+
+    with config.override(weights_triton=False):  # the torch reference
         ref = best(lambda: stream.checksum(buf))
         want = stream.checksum(buf)
-    finally:
-        if saved is None:
-            os.environ.pop("VITRIFY_WEIGHTS_TRITON")
-        else:
-            os.environ["VITRIFY_WEIGHTS_TRITON"] = saved
     one = best(lambda: kernels.checksum(buf))
     if kernels.checksum(buf) != want:
         raise RuntimeError("the Triton checksum differs from the torch reference on the GPU")

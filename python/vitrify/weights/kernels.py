@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Any
 
 PRIME = (1 << 61) - 1
@@ -33,7 +32,9 @@ GROUP = 1 << 14  # programs combined on the device per synchronisation (checksum
 def usable(t: Any) -> bool:
     """Whether ``t`` takes the Triton path: a CUDA tensor, Triton importable, and
     ``VITRIFY_WEIGHTS_TRITON`` not ``0``."""
-    if os.environ.get("VITRIFY_WEIGHTS_TRITON", "1") == "0":
+    from .. import config
+
+    if not config.get("weights_triton"):
         return False
     return bool(getattr(t, "is_cuda", False)) and _have_triton()
 
