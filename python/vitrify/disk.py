@@ -664,6 +664,10 @@ class PageMover:
         if len(keys) != len(pages):
             raise ValueError(f"keys and pages differ in length: {len(keys)} keys, "
                              f"{len(pages)} pages")
+        limit = self._store.page_bytes(self._k)
+        if layout.blob_bytes > limit:
+            raise ValueError(f"layout pages of {layout.blob_bytes} bytes do not fit kind "
+                             f"{self._store.kind_names[self._k]!r} of {limit}-byte pages")
         return self._store._native(), self._k, keys, lay, pages, layout.blob_bytes
 
     def put_pages(self, keys: Sequence[Any], layout: Any,
