@@ -1,15 +1,19 @@
 // The disk tier: argument conversion and GIL release only (logic in csrc/src/disk).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <utility>
 
 #include "bind.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/file_io.hpp"
+#include "vitrify/host.hpp"
+#include "vitrify/page_mover.hpp"
 
 namespace nb = nanobind;
 
@@ -358,6 +362,49 @@ void bind_disk(nb::module_& m) {
         }
         return stats_dict(st);
       });
+
+  // One native call per batch (GIL released throughout): python/vitrify/disk.py PageMover.
+  nb::class_<disk::PageMover>(m, "DiskPageMover",
+                              "Host KV pages <-> one kind of a DiskStore, pipelined natively.")
+      .def(nb::init<size_t, size_t, host::Copier&>(), nb::arg("slot_bytes"), nb::arg("chunk"),
+           nb::arg("copier"), nb::keep_alive<1, 4>())  // the copier outlives the mover
+      .def_prop_ro("slot_bytes", &disk::PageMover::slot_bytes)
+      .def_prop_ro("chunk", &disk::PageMover::chunk)
+      .def(
+          "put_pages",
+          [](disk::PageMover& mv, disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+             const host::PageLayout& layout, const std::vector<size_t>& pages, size_t blob_bytes) {
+            const std::vector<Key> ks = to_keys(keys);
+            disk::PutPagesResult r;
+            {
+              nb::gil_scoped_release nogil;
+              r = mv.put_pages(s, ks, kind, layout, pages, blob_bytes);
+            }
+            std::vector<int> results;
+            results.reserve(r.results.size());
+            for (disk::PutResult x : r.results) results.push_back(static_cast<int>(x));
+            return std::make_pair(std::move(results), r.present);
+          },
+          nb::arg("store"), nb::arg("kind"), nb::arg("keys"), nb::arg("layout"), nb::arg("pages"),
+          nb::arg("blob_bytes"),
+          "(per-key PutResult values, keys already stored before the call)")
+      .def(
+          "get_pages",
+          [](disk::PageMover& mv, disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+             const host::PageLayout& layout, const std::vector<size_t>& pages, size_t blob_bytes) {
+            const std::vector<Key> ks = to_keys(keys);
+            disk::GetPagesResult r;
+            {
+              nb::gil_scoped_release nogil;
+              r = mv.get_pages(s, ks, kind, layout, pages, blob_bytes);
+            }
+            std::vector<std::pair<size_t, size_t>> dropped;
+            for (const disk::DroppedPage& d : r.dropped) dropped.emplace_back(d.index, d.bytes);
+            return std::make_pair(std::move(r.hits), std::move(dropped));
+          },
+          nb::arg("store"), nb::arg("kind"), nb::arg("keys"), nb::arg("layout"), nb::arg("pages"),
+          nb::arg("blob_bytes"),
+          "(per-key hit, [(key index, stored bytes)] of pages dropped for their length)");
 }
 
 }  // namespace vitrify::bindings

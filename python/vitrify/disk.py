@@ -21,6 +21,7 @@ load_threads=0, mode="write")``
 ``put_buffers_async(...)``                   -> :class:`PutTicket`
 ``get_buffers(keys, bufs, kind=None)``       read straight into slot buffers -> list[int|None]
 ``get_buffers_async(...)``                   -> :class:`GetTicket`
+``PageMover(store, chunk, kind=None)``       host KV pages <-> the store, one native call a batch
 ``stats()``                                  occupancy, spills, reloads, GC, errors, queues
 ``prometheus_collector()``                   a prometheus_client collector (if installed)
 ``clear()``                                  drop every page (files and threads stay open)
@@ -79,6 +80,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _check, _native, config
+from . import host as _host
 
 KEY_BYTES: int = _native.DISK_KEY_BYTES
 SLOT_HEADER_BYTES: int = _native.DISK_SLOT_HEADER_BYTES
@@ -614,6 +616,77 @@ class DiskStore:
         return _Collector()
 
 
-__all__ = ["DiskStore", "GetTicket", "KEY_BYTES", "PUT_RESULTS", "PutTicket", "SLOT_HEADER_BYTES",
-           "SlabLockedError",
+class PageMover:
+    """Host KV pages <-> one kind of a :class:`DiskStore`, one native call per batch.
+
+    ``put_pages(keys, layout, pages)`` skips the keys the store already holds, gathers the other
+    host pages ``pages[i]`` of ``layout`` (a :class:`vitrify.host.PageLayout`) into the mover's
+    4 KiB-aligned slot buffers and writes them, ``chunk`` pages at a time, gathering chunk i+1
+    while chunk i is written. ``get_pages(keys, layout, pages)`` keeps two chunks of reads in
+    flight and scatters each verified page of exactly ``layout.blob_bytes`` into its host page
+    while the next chunk is read; a stored page of another length is deleted (not on a reader)
+    and missed. Both run in native code with the GIL released for the whole call, and return
+    only when nothing they submitted is in flight any more, exceptions included.
+
+    The mover allocates its staging once: two sets of ``chunk`` slots per direction. Calls of
+    one direction run one after another (they share that direction's slots); a put and a get
+    may run at the same time. The mover is sized for ``store``: make a new one for another
+    store. ``copier``: the :class:`vitrify.host.Copier` that gathers and scatters (default: the
+    shared one). See ``csrc/src/disk/DESIGN.md`` ("Page mover").
+    """
+
+    __slots__ = ("_store", "_k", "_copier", "_m")
+
+    def __init__(self, store: DiskStore, chunk: int, kind: str | int | None = None,
+                 copier: Any = None) -> None:
+        if not isinstance(store, DiskStore):
+            raise _check.ArgumentTypeError(f"store must be a DiskStore, got {_check.got(store)}")
+        self._store = store
+        self._k = store._kind(kind)
+        chunk = _check.integer("chunk", chunk, 1, 1 << 20)
+        if copier is None:
+            copier = _host._copier()
+        elif not isinstance(copier, _host.Copier):
+            raise _check.ArgumentTypeError(f"copier must be a vitrify.host.Copier, got "
+                                           f"{_check.got(copier)}")
+        self._copier = copier
+        self._m = _native.DiskPageMover(store.slot_bytes(self._k), chunk, copier._c)
+
+    @property
+    def chunk(self) -> int:
+        """Pages per chunk (each direction stages two chunks)."""
+        return self._m.chunk
+
+    def _args(self, keys: Sequence[Any], layout: Any, pages: Sequence[int]) -> tuple:
+        keys = self._store._keys(keys)
+        lay = _host._layout(layout)
+        pages = _host._pages("pages", pages, layout)
+        if len(keys) != len(pages):
+            raise ValueError(f"keys and pages differ in length: {len(keys)} keys, "
+                             f"{len(pages)} pages")
+        limit = self._store.page_bytes(self._k)
+        if layout.blob_bytes > limit:
+            raise ValueError(f"layout pages of {layout.blob_bytes} bytes do not fit kind "
+                             f"{self._store.kind_names[self._k]!r} of {limit}-byte pages")
+        return self._store._native(), self._k, keys, lay, pages, layout.blob_bytes
+
+    def put_pages(self, keys: Sequence[Any], layout: Any,
+                  pages: Sequence[int]) -> tuple[list[bool], int]:
+        """Store host page ``pages[i]`` under ``keys[i]``. Returns one bool per key (True: the
+        page is in the store after the call, written now or already there) and the number of
+        keys the store held before the call (neither gathered nor written)."""
+        results, present = self._m.put_pages(*self._args(keys, layout, pages))
+        return [r in (_STORED, _DUPLICATE) for r in results], present
+
+    def get_pages(self, keys: Sequence[Any], layout: Any,
+                  pages: Sequence[int]) -> tuple[list[bool], list[tuple[int, int]]]:
+        """Read ``keys[i]`` into host page ``pages[i]`` (distinct pages). Returns one bool per key
+        (False: a miss, and that host page was not written) and ``(i, stored_bytes)`` for each
+        key whose stored page was not ``layout.blob_bytes`` long (deleted and missed)."""
+        hits, dropped = self._m.get_pages(*self._args(keys, layout, pages))
+        return list(hits), [tuple(d) for d in dropped]
+
+
+__all__ = ["DiskStore", "GetTicket", "KEY_BYTES", "PUT_RESULTS", "PageMover", "PutTicket",
+           "SLOT_HEADER_BYTES", "SlabLockedError",
            "SlotBuffer", "make_key", "slot_bytes_for"]

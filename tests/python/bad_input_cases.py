@@ -396,6 +396,79 @@ def ds_make_key_float(t):
     make_key(1.0)
 
 
+# ---- vitrify.disk.PageMover ------------------------------------------------------------------
+
+def mover_layout(blob_pages: int = 1):
+    """A layer_first layout over 4 pages of numpy memory whose gathered page is 2 KiB times
+    ``blob_pages`` (the memory rides on the layout object so it outlives the call)."""
+    from vitrify.host import PageLayout
+    mem = np.zeros(2 * 4 * 1024 * blob_pages, np.uint8)
+    lay = PageLayout.layer_first([mem.ctypes.data], layers=2, pages=4, page_tokens=1, heads=1,
+                                 head_dim=1024 * blob_pages, item_bytes=1)
+    return lay, mem
+
+
+@case(ValueError, "chunk", "0")
+@with_store
+def pm_chunk_zero(s, t):
+    from vitrify.disk import PageMover
+    PageMover(s, 0)
+
+
+@case(TypeError, "store", "str")
+def pm_store_not_a_store(t):
+    from vitrify.disk import PageMover
+    PageMover("store", 2)
+
+
+@case(TypeError, "copier", "int")
+@with_store
+def pm_copier_int(s, t):
+    from vitrify.disk import PageMover
+    PageMover(s, 2, copier=3)
+
+
+@case(TypeError, "layout", "str")
+@with_store
+def pm_layout_str(s, t):
+    from vitrify.disk import PageMover
+    PageMover(s, 2).put_pages(["a"], "layout", [0])
+
+
+@case(ValueError, "pages[1]", "4")
+@with_store
+def pm_page_out_of_range(s, t):
+    from vitrify.disk import PageMover
+    lay, _mem = mover_layout()
+    PageMover(s, 2).put_pages(["a", "b"], lay, [0, 4])
+
+
+@case(ValueError, "keys and pages differ", "2 keys", "1 pages")
+@with_store
+def pm_keys_pages_differ(s, t):
+    from vitrify.disk import PageMover
+    lay, _mem = mover_layout()
+    PageMover(s, 2).get_pages(["a", "b"], lay, [0])
+
+
+@case(ValueError, "layout pages of 8192 bytes", "4096-byte pages")
+@with_store
+def pm_layout_page_too_big(s, t):
+    from vitrify.disk import PageMover
+    lay, _mem = mover_layout(blob_pages=4)
+    PageMover(s, 2).put_pages(["a"], lay, [0])
+
+
+@case(ValueError, "closed DiskStore")
+def pm_closed_store(t):
+    from vitrify.disk import PageMover
+    s = store(t)
+    m = PageMover(s, 2)
+    s.close()
+    lay, _mem = mover_layout()
+    m.get_pages(["a"], lay, [0])
+
+
 # ---- vitrify.host: HostPool, layouts, gather/scatter -----------------------------------------
 
 def pool(**kw):

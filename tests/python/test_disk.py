@@ -522,3 +522,55 @@ def test_stats_and_prometheus(d):
         text = prom.generate_latest(reg).decode()
         assert 'vitrify_disk_spills_total{store="metrics"} 1.0' in text
         assert 'vitrify_disk_slots_used{kind="default",store="metrics"} 1.0' in text
+
+
+def test_page_mover_round_trip_dedup_wrong_length_and_bad_pages(tmp_path):
+    """vitrify.disk.PageMover (DESIGN.md D15-D18) through the Python layer: host pages in
+    several chunks to the store and back into other pages; stored keys are skipped; a page of
+    another length is dropped; a bad page index raises ValueError and leaves nothing in flight."""
+    from vitrify import host
+    layers, pages = 2, 12
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 2 * layers * pages * 256, dtype=np.uint8)
+    dst = np.full_like(src, 0xEE)
+
+    def layout(mem):
+        half = mem.size // 2
+        return host.PageLayout.layer_first([mem.ctypes.data, mem.ctypes.data + half],
+                                           layers=layers, pages=pages, page_tokens=2, heads=1,
+                                           head_dim=128, item_bytes=1)
+
+    ls, ld = layout(src), layout(dst)
+    blob = ls.blob_bytes
+    with DiskStore(str(tmp_path), 64 * disk.slot_bytes_for(blob) + 4096, blob) as s:
+        mover = disk.PageMover(s, 2)
+        assert mover.chunk == 2
+        keys = [f"page{i}" for i in range(5)]
+        assert mover.put_pages(keys[:2], ls, [0, 1]) == ([True, True], 0)
+        s.put("short", b"x" * (blob // 2))
+        ok, present = mover.put_pages(keys + ["short"], ls, [0, 1, 2, 3, 4, 5])
+        assert ok == [True] * 6 and present == 3
+        assert s.stats()["spills"] == 6  # 5 pages + "short", each written once
+        hits, dropped = mover.get_pages(keys + ["short", "absent"], ld, [11, 10, 9, 8, 7, 6, 5])
+        assert hits == [True] * 5 + [False, False]
+        assert dropped == [(5, blob // 2)] and not s.exists("short")
+        for i, p in enumerate([11, 10, 9, 8, 7]):
+            back = bytearray(blob)
+            host.gather(ld, p, back)
+            assert bytes(back) == reference_page(ls, i), p
+        untouched = bytearray(blob)
+        host.gather(ld, 6, untouched)
+        assert untouched == b"\xee" * blob
+        with pytest.raises(ValueError):
+            mover.put_pages(["x0", "x1", "x2"], ls, [0, 1, pages])
+        with pytest.raises(ValueError, match="keys and pages differ"):
+            mover.get_pages(keys, ld, [0])
+        st = s.stats()
+        assert st["in_flight_writes"] == st["in_flight_reads"] == 0
+
+
+def reference_page(lay, p):
+    from vitrify import host
+    out = bytearray(lay.blob_bytes)
+    host.gather(lay, p, out)
+    return bytes(out)

@@ -15,10 +15,12 @@ Start SGLang with::
 
 ``interface_v1: 1`` makes SGLang's cache controller call the zero-copy
 :meth:`VitrifyStorage.batch_get_v1` / :meth:`VitrifyStorage.batch_set_v1` with host-pool page indices.
-Each page is gathered natively (:mod:`vitrify.host`, multi-threaded, GIL released) from the host
-pool's layout straight into a 4 KiB-aligned disk slot buffer and written with one O_DIRECT
-transfer into a preallocated slab (:mod:`vitrify.disk`); a get reads the slot, verifies it
-(CRC32C, key, length) and scatters it back into the host pool.
+Each batch is one native call (:class:`vitrify.disk.PageMover`, GIL released for the whole call):
+each page is gathered (:mod:`vitrify.host`, multi-threaded) from the host pool's layout straight
+into a 4 KiB-aligned disk slot buffer and written with one O_DIRECT transfer into a preallocated
+slab (:mod:`vitrify.disk`), the next chunk gathered while one is written; a get reads the slots,
+verifies them (CRC32C, key, length) and scatters them back into the host pool while the next
+chunk is read.
 
 Extra-config keys (besides SGLang's ``backend_name``, ``module_path``, ``class_name``,
 ``interface_v1``):

@@ -152,11 +152,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._store: Optional[_disk.DiskStore] = None
         self._store_name: Optional[str] = None
         self._copier = _host.Copier()
-        self._set_lock = threading.Lock()   # owns the set staging buffers
-        self._get_lock = threading.Lock()   # owns the get staging buffers
         self._state = _SharedLock()         # store swap (clear/close) vs. everything else
-        self._set_bufs: list = []
-        self._get_bufs: list = []
+        # The KV store's page mover (v1): its staging slots, one mutex per direction.
+        self._mover: Optional[_disk.PageMover] = None
         self._chunk = 1
         self._c = _Counters()
         self._retired = {k: 0 for k in _STORE_TOTALS}  # totals of the stores closed so far
@@ -241,14 +239,13 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         store = self._open_store(self._kv_budget, self._geom.blob_bytes, self._store_name,
                                  cold_start)
         self._last_refresh = time.monotonic()
-        # Staging buffers belong to a store; new ones with every (re)open. Writes use two sets
-        # (gather one chunk while the previous one is written), and so do reads (scatter one
-        # chunk while the next one is read).
+        # The page mover (and its staging slots) belongs to a store; a new one with every
+        # (re)open. Each direction stages two chunks: writes gather one chunk while the previous
+        # one is written, reads scatter one chunk while the next one is read.
         # A quarter of SGLang's batch per chunk, so a full batch overlaps copies with I/O.
         self._chunk = max(1, min(STORAGE_BATCH_SIZE // 4,
                                  self.settings.staging_bytes // (2 * store.slot_bytes(_KIND))))
-        self._set_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
-        self._get_bufs = [[store.buffer(_KIND) for _ in range(self._chunk)] for _ in range(2)]
+        self._mover = _disk.PageMover(store, self._chunk, _KIND, copier=self._copier)
         return store
 
     def close(self) -> None:
@@ -257,7 +254,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             self._closed = True
             if self._store is not None:
                 store, self._store = self._store, None
-                self._set_bufs, self._get_bufs = [], []
+                self._mover = None
                 self._retire(store)
             for ep in self._extra.values():
                 if ep.store is not None:
@@ -328,7 +325,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             if self._store is None:
                 return None
             store, self._store = self._store, None   # no store if the new one cannot open
-            self._set_bufs, self._get_bufs = [], []
+            self._mover = None
             self._retire(store, delete=True)
             self._store_name = _store_name(self.settings.name, self.storage_config,
                                            self._geom.identity, self._model)

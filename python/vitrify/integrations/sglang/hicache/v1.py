@@ -1,6 +1,7 @@
 """The v1 path: zero-copy KV page transfers by host-pool index (SGLang's ``batch_set_v1`` /
 ``batch_get_v1`` with ``interface_v1``): pages are gathered natively from the host pool into the KV
-store's aligned slot buffers and written, or read, verified and scattered back, double-buffered."""
+store's aligned slot buffers and written, or read, verified and scattered back, double-buffered,
+in one native call per batch (:class:`vitrify.disk.PageMover`, GIL released for the whole call)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .settings import _KIND, _MiB, logger
 
 class _V1Path:
     """The v1 methods of :class:`~.backend.VitrifyStorage` (a mixin: it uses the backend's KV
-    store, host geometry, staging buffers, copier, locks and counters)."""
+    store, host geometry, page mover and counters)."""
 
     def _pages(self, n_keys: int, host_indices: torch.Tensor) -> List[int]:
         g = self._geom
@@ -49,36 +50,15 @@ class _V1Path:
                 if self._reader:  # MLA, TP rank > 0: rank 0 writes the shared pages
                     return [True] * n
                 pages = self._pages(n, host_indices)
-                results = [bool(x) for x in store.batch_exists(keys, _KIND)]
-                todo = [i for i in range(n) if not results[i]]
-                written = 0
-                with self._set_lock:
-                    tickets: list = [None, None]
-                    try:
-                        for ci, start in enumerate(range(0, len(todo), self._chunk)):
-                            part = todo[start:start + self._chunk]
-                            side = ci % 2
-                            if tickets[side] is not None:  # its buffers are being written
-                                tk, tickets[side] = tickets[side], None
-                                self._collect(tk, results)
-                            bufs = self._set_bufs[side][:len(part)]
-                            self._copier.gather_each(g.layout, [pages[i] for i in part],
-                                                     [b.address for b in bufs], g.blob_bytes)
-                            tickets[side] = (part, store.put_buffers_async(
-                                [keys[i] for i in part], bufs, [g.blob_bytes] * len(part),
-                                _KIND))
-                    finally:
-                        # Never leave a buffer in flight: the next call gathers into it.
-                        for tk in tickets:
-                            if tk is not None:
-                                self._collect(tk, results)
-                    written = sum(1 for i in todo if results[i])
+                # One native call: skip stored keys, gather chunk i+1 while chunk i is written.
+                results, present = self._mover.put_pages(keys, g.layout, pages)
+                written = sum(results) - present
             dt = time.perf_counter() - t0
             with self._clock:
                 c = self._c
                 c.set_pages += written
                 c.set_bytes += written * g.blob_bytes
-                c.set_dedup += n - len(todo)
+                c.set_dedup += present
                 c.set_failed += sum(1 for r in results if not r)
                 c.backup_pgs.append(n)
                 if written and dt > 0:
@@ -87,7 +67,7 @@ class _V1Path:
             # One summary line per batch (SGLang batches up to STORAGE_BATCH_SIZE pages).
             logger.info("vitrify HiCache backend: batch_set_v1 %d pages: %d written, %d already "
                         "stored, %d failed, %.1f MiB in %.1f ms; totals: %d pages written, "
-                        "%d pages read", n, written, n - len(todo),
+                        "%d pages read", n, written, present,
                         sum(1 for r in results if not r), written * g.blob_bytes / _MiB,
                         dt * 1e3, total_written, total_read)
             self._publish()
@@ -95,51 +75,6 @@ class _V1Path:
         except Exception as e:
             self._error("batch_set_v1", e)
             return [False] * n
-
-    @staticmethod
-    def _collect(ticket: tuple, results: List[bool]) -> None:
-        part, tk = ticket
-        for i, ok in zip(part, tk.wait()):
-            results[i] = bool(ok)
-
-    def _read_scatter(self, store, g, keys, pages, results) -> None:
-        """Chunks i+1 (and i+2) are read by the store's I/O threads while i is scattered."""
-        n, step = len(keys), self._chunk
-        chunks = [list(range(s, min(n, s + step))) for s in range(0, n, step)]
-
-        def read(ci):
-            part = chunks[ci]
-            return store.get_buffers_async([keys[i] for i in part],
-                                           self._get_bufs[ci % 2][:len(part)], _KIND)
-
-        # Two chunks in flight: chunk i+1 is queued before chunk i is waited on, so the I/O
-        # threads never drain while chunk i is scattered; chunk i+2 reuses chunk i's buffers.
-        pending: dict = {}
-        try:
-            for ci in range(min(2, len(chunks))):
-                pending[ci] = read(ci)
-            for ci, part in enumerate(chunks):
-                lens = pending.pop(ci).wait()
-                hits = []
-                for b, i, ln in zip(self._get_bufs[ci % 2], part, lens):
-                    if ln is None:
-                        continue
-                    if ln != g.blob_bytes:
-                        logger.warning("vitrify HiCache backend: page %s has %d bytes, %d "
-                                       "expected; dropped", keys[i], ln, g.blob_bytes)
-                        store.delete(keys[i], _KIND)
-                        continue
-                    hits.append((b, i))
-                if hits:
-                    self._copier.scatter_each([b.address for b, _ in hits], g.layout,
-                                              [pages[i] for _, i in hits], g.blob_bytes)
-                    for _, i in hits:
-                        results[i] = True
-                if ci + 2 < len(chunks):
-                    pending[ci + 2] = read(ci + 2)
-        finally:
-            for t in pending.values():  # on an error: the buffers are free again once done
-                t.wait()
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -151,14 +86,16 @@ class _V1Path:
             return []
         try:
             t0 = time.perf_counter()
-            results = [False] * n
             with self._state.shared():
                 store, g = self._store, self._geom
                 if store is None:
-                    return results
+                    return [False] * n
                 pages = self._pages(n, host_indices)
-                with self._get_lock:
-                    self._read_scatter(store, g, keys, pages, results)
+                # One native call: two chunks of reads in flight while one is scattered.
+                results, dropped = self._mover.get_pages(keys, g.layout, pages)
+            for i, ln in dropped:
+                logger.warning("vitrify HiCache backend: page %s has %d bytes, %d expected; "
+                               "dropped", keys[i], ln, g.blob_bytes)
             hits = sum(results)
             dt = time.perf_counter() - t0
             with self._clock:

@@ -1,0 +1,346 @@
+// The page mover: host KV pages (a layer_first K/V layout over plain memory) through a real
+// disk Store in a temp directory and back. Invariant numbers (D*): csrc/src/disk/DESIGN.md.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "temp_dir.hpp"
+#include "vitrify/disk.hpp"
+#include "vitrify/host.hpp"
+#include "vitrify/page_mover.hpp"
+
+using namespace vitrify::disk;
+using vitrify::host::Copier;
+using vitrify::host::PageLayout;
+using vitrify::test::TempDir;
+
+namespace {
+
+Key key_of(uint64_t i) {
+  Key k{};
+  std::mt19937_64 g(i * 7919 + 1);
+  for (size_t w = 0; w < k.size(); w += 8) {
+    const uint64_t v = g();
+    std::memcpy(k.data() + w, &v, 8);
+  }
+  return k;
+}
+
+// A host KV pool: K and V components, layer_first, 3 layers of pages of 4 tokens x 2 heads x
+// 16 dims x 2 bytes (a 1536-byte gathered page).
+struct HostPool {
+  static constexpr size_t kLayers = 3, kTokens = 4, kHeads = 2, kDim = 16, kItem = 2;
+  std::vector<uint8_t> k, v;
+  PageLayout layout;
+
+  HostPool(size_t pages, uint8_t fill_byte)
+      : k(kLayers * pages * kTokens * kHeads * kDim * kItem, fill_byte), v(k.size(), fill_byte) {
+    layout = PageLayout::layer_first(
+        {reinterpret_cast<uintptr_t>(k.data()), reinterpret_cast<uintptr_t>(v.data())}, kLayers,
+        pages, kTokens, kHeads, kDim, kItem);
+  }
+  void randomize(uint64_t seed) {
+    std::mt19937_64 g(seed);
+    for (auto* m : {&k, &v})
+      for (auto& b : *m) b = static_cast<uint8_t>(g());
+  }
+  size_t blob() const { return layout.blob_bytes(); }
+  std::vector<uint8_t> page(Copier& c, size_t p) const {
+    std::vector<uint8_t> out(blob());
+    c.gather(layout, p, out.data(), out.size());
+    return out;
+  }
+};
+
+StoreConfig store_cfg(const std::string& dir, uint64_t page, uint64_t slots) {
+  StoreConfig c;
+  c.dirs = {dir};
+  c.kinds = {KindConfig{page, 1.0}};
+  c.budget_bytes = kFileHeaderBytes + slots * slot_bytes_for(page);
+  c.name = "mover";
+  return c;
+}
+
+std::vector<Key> keys_of(uint64_t from, size_t n) {
+  std::vector<Key> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(key_of(from + i));
+  return out;
+}
+
+void expect_idle(const Store& s) {  // D18: nothing of the mover's in flight
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.in_flight_writes, 0u);
+  EXPECT_EQ(st.write_queue_depth, 0u);
+  EXPECT_EQ(st.in_flight_reads, 0u);
+  EXPECT_EQ(st.read_queue_depth, 0u);
+}
+
+std::vector<bool> all(size_t n, bool v) { return std::vector<bool>(n, v); }
+
+}  // namespace
+
+// D15: pages survive gather -> write -> read -> scatter byte for byte, in several chunks
+// (an odd count: the last chunk is short), landing in other host pages than they came from.
+TEST(PageMover, RoundTripInSeveralChunks) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(16, 0), dst(16, 0xEE);
+  src.randomize(1);
+  Store store(store_cfg(d.path, src.blob(), 64));
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const std::vector<size_t> from = {3, 0, 15, 7, 8};
+  const std::vector<size_t> to = {1, 14, 2, 9, 0};
+  const auto keys = keys_of(100, from.size());
+
+  const PutPagesResult put = mover.put_pages(store, keys, 0, src.layout, from, src.blob());
+  EXPECT_EQ(put.present, 0u);
+  EXPECT_EQ(put.results, std::vector<PutResult>(from.size(), PutResult::kStored));
+  expect_idle(store);
+  EXPECT_EQ(store.stats().spills, from.size());
+
+  const GetPagesResult got = mover.get_pages(store, keys, 0, dst.layout, to, dst.blob());
+  EXPECT_EQ(got.hits, all(from.size(), true));
+  EXPECT_TRUE(got.dropped.empty());
+  expect_idle(store);
+  for (size_t i = 0; i < from.size(); ++i)
+    EXPECT_EQ(dst.page(copier, to[i]), src.page(copier, from[i])) << "key " << i;
+  EXPECT_EQ(dst.page(copier, 3), std::vector<uint8_t>(dst.blob(), 0xEE)) << "not asked for";
+}
+
+// D16: keys the index holds are neither gathered nor written; the per-key results keep the
+// order of the call across chunks, misses included.
+TEST(PageMover, SkipsStoredKeysAndKeepsOrderWithMisses) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(32, 0), dst(32, 0xEE);
+  src.randomize(2);
+  Store store(store_cfg(d.path, src.blob(), 64));
+  PageMover mover(store.slot_bytes(0), 3, copier);
+  std::vector<size_t> pages(11);
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = 2 * i + 1;
+  const auto keys = keys_of(200, pages.size());
+
+  // Keys 0, 4 and 9 first.
+  const PutPagesResult first = mover.put_pages(store, {keys[0], keys[4], keys[9]}, 0, src.layout,
+                                               {pages[0], pages[4], pages[9]}, src.blob());
+  EXPECT_EQ(first.results, std::vector<PutResult>(3, PutResult::kStored));
+  const PutPagesResult put = mover.put_pages(store, keys, 0, src.layout, pages, src.blob());
+  EXPECT_EQ(put.present, 3u);
+  for (size_t i = 0; i < keys.size(); ++i)
+    EXPECT_EQ(put.results[i], i == 0 || i == 4 || i == 9 ? PutResult::kDuplicate
+                                                         : PutResult::kStored)
+        << i;
+  const StoreStats st = store.stats();
+  EXPECT_EQ(st.spills, keys.size()) << "each page written once";
+  EXPECT_EQ(st.dedup_hits, 0u) << "present keys never reached the store's put path";
+
+  // Read back with unknown keys interleaved: 3 chunks of 3 and a short one of 2 (odd count).
+  std::vector<Key> asked;
+  std::vector<size_t> into;
+  std::vector<bool> want;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    asked.push_back(keys[i]);
+    into.push_back(i);
+    want.push_back(true);
+    if (i % 4 == 1) {
+      asked.push_back(key_of(9000 + i));
+      into.push_back(20 + i);
+      want.push_back(false);
+    }
+  }
+  const GetPagesResult got = mover.get_pages(store, asked, 0, dst.layout, into, dst.blob());
+  EXPECT_EQ(got.hits, want);
+  expect_idle(store);
+  for (size_t j = 0, i = 0; j < asked.size(); ++j) {
+    if (!want[j]) {
+      EXPECT_EQ(dst.page(copier, into[j]), std::vector<uint8_t>(dst.blob(), 0xEE)) << j;
+      continue;
+    }
+    EXPECT_EQ(dst.page(copier, into[j]), src.page(copier, pages[i])) << "key " << i;
+    ++i;
+  }
+  EXPECT_EQ(store.stats().misses, asked.size() - keys.size());
+}
+
+// D17 / D1: a slot corrupted on disk reads as a miss; its host page is not written and the entry
+// leaves the index (D4); the other pages of the chunk are hits.
+TEST(PageMover, CorruptedSlotIsAMissAndLeavesTheHostPageAlone) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(8, 0), dst(8, 0xEE);
+  src.randomize(3);
+  Store store(store_cfg(d.path, src.blob(), 16));
+  PageMover mover(store.slot_bytes(0), 4, copier);
+  const auto keys = keys_of(300, 4);
+  ASSERT_EQ(mover.put_pages(store, keys, 0, src.layout, {0, 1, 2, 3}, src.blob()).results,
+            std::vector<PutResult>(4, PutResult::kStored));
+  // Find key 2's slot from the slab headers and flip one payload byte.
+  const SlabFile& slab = store.slab(0, 0);
+  uint64_t slot = UINT64_MAX;
+  for (const ScannedSlot& s : slab.scan())
+    if (s.key == keys[2]) slot = s.slot;
+  ASSERT_NE(slot, UINT64_MAX);
+  const int fd = ::open(slab.path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  const off_t off = static_cast<off_t>(slab.slot_offset(slot) + kSlotHeaderBytes + 100);
+  uint8_t b = 0;
+  ASSERT_EQ(::pread(fd, &b, 1, off), 1);
+  b ^= 0x5A;
+  ASSERT_EQ(::pwrite(fd, &b, 1, off), 1);
+  ASSERT_EQ(::fsync(fd), 0);
+  ::close(fd);
+
+  const GetPagesResult got = mover.get_pages(store, keys, 0, dst.layout, {4, 5, 6, 7}, dst.blob());
+  EXPECT_EQ(got.hits, (std::vector<bool>{true, true, false, true}));
+  EXPECT_TRUE(got.dropped.empty());
+  EXPECT_EQ(dst.page(copier, 6), std::vector<uint8_t>(dst.blob(), 0xEE)) << "host page written";
+  EXPECT_EQ(dst.page(copier, 7), src.page(copier, 3));
+  EXPECT_EQ(store.stats().verify_failures, 1u);
+  EXPECT_FALSE(store.lookup(0, keys[2]).has_value()) << "a slot that fails verification leaves";
+  expect_idle(store);
+}
+
+// D17: a stored payload of another length than the layout's page is removed and missed.
+TEST(PageMover, WrongLengthPageIsRemovedAndMissed) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(4, 0), dst(4, 0xEE);
+  src.randomize(4);
+  Store store(store_cfg(d.path, src.blob(), 16));
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const auto keys = keys_of(400, 3);
+  std::vector<uint8_t> half(src.blob() / 2, 0x11);
+  ASSERT_EQ(store.submit_put_copy(0, {keys[1]}, {half.data()}, {half.size()})->wait()[0],
+            static_cast<int64_t>(PutResult::kStored));
+  // Key 1 is indexed (with the wrong length): the put skips it.
+  const PutPagesResult put = mover.put_pages(store, keys, 0, src.layout, {0, 1, 2}, src.blob());
+  EXPECT_EQ(put.present, 1u);
+
+  const GetPagesResult got = mover.get_pages(store, keys, 0, dst.layout, {3, 2, 1}, dst.blob());
+  EXPECT_EQ(got.hits, (std::vector<bool>{true, false, true}));
+  ASSERT_EQ(got.dropped.size(), 1u);
+  EXPECT_EQ(got.dropped[0].index, 1u);
+  EXPECT_EQ(got.dropped[0].bytes, half.size());
+  EXPECT_EQ(dst.page(copier, 2), std::vector<uint8_t>(dst.blob(), 0xEE));
+  EXPECT_EQ(dst.page(copier, 1), src.page(copier, 2));
+  EXPECT_FALSE(store.lookup(0, keys[1]).has_value()) << "the wrong-length page was removed";
+  EXPECT_EQ(store.stats().deletes, 1u);
+  // Now the page can be stored properly.
+  EXPECT_EQ(mover.put_pages(store, {keys[1]}, 0, src.layout, {1}, src.blob()).results[0],
+            PutResult::kStored);
+  expect_idle(store);
+}
+
+// D18: an error in the middle of a batch (a page index the Copier refuses, in the third chunk)
+// propagates only after every chunk already submitted was acknowledged; the mover stays usable.
+TEST(PageMover, ErrorMidBatchLeavesNothingInFlight) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(8, 0), dst(8, 0xEE);
+  src.randomize(5);
+  StoreConfig cfg = store_cfg(d.path, src.blob(), 32);
+  cfg.write_threads = 1;
+  cfg.read_threads = 1;
+  Store store(cfg);
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const auto keys = keys_of(500, 6);
+  const std::vector<size_t> bad = {0, 1, 2, 3, 99, 5};  // 99: no such page
+  EXPECT_THROW(mover.put_pages(store, keys, 0, src.layout, bad, src.blob()),
+               std::invalid_argument);
+  expect_idle(store);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(store.lookup(0, keys[i]).has_value()) << i;
+  for (size_t i = 4; i < 6; ++i) EXPECT_FALSE(store.lookup(0, keys[i]).has_value()) << i;
+
+  const std::vector<size_t> good = {0, 1, 2, 3, 4, 5};
+  const PutPagesResult put = mover.put_pages(store, keys, 0, src.layout, good, src.blob());
+  EXPECT_EQ(put.present, 4u);
+  EXPECT_EQ(put.results[5], PutResult::kStored);
+
+  // Reads: chunk 1 (pages 2, 3) fails to scatter while chunk 2 is already being read.
+  const std::vector<size_t> bad_to = {0, 1, 2, 77, 4, 5};
+  EXPECT_THROW(mover.get_pages(store, keys, 0, dst.layout, bad_to, dst.blob()),
+               std::invalid_argument);
+  expect_idle(store);
+  EXPECT_EQ(dst.page(copier, 0), src.page(copier, 0)) << "chunk 0 was scattered before";
+  EXPECT_EQ(dst.page(copier, 4), std::vector<uint8_t>(dst.blob(), 0xEE)) << "chunk 2 never was";
+  const GetPagesResult got = mover.get_pages(store, keys, 0, dst.layout, good, dst.blob());
+  EXPECT_EQ(got.hits, all(6, true));
+  for (size_t p : good) EXPECT_EQ(dst.page(copier, p), src.page(copier, p)) << p;
+
+  // A read-only store refuses the write (EROFS) at its first chunk; nothing is queued.
+  StoreConfig rcfg = cfg;
+  rcfg.read_only = true;
+  Store reader(rcfg);
+  EXPECT_THROW(mover.put_pages(reader, keys_of(600, 3), 0, src.layout, {0, 1, 2}, src.blob()),
+               std::system_error);
+  expect_idle(reader);
+  EXPECT_EQ(mover.get_pages(reader, keys, 0, dst.layout, good, dst.blob()).hits, all(6, true));
+}
+
+// D19: two threads share one mover's put staging (and two others its get staging); every page of
+// every call lands right.
+TEST(PageMover, ConcurrentCallsShareOneMover) {
+  TempDir d;
+  Copier copier(2);
+  HostPool src(64, 0), dst(64, 0xEE);
+  src.randomize(6);
+  Store store(store_cfg(d.path, src.blob(), 256));
+  PageMover mover(store.slot_bytes(0), 3, copier);
+  constexpr size_t kRounds = 8, kPer = 4;  // per thread: 8 calls of 4 pages (2 chunks)
+  auto writer = [&](size_t t) {
+    for (size_t r = 0; r < kRounds; ++r) {
+      std::vector<size_t> pages;
+      for (size_t j = 0; j < kPer; ++j) pages.push_back(t * 32 + r * kPer + j);
+      const auto res =
+          mover.put_pages(store, keys_of(1000 + pages[0], kPer), 0, src.layout, pages, src.blob());
+      for (PutResult x : res.results) EXPECT_EQ(x, PutResult::kStored);
+    }
+  };
+  std::thread a(writer, 0), b(writer, 1);
+  a.join();
+  b.join();
+  auto reader = [&](size_t t) {
+    for (size_t r = 0; r < kRounds; ++r) {
+      std::vector<size_t> pages;
+      for (size_t j = 0; j < kPer; ++j) pages.push_back(t * 32 + r * kPer + j);
+      const auto res =
+          mover.get_pages(store, keys_of(1000 + pages[0], kPer), 0, dst.layout, pages, dst.blob());
+      EXPECT_EQ(res.hits, all(kPer, true));
+    }
+  };
+  std::thread c(reader, 0), e(reader, 1);
+  c.join();
+  e.join();
+  for (size_t p = 0; p < 64; ++p) EXPECT_EQ(dst.page(copier, p), src.page(copier, p)) << p;
+  expect_idle(store);
+}
+
+TEST(PageMover, RefusesBadArguments) {
+  TempDir d;
+  Copier copier(1);
+  HostPool src(4, 0);
+  Store store(store_cfg(d.path, src.blob(), 8));
+  EXPECT_THROW(PageMover(store.slot_bytes(0), 0, copier), std::invalid_argument);
+  EXPECT_THROW(PageMover(4096 + 100, 2, copier), std::invalid_argument);
+  EXPECT_THROW(PageMover(64, 2, copier), std::invalid_argument);
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const auto keys = keys_of(700, 2);
+  EXPECT_THROW(mover.put_pages(store, keys, 0, src.layout, {0}, src.blob()),
+               std::invalid_argument);  // 2 keys, 1 page
+  EXPECT_THROW(mover.get_pages(store, keys, 0, src.layout, {0, 1}, src.blob() - 1),
+               std::invalid_argument);  // not the layout's page size
+  EXPECT_THROW(mover.put_pages(store, keys, 1, src.layout, {0, 1}, src.blob()),
+               std::invalid_argument);  // no kind 1
+  TempDir d2;
+  Store big(store_cfg(d2.path, 3 * 4096, 8));
+  EXPECT_THROW(mover.get_pages(big, keys, 0, src.layout, {0, 1}, src.blob()),
+               std::invalid_argument);  // the kind's slots are larger than the staging slots
+  EXPECT_TRUE(mover.put_pages(store, {}, 0, src.layout, {}, src.blob()).results.empty());
+  expect_idle(store);
+}
