@@ -683,7 +683,13 @@ class PageMover:
         """Read ``keys[i]`` into host page ``pages[i]`` (distinct pages). Returns one bool per key
         (False: a miss, and that host page was not written) and ``(i, stored_bytes)`` for each
         key whose stored page was not ``layout.blob_bytes`` long (deleted and missed)."""
-        hits, dropped = self._m.get_pages(*self._args(keys, layout, pages))
+        args = self._args(keys, layout, pages)
+        if len(set(args[4])) != len(args[4]):  # two reads into one page: the later would win
+            seen: set[int] = set()
+            twice = next(p for p in args[4] if p in seen or seen.add(p))
+            raise ValueError(f"get_pages: host page {twice} is named twice (pages must be "
+                             f"distinct)")
+        hits, dropped = self._m.get_pages(*args)
         return list(hits), [tuple(d) for d in dropped]
 
 

@@ -561,10 +561,12 @@ def test_page_mover_round_trip_dedup_wrong_length_and_bad_pages(tmp_path):
         untouched = bytearray(blob)
         host.gather(ld, 6, untouched)
         assert untouched == b"\xee" * blob
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError):  # a page past the layout, refused before any I/O
             mover.put_pages(["x0", "x1", "x2"], ls, [0, 1, pages])
         with pytest.raises(ValueError, match="keys and pages differ"):
             mover.get_pages(keys, ld, [0])
+        with pytest.raises(ValueError, match="host page 3 is named twice"):
+            mover.get_pages(keys[:4], ld, [1, 3, 2, 3])
         st = s.stats()
         assert st["in_flight_writes"] == st["in_flight_reads"] == 0
 

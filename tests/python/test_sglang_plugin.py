@@ -234,6 +234,10 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(PluginConfigError, match="is not valid TOML") as e:
         pconfig.load(bad)
     assert "\n" not in str(e.value)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'mode = "save"\narchive = "/tmp/\xff"\n')  # not UTF-8
+    with pytest.raises(PluginConfigError, match="is not UTF-8 text"):
+        pconfig.load(str(latin))
     unknown = _write(tmp_path / "u.toml", 'mode = "off"\nextra = 1\n')
     with pytest.raises(PluginConfigError, match=r"u\.toml: unknown config key\(s\) \['extra'\]"):
         pconfig.load(unknown)
@@ -308,6 +312,23 @@ def test_bad_config_is_fatal(fresh, tmp_path):
     msg = _one_line_fatal(e)
     assert plugin.CONFIG_ENV in msg and "['bogus']" in msg
     assert _our_hooks() == []
+
+
+def test_an_unexpected_error_while_registering_is_fatal_too(fresh, save_config):
+    """P3: SGLang only logs what a plugin raises, so register() turns any exception into the
+    one-line SystemExit (here the registry itself fails)."""
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+
+    def broken(*a, **k):
+        raise RuntimeError("registry exploded")
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    fresh.setattr(HookRegistry, "register", broken)
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    assert "RuntimeError: registry exploded" in msg
 
 
 def test_fatal_exit_status_and_message(tmp_path):

@@ -180,6 +180,8 @@ def load(path: str) -> PluginConfig:
                                 f"{_one_line(e.strerror or e)}") from None
     except toml.TOMLDecodeError as e:
         raise PluginConfigError(f"config file {path!r} is not valid TOML: {_one_line(e)}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself
+        raise PluginConfigError(f"config file {path!r} is not UTF-8 text: {_one_line(e)}") from None
     try:
         return from_mapping(data, source=path)
     except PluginConfigError as e:

@@ -83,6 +83,15 @@ REFUSED_ARGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("tp_size", "--tp-size", lambda v: v > 1, "only one GPU is supported for now"),
     ("pp_size", "--pp-size", lambda v: v > 1, "only one GPU is supported for now"),
     ("dp_size", "--dp-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("ep_size", "--ep-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("dcp_size", "--dcp-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("attn_cp_size", "--attn-cp-size", lambda v: v > 1, "only one GPU is supported for now"),
+    ("nnodes", "--nnodes", lambda v: v > 1, "only one GPU is supported for now"),
+    ("enable_dp_attention", "--enable-dp-attention", bool, "only one GPU is supported for now"),
+    ("weight_cache_mode", "--weight-cache-mode", lambda v: v not in (None, "", "off"),
+     "weights held by another process's GPU memory bypass vitrify's region"),
+    ("disaggregation_mode", "--disaggregation-mode", lambda v: v not in (None, "", "null"),
+     "prefill/decode disaggregation is not frozen yet"),
 )
 
 # ServerArgs fields that shape the engine vitrify freezes (copied into the fingerprint as is).
@@ -198,7 +207,8 @@ def apply_server_args(args: Any, mode: str) -> dict:
         raise fatal(f"mode {mode!r} cannot freeze these server arguments yet: "
                     + "; ".join(refused))
     before = _force_prefill_graphs_off(args)
-    STATE.prefill_graphs_were = before
+    if STATE.prefill_graphs_were is None:  # the first ServerArgs' setting: later ones see "disabled"
+        STATE.prefill_graphs_were = before
     if before == _DISABLED:
         log.info("vitrify (mode %s): prefill CUDA graphs are off (vitrify does not freeze them "
                  "yet)", mode)
@@ -285,10 +295,21 @@ def _check_server_args_fields(version: str) -> None:
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert without ``VITRIFY_SGLANG_CONFIG`` (P1);
-    otherwise config, version, every target, then registration (P2–P5); once per process (P9)."""
+    otherwise config, version, every target, then registration (P2–P5); once per process (P9).
+    Any error is fatal (P3): SGLang only logs what a plugin raises, so an unexpected exception
+    is turned into :class:`PluginFatal` too."""
     path = os.environ.get(CONFIG_ENV)
     if not path:
         return
+    try:
+        _register(path)
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise fatal(f"registering the hooks failed: {type(e).__name__}: {e}") from e
+
+
+def _register(path: str) -> None:
     if STATE.registered:
         log.debug("vitrify SGLang plugin already registered in this process")
         return
