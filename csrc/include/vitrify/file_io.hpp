@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,11 @@ struct WholeFile {
 // thrown after every reader stopped.
 std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
                                         const std::vector<uint64_t>& expect, unsigned threads);
+
+// Runs `work` on `threads` threads, this one included, and joins them. `work` must pull its
+// items itself (a shared counter): a thread that cannot be started is simply missing, and the
+// ones that run (at least this one) do everything. `work` must not throw.
+void on_threads(unsigned threads, const std::function<void()>& work);
 
 // The directory part of `path`: "a/b" -> "a", "/b" -> "/", "b" -> ".".
 std::string directory_of(const std::string& path);

@@ -115,16 +115,20 @@ std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
       }
     }
   };
-  const size_t n = std::min<size_t>(std::max(1u, threads), paths.size());
+  on_threads(static_cast<unsigned>(std::min<size_t>(std::max(1u, threads), paths.size())), work);
+  if (first) std::rethrow_exception(first);
+  return out;
+}
+
+void on_threads(unsigned threads, const std::function<void()>& work) {
   std::vector<std::thread> pool;
   try {
-    for (size_t t = 1; t < n; ++t) pool.emplace_back(work);
+    pool.reserve(threads > 1 ? threads - 1 : 0);
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
   } catch (...) {  // no thread: the ones started and this one do the work
   }
   work();
   for (std::thread& t : pool) t.join();
-  if (first) std::rethrow_exception(first);
-  return out;
 }
 
 namespace detail {

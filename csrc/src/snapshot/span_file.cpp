@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -66,34 +68,28 @@ void pread_all(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& pa
 }
 
 // Reads one chunk as `lanes` concurrent preads of contiguous, block-aligned parts (more requests
-// in flight than one synchronous read: the drive's depth), the first on this thread. The first
-// failure is rethrown once every part has returned.
+// in flight than one synchronous read: the drive's depth), on file_io::on_threads (this thread
+// included). The first failure is rethrown once every part has returned.
 void pread_parallel(int fd, uint8_t* p, size_t n, uint64_t off, const std::string& path,
                     const std::string& what, unsigned lanes) {
   const size_t part = round_up((n + lanes - 1) / std::max(1u, lanes), kBlock);
   if (lanes <= 1 || part >= n) return pread_all(fd, p, n, off, path, what);
-  std::vector<std::exception_ptr> errors(lanes);
-  std::vector<std::thread> helpers;
-  auto one = [&](unsigned i) {
-    const size_t lo = size_t(i) * part;
-    if (lo >= n) return;
-    try {
-      pread_all(fd, p + lo, std::min(part, n - lo), off + lo, path, what);
-    } catch (...) {
-      errors[i] = std::current_exception();
+  const unsigned parts = static_cast<unsigned>((n + part - 1) / part);
+  std::atomic<unsigned> next{0};
+  std::mutex mu;
+  std::exception_ptr first;
+  file_io::on_threads(parts, [&] {
+    for (unsigned i; (i = next.fetch_add(1)) < parts;) {
+      const size_t lo = size_t(i) * part;
+      try {
+        pread_all(fd, p + lo, std::min(part, n - lo), off + lo, path, what);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
     }
-  };
-  helpers.reserve(lanes - 1);
-  unsigned next = 1;
-  try {
-    for (; next < lanes; ++next) helpers.emplace_back(one, next);
-  } catch (...) {  // no thread for the rest: this thread reads those parts itself
-    for (; next < lanes; ++next) one(next);
-  }
-  one(0);
-  for (std::thread& t : helpers) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  });
+  if (first) std::rethrow_exception(first);
 }
 
 void check_options(const FileOptions& opt) {

@@ -32,7 +32,6 @@ Triton cache directory per run), as a server on a fresh machine does.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -277,14 +276,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
-    import vitrify
-
-    if not vitrify.cuda_available():
-        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
-    for mod in ("torch", "transformers"):
-        if importlib.util.find_spec(mod) is None:
-            return f"needs {mod} (pip install {mod})"
-    return None
+    return resultlib.needs_gpu("torch", "transformers")
 
 
 def problem(res: dict) -> str | None:

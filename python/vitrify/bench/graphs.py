@@ -18,7 +18,6 @@ WORKDIR`` and prints its measurements as one JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -167,13 +166,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
-    import vitrify
-
-    if not vitrify.cuda_available():
-        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
-    if importlib.util.find_spec("torch") is None:
-        return "needs torch to capture the graphs (pip install torch)"
-    return None
+    return resultlib.needs_gpu("torch")  # torch captures the graphs
 
 
 def problem(res: dict) -> str | None:

@@ -20,7 +20,6 @@ import gc
 import time
 from collections.abc import Callable
 
-import vitrify
 from vitrify._units import GiB, MiB
 from vitrify.region import Region
 
@@ -150,9 +149,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
-    if not vitrify.cuda_available():
-        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
-    return None
+    return resultlib.needs_gpu()
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

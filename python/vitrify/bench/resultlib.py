@@ -161,3 +161,18 @@ def drop_page_cache(paths) -> int:
         finally:
             os.close(fd)
     return n
+
+
+def needs_gpu(*modules: str) -> str | None:
+    """A GPU benchmark's ``unavailable()``: why it cannot run here (no CUDA GPU, or one of
+    ``modules`` not installed), else None."""
+    import importlib.util
+
+    import vitrify
+
+    if not vitrify.cuda_available():
+        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
+    for mod in modules:
+        if importlib.util.find_spec(mod) is None:
+            return f"needs {mod} (pip install {mod})"
+    return None

@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import vitrify
 from vitrify import _native, config, snapshot
 from vitrify._units import GiB, MiB
 
@@ -54,9 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
-    if not vitrify.cuda_available():
-        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
-    return None
+    return resultlib.needs_gpu()
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:

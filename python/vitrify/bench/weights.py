@@ -18,7 +18,6 @@ here, said in the result.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pickle
@@ -48,13 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
-    import vitrify
-
-    if not vitrify.cuda_available():
-        return f"needs a CUDA GPU: {vitrify.cuda_unavailable_reason()}"
-    if importlib.util.find_spec("torch") is None:
-        return "needs torch (pip install torch)"
-    return None
+    return resultlib.needs_gpu("torch")
 
 
 def _config(shape: str):

@@ -95,8 +95,6 @@ def _weight(pos: int, k1: int, k2: int) -> int:
 def checksum(buf: Any, nbytes: int | None = None, *, span: int = SPAN, tile: int = TILE,
              group: int = GROUP) -> int:
     """:func:`vitrify.weights.stream.checksum` of ``buf[:nbytes]`` in one pass (Triton)."""
-    import torch
-
     _check_shape(span, tile, group)
     n = buf.numel() if nbytes is None else int(nbytes)
     if n > buf.numel():
@@ -143,8 +141,6 @@ def _checksum(buf: Any, n: int, span: int, tile: int, group: int) -> int:
 
 def keyed_sums(buf: Any, key: tuple[int, int], *, span: int = SPAN, tile: int = TILE) -> int:
     """:func:`vitrify.weights.stream.keyed_sums` of ``buf`` (uint8) in one pass (Triton)."""
-    import torch
-
     k1, k2 = (int(k) for k in key)
     if not (0 < k1 < 1 << 31 and 0 < k2 < 1 << 31):
         raise ValueError(f"key must be two integers in 1..2**31-1, got {key!r}")
