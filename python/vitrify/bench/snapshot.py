@@ -29,9 +29,11 @@ from . import resultlib
 from .cli import existing_dir, positive_float
 
 
-def dd_read_rate(path: str, direct: bool) -> tuple[float, str]:
-    """Bytes/s of `dd if=path of=/dev/null bs=64M [iflag=direct]`, parsed from its summary."""
-    cmd = ["dd", f"if={path}", "of=/dev/null", "bs=64M"] + (["iflag=direct"] if direct else [])
+def dd_read_rate(path: str, direct: bool, count: int | None = None) -> tuple[float, str]:
+    """Bytes/s of `dd if=path of=/dev/null bs=64M [iflag=direct] [count=N]`, parsed from its
+    summary (``count``: the first N blocks of 64 MiB only)."""
+    cmd = (["dd", f"if={path}", "of=/dev/null", "bs=64M"] + (["iflag=direct"] if direct else [])
+           + ([f"count={int(count)}"] if count is not None else []))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     dt = time.perf_counter() - t0
