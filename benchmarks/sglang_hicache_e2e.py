@@ -169,7 +169,12 @@ class Settings:
 
     @property
     def model_config(self) -> dict:
-        return model_config(self.shape)
+        cfg = model_config(self.shape)
+        # room for the longest prompt and its new tokens (a power of two, as configs have it)
+        need = self.max_len + self.max_new_tokens
+        if need > cfg["max_position_embeddings"]:
+            cfg["max_position_embeddings"] = 1 << (need - 1).bit_length()
+        return cfg
 
     @property
     def page_tokens(self) -> int:
@@ -951,6 +956,16 @@ def report(res: dict) -> None:
     print(f"ok={res.get('ok')}")
 
 
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI (e.g. 12000:16000)") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
 def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     d = Settings()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -969,6 +984,14 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     ap.add_argument("--io-backend", default=d.io_backend, choices=["kernel", "direct"])
     ap.add_argument("--mem-layout", default=d.mem_layout,
                     choices=["page_first", "layer_first", "page_first_direct"])
+    ap.add_argument("--prompt-len", type=_length_range, default=(d.min_len, d.max_len),
+                    metavar="LO:HI", help=f"prompt lengths in tokens (default "
+                    f"{d.min_len}:{d.max_len}); the model's context grows to fit")
+    ap.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
+                    help=f"the device KV pool in tokens (default {d.max_total_tokens}: every "
+                    f"prompt stays on the device; raise it with long prompts)")
+    ap.add_argument("--budget-bytes", type=int, default=None, metavar="BYTES",
+                    help="the vitrify store's L3 budget (default: the shape's)")
     ap.add_argument("--skip-file", action="store_true", help="no file-backend launch")
     ap.add_argument("--skip-restart", action="store_true", help="no restart launch")
     ap.add_argument("--dry-run", action="store_true", help="print the server command lines")
@@ -976,10 +999,20 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     if a.prompts < 1:
         ap.error(f"--prompts must be >= 1, got {a.prompts}")
     explicit = {"budget_s": a.budget_s} if a.budget_s is not None else {}
+    if a.max_total_tokens is not None:
+        explicit["max_total_tokens"] = a.max_total_tokens
+    if a.budget_bytes is not None:
+        explicit["vitrify_budget_bytes"] = a.budget_bytes
+    lo, hi = a.prompt_len
+    need = a.prompts * (hi + d.max_new_tokens) + hi
+    if need > explicit.get("max_total_tokens", d.max_total_tokens):
+        ap.error(f"{a.prompts} prompts of up to {hi} tokens need a device pool of {need} "
+                 f"tokens (the device-hit pass): pass --max-total-tokens {need} or more")
     s = Settings.for_shape(a.shape, bundle=a.bundle, site=a.site, work=a.work, out=a.out,
                            log_dir=a.log_dir, port=a.port, prompts=a.prompts,
                            io_backend=a.io_backend, mem_layout=a.mem_layout,
-                           skip_file=a.skip_file, skip_restart=a.skip_restart, **explicit)
+                           skip_file=a.skip_file, skip_restart=a.skip_restart, min_len=lo,
+                           max_len=hi, **explicit)
     return s, a
 
 

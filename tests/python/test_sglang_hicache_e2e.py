@@ -587,3 +587,17 @@ def test_drive_rate_without_fio_reads_only_the_written_part_of_a_slab(tmp_path, 
     got = e2e.drive_read_rate(str(tmp_path))
     assert got.get("fio") == "fio not installed"
     assert "count=1" in got["command"] and got["bytes"] <= 1 << 26
+
+
+def test_long_prompts_grow_the_context_and_need_a_pool_that_holds_them(tmp_path):
+    s, _ = e2e.parse_args(["--shape", "8b-mqa", "--prompt-len", "12000:16000",
+                           "--max-total-tokens", "131072", "--budget-bytes", str(4 << 30),
+                           "--work", str(tmp_path)])
+    assert (s.min_len, s.max_len, s.max_total_tokens) == (12000, 16000, 131072)
+    assert s.vitrify_budget_bytes == 4 << 30
+    assert s.model_config["max_position_embeddings"] == 16384
+    assert e2e.Settings().model_config["max_position_embeddings"] == 4096  # unchanged default
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--prompt-len", "12000:16000", "--work", str(tmp_path)])  # pool 65536
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--prompt-len", "9:3"])
