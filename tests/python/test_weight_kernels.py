@@ -43,6 +43,26 @@ c0, k0 = K.checksum(buf, 5000, span=256, tile=64), K.keyed_sums(buf, (3, 5), spa
 buf[4097] ^= 1
 assert K.checksum(buf, 5000, span=256, tile=64) != c0
 assert K.keyed_sums(buf, (3, 5), span=256, tile=64) != k0
+# many pieces in one launch: sums equal the reference, copies exact, bytes outside untouched
+src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+dst = torch.zeros_like(src)
+spans = [(0, 0), (16, 5), (64, 1024), (2048, 4097), (8192, 70001), (100004, 3), (120000, 4096 * 9 + 7)]
+pieces = [(src.data_ptr() + o, dst.data_ptr() + o, n) for o, n in spans]
+want = [S.checksum(src[o:o + n].clone()) for o, n in spans]
+assert K.piece_sums(pieces, "cpu", block=256, tile=64) == want
+assert K.piece_sums(pieces, "cpu", copy=True, block=256, tile=64) == want
+assert all(torch.equal(dst[o:o + n], src[o:o + n]) for o, n in spans)
+assert int(dst[5:16].sum()) == 0 and int(dst[100007:120000].sum()) == 0
+# the largest words over several blocks of the real size (the limbs' bounds)
+big = torch.full((4 * K.PIECE_BLOCK * 3 + 2,), 255, dtype=torch.uint8)
+assert K.piece_sums([(big.data_ptr(), big.data_ptr(), big.numel())], "cpu") == \
+    [S.checksum(big)]
+try:
+    K.piece_sums([(src.data_ptr() + 2, 0, 8)], "cpu")
+    raise AssertionError("an unaligned piece was summed")
+except ValueError as e:
+    assert "4-byte aligned" in str(e)
+checked.append("pieces")
 print(json.dumps({"checked": checked}))
 '''
 

@@ -61,3 +61,74 @@ def keyed_blocks(words, n_words, base, k1, k2, out, SPAN: tl.constexpr,
         b += lo * wb + hi * wa
     tl.store(out + pid * 2 + 0, tl.sum(a, axis=0))
     tl.store(out + pid * 2 + 1, tl.sum(b, axis=0))
+
+
+@triton.jit
+def _end_bytes(src_addr, dst_addr, n_words, nbytes, COPY: tl.constexpr):
+    """The last 0..3 bytes of a piece (copied when COPY) as one zero-padded little-endian word."""
+    i = tl.arange(0, 4)
+    m = i < nbytes - n_words * 4
+    b = tl.load(src_addr.to(tl.pointer_type(tl.uint8)) + n_words * 4 + i, mask=m, other=0)
+    if COPY:
+        tl.store(dst_addr.to(tl.pointer_type(tl.uint8)) + n_words * 4 + i, b, mask=m)
+    return tl.sum(b.to(tl.int64) << (8 * i).to(tl.int64), axis=0)
+
+
+@triton.jit
+def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
+               BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """One block of BLOCK words of one piece per program. ``segs[p]`` = (source address,
+    destination address, bytes) of piece p; ``blocks[b]`` = (piece, block index in it). With COPY
+    the words are copied to the destination as they are summed (one read, one write). Each
+    program adds seven limbs into ``out[p]``: the block's plain sum S (< 2**46) split at bit 23,
+    its position-weighted sum W (positions 1..BLOCK, < 2**59) split at bit 30, k * S split like
+    S, and the piece's last 0..3 bytes as a word; the host combines them (kernels.piece_sums).
+    ALIGNED: both addresses are multiples of 16 (vector loads and stores)."""
+    pid = tl.program_id(0).to(tl.int64)
+    p = tl.load(blocks + pid * 2)
+    k = tl.load(blocks + pid * 2 + 1)
+    src_addr = tl.load(segs + p * 3)
+    dst_addr = tl.load(segs + p * 3 + 1)
+    nbytes = tl.load(segs + p * 3 + 2)
+    src = src_addr.to(tl.pointer_type(tl.int32))
+    dst = dst_addr.to(tl.pointer_type(tl.int32))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+    n_words = nbytes // 4
+    start = k * BLOCK
+    lane = tl.arange(0, TILE)
+    acc_s = tl.zeros([TILE], dtype=tl.int64)
+    acc_w = tl.zeros([TILE], dtype=tl.int64)
+    if start + BLOCK <= n_words:  # a full block: no masks, so loads and stores vectorise
+        for step in range(0, BLOCK, TILE):
+            offs = start + step + lane
+            w = tl.load(src + offs)
+            if COPY:
+                tl.store(dst + offs, w)
+            u = w.to(tl.uint32, bitcast=True).to(tl.int64)
+            acc_s += u
+            acc_w += u * (step + lane + 1).to(tl.int64)
+    else:
+        for step in range(0, BLOCK, TILE):
+            offs = start + step + lane
+            m = offs < n_words
+            w = tl.load(src + offs, mask=m, other=0)
+            if COPY:
+                tl.store(dst + offs, w, mask=m)
+            u = w.to(tl.uint32, bitcast=True).to(tl.int64)
+            acc_s += u
+            acc_w += u * (step + lane + 1).to(tl.int64)
+    s = tl.sum(acc_s, axis=0)
+    w = tl.sum(acc_w, axis=0)
+    base = out + p * 7
+    s_lo = s & 0x7FFFFF
+    s_hi = s >> 23
+    tl.atomic_add(base + 0, s_lo)
+    tl.atomic_add(base + 1, s_hi)
+    tl.atomic_add(base + 2, w & 0x3FFFFFFF)
+    tl.atomic_add(base + 3, w >> 30)
+    tl.atomic_add(base + 4, k * s_lo)
+    tl.atomic_add(base + 5, k * s_hi)
+    if (start <= n_words) & (n_words < start + BLOCK) & (nbytes > n_words * 4):
+        tl.atomic_add(base + 6, _end_bytes(src_addr, dst_addr, n_words, nbytes, COPY))

@@ -62,10 +62,11 @@ def _check_shape(span: int, tile: int, group: int = 1) -> None:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     from . import _triton_sums  # imports triton: only where a kernel runs
 
-    return _triton_sums.checksum_blocks, _triton_sums.keyed_blocks
+    return (_triton_sums.checksum_blocks, _triton_sums.keyed_blocks,
+            _triton_sums.piece_sums)
 
 
 def _split(buf: Any, n: int) -> tuple[Any, int, int]:
@@ -167,3 +168,64 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
         a += lo16 * wa + hi16 * wb
         b += lo16 * wb + hi16 * wa
     return (a % PRIME) << 61 | (b % PRIME)
+
+
+# ---- many pieces in one launch (the direct weight update) ---------------------------------------
+
+PIECE_BLOCK = 1 << 14  # words per program of piece_sums (64 KiB)
+PIECE_TILE = 2048
+_MAX_PIECE_BLOCKS = 1 << 19  # the limbs' bounds (_triton_sums.piece_sums) hold up to here
+
+
+def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = False,
+               block: int = PIECE_BLOCK, tile: int = PIECE_TILE) -> list[int]:
+    """:func:`vitrify.weights.stream.checksum` of each piece (source address, destination
+    address, bytes) of device memory, every piece in one kernel launch (two: pieces on 16-byte
+    boundaries take vector loads) and one synchronisation. ``copy``: the source bytes are copied
+    to the destination while they are summed (one read and one write of each byte). Addresses
+    must be 4-byte aligned (a ``ValueError`` names the first that is not); pieces must not
+    overlap when copying."""
+    import torch
+
+    _check_shape(block, tile)
+    groups: dict[bool, list[int]] = {True: [], False: []}
+    for i, (src, dst, n) in enumerate(pieces):
+        if n < 0 or src % 4 or (copy and dst % 4):
+            raise ValueError(f"piece {i}: {n} bytes from 0x{src:x} to 0x{dst:x}: the sums need "
+                             f"4-byte aligned addresses and a length >= 0")
+        if -(-n // (4 * block)) > _MAX_PIECE_BLOCKS:
+            raise ValueError(f"piece {i}: {n} bytes exceed {_MAX_PIECE_BLOCKS} blocks of "
+                             f"{4 * block} bytes")
+        groups[src % 16 == 0 and (not copy or dst % 16 == 0)].append(i)
+    kernel = _kernels()[2]
+    outs = []
+    with torch.cuda.device(device) if torch.device(device).type == "cuda" else _null():
+        for aligned, idx in groups.items():
+            if not idx:
+                continue
+            segs = torch.tensor([pieces[i] for i in idx], dtype=torch.int64)
+            counts = torch.tensor([max(1, -(-pieces[i][2] // (4 * block))) for i in idx],
+                                  dtype=torch.int64)
+            piece_of = torch.repeat_interleave(torch.arange(len(idx)), counts)
+            first = torch.cumsum(counts, 0) - counts
+            blocks = torch.stack([piece_of, torch.arange(piece_of.numel()) - first[piece_of]], 1)
+            segs, blocks = segs.to(device), blocks.to(device)
+            out = torch.zeros((len(idx), 7), dtype=torch.int64, device=device)
+            kernel[(blocks.shape[0],)](segs, blocks, out, COPY=copy, ALIGNED=aligned,
+                                       BLOCK=block, TILE=tile, num_warps=8)
+            outs.append((idx, out))
+        rows = torch.cat([o for _, o in outs]).tolist() if outs else []  # one synchronisation
+    result = [0] * len(pieces)
+    order = [i for idx, _ in outs for i in idx]
+    for i, (s_lo, s_hi, w_lo, w_hi, ks_lo, ks_hi, end) in zip(order, rows):
+        words = pieces[i][2] // 4
+        plain = s_lo + (s_hi << 23) + end
+        weighted = w_lo + (w_hi << 30) + block * (ks_lo + (ks_hi << 23)) + (words + 1) * end
+        result[i] = (plain % PRIME) << 61 | (weighted % PRIME)
+    return result
+
+
+def _null() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -16,6 +16,13 @@ frame with ``SCM_RIGHTS``, exported **once**):
 4. sender -> ``finish``; the receiver releases the buffer's mapping and closes its descriptor,
    then answers ``finished`` (bytes moved, bytes of the whole model, seconds).
 
+Direct updates (``Sender(direct=True)``; :mod:`vitrify.weights.direct`): the hello carries no
+buffer; the engine answers ``ready`` with its planned moves, where each destination tensor lies
+in the memory it exports (the descriptors ride on ``ready``), the trainer maps that memory,
+writes every piece in place, checksums what it wrote, releases its mapping and sends ``finish``
+with the checksums; the engine checksums the same pieces in its own tensors and answers
+``finished`` only when every one agrees.
+
 While an update runs, and after one that failed, the receiver's :attr:`Receiver.state` is
 ``"updating"`` / ``"incomplete"``: the engine must refuse to serve (its weights may be half
 old, half new) until an update completes (``"ready"``). A retry sends everything whose digest is
@@ -41,8 +48,8 @@ from collections.abc import Callable, Mapping as MappingABC
 from typing import Any
 
 from .. import _check
-from . import stream
-from .mapping import Mapping, MappingError, first_misfit
+from . import direct, stream
+from .mapping import Copy, Mapping, MappingError, Plan, first_misfit
 
 log = logging.getLogger("vitrify.weights")
 
@@ -235,6 +242,126 @@ def _staging_fd(staging: Any) -> int:
     return staging.export() if hasattr(staging, "export") else staging.fd
 
 
+# ---- the engine's memory, exported (direct updates) ---------------------------------------------
+
+# Descriptors one frame may carry (the kernel's SCM_MAX_FD is 253).
+_MAX_FDS = 250
+
+
+class HostWeights:
+    """A CPU engine's tensors in one shared memfd, so a direct update can map them: ``tensors``
+    (name -> tensor over the memfd, each 256-byte aligned) initialised from ``like`` (name ->
+    tensor), and :meth:`export` for :class:`Receiver`'s ``exporter``."""
+
+    def __init__(self, like: MappingABC[str, Any]):
+        import torch
+
+        offsets, at = {}, 0
+        for n, t in like.items():
+            offsets[n] = at
+            at += -(-t.numel() * t.element_size() // 256) * 256
+        self.nbytes = max(at, 256)
+        self.fd = os.memfd_create("vitrify-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, self.nbytes)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.buffer = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=self.nbytes,
+                                      dtype=torch.uint8)
+        self.tensors = {}
+        for n, t in like.items():
+            nb = t.numel() * t.element_size()
+            v = self.buffer[offsets[n]:offsets[n] + nb].view(t.dtype).view(t.shape)
+            v.copy_(t)
+            self.tensors[n] = v
+
+    def export(self, lo: int, hi: int) -> dict:
+        base = self.buffer.data_ptr()
+        if not base <= lo <= hi <= base + self.nbytes:
+            raise UpdateError(f"0x{lo:x}..0x{hi:x} is not in the engine's shared weights")
+        return {"kind": "host", "base": base, "pieces": [(self.nbytes, os.dup(self.fd))]}
+
+    def close(self) -> None:
+        self.tensors, self.buffer = {}, None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def region_exporter(region: Any) -> Callable[[int, int], dict]:
+    """:class:`Receiver`'s ``exporter`` for tensors in a :class:`vitrify.Region` created with
+    ``exportable=True``: the region's chunks covering the addresses, as file descriptors."""
+    def export(lo: int, hi: int) -> dict:
+        if not getattr(region, "exportable", False):
+            raise UpdateError("the engine's region was not created exportable: thaw it with "
+                              "exportable weights to take direct updates")
+        chunks = region.export(lo - region.base, max(1, hi - lo))
+        return {"kind": "cuda", "device": region.device, "base": region.base + chunks[0][0],
+                "pieces": [(size, fd) for _, size, fd in chunks]}
+    return export
+
+
+class _Imported:
+    """The trainer's mapping of the engine's exported memory: ``tensor(offset, shape, dtype)``
+    views into it; :meth:`close` releases it (and every descriptor)."""
+
+    def __init__(self, meta: dict, fds: list[int], device: int | None):
+        import torch
+
+        sizes = [int(n) for n in meta["sizes"]]
+        if len(sizes) != len(fds) or not fds:
+            _close_all(fds)
+            raise UpdateError(f"the engine sent {len(fds)} descriptors for {len(sizes)} pieces")
+        self.kind, self.buffer, self.fd = meta["kind"], None, None
+        self.nbytes = sum(sizes)
+        try:
+            if self.kind == "host":
+                if len(fds) != 1:
+                    raise UpdateError("host memory comes as one descriptor")
+                self.fd = fds.pop()
+                self.base = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True,
+                                            size=self.nbytes, dtype=torch.uint8)
+            elif self.kind == "cuda":
+                from .. import _native
+
+                dev = 0 if device is None else device
+                self.buffer = _native.SharedBuffer.import_fds(list(zip(fds, sizes)), dev)
+                self.base = _device_tensor(self.buffer.ptr, self.nbytes, dev)
+            else:
+                raise UpdateError(f"unknown exported memory kind {self.kind!r}")
+        finally:
+            _close_all(fds)  # the mapping holds its own references
+
+    def tensor(self, offset: int, shape: list[int], dtype: str) -> Any:
+        import torch
+
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * dt.itemsize
+        if not 0 <= offset <= self.nbytes - n:
+            raise UpdateError(f"a tensor of {n} bytes at offset {offset} is outside the "
+                              f"{self.nbytes} exported bytes")
+        return self.base[offset:offset + n].view(dt).view(shape)
+
+    def close(self) -> None:
+        self.base = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.buffer is not None:
+            buf, self.buffer = self.buffer, None
+            rc = buf.release()
+            if rc:
+                raise UpdateError(f"releasing the mapping of the engine's weights failed: "
+                                  f"CUresult {rc}")
+
+
+def _copy_json(c: Copy) -> list:
+    return [c.src, c.dst, c.src_dim, list(c.src_rows), c.dst_dim, list(c.dst_rows)]
+
+
+def _copy_of(v: list) -> Copy:
+    return Copy(str(v[0]), str(v[1]), int(v[2]), tuple(int(x) for x in v[3]), int(v[4]),
+                tuple(int(x) for x in v[5]))
+
+
 # ---- digests ------------------------------------------------------------------------------------
 
 
@@ -265,13 +392,18 @@ class Receiver:
     (SO_PEERCRED; default: this process's user only). ``synchronize``: called after each
     chunk's copies (torch.cuda.synchronize on a GPU engine) before ``done`` lets the sender reuse
     the slot, and before the staging buffer is released. ``device``: where a GPU staging buffer
-    is mapped (default: the engine's tensors' device)."""
+    is mapped (default: the engine's tensors' device). ``exporter``: lets a trainer write the
+    engine's tensors directly (a direct update, :mod:`vitrify.weights.direct`)."""
 
     def __init__(self, engine: MappingABC[str, Any], mapping: Mapping, *,
                  allowed_uids: tuple[int, ...] | None = None,
-                 synchronize: Callable[[], None] | None = None, device: int | None = None):
+                 synchronize: Callable[[], None] | None = None, device: int | None = None,
+                 exporter: Callable[[int, int], dict] | None = None):
         self.engine = engine
         self.mapping = mapping
+        # Direct updates: exporter(lo, hi) gives the memory holding the engine's tensors in
+        # [lo, hi) as descriptors (region_exporter, HostWeights.export); None: staged only.
+        self.exporter = exporter
         self.allowed_uids = {os.getuid()} if allowed_uids is None else set(allowed_uids)
         self.synchronize = synchronize or (lambda: None)
         if device is None:
@@ -302,6 +434,8 @@ class Receiver:
                         for m in hello["manifest"]}
             digests = {m["name"]: str(m["digest"]) for m in hello["manifest"]}
             plan = self.mapping.plan(manifest, _specs(self.engine))  # names the misfit
+            if hello.get("direct"):
+                return self._serve_direct(conn, plan, manifest, digests, fds)
             if len(fds) != 1:
                 raise UpdateError(f"the hello frame carried {len(fds)} descriptors, not 1")
             meta = hello["staging"]
@@ -373,6 +507,97 @@ class Receiver:
                 staging.close()
 
 
+    def _serve_direct(self, conn: socket.socket, plan: Plan,
+                      manifest: dict[str, tuple[tuple[int, ...], str]], digests: dict[str, str],
+                      fds: list[int]) -> dict:
+        """serve_one's direct update (its caller handles failures): export the memory of the
+        destinations, send the moves, take the trainer's checksums and compare them with the
+        engine's own of the same pieces."""
+        if fds:
+            raise UpdateError(f"a direct update's hello carried {len(fds)} descriptors")
+        if self.exporter is None:
+            raise UpdateError("this engine takes staged updates only (it exports no memory "
+                              "for a direct update)")
+        need = [n for n in manifest if self.applied.get(n) != digests[n]]
+        copies = [c for c in plan.copies if c.src in set(need)]
+        sub = Plan(tuple(copies))
+        ps = direct.pieces(sub, need)
+        dsts = sorted({c.dst for c in copies})
+        for d in dsts:
+            if not self.engine[d].is_contiguous():
+                raise UpdateError(f"{d!r}: the engine's tensor is not contiguous")
+        ends = [(self.engine[d].data_ptr(),
+                 self.engine[d].data_ptr() + self.engine[d].numel() * self.engine[d].element_size())
+                for d in dsts]
+        exp = self.exporter(min(a for a, _ in ends), max(b for _, b in ends)) if dsts else \
+            {"kind": "host", "base": 0, "pieces": []}
+        out_fds = [fd for _, fd in exp["pieces"]]
+        try:
+            total = sum(size for size, _ in exp["pieces"])
+            tensors = {}
+            for d in dsts:
+                t = self.engine[d]
+                off = t.data_ptr() - exp["base"]
+                if not 0 <= off <= total - t.numel() * t.element_size():
+                    raise UpdateError(f"{d!r} is not in the memory the engine exports")
+                tensors[d] = [off, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            if len(out_fds) > _MAX_FDS:
+                raise UpdateError(f"the engine's weights span {len(out_fds)} exported pieces, "
+                                  f"more than {_MAX_FDS} (one message): map them in larger "
+                                  f"chunks")
+            self.state = "updating"
+            for n in need:
+                self.applied.pop(n, None)
+            _send(conn, {"type": "ready", "need": need,
+                         "direct": {"kind": exp["kind"], "sizes": [sz for sz, _ in exp["pieces"]],
+                                    "tensors": tensors, "copies": [_copy_json(c) for c in copies]}},
+                  out_fds)
+        finally:
+            _close_all(out_fds)  # the trainer holds its own references now
+        t0 = time.perf_counter()
+        fin, extra = _expect(conn, "finish")
+        _close_all(extra)
+        if not fin.get("released"):
+            raise UpdateError("the trainer did not release its mapping of the engine's weights")
+        t1 = time.perf_counter()
+        want = direct.verify(sub, ps, self.engine)
+        self.synchronize()
+        bad = direct.first_difference(ps, [int(x) for x in fin.get("sums", [])], want)
+        if bad is not None:
+            raise UpdateError(f"the update is not what the trainer wrote: {bad}")
+        for n in need:
+            self.applied[n] = digests[n]
+        total_model = sum(stream._itemsize(d) * math.prod(sh) for sh, d in manifest.values())
+        self.last = {"bytes_moved": sum(stream._itemsize(manifest[n][1])
+                                        * math.prod(manifest[n][0]) for n in need),
+                     "bytes_total": total_model, "pieces": len(ps), "copies": len(copies),
+                     "tensors": len(need), "tensors_total": len(manifest), "direct": True,
+                     "verify_seconds": time.perf_counter() - t1,
+                     "seconds": time.perf_counter() - t0}
+        self.state = "ready"
+        _send(conn, {"type": "finished", **self.last})
+        return self.last
+
+
+def _check_pieces(plan: Plan, ps: list, sources: MappingABC[str, Any],
+                  targets: MappingABC[str, Any]) -> None:
+    """The engine's moves against the trainer's tensors, before a byte is written: every row
+    range inside both tensors, the rows' other dimensions equal (UpdateError naming it)."""
+    for p in ps:
+        src, dst = sources.get(p.src), targets.get(p.dst)
+        if src is None or dst is None:
+            raise UpdateError(f"a move from {p.src!r} to {p.dst!r} names a tensor the update "
+                              f"does not map")
+        if p.kind != "rows":
+            continue
+        if (src.dim() == 0 or dst.dim() == 0 or tuple(src.shape[1:]) != tuple(dst.shape[1:])
+                or not (0 <= p.src_row and p.src_row + p.rows <= src.shape[0])
+                or not (0 <= p.dst_row and p.dst_row + p.rows <= dst.shape[0])):
+            raise UpdateError(f"rows {p.src_row}..{p.src_row + p.rows} of {p.src!r} "
+                              f"{list(src.shape)} do not fit rows {p.dst_row}.. of {p.dst!r} "
+                              f"{list(dst.shape)}")
+
+
 def _check_complete(got: dict[str, list[tuple[int, int]]],
                     manifest: MappingABC[str, tuple[tuple[int, ...], str]]) -> None:
     """Every needed tensor's rows arrived, each exactly once; else :class:`UpdateError`."""
@@ -424,24 +649,39 @@ def listen(path: str) -> socket.socket:
 class Sender:
     """The trainer's side: one staging buffer of ``chunk_bytes`` (split into ``slots``), created
     once and exported once per connection; :meth:`update` streams ``tensors`` (name -> tensor in
-    the trainer's layout) to the engine listening at ``path``."""
+    the trainer's layout) to the engine listening at ``path``. ``direct=True``: no staging
+    buffer; the trainer maps the memory the engine exports (on ``device``, the engine's GPU in
+    this process's numbering) and writes every move there (:mod:`vitrify.weights.direct`).
 
-    def __init__(self, chunk_bytes: int, *, slots: int = 2, device: int | None = None):
+    The digests that let the engine skip unchanged tensors (a delta update) are keyed sums of
+    every tensor's bytes, under a key of this sender (the same for each of its updates, unknown
+    to anyone else); ``update(versions=...)`` replaces them with the trainer's version tags (no
+    read of the tensors)."""
+
+    def __init__(self, chunk_bytes: int | None = None, *, slots: int = 2,
+                 device: int | None = None, direct: bool = False):
+        self.direct = bool(direct)
+        self.device = device
+        self.key = (secrets.randbelow((1 << 31) - 1) + 1, secrets.randbelow((1 << 31) - 1) + 1)
+        self.staging = None
+        if self.direct:  # no staging at all: the trainer writes into the engine's memory
+            self.chunk_bytes = self.slot_bytes = 0
+            self.slots = 0
+            return
+        if chunk_bytes is None:
+            raise MappingError("a staged update needs chunk_bytes (or direct=True)")
         _check.integer("chunk_bytes", chunk_bytes, 1, _check.U64_MAX)
         self.slots = _check.integer("slots", slots, 1, 64)
         self.slot_bytes = chunk_bytes // slots // 256 * 256
         if self.slot_bytes == 0:
             raise MappingError(f"chunk_bytes={chunk_bytes} leaves no room for {slots} slots")
         self.chunk_bytes = chunk_bytes
-        # The digests' key: the same for every update of this sender (so unchanged tensors
-        # are recognised), unknown to anyone else.
-        self.key = (secrets.randbelow((1 << 31) - 1) + 1, secrets.randbelow((1 << 31) - 1) + 1)
         self.staging = (HostStaging(chunk_bytes) if device is None
                         else CudaStaging(chunk_bytes, device))
 
     def update(self, path: str, tensors: MappingABC[str, Any], *, timeout: float = 600.0,
-               connect_timeout: float = 0.0,
-               synchronize: Callable[[], None] | None = None) -> dict:
+               connect_timeout: float = 0.0, synchronize: Callable[[], None] | None = None,
+               versions: MappingABC[str, Any] | None = None) -> dict:
         """Stream the tensors the engine needs (all, or those changed since its last completed
         update); returns the engine's ``finished`` summary. Raises :class:`UpdateError` with the
         engine's reason when it refuses or fails. ``connect_timeout``: keep trying to connect
@@ -450,16 +690,31 @@ class Sender:
             sock.settimeout(timeout)
             _connect(sock, path, connect_timeout)
             return self.update_over(sock, tensors, synchronize=synchronize,
-                                    where=f"the engine at {path}")
+                                    where=f"the engine at {path}", versions=versions)
 
     def update_over(self, sock: socket.socket, tensors: MappingABC[str, Any], *,
                     synchronize: Callable[[], None] | None = None,
-                    where: str = "the engine") -> dict:
-        """:meth:`update` over a connected socket (the engine's next frame is ``hello``)."""
+                    where: str = "the engine",
+                    versions: MappingABC[str, Any] | None = None) -> dict:
+        """:meth:`update` over a connected socket (the engine's next frame is ``hello``).
+        ``versions``: name -> the trainer's version tag of every tensor, used as its digest
+        instead of a keyed sum of its bytes (an unchanged tag means unchanged bytes)."""
+        if versions is not None:
+            missing = [n for n in tensors if n not in versions]
+            if missing:
+                raise UpdateError(f"versions lacks a tag for {missing[:4]}")
+
+        def dig(n: str, t: Any) -> str:
+            if versions is None:
+                return digest(t, self.key)
+            return f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:v:{versions[n]}"
+
         manifest = [{"name": n, "shape": list(t.shape),
-                     "dtype": str(t.dtype).removeprefix("torch."), "digest": digest(t, self.key)}
+                     "dtype": str(t.dtype).removeprefix("torch."), "digest": dig(n, t)}
                     for n, t in tensors.items()]
         try:
+            if self.direct:
+                return self._direct(sock, tensors, manifest, synchronize or (lambda: None))
             return self._stream(sock, tensors, manifest, synchronize or (lambda: None))
         except OSError as e:  # the engine hung up: its error frame says why, if it sent one
             try:
@@ -510,5 +765,37 @@ class Sender:
         fin, _ = _expect(sock, "finished")
         return fin
 
+    def _direct(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
+                sync: Callable[[], None]) -> dict:
+        _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest, "direct": True})
+        ready, fds = _expect(sock, "ready")
+        t0 = time.perf_counter()
+        meta = ready.get("direct")
+        if not isinstance(meta, dict):
+            _close_all(fds)
+            raise UpdateError("the engine answered a direct update with a staged one")
+        unknown = [n for n in ready["need"] if n not in tensors]
+        if unknown:
+            _close_all(fds)
+            raise UpdateError(f"the engine asks for tensors this update does not have: "
+                              f"{unknown[:4]}")
+        plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
+        ps = direct.pieces(plan, ready["need"])
+        mem = _Imported(meta, fds, self.device)  # closes the descriptors
+        try:
+            targets = {n: mem.tensor(int(v[0]), [int(d) for d in v[1]], str(v[2]))
+                       for n, v in meta["tensors"].items()}
+            _check_pieces(plan, ps, tensors, targets)
+            sums = direct.send(plan, ps, tensors, targets)
+            sync()
+        finally:
+            targets = {}
+            mem.close()  # released before "finish" says so
+        written = time.perf_counter() - t0
+        _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
+        fin, _ = _expect(sock, "finished")
+        return {**fin, "trainer_write_seconds": written}
+
     def close(self) -> None:
-        self.staging.close()
+        if self.staging is not None:
+            self.staging.close()
