@@ -73,7 +73,7 @@ def test_the_one_pass_sums_equal_their_torch_reference():
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     checked = json.loads(p.stdout.strip().splitlines()[-1])["checked"]
-    assert len(checked) == 21
+    assert len(checked) == 22 and checked[-1] == "pieces"
 
 
 def test_only_cuda_tensors_take_the_kernel_path():
