@@ -356,15 +356,21 @@ class ThawSession:
     naming it) — never run at an address it cannot follow. ``warmup_restore``: restore the warmup
     span (None: the ``VITRIFY_WARMUP_RESTORE`` setting; an archive without the span re-runs
     warmup either way). ``verify``: check every file's CRC32C before use (spans are checked
-    chunk by chunk as they are restored, whatever this says).
+    chunk by chunk as they are restored, whatever this says). ``exportable``: the region's
+    memory is created exportable (``Region(exportable=True)``), so a trainer can write the
+    weights in place (``vitrify.weights.transport.region_exporter``).
     """
 
     def __init__(self, adapter: Any, path: str | os.PathLike, *, base: int | None = None,
                  relocate: bool = True, device: int = 0, warmup_restore: bool | None = None,
                  verify: bool = True, graph_threads: int = 4,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None,
+                 exportable: bool = False):
         self.adapter = _check_adapter(adapter)
         self.path = os.path.abspath(_check.path("path", path))
+        # exportable: the region's memory can be exported as file descriptors, so a trainer
+        # can write the thawed engine's weights in place (a direct weight update)
+        self.exportable = _check.boolean("exportable", exportable)
         self.base = _check.optional_integer("base", base, 1, _check.U64_MAX)
         self.relocate = _check.boolean("relocate", relocate)
         self.device = _check.integer("device", device, 0, (1 << 31) - 1)
@@ -389,14 +395,15 @@ class ThawSession:
             raise SessionError(f"base 0x{want:x} is not the frozen base 0x{frozen.base:x} and "
                                f"relocate=False; pass relocate=True to thaw at another base")
         try:
-            return Region(frozen.size, base=want, device=self.device)
+            return Region(frozen.size, base=want, device=self.device,
+                          exportable=self.exportable)
         except RegionAddressError as e:
             if not self.relocate:
                 raise SessionError(f"the frozen region's range 0x{want:x}+{frozen.size} is not "
                                    f"free in this process ({e}); pass relocate=True to thaw at "
                                    f"another base") from None
             log.warning("region base 0x%x is taken (%s); relocating", want, e)
-            return Region(frozen.size, device=self.device)
+            return Region(frozen.size, device=self.device, exportable=self.exportable)
 
     def _compare(self, archive: Any, phase: str, region: Any) -> None:
         frozen = archive.region.checkpoints.get(phase)

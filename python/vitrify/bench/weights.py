@@ -1,13 +1,18 @@
-"""Weight update throughput on one GPU, two processes (GPU): a trainer process streams a model's
-weights (Megatron-style layout) into an engine process's tensors through vitrify's staging
-buffer, against baselines measured in the same run:
+"""Weight update throughput on one GPU, two processes (GPU): a trainer process writes a model's
+weights (Megatron-style layout) into an engine process's tensors (in a vitrify region created
+exportable) directly, and streams them through vitrify's staging buffer, against baselines
+measured in the same run:
 
 - one device-to-device copy of the same bytes in one process (the HBM limit), and two copies
   (the limit of any design that stages: every byte crosses memory twice), and two copies plus
   two reads (a staged update verified on both sides: its ceiling on this GPU);
 - the legacy per-tensor CUDA IPC path: the trainer exports every tensor with CUDA IPC handles
   (torch.multiprocessing's reductions), the engine opens each handle and copies, per update;
-- a delta update where 1 % of the tensors changed (bytes moved over the model's).
+- a delta update where 1 % of the tensors changed (bytes moved over the model's);
+- the direct update's own limit with both sides verifying: one copy plus one read of the bytes
+  (the trainer sums what it writes in the copy's pass; the engine reads everything once).
+
+Every vitrify update is run once before it is timed (Triton compiles its kernels on the first).
 
 SGLang's own update-from-tensor path needs a running server (the SGLang plugin): not measured
 here, said in the result.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -68,11 +74,23 @@ def _engine(path: str, shape: str) -> int:
     from ..weights import mapping as wm
     from ..weights import transport as wt
 
+    from ..region import Region
+
     cfg = _config(shape)
-    engine = {n: torch.zeros(s, dtype=getattr(torch, d), device="cuda")
-              for n, s, d in param_specs(cfg)}
+    specs = list(param_specs(cfg))
+    sizes = [math.prod(s) * getattr(torch, d).itemsize for _, s, d in specs]
+    # the engine's weights in an exportable region, as a thawed engine's are (exportable=True)
+    region = Region(sum(-(-n // (2 << 20)) * (2 << 20) for n in sizes) + (1 << 30),
+                    exportable=True)
+    region.preallocate(region.size)
+    engine = {}
+    for (n, s, d), nbytes in zip(specs, sizes):
+        engine[n] = wt._device_tensor(region.allocate(nbytes), nbytes, 0).view(
+            getattr(torch, d)).view(s)
+        engine[n].zero_()
     mapping = update_mapping(cfg)
-    rx = wt.Receiver(engine, mapping, synchronize=torch.cuda.synchronize)
+    rx = wt.Receiver(engine, mapping, synchronize=torch.cuda.synchronize,
+                     exporter=wt.region_exporter(region))
     with wt.listen(path) as srv:
         print(json.dumps({"listening": path}), flush=True)
         while True:
@@ -118,13 +136,36 @@ def _call(path: str, msg: dict, then: Callable[[Any], Any] | None = None) -> Any
         return then(s) if then else None
 
 
-def _update(sock: Any, tx: Any, src: dict) -> dict:
+def _update(sock: Any, tx: Any, src: dict, versions: dict | None = None) -> dict:
     import torch
 
     from ..weights import transport as wt
 
     wt._expect(sock, "go")
-    return tx.update_over(sock, src, synchronize=torch.cuda.synchronize)
+    return tx.update_over(sock, src, synchronize=torch.cuda.synchronize, versions=versions)
+
+
+def _timed(path: str, tx: Any, src: dict, versions: dict | None = None) -> tuple[dict, float]:
+    """One vitrify update and the trainer's wall time of it (connect to finished)."""
+    t0 = time.perf_counter()
+    fin = _call(path, {"type": "vitrify"}, lambda s: _update(s, tx, src, versions))
+    return fin, time.perf_counter() - t0
+
+
+def _digests_seconds(src: dict) -> float:
+    """Seconds to compute the content digest (keyed sums) of every tensor: what a delta update
+    without the trainer's version tags reads before anything moves."""
+    import torch
+
+    from ..weights import transport as wt
+
+    key = (12345, 67891)
+    wt.digest(next(iter(src.values())), key)  # compiled
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in src.values():
+        wt.digest(t, key)
+    return time.perf_counter() - t0
 
 
 def _d2d(src: dict, copies: int) -> float:
@@ -218,22 +259,39 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             src = megatron_tensors(weights, cfg)
             del weights
             total = sum(t.numel() * t.element_size() for t in src.values())
-            tx = wt.Sender(chunk, device=0)
+            progress(f"direct update, {total / 1e9:.1f} GB written in place (first: compiles)")
+            tags = {n: 0 for n in src}
+            txd = wt.Sender(direct=True, device=0)
             try:
-                progress(f"vitrify update, {total / 1e9:.1f} GB through {args.chunk_mib} MiB")
-                t0 = time.perf_counter()
-                full = _call(path, {"type": "vitrify"}, lambda s: _update(s, tx, src))
-                full_s = time.perf_counter() - t0
-                progress("delta update: 1 % of the tensors changed")
+                first, first_s = _timed(path, txd, src, tags)
+                tags = {n: 1 for n in src}  # every tensor new: a full update
+                direct, direct_s = _timed(path, txd, src, tags)
+                progress("direct delta update: 1 % of the tensors changed")
                 changed = _changed(list(src))
                 changed_bytes = sum(src[n].numel() * src[n].element_size() for n in changed)
                 for n in changed:
                     src[n].add_(1)
-                t0 = time.perf_counter()
-                delta = _call(path, {"type": "vitrify"}, lambda s: _update(s, tx, src))
-                delta_s = time.perf_counter() - t0
+                    tags[n] = 2
+                ddelta, ddelta_s = _timed(path, txd, src, tags)
+            finally:
+                txd.close()
+            progress(f"staged update, {total / 1e9:.1f} GB through {args.chunk_mib} MiB")
+            tx = wt.Sender(chunk, device=0)
+            try:
+                _timed(path, tx, src)  # compiles
             finally:
                 tx.close()
+            tx = wt.Sender(chunk, device=0)  # a new key: every tensor again
+            try:
+                full, full_s = _timed(path, tx, src)
+                progress("staged delta update: 1 % of the tensors changed")
+                for n in changed:
+                    src[n].add_(1)
+                delta, delta_s = _timed(path, tx, src)
+            finally:
+                tx.close()
+            progress("content digests of every tensor")
+            digests_s = _digests_seconds(src)
             progress("per-tensor CUDA IPC (the legacy path)")
             t0 = time.perf_counter()
             handles = {n: reduce_tensor(t) for n, t in src.items()}
@@ -250,20 +308,36 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                 eng.kill()
             eng.communicate()
     gbs = lambda s: total / s / 1e9  # noqa: E731
+    read_s = sums["read"] * total / chunk  # one read of every byte
+    direct_limit = d2d_s + read_s  # the trainer's copy (summed in its pass) + the engine's read
+    staged_limit = d2d2_s + 2 * read_s
     rows += [
-        {"case": "vitrify update (trainer's wall time)", "seconds": full_s, "GB/s": gbs(full_s)},
-        {"case": "vitrify update (engine's copy loop)", "seconds": full["seconds"],
+        {"case": "direct update (trainer's wall time)", "seconds": direct_s,
+         "GB/s": gbs(direct_s)},
+        {"case": "direct: the trainer's copy and sums", "seconds":
+         direct["trainer_write_seconds"], "GB/s": gbs(direct["trainer_write_seconds"])},
+        {"case": "direct: the engine's verification", "seconds": direct["verify_seconds"],
+         "GB/s": gbs(direct["verify_seconds"])},
+        {"case": "direct update, first (Triton compiles)", "seconds": first_s,
+         "GB/s": gbs(first_s)},
+        {"case": "direct delta update, 1 % of tensors", "seconds": ddelta_s,
+         "GB/s": ddelta["bytes_moved"] / ddelta_s / 1e9},
+        {"case": "staged update (trainer's wall time)", "seconds": full_s, "GB/s": gbs(full_s)},
+        {"case": "staged update (engine's copy loop)", "seconds": full["seconds"],
          "GB/s": gbs(full["seconds"])},
-        {"case": "delta update, 1 % of tensors", "seconds": delta_s,
+        {"case": "staged delta update, 1 % of tensors", "seconds": delta_s,
          "GB/s": delta["bytes_moved"] / delta_s / 1e9},
+        {"case": "content digests of every tensor", "seconds": digests_s,
+         "GB/s": gbs(digests_s)},
         {"case": "per-tensor CUDA IPC", "seconds": ipc_s, "GB/s": gbs(ipc_s)},
         {"case": "one D2D copy (HBM limit)", "seconds": d2d_s, "GB/s": gbs(d2d_s)},
+        {"case": "direct and verified limit (1 copy + 1 read)", "seconds": direct_limit,
+         "GB/s": gbs(direct_limit)},
         {"case": "two D2D copies (staged limit)", "seconds": d2d2_s, "GB/s": gbs(d2d2_s)},
         # a verified staged update moves every byte twice and checksums it on both sides: two
         # copies plus two reads of the bytes (computed from the rows measured here)
-        {"case": "staged and verified limit (2 copies + 2 reads)",
-         "seconds": d2d2_s + 2 * sums["read"] * total / chunk,
-         "GB/s": gbs(d2d2_s + 2 * sums["read"] * total / chunk)},
+        {"case": "staged and verified limit (2 copies + 2 reads)", "seconds": staged_limit,
+         "GB/s": gbs(staged_limit)},
         {"case": "chunk checksum, one pass (Triton)", "seconds": sums["triton"],
          "GB/s": chunk / sums["triton"] / 1e9},
         {"case": "chunk checksum, torch reference", "seconds": sums["torch"],
@@ -271,17 +345,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         {"case": "chunk read (HBM read floor)", "seconds": sums["read"],
          "GB/s": chunk / sums["read"] / 1e9},
     ]
-    ratios = {"update_throughput_over_d2d": d2d_s / full_s,
-              "update_throughput_over_staged_limit": d2d2_s / full_s,
-              "update_throughput_over_staged_verified_limit":
-                  (d2d2_s + 2 * sums["read"] * total / chunk) / full_s,
-              "update_throughput_over_ipc": ipc_s / full_s,
-              "delta_bytes_fraction": delta["bytes_moved"] / delta["bytes_total"],
+    ratios = {"update_throughput_over_d2d": d2d_s / direct_s,
+              "update_throughput_over_direct_verified_limit": direct_limit / direct_s,
+              "direct_verified_limit_over_d2d": d2d_s / direct_limit,
+              "direct_write_over_d2d": d2d_s / direct["trainer_write_seconds"],
+              "staged_update_throughput_over_d2d": d2d_s / full_s,
+              "staged_update_throughput_over_staged_verified_limit": staged_limit / full_s,
+              "update_throughput_over_ipc": ipc_s / direct_s,
+              "delta_bytes_fraction": ddelta["bytes_moved"] / ddelta["bytes_total"],
+              "staged_delta_bytes_fraction": delta["bytes_moved"] / delta["bytes_total"],
               "checksum_triton_over_torch": sums["torch"] / sums["triton"],
               "checksum_over_read": sums["read"] / sums["triton"]}
-    if delta["bytes_moved"] != changed_bytes:
-        raise RuntimeError(f"the delta update moved {delta['bytes_moved']} bytes, the changed "
-                           f"tensors hold {changed_bytes}")
+    for name, fin in (("direct", ddelta), ("staged", delta)):
+        if fin["bytes_moved"] != changed_bytes:
+            raise RuntimeError(f"the {name} delta update moved {fin['bytes_moved']} bytes, the "
+                               f"changed tensors hold {changed_bytes}")
     resultlib.print_table(rows, ["case", "seconds", "GB/s"])
     for k, v in ratios.items():
         print(f"{k:40s} {v:8.3f}")
@@ -289,13 +367,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "weights", rows=rows, ratios=ratios,
         goals={"update_throughput_over_d2d": 0.8, "delta_bytes_fraction": 0.02},
         goal_direction={"delta_bytes_fraction": "<="}, shape=shape, config=cfg.to_dict(),
-        bytes=total, chunk_bytes=chunk, full=full, delta=delta, ipc_engine_seconds=ipc["seconds"],
+        bytes=total, chunk_bytes=chunk, direct=direct, direct_first=first, direct_delta=ddelta,
+        full=full, delta=delta, ipc_engine_seconds=ipc["seconds"],
         changed_tensors=len(changed), changed_names=changed, changed_bytes=changed_bytes,
         tensors=len(src),
         not_measured={"sglang_update_from_tensor": "needs an SGLang server with vitrify's "
                                                    "plugin (issue 16)"},
-        note="a staged update moves every byte twice (into the staging buffer, out of it): "
-             "its limit is the two-copy row, half the one-copy HBM limit")
+        note="the direct update writes each byte once and the engine reads it once to verify: "
+             "its limit is one copy plus one read (about 2/3 of one copy's throughput); a "
+             "staged update moves every byte twice (into the staging buffer, out of it) and "
+             "both sides read it: its limit is two copies plus two reads")
 
 
 if __name__ == "__main__":

@@ -444,14 +444,18 @@ class CausalLMEngine:
         """A :class:`vitrify.weights.transport.Receiver` that updates this engine's weights in
         place (their region addresses, hence every graph, unchanged) from a trainer holding them
         in the Megatron layout (:func:`megatron_tensors`). :meth:`serve` refuses while an update
-        is running or after one failed."""
+        is running or after one failed. An engine thawed with ``exportable=True`` also takes
+        direct updates (the trainer writes its weights in place, no staging)."""
         import torch
 
-        from ..weights.transport import Receiver
+        from ..weights.transport import Receiver, region_exporter
 
         if self.receiver is None:  # one per engine: its state and digests outlive each update
+            exporter = None
+            if getattr(self.region, "exportable", False):  # thawed with exportable=True
+                exporter = region_exporter(self.region)
             self.receiver = Receiver(self.weights, update_mapping(self.cfg),
-                                     synchronize=torch.cuda.synchronize)
+                                     synchronize=torch.cuda.synchronize, exporter=exporter)
         return self.receiver
 
     def alloc_state(self) -> None:
@@ -668,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 frozen = archive.open_archive(path).region
                 blocker = Region(frozen.size, base=frozen.base)
-            s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
+            s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"),
+                                    exportable=bool(opts.get("exportable")))
             out["session"] = s.run()
             out["blocked"] = blocker is not None
             if opts.get("update_socket"):
@@ -744,7 +749,8 @@ def _receive_update(eng: CausalLMEngine, path: str) -> dict:
 def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
     """``trainer`` mode: the weights a cold engine of ``cfg`` would have (its seed), in the
     Megatron layout, streamed to the engine listening at ``path`` through a staging buffer of
-    OPTS.chunk_bytes (default 256 MiB) on the GPU."""
+    OPTS.chunk_bytes (default 256 MiB) on the GPU, or with OPTS.direct written straight into
+    the engine's exported weights (its THAW took OPTS.exportable)."""
     import torch
 
     from ..weights.transport import Sender
@@ -754,7 +760,8 @@ def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
     fill_weights(weights, cfg)
     src = megatron_tensors(weights, cfg)
     chunk_bytes = int(opts.get("chunk_bytes", 256 << 20))
-    tx = Sender(chunk_bytes, device=0)
+    direct = bool(opts.get("direct"))
+    tx = Sender(None if direct else chunk_bytes, device=0, direct=direct)
     try:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -762,8 +769,8 @@ def _train_and_send(path: str, cfg: EngineConfig, opts: dict) -> dict:
         # the engine listens once it has thawed
         fin = tx.update(path, src, connect_timeout=float(opts.get("wait_s", 300)),
                         synchronize=torch.cuda.synchronize)
-        return {"finished": fin, "chunk_bytes": chunk_bytes,
-                "staging_bytes": tx.staging.nbytes,
+        return {"finished": fin, "chunk_bytes": 0 if direct else chunk_bytes, "direct": direct,
+                "staging_bytes": 0 if tx.staging is None else tx.staging.nbytes,
                 "torch_bytes_during_update": torch.cuda.max_memory_allocated() - base}
     finally:
         tx.close()
