@@ -80,9 +80,10 @@ def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
     """One block of BLOCK words of one piece per program. ``segs[p]`` = (source address,
     destination address, bytes) of piece p; ``blocks[b]`` = (piece, block index in it). With COPY
     the words are copied to the destination as they are summed (one read, one write). Each
-    program adds seven limbs into ``out[p]``: the block's plain sum S (< 2**46) split at bit 23,
-    its position-weighted sum W (positions 1..BLOCK, < 2**59) split at bit 30, k * S split like
-    S, and the piece's last 0..3 bytes as a word; the host combines them (kernels.piece_sums).
+    program writes seven limbs into ``out[b]``: the block's plain sum S (< 2**46) split at bit
+    23, its position-weighted sum W (positions 1..BLOCK, < 2**59) split at bit 30, k * S split
+    like S, and the piece's last 0..3 bytes as a word (0 elsewhere); kernels.piece_sums adds
+    each piece's rows and combines them.
     ALIGNED: both addresses are multiples of 16 (vector loads and stores)."""
     pid = tl.program_id(0).to(tl.int64)
     p = tl.load(blocks + pid * 2)
@@ -121,14 +122,16 @@ def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
             acc_w += u * (step + lane + 1).to(tl.int64)
     s = tl.sum(acc_s, axis=0)
     w = tl.sum(acc_w, axis=0)
-    base = out + p * 7
+    row = out + pid * 7  # this program's limbs; the host adds each piece's rows
     s_lo = s & 0x7FFFFF
     s_hi = s >> 23
-    tl.atomic_add(base + 0, s_lo)
-    tl.atomic_add(base + 1, s_hi)
-    tl.atomic_add(base + 2, w & 0x3FFFFFFF)
-    tl.atomic_add(base + 3, w >> 30)
-    tl.atomic_add(base + 4, k * s_lo)
-    tl.atomic_add(base + 5, k * s_hi)
+    tl.store(row + 0, s_lo)
+    tl.store(row + 1, s_hi)
+    tl.store(row + 2, w & 0x3FFFFFFF)
+    tl.store(row + 3, w >> 30)
+    tl.store(row + 4, k * s_lo)
+    tl.store(row + 5, k * s_hi)
+    end = tl.zeros([], dtype=tl.int64)
     if (start <= n_words) & (n_words < start + BLOCK) & (nbytes > n_words * 4):
-        tl.atomic_add(base + 6, _end_bytes(src_addr, dst_addr, n_words, nbytes, COPY))
+        end = _end_bytes(src_addr, dst_addr, n_words, nbytes, COPY)
+    tl.store(row + 6, end)

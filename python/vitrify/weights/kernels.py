@@ -210,9 +210,10 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
             first = torch.cumsum(counts, 0) - counts
             blocks = torch.stack([piece_of, torch.arange(piece_of.numel()) - first[piece_of]], 1)
             segs, blocks = segs.to(device), blocks.to(device)
+            limbs = torch.empty((blocks.shape[0], 7), dtype=torch.int64, device=device)
+            _launch(kernel, segs, blocks, limbs, copy, aligned, block, tile)
             out = torch.zeros((len(idx), 7), dtype=torch.int64, device=device)
-            kernel[(blocks.shape[0],)](segs, blocks, out, COPY=copy, ALIGNED=aligned,
-                                       BLOCK=block, TILE=tile, num_warps=8)
+            out.index_add_(0, piece_of.to(device), limbs)  # < 2**61 each (the limbs' bounds)
             outs.append((idx, out))
         rows = torch.cat([o for _, o in outs]).tolist() if outs else []  # one synchronisation
     result = [0] * len(pieces)
@@ -223,6 +224,31 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
         weighted = w_lo + (w_hi << 30) + block * (ks_lo + (ks_hi << 23)) + (words + 1) * end
         result[i] = (plain % PRIME) << 61 | (weighted % PRIME)
     return result
+
+
+_UNALIGNED_ONLY = False  # set when the vector-load variant failed to compile here
+
+
+def _launch(kernel: Any, segs: Any, blocks: Any, limbs: Any, copy: bool, aligned: bool,
+            block: int, tile: int) -> None:
+    """Launch piece_sums; if the aligned variant (vector loads: pointer alignment hints) does
+    not compile with this Triton, use the unhinted one from then on, with a log line."""
+    global _UNALIGNED_ONLY
+    grid = (blocks.shape[0],)
+    if aligned and not _UNALIGNED_ONLY:
+        try:
+            kernel[grid](segs, blocks, limbs, COPY=copy, ALIGNED=True, BLOCK=block, TILE=tile,
+                         num_warps=8)
+            return
+        except Exception as e:  # a compile error: nothing was launched
+            import logging
+
+            logging.getLogger("vitrify.weights").warning(
+                "piece_sums: the aligned variant did not compile (%s); using scalar loads",
+                str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            _UNALIGNED_ONLY = True
+    kernel[grid](segs, blocks, limbs, COPY=copy, ALIGNED=False, BLOCK=block, TILE=tile,
+                 num_warps=8)
 
 
 def _null() -> Any:
