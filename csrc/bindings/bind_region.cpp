@@ -2,7 +2,11 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <tuple>
+#include <vector>
 
 #include "bind.hpp"
 #include "vitrify/region.hpp"
@@ -23,11 +27,13 @@ void bind_region(nb::module_& m) {
   nb::class_<Region>(m, "Region")
       .def(
           "__init__",
-          [](Region* self, std::optional<uint64_t> base, uint64_t size, int device) {
+          [](Region* self, std::optional<uint64_t> base, uint64_t size, int device,
+             bool exportable) {
             nb::gil_scoped_release nogil;
-            new (self) Region(base, size, device);
+            new (self) Region(base, size, device, exportable);
           },
-          nb::arg("base").none(), nb::arg("size"), nb::arg("device"))
+          nb::arg("base").none(), nb::arg("size"), nb::arg("device"),
+          nb::arg("exportable") = false)
       .def("close", [](Region& r) {
         nb::gil_scoped_release nogil;
         r.close();
@@ -37,6 +43,19 @@ void bind_region(nb::module_& m) {
       .def_prop_ro("size", &Region::size)
       .def_prop_ro("granularity", &Region::granularity)
       .def_prop_ro("device", &Region::device)
+      .def_prop_ro("exportable", &Region::exportable)
+      .def("export_range", [](const Region& r, uint64_t offset, uint64_t nbytes) {
+        std::vector<region::ExportedChunk> cs;
+        {
+          nb::gil_scoped_release nogil;
+          cs = r.export_range(offset, nbytes);
+        }
+        std::vector<std::tuple<uint64_t, uint64_t, int>> out;
+        out.reserve(cs.size());
+        for (const auto& c : cs) out.emplace_back(c.offset, c.size, c.fd);
+        return out;
+      }, nb::arg("offset"), nb::arg("nbytes"),
+         "(offset, size, fd) of each mapped chunk covering the range; the caller closes the fds.")
       .def("describe", &Region::describe)
       .def("allocate", [](Region& r, uint64_t n, bool at_cursor) {
         nb::gil_scoped_release nogil;

@@ -1,6 +1,11 @@
 // region::SharedBuffer (VMM memory exported as a POSIX fd): argument conversion and GIL release.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
+
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bind.hpp"
 #include "vitrify/shared_buffer.hpp"
@@ -35,6 +40,19 @@ void bind_shared(nb::module_& m) {
           nb::arg("fd"), nb::arg("size"), nb::arg("device") = 0,
           "Maps the buffer exported as `fd` (not consumed: close it afterwards). `size` must be "
           "the exporter's size.")
+      .def_static(
+          "import_fds",
+          [](std::vector<std::pair<int, uint64_t>> pieces, int device) {
+            std::optional<SharedBuffer> out;
+            {
+              nb::gil_scoped_release nogil;
+              out.emplace(SharedBuffer::import_fds(pieces, device));
+            }
+            return SharedBuffer(std::move(*out));
+          },
+          nb::arg("pieces"), nb::arg("device") = 0,
+          "Maps the exported allocations [(fd, size), ...] consecutively as one range (an "
+          "exportable Region's chunks: Region.export). The fds are not consumed.")
       .def(
           "export_fd",
           [](const SharedBuffer& b) {

@@ -71,18 +71,27 @@ class Region:
             deterministic search over :func:`candidate_bases`. If the driver hands back any other
             address the stray reservation is freed and :class:`RegionAddressError` is raised.
         device: CUDA device ordinal.
+        exportable: create every physical chunk exportable as a POSIX file descriptor, so that
+            :meth:`export` can hand a span to another process (a trainer writing weights in
+            place), which maps it with ``vitrify._native.SharedBuffer.import_fds``. Raises when
+            the device or the driver cannot export such memory (R15 in
+            ``csrc/src/region/DESIGN.md``).
 
     Allocation sizes are rounded up to the granularity. Out of space inside the region raises
     ``MemoryError`` with the numbers — never a silent fallback to ordinary memory. Thread-safe.
     Call :meth:`close` (or use ``with``) to unmap and release everything deterministically.
     """
 
-    def __init__(self, size: int, base: int | None = None, device: int = 0):
+    def __init__(self, size: int, base: int | None = None, device: int = 0,
+                 exportable: bool = False):
         _int("size", size, minimum=1)
         if base is not None:
             _int("base", base, minimum=1)
         _int("device", device, maximum=(1 << 31) - 1)
-        self._r = _native.Region(base, size, device)
+        if not isinstance(exportable, bool):
+            raise _check.ArgumentTypeError(
+                f"exportable must be a bool, got {type(exportable).__name__} {exportable!r}")
+        self._r = _native.Region(base, size, device, exportable=exportable)
 
     # --- facts --------------------------------------------------------------------------------
     @property
@@ -109,6 +118,30 @@ class Region:
     def granularity(self) -> int:
         """The driver's allocation granularity (bytes) that sizes and offsets are rounded to."""
         return self._r.granularity
+
+    @property
+    def exportable(self) -> bool:
+        """True when the region was created with ``exportable=True`` (:meth:`export` works)."""
+        return self._r.exportable
+
+    def export(self, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """Export the mapped chunks covering ``[offset, offset + nbytes)`` (offsets from ``base``)
+        as POSIX file descriptors, for another process to map the span in place.
+
+        Returns ``(offset, size, fd)`` for each whole chunk, ascending; together they cover the
+        range (the first may start before ``offset``, the last end after it). Each fd is new and
+        close-on-exec: **the caller owns the fds and closes them** (after sending them, e.g. with
+        ``socket.send_fds``). The peer maps them as one contiguous range with
+        ``vitrify._native.SharedBuffer.import_fds([(fd, size), ...], device)``: chunk i lands at
+        the sum of the previous sizes. The region keeps owning its memory; the peer must release
+        its import before the region frees or closes the span.
+
+        Raises RuntimeError when the region was created without ``exportable=True`` (or is
+        closed), ValueError for ``nbytes`` 0, a range outside the region or a range not wholly
+        mapped (naming the first unmapped offset). A failing export closes the fds it made.
+        """
+        return [(int(o), int(n), int(fd)) for o, n, fd in
+                self._r.export_range(_int("offset", offset), _int("nbytes", nbytes, minimum=1))]
 
     @property
     def closed(self) -> bool:

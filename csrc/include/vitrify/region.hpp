@@ -1,7 +1,7 @@
 // The VMM region allocator: one reserved virtual range [base, base+size) per Region, physical
 // memory mapped into it at a monotonic cursor, so the same allocation sequence lands at the same
 // addresses in every process (the determinism FREEZE/THAW relies on).
-// Invariants are numbered in csrc/src/region/DESIGN.md (R1..R13); tests cite them.
+// Invariants are numbered in csrc/src/region/DESIGN.md (R1..R15); tests cite them.
 //
 //   region::Layout   pure bookkeeping (cursor, rounding, chunks, checkpoints): no driver calls
 //   Region           Layout + the driver objects (reservation, physical handles, mappings)
@@ -76,6 +76,15 @@ std::vector<uint64_t> candidate_bases(uint64_t size);
 // "[0x600000000000, 0x600040000000)"
 std::string format_range(uint64_t begin, uint64_t end);
 std::string hex(uint64_t v);
+
+// One mapped chunk of an exportable region, exported (Region::export_range, R15 in DESIGN.md):
+// [offset, offset + size) relative to the region's base, as a new close-on-exec POSIX fd that
+// the caller owns and closes.
+struct ExportedChunk {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  int fd = -1;
+};
 
 // An offset range inside the region.
 struct Span {
@@ -176,7 +185,11 @@ class Region {
   // deterministic search over region::candidate_bases(size). size is rounded up to the
   // granularity. Throws AddressUnavailable naming the range when the driver returns another
   // address (the stray reservation is freed first).
-  Region(std::optional<uint64_t> base, uint64_t size, int device);
+  // exportable: every physical chunk is created exportable as a POSIX fd (and the granularity
+  // queried for that handle type), so export_range can hand the chunks to another process (R15).
+  // The device's support is checked here: vitrify::Error naming the device and the attribute when
+  // it cannot; DriverUnavailable naming cuMemExportToShareableHandle when the driver lacks it.
+  Region(std::optional<uint64_t> base, uint64_t size, int device, bool exportable = false);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -192,6 +205,15 @@ class Region {
   uint64_t granularity() const { return granularity_; }
   int device() const { return device_; }
   bool contains(uint64_t ptr) const { return ptr >= base_ && ptr < base_ + size_; }
+  bool exportable() const { return exportable_; }
+
+  // The mapped chunks covering [offset, offset + nbytes) (offsets relative to base), whole and
+  // ascending, each exported (cuMemExportToShareableHandle) as a new FD_CLOEXEC fd that the
+  // caller owns and closes; the peer maps them as one range with SharedBuffer::import_fds (R15).
+  // Errors: vitrify::Error when the region is not exportable or closed; std::invalid_argument
+  // for nbytes 0, a range outside the region, or a range not wholly mapped (naming the first
+  // unmapped offset); CudaError for a failing export, after closing the fds already made.
+  std::vector<region::ExportedChunk> export_range(uint64_t offset, uint64_t nbytes) const;
 
   // `bytes` rounded up to the granularity at the cursor (past a window guard it would cover,
   // R13, unless at_cursor); maps what is not mapped yet.
@@ -235,6 +257,7 @@ class Region {
   mutable std::mutex mu_;
   int device_ = 0;
   uint64_t granularity_ = 0;
+  bool exportable_ = false;
   uint64_t base_ = 0, size_ = 0;
   bool stopped_ = false;
   bool closed_ = false;

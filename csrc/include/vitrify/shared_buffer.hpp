@@ -9,11 +9,15 @@
 //   int fd = b.export_fd();              a new close-on-exec fd; the caller closes it
 //   auto peer = SharedBuffer::import_fd(fd, size, device);   in the peer: import + map
 //   peer.release();                      unmap, release the handle, free the range (or ~)
+//   auto span = SharedBuffer::import_fds({{fd0, n0}, {fd1, n1}}, device);   several exported
+//                                        allocations (Region::export_range) as one range
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 namespace vitrify::region {
 
@@ -37,6 +41,17 @@ class SharedBuffer {
   // std::system_error (EBADF) when fd is not open.
   static SharedBuffer import_fd(int fd, uint64_t size, int device);
 
+  // Maps several exported allocations consecutively in ONE reserved range: piece i, (fd, size),
+  // at ptr() + the sum of the previous sizes, read-write for `device` (the peer's view of an
+  // exportable Region's span: Region::export_range; R15 in DESIGN.md). size() is the total.
+  // Each size must be a positive multiple of the device's granularity (std::invalid_argument
+  // otherwise, naming the piece) and, where the fd says its size (the fake driver's memfds), equal
+  // to it. The fds are not consumed (as import_fd). A failure part-way unmaps and releases the
+  // pieces mapped so far and frees the range: nothing is left mapped or reserved. read/write work
+  // over the whole range; export_fd() on a buffer of more than one piece throws (export each
+  // piece from its owner instead); release() unmaps and releases every piece, then frees the range.
+  static SharedBuffer import_fds(const std::vector<std::pair<int, uint64_t>>& pieces, int device);
+
   ~SharedBuffer();  // release(), its result ignored; never throws
   SharedBuffer(SharedBuffer&&) noexcept;
   SharedBuffer& operator=(SharedBuffer&&) = delete;
@@ -45,7 +60,7 @@ class SharedBuffer {
 
   // cuMemExportToShareableHandle: a new file descriptor (FD_CLOEXEC set) that the caller owns
   // and closes. Each call makes another fd; "export once" is the caller's protocol (one fd sent
-  // to one peer). Throws once released.
+  // to one peer). Throws once released, and for a buffer of several pieces (import_fds).
   int export_fd() const;
 
   // Unmaps, releases this process's handle and frees the address range, in that order; returns

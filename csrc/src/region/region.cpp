@@ -1,5 +1,9 @@
 // Region = Layout (pure bookkeeping) + the VMM owners. Invariant numbers refer to DESIGN.md.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <optional>
 #include <string>
 
@@ -22,6 +26,11 @@ struct Region::Fallback {
 };
 
 namespace {
+
+// The shareable handle type of the region's physical chunks (R15).
+CUmemAllocationHandleType handle_types(bool exportable) {
+  return exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+}
 
 std::string gib(uint64_t n) {
   char b[32];
@@ -56,14 +65,21 @@ std::unique_ptr<Reservation> reserve_exact(uint64_t base, uint64_t size, std::st
 
 }  // namespace
 
-Region::Region(std::optional<uint64_t> base, uint64_t size, int device) : device_(device) {
+Region::Region(std::optional<uint64_t> base, uint64_t size, int device, bool exportable)
+    : device_(device), exportable_(exportable) {
   VITRIFY_EXPECT(size > 0, "region size must be positive, got 0");
   const int n = driver::device_count();
   VITRIFY_EXPECT(device >= 0 && device < n, "device ordinal " + std::to_string(device) +
                                              " out of range: this machine has " +
                                              std::to_string(n) + " CUDA device(s)");
+  if (exportable && driver::cu().cuMemExportToShareableHandle == nullptr)
+    throw DriverUnavailable("the CUDA driver (version " +
+                            std::to_string(driver::table().driver_version) +
+                            ") lacks cuMemExportToShareableHandle, which an exportable region "
+                            "needs");
   driver::ContextGuard ctx(device);
-  granularity_ = region::detail::granularity(device);
+  if (exportable) region::detail::check_fd_support(device, "an exportable region");
+  granularity_ = region::detail::granularity(device, handle_types(exportable_));
   size_ = region::round_up(size, granularity_);
   if (base) {
     VITRIFY_EXPECT(*base % granularity_ == 0, "region base " + hex(*base) +
@@ -153,7 +169,7 @@ std::string Region::describe() const {
 }
 
 std::unique_ptr<Mapping> Region::map_chunk(const Span& s) const {
-  PhysicalMemory mem(s.size, device_);
+  PhysicalMemory mem(s.size, device_, handle_types(exportable_));
   return std::make_unique<Mapping>(base_ + s.offset, std::move(mem), device_);
 }
 
@@ -280,6 +296,68 @@ uint64_t Region::preallocate(uint64_t upto, uint64_t chunk_bytes) {
   layout_->commit_chunks(plan);
   for (size_t i = 0; i < plan.size(); ++i) mappings_.emplace(plan[i].offset, std::move(made[i]));
   return bytes;
+}
+
+namespace {
+// Closes the fds of a part-made export unless dismissed (export_range's all-or-nothing).
+struct CloseOnFailure {
+  std::vector<region::ExportedChunk>* out;
+  ~CloseOnFailure() {
+    if (out == nullptr) return;
+    for (const auto& c : *out) ::close(c.fd);
+    out->clear();
+  }
+};
+}  // namespace
+
+std::vector<region::ExportedChunk> Region::export_range(uint64_t offset, uint64_t nbytes) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  if (!exportable_)
+    throw Error("export_range: the region " + describe() +
+                " was created without exportable=True: its memory cannot be exported");
+  VITRIFY_EXPECT(nbytes > 0, "export_range: nbytes must be positive, got 0");
+  VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
+                 "export_range: [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                     " + " + std::to_string(nbytes) + ") runs outside the region of " +
+                     std::to_string(size_) + " bytes " + describe());
+  // First the chunks (all of them mapped, or nothing is exported), then the fds.
+  std::vector<const Mapping*> chunks;
+  const uint64_t end = offset + nbytes;
+  uint64_t at = offset;
+  while (at < end) {
+    auto it = mappings_.upper_bound(at);
+    const Mapping* m = nullptr;
+    if (it != mappings_.begin()) {
+      --it;
+      if (at < it->first + it->second->size()) m = it->second.get();
+    }
+    VITRIFY_EXPECT(m != nullptr, "export_range: offset " + std::to_string(at) + " (" +
+                                     hex(base_ + at) + ") of [" + std::to_string(offset) + ", " +
+                                     std::to_string(end) + ") is not mapped in the region " +
+                                     describe() + ": allocate or preallocate it first");
+    chunks.push_back(m);
+    at = it->first + m->size();
+  }
+  auto exp = driver::cu().cuMemExportToShareableHandle;  // checked non-null by the constructor
+  driver::ContextGuard ctx(device_);
+  std::vector<region::ExportedChunk> out;
+  out.reserve(chunks.size());
+  CloseOnFailure guard{&out};
+  for (const Mapping* m : chunks) {
+    int fd = -1;
+    const int r = exp(&fd, m->handle(), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != 0)
+      vitrify::detail::throw_cuda(r, "cuMemExportToShareableHandle", __FILE__, __LINE__);
+    out.push_back(region::ExportedChunk{m->ptr() - base_, m->size(), fd});
+    // The caller owns the fd; it must not leak into programs this process executes.
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags == -1 || ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC) == -1)
+      vitrify::detail::throw_errno(errno, "fcntl", "",
+                                   "FD_CLOEXEC on the exported fd " + std::to_string(fd));
+  }
+  guard.out = nullptr;
+  return out;
 }
 
 uint64_t Region::checkpoint(const std::string& name) {

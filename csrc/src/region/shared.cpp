@@ -11,6 +11,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "region/vmm.hpp"
 #include "vitrify/driver.hpp"
@@ -39,19 +41,7 @@ void check_device(int device) {
                                              std::to_string(n) + " CUDA device(s)");
 }
 
-void check_fd_support(int device) {
-  const auto& d = driver::cu();
-  CUdevice dev = 0;
-  VITRIFY_CU(d.cuDeviceGet(&dev, device));
-  int supported = 0;
-  VITRIFY_CU(d.cuDeviceGetAttribute(
-      &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev));
-  if (supported == 0)
-    throw Error("device " + std::to_string(device) +
-                " cannot export memory as a POSIX file descriptor "
-                "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0), which a "
-                "shared buffer needs");
-}
+void check_fd_support(int device) { detail::check_fd_support(device, "a shared buffer"); }
 
 uint64_t rounded_size(uint64_t size, int device, uint64_t* granularity) {
   VITRIFY_EXPECT(size > 0, "shared buffer size must be positive, got 0");
@@ -64,12 +54,14 @@ uint64_t rounded_size(uint64_t size, int device, uint64_t* granularity) {
 
 }  // namespace
 
-// Declared in this order so that they die mapping first (unmap, then cuMemRelease), then the
-// reservation (cuMemAddressFree): the reverse of how they were made.
+// Declared in this order so that they die mappings first (unmap, then cuMemRelease: the later
+// pieces of import_fds, then the first), then the reservation (cuMemAddressFree): the reverse of
+// how they were made.
 struct SharedBuffer::Owners {
   mutable std::mutex mu;
   std::unique_ptr<detail::Reservation> reservation;
-  std::unique_ptr<detail::Mapping> mapping;
+  std::unique_ptr<detail::Mapping> mapping;             // piece 0, at the reservation's start
+  std::vector<std::unique_ptr<detail::Mapping>> more;   // import_fds: pieces 1.., consecutive
 };
 
 namespace {
@@ -144,6 +136,68 @@ SharedBuffer SharedBuffer::import_fd(int fd, uint64_t size, int device) {
   }
 }
 
+SharedBuffer SharedBuffer::import_fds(const std::vector<std::pair<int, uint64_t>>& pieces,
+                                      int device) {
+  VITRIFY_EXPECT(!pieces.empty(), "import_fds: no pieces given");
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    VITRIFY_EXPECT(pieces[i].first >= 0, "import_fds: piece " + std::to_string(i) +
+                                             ": fd must be a file descriptor (>= 0), got " +
+                                             std::to_string(pieces[i].first));
+    VITRIFY_EXPECT(pieces[i].second > 0,
+                   "import_fds: piece " + std::to_string(i) + ": size must be positive, got 0");
+  }
+  check_device(device);
+  auto import = need(driver::cu().cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+  for (size_t i = 0; i < pieces.size(); ++i)
+    if (::fcntl(pieces[i].first, F_GETFD) == -1)
+      vitrify::detail::throw_errno(errno, "import_fds", "",
+                                   "piece " + std::to_string(i) + ", fd " +
+                                       std::to_string(pieces[i].first));
+  driver::ContextGuard ctx(device);
+  const uint64_t g = detail::granularity(device, kFdHandle);
+  uint64_t total = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto [fd, size] = pieces[i];
+    VITRIFY_EXPECT(size % g == 0, "import_fds: piece " + std::to_string(i) + " (fd " +
+                                      std::to_string(fd) + ") has size " + std::to_string(size) +
+                                      ", not a multiple of the allocation granularity " +
+                                      std::to_string(g) + " of device " + std::to_string(device));
+    VITRIFY_EXPECT(size <= UINT64_MAX - total, "import_fds: the pieces' total size overflows");
+    total += size;
+    // The fake driver's fds (memfds) say how large the allocation is; the real driver's need not.
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
+        static_cast<uint64_t>(st.st_size) != size)
+      vitrify::detail::throw_invalid("import_fds: piece " + std::to_string(i) + ": the allocation "
+                                     "behind fd " + std::to_string(fd) + " holds " +
+                                     std::to_string(st.st_size) + " bytes, not the " +
+                                     std::to_string(size) + " bytes given");
+  }
+  // One range for all pieces; a failure part-way lets `owners` die: the pieces mapped so far are
+  // unmapped and released, then the range is freed (R9).
+  auto owners = std::make_unique<Owners>();
+  owners->reservation = std::make_unique<detail::Reservation>(0, total);
+  uint64_t off = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto [fd, size] = pieces[i];
+    CUmemGenericAllocationHandle h = 0;
+    const int r = import(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)), kFdHandle);
+    if (r != 0)
+      vitrify::detail::throw_cuda(
+          r, ("cuMemImportFromShareableHandle(fd " + std::to_string(fd) + ")").c_str(), __FILE__,
+          __LINE__);
+    detail::PhysicalMemory mem = detail::PhysicalMemory::adopt(h, size);  // owned from here on
+    auto m = std::make_unique<detail::Mapping>(owners->reservation->ptr() + off, std::move(mem),
+                                               device);
+    if (i == 0)
+      owners->mapping = std::move(m);
+    else
+      owners->more.push_back(std::move(m));
+    off += size;
+  }
+  return SharedBuffer(std::move(owners), total, device, true);
+}
+
 SharedBuffer::~SharedBuffer() { (void)release(); }
 
 SharedBuffer::SharedBuffer(SharedBuffer&& o) noexcept
@@ -153,6 +207,10 @@ int SharedBuffer::export_fd() const {
   VITRIFY_EXPECT(owners_ != nullptr, "export_fd: the shared buffer was released");
   std::lock_guard<std::mutex> lk(owners_->mu);
   VITRIFY_EXPECT(owners_->mapping != nullptr, "export_fd: the shared buffer was released");
+  VITRIFY_EXPECT(owners_->more.empty(),
+                 "export_fd: this buffer was imported from " +
+                     std::to_string(owners_->more.size() + 1) +
+                     " pieces (import_fds); export each piece from its owner instead");
   auto exp = need(driver::cu().cuMemExportToShareableHandle, "cuMemExportToShareableHandle");
   driver::ContextGuard ctx(device_);
   int fd = -1;
@@ -179,8 +237,14 @@ int SharedBuffer::release() noexcept {
     // Without a context the owners below still try; the driver says what failed.
   }
   int first = 0;
+  for (auto it = owners_->more.rbegin(); it != owners_->more.rend(); ++it) {
+    const int r = (*it)->release();  // cuMemUnmap, then cuMemRelease
+    if (first == 0) first = r;
+  }
+  owners_->more.clear();
   if (owners_->mapping) {
-    first = owners_->mapping->release();  // cuMemUnmap, then cuMemRelease
+    const int r = owners_->mapping->release();  // cuMemUnmap, then cuMemRelease
+    if (first == 0) first = r;
     owners_->mapping.reset();
   }
   if (owners_->reservation) {

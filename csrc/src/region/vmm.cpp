@@ -1,5 +1,9 @@
 #include "region/vmm.hpp"
 
+#include <string>
+
+#include "vitrify/error.hpp"
+
 namespace vitrify::region::detail {
 namespace {
 
@@ -88,6 +92,20 @@ uint64_t granularity(int device, CUmemAllocationHandleType handle_types) {
               "the driver reported an allocation granularity of " + std::to_string(g) +
                   " bytes (not a power of two)");
   return g;
+}
+
+void check_fd_support(int device, const char* needed_by) {
+  const auto& d = driver::cu();
+  CUdevice dev = 0;
+  VITRIFY_CU(d.cuDeviceGet(&dev, device));
+  int supported = 0;
+  VITRIFY_CU(d.cuDeviceGetAttribute(
+      &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev));
+  if (supported == 0)
+    throw Error("device " + std::to_string(device) +
+                " cannot export memory as a POSIX file descriptor "
+                "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0), which " +
+                needed_by + " needs");
 }
 
 }  // namespace vitrify::region::detail

@@ -81,4 +81,9 @@ class Mapping {
 // with `handle_types`, as PhysicalMemory is).
 uint64_t granularity(int device, CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE);
 
+// Throws vitrify::Error naming `device` and CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+// when the device cannot export memory as a POSIX fd; `needed_by` ends the message ("a shared
+// buffer"). Needs a current context for `device`.
+void check_fd_support(int device, const char* needed_by);
+
 }  // namespace vitrify::region::detail

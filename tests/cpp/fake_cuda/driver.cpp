@@ -13,6 +13,9 @@
 //   FAKE_CUDA_MISSING        comma-separated entry points reported as not found
 //   FAKE_CUDA_FAIL           comma-separated entry points that fail with CUDA_ERROR_UNKNOWN
 //                            (the VMM calls and cuMemAlloc check it)
+//   FAKE_CUDA_FAIL_AFTER     comma-separated name:N; the named entry point succeeds N times
+//                            (counted from when the variable took its current value), then
+//                            fails with CUDA_ERROR_UNKNOWN: a failure part-way through a loop
 //   FAKE_CUDA_DEVICES        number of devices (default 0: the driver loads, no device);
 //                            tests of regions, the host tier and graphs set 1
 //   FAKE_CUDA_DEVICE_MEMORY  bytes of "device memory" per process (default 64 GiB)
@@ -45,6 +48,28 @@ bool env_lists(const char* var, const char* symbol) {
   if (!v) return false;
   const std::string list = std::string(",") + v + ",";
   return list.find(std::string(",") + symbol + ",") != std::string::npos;
+}
+
+bool fails_after(const char* symbol) {
+  static std::mutex mu;
+  static auto* seen = new std::string();                       // never freed
+  static auto* calls = new std::map<std::string, long long>();  // since `seen` was set
+  const char* v = std::getenv("FAKE_CUDA_FAIL_AFTER");
+  std::lock_guard<std::mutex> lk(mu);
+  if (v == nullptr || *v == '\0') {  // unset: the next value counts from zero
+    seen->clear();
+    return false;
+  }
+  if (*seen != v) {
+    *seen = v;
+    calls->clear();
+  }
+  const std::string list = std::string(",") + v;
+  const std::string key = std::string(",") + symbol + ":";
+  const size_t at = list.find(key);
+  if (at == std::string::npos) return false;
+  const long long n = std::strtoll(list.c_str() + at + key.size(), nullptr, 10);
+  return (*calls)[symbol]++ >= n;
 }
 
 // ---- the entry table ----------------------------------------------------------------------------

@@ -18,9 +18,13 @@ namespace fake {
 long long env_int(const char* name, long long fallback);
 // True when the comma-separated list in environment variable `var` names `symbol`.
 bool env_lists(const char* var, const char* symbol);
-// FAKE_CUDA_FAIL: the named entry points fail with CUDA_ERROR_UNKNOWN.
+// FAKE_CUDA_FAIL_AFTER ("name:N,..."): true once `symbol` was called N times since the variable
+// took its current value (a failure part-way through a loop of calls).
+bool fails_after(const char* symbol);
+// FAKE_CUDA_FAIL: the named entry points fail with CUDA_ERROR_UNKNOWN (FAKE_CUDA_FAIL_AFTER: after
+// N successful calls).
 #define FAKE_FAIL_POINT(name) \
-  if (::fake::env_lists("FAKE_CUDA_FAIL", name)) return CUDA_ERROR_UNKNOWN
+  if (::fake::env_lists("FAKE_CUDA_FAIL", name) || ::fake::fails_after(name)) return CUDA_ERROR_UNKNOWN
 
 // ---- the entry table ----------------------------------------------------------------------
 // `min_version`: the entry is handed out for requests of at least that ABI version; of several
