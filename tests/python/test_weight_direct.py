@@ -201,3 +201,20 @@ def test_checksums_of_pieces_equal_the_reference_sums():
     assert torch.equal(dst[:5], t[3:8]) and torch.equal(dst[5:], t[23:28])
     assert sums == wd.verify(plan, ps, {"d": dst})
     assert sums[0] == ws.checksum(dst[:5].contiguous().view(-1).view(torch.uint8).clone())
+
+
+def test_a_frame_carries_many_descriptors():
+    """A 16 GB engine exports 16 chunks: every descriptor must arrive with its frame."""
+    import socket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = [os.memfd_create(f"x{i}") for i in range(20)]
+    try:
+        with a, b:
+            wt._send(a, {"type": "ready"}, fds)
+            msg, got = wt._recv(b)
+            assert msg["type"] == "ready" and len(got) == 20
+            wt._close_all(got)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -56,6 +56,8 @@ log = logging.getLogger("vitrify.weights")
 PROTOCOL = 1
 _LEN = struct.Struct("<I")
 _MAX_FRAME = 64 << 20
+# Descriptors one frame may carry (the kernel's SCM_MAX_FD is 253).
+_MAX_FDS = 250
 
 
 class UpdateError(RuntimeError):
@@ -77,8 +79,10 @@ def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
 def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), 4)
+        data, got, flags, _addr = socket.recv_fds(sock, n - len(buf), _MAX_FDS)
         fds.extend(got)
+        if flags & socket.MSG_CTRUNC:  # descriptors beyond room were dropped by the kernel
+            raise UpdateError(f"a frame carried more than {_MAX_FDS} descriptors")
         if not data:
             raise UpdateError(f"the peer closed the connection ({len(buf)} of {n} bytes read)")
         buf += data
@@ -243,9 +247,6 @@ def _staging_fd(staging: Any) -> int:
 
 
 # ---- the engine's memory, exported (direct updates) ---------------------------------------------
-
-# Descriptors one frame may carry (the kernel's SCM_MAX_FD is 253).
-_MAX_FDS = 250
 
 
 class HostWeights:
