@@ -99,17 +99,18 @@ def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
     n_words = nbytes // 4
     start = k * BLOCK
     lane = tl.arange(0, TILE)
+    # Per lane, over the block's T = BLOCK // TILE steps: acc_s = the lane's words' sum and
+    # acc_r = the sum of its running sums, which is sum_t w_t * (T - t); no multiply per word.
     acc_s = tl.zeros([TILE], dtype=tl.int64)
-    acc_w = tl.zeros([TILE], dtype=tl.int64)
+    acc_r = tl.zeros([TILE], dtype=tl.int64)
     if start + BLOCK <= n_words:  # a full block: no masks, so loads and stores vectorise
         for step in range(0, BLOCK, TILE):
             offs = start + step + lane
             w = tl.load(src + offs)
             if COPY:
                 tl.store(dst + offs, w)
-            u = w.to(tl.uint32, bitcast=True).to(tl.int64)
-            acc_s += u
-            acc_w += u * (step + lane + 1).to(tl.int64)
+            acc_s += w.to(tl.uint32, bitcast=True).to(tl.int64)
+            acc_r += acc_s
     else:
         for step in range(0, BLOCK, TILE):
             offs = start + step + lane
@@ -117,11 +118,13 @@ def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
             w = tl.load(src + offs, mask=m, other=0)
             if COPY:
                 tl.store(dst + offs, w, mask=m)
-            u = w.to(tl.uint32, bitcast=True).to(tl.int64)
-            acc_s += u
-            acc_w += u * (step + lane + 1).to(tl.int64)
+            acc_s += w.to(tl.uint32, bitcast=True).to(tl.int64)
+            acc_r += acc_s
+    # word (t, lane) sits at position t * TILE + lane + 1 of the block, so
+    # W = TILE * sum_lane (T * S_lane - R_lane) + sum_lane (lane + 1) * S_lane
+    steps = BLOCK // TILE
     s = tl.sum(acc_s, axis=0)
-    w = tl.sum(acc_w, axis=0)
+    w = tl.sum(TILE * (steps * acc_s - acc_r) + (lane + 1).to(tl.int64) * acc_s, axis=0)
     row = out + pid * 7  # this program's limbs; the host adds each piece's rows
     s_lo = s & 0x7FFFFF
     s_hi = s >> 23
