@@ -172,7 +172,7 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
 
 # ---- many pieces in one launch (the direct weight update) ---------------------------------------
 
-PIECE_BLOCK = 1 << 14  # words per program of piece_sums (64 KiB)
+PIECE_BLOCK = 1 << 15  # words per program of piece_sums (128 KiB; W < 2**61 needs <= 2**15)
 PIECE_TILE = 2048
 _MAX_PIECE_BLOCKS = 1 << 19  # the limbs' bounds (_triton_sums.piece_sums) hold up to here
 
@@ -188,6 +188,8 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
     import torch
 
     _check_shape(block, tile)
+    if block > 1 << 15:  # the weighted sum of a block of 32-bit words must stay below 2**62
+        raise ValueError(f"block={block}: piece_sums needs block <= {1 << 15}")
     groups: dict[bool, list[int]] = {True: [], False: []}
     for i, (src, dst, n) in enumerate(pieces):
         if n < 0 or src % 4 or (copy and dst % 4):
