@@ -320,6 +320,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
          direct["trainer_write_seconds"], "GB/s": gbs(direct["trainer_write_seconds"])},
         {"case": "direct: the engine's verification", "seconds": direct["verify_seconds"],
          "GB/s": gbs(direct["verify_seconds"])},
+        *({"case": f"direct: the trainer's {k[:-2]} step", "seconds": v,
+           "GB/s": gbs(v) if v > 0 else None}
+          for k, v in direct.get("trainer_times", {}).items()),
+        {"case": "direct: the engine's export", "seconds": direct.get("export_seconds", 0.0),
+         "GB/s": None},
         {"case": "direct update, first (Triton compiles)", "seconds": first_s,
          "GB/s": gbs(first_s)},
         {"case": "direct delta update, 1 % of tensors", "seconds": ddelta_s,

@@ -530,8 +530,10 @@ class Receiver:
         ends = [(self.engine[d].data_ptr(),
                  self.engine[d].data_ptr() + self.engine[d].numel() * self.engine[d].element_size())
                 for d in dsts]
+        t_export = time.perf_counter()
         exp = self.exporter(min(a for a, _ in ends), max(b for _, b in ends)) if dsts else \
             {"kind": "host", "base": 0, "pieces": []}
+        t_export = time.perf_counter() - t_export
         out_fds = [fd for _, fd in exp["pieces"]]
         try:
             total = sum(size for size, _ in exp["pieces"])
@@ -573,7 +575,7 @@ class Receiver:
                                         * math.prod(manifest[n][0]) for n in need),
                      "bytes_total": total_model, "pieces": len(ps), "copies": len(copies),
                      "tensors": len(need), "tensors_total": len(manifest), "direct": True,
-                     "verify_seconds": time.perf_counter() - t1,
+                     "verify_seconds": time.perf_counter() - t1, "export_seconds": t_export,
                      "seconds": time.perf_counter() - t0}
         self.state = "ready"
         _send(conn, {"type": "finished", **self.last})
@@ -771,31 +773,42 @@ class Sender:
         _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest, "direct": True})
         ready, fds = _expect(sock, "ready")
         t0 = time.perf_counter()
-        meta = ready.get("direct")
-        if not isinstance(meta, dict):
-            _close_all(fds)
-            raise UpdateError("the engine answered a direct update with a staged one")
-        unknown = [n for n in ready["need"] if n not in tensors]
-        if unknown:
-            _close_all(fds)
-            raise UpdateError(f"the engine asks for tensors this update does not have: "
-                              f"{unknown[:4]}")
-        plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
-        ps = direct.pieces(plan, ready["need"])
-        mem = _Imported(meta, fds, self.device)  # closes the descriptors
         try:
+            meta = ready.get("direct")
+            if not isinstance(meta, dict):
+                raise UpdateError("the engine answered a direct update with a staged one")
+            unknown = [n for n in ready["need"] if n not in tensors]
+            if unknown:
+                raise UpdateError(f"the engine asks for tensors this update does not have: "
+                                  f"{unknown[:4]}")
+            plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
+            ps = direct.pieces(plan, ready["need"])
+        except BaseException:
+            _close_all(fds)
+            raise
+        times = {"plan_s": time.perf_counter() - t0}
+        t = time.perf_counter()
+        mem = _Imported(meta, fds, self.device)  # closes the descriptors
+        times["import_s"] = time.perf_counter() - t
+        try:
+            t = time.perf_counter()
             targets = {n: mem.tensor(int(v[0]), [int(d) for d in v[1]], str(v[2]))
                        for n, v in meta["tensors"].items()}
             _check_pieces(plan, ps, tensors, targets)
+            times["check_s"] = time.perf_counter() - t
+            t = time.perf_counter()
             sums = direct.send(plan, ps, tensors, targets)
             sync()
+            times["write_s"] = time.perf_counter() - t
         finally:
             targets = {}
+            t = time.perf_counter()
             mem.close()  # released before "finish" says so
+            times["release_s"] = time.perf_counter() - t
         written = time.perf_counter() - t0
         _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
         fin, _ = _expect(sock, "finished")
-        return {**fin, "trainer_write_seconds": written}
+        return {**fin, "trainer_write_seconds": written, "trainer_times": times}
 
     def close(self) -> None:
         if self.staging is not None:
