@@ -218,3 +218,115 @@ def test_a_frame_carries_many_descriptors():
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_unchanged_tensors_complete_without_exporting_and_tags_belong_to_their_sender(tmp_path):
+    eng = Engine(tmp_path, 4, direct=True)
+    a, b = wt.Sender(direct=True), wt.Sender(direct=True)
+    try:
+        v1 = engine_tensors(bias=True, seed=11)
+        src1 = megatron_reference(v1, 2, 8, 2, bias=True)
+        tags = {n: 7 for n in src1}
+        assert a.update(eng.path, src1, versions=tags)["tensors"] == len(src1)
+        assert eng.served()["ok"]
+        # the same tags again: nothing to move, no memory exported, the engine stays ready
+        fin = a.update(eng.path, src1, versions=tags)
+        got = eng.served()
+        assert got["ok"] and got["state"] == "ready", got
+        assert fin["tensors"] == 0 and fin["pieces"] == 0 and fin["bytes_moved"] == 0
+        check(got["engine"], v1)
+        # another trainer with the same tags but other weights: its tags are not a's
+        v2 = engine_tensors(bias=True, seed=12)
+        fin = b.update(eng.path, megatron_reference(v2, 2, 8, 2, bias=True), versions=tags)
+        got = eng.served()
+        assert got["ok"] and fin["tensors"] == len(src1)
+        check(got["engine"], v2)
+        # and a's tags no longer describe the engine's bytes either
+        fin = a.update(eng.path, src1, versions=tags)
+        got = eng.served()
+        assert got["ok"] and fin["tensors"] == len(src1)
+        check(got["engine"], v1)
+    finally:
+        a.close()
+        b.close()
+        eng.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_malformed_description_of_the_engines_memory_leaks_nothing():
+    hw = wt.HostWeights({"a": torch.ones(64, dtype=torch.bfloat16)})
+    try:
+        before = _open_fds()
+        for meta in ({"kind": "host"}, {"sizes": ["x"], "kind": "host"},
+                     {"sizes": [1 << 40], "kind": "host"}, {"sizes": [256], "kind": "tape"},
+                     {"sizes": [256, 256], "kind": "host"}):
+            fds = [os.dup(hw.fd) for _ in meta.get("sizes", [0])]
+            with pytest.raises(wt.UpdateError):
+                wt._Imported(meta, fds, None)
+            assert fds == []
+        assert _open_fds() == before
+        # an unsealed memfd is refused (it could shrink under the mapping)
+        fd = os.memfd_create("unsealed")
+        os.ftruncate(fd, 4096)
+        with pytest.raises(wt.UpdateError, match="not sealed"):
+            wt._Imported({"sizes": [4096], "kind": "host"}, [fd], None)
+        assert _open_fds() == before
+        m = wt._Imported({"sizes": [hw.nbytes], "kind": "host"}, [os.dup(hw.fd)], None)
+        with pytest.raises(wt.UpdateError, match="unknown dtype"):
+            m.tensor(0, [4], "nonsense")
+        with pytest.raises(wt.UpdateError, match="outside"):
+            m.tensor(hw.nbytes - 2, [4], "bfloat16")
+        assert m.tensor(0, [4], "bfloat16").tolist() == [1.0] * 4
+        m.close()
+        assert _open_fds() == before
+    finally:
+        hw.close()
+
+
+def test_a_plan_with_more_pieces_than_rows_is_refused():
+    c = wm.Copy("s", "d", 0, (0, 1 << 30, 1, 0, 1), 0, (0, 1 << 30, 1, 0, 1))
+    with pytest.raises(wm.MappingError, match="more pieces"):
+        wd.pieces(wm.Plan((c,)), ["s"], limit=100)
+    bad = wd.Piece("rows", 0, "s", "d", 0, 0, -1)
+    with pytest.raises(wt.UpdateError, match="do not fit"):
+        wt._check_pieces(wm.Plan((c,)), [bad], {"s": torch.zeros(4, 2)}, {"d": torch.zeros(4, 2)})
+
+
+def test_finish_without_released_is_refused():
+    import socket
+    import threading
+
+    hw = wt.HostWeights({n: torch.zeros_like(t, dtype=torch.bfloat16)
+                         for n, t in engine_tensors(bias=True).items()})
+    rx = wt.Receiver(hw.tensors, _mapping(), exporter=hw.export)
+    src = megatron_reference(engine_tensors(bias=True, seed=2), 2, 8, 2, bias=True)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    box = {}
+
+    def run():
+        try:
+            rx.serve_one(b)
+        except Exception as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        manifest = [{"name": n, "shape": list(v.shape), "dtype": "float32", "digest": "x"}
+                    for n, v in src.items()]
+        wt._send(a, {"type": "hello", "protocol": wt.PROTOCOL, "manifest": manifest,
+                     "direct": True})
+        ready, fds = wt._expect(a, "ready")
+        wt._close_all(fds)
+        wt._send(a, {"type": "finish", "sums": []})
+        with pytest.raises(wt.UpdateError, match="did not release"):
+            wt._expect(a, "finished")
+    finally:
+        t.join()
+        a.close()
+        b.close()
+        hw.close()
+    assert "did not release" in str(box["error"]) and rx.state == "incomplete"

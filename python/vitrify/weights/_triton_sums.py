@@ -81,7 +81,7 @@ def piece_sums(segs, blocks, out, COPY: tl.constexpr, ALIGNED: tl.constexpr,
     destination address, bytes) of piece p; ``blocks[b]`` = (piece, block index in it). With COPY
     the words are copied to the destination as they are summed (one read, one write). Each
     program writes seven limbs into ``out[b]``: the block's plain sum S (< 2**47 for BLOCK <=
-    2**15) split at bit 23, its position-weighted sum W (positions 1..BLOCK, < 2**61) split at
+    2**15) split at bit 23, its position-weighted sum W (positions 1..BLOCK, < 2**62) split at
     bit 30, k * S split like S, and the piece's last 0..3 bytes as a word (0 elsewhere); kernels.piece_sums adds
     each piece's rows and combines them.
     ALIGNED: both addresses are multiples of 16 (vector loads and stores)."""

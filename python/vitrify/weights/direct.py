@@ -47,9 +47,10 @@ class Piece:
     rows: int = 0
 
 
-def pieces(plan: Plan, need: Iterable[str]) -> list[Piece]:
+def pieces(plan: Plan, need: Iterable[str], limit: int | None = None) -> list[Piece]:
     """The pieces of the moves of every needed source, in the plan's order of sources and
-    moves (the same list on both sides)."""
+    moves (the same list on both sides). ``limit``: at most this many pieces (a plan from a
+    peer: its group counts are not trusted), else :class:`MappingError`."""
     want = set(need)
     out: list[Piece] = []
     for i, c in enumerate(plan.copies):
@@ -58,6 +59,9 @@ def pieces(plan: Plan, need: Iterable[str]) -> list[Piece]:
         if c.src_dim == 0 and c.dst_dim == 0:
             start, groups, stride, offset, length = c.src_rows
             dstart, _, dstride, doffset, _ = c.dst_rows
+            if limit is not None and len(out) + groups > limit:
+                raise MappingError(f"the moves of {c.src!r} make more pieces than the "
+                                   f"destinations have rows ({limit})")
             for g in range(groups):
                 out.append(Piece("rows", i, c.src, c.dst, start + g * stride + offset,
                                  dstart + g * dstride + doffset, length))
@@ -99,8 +103,8 @@ def send(plan: Plan, ps: list[Piece], sources: MappingABC[str, Any],
     piece's checksum of the bytes written. Kernel copies, torch copies and sums are queued on
     the current stream; the sums' synchronisation waits for all of them."""
     sums: list[int | None] = [None] * len(ps)
-    fused: list[tuple[int, tuple[int, int, int]]] = []  # copied and summed by one kernel
-    after: list[tuple[int, tuple[int, int, int]]] = []  # torch-copied, then summed by a kernel
+    fused: list[tuple[int, Any, tuple[int, int, int]]] = []  # copied and summed by one kernel
+    after: list[tuple[int, Any, tuple[int, int, int]]] = []  # torch-copied, summed by a kernel
     reference: list[tuple[int, Any]] = []  # torch-copied, summed by the torch reference
     for i, p in enumerate(ps):
         c: Copy = plan.copies[p.copy]
@@ -113,29 +117,27 @@ def send(plan: Plan, ps: list[Piece], sources: MappingABC[str, Any],
             raise MappingError(f"{p.dst!r}: the engine's tensor is not contiguous")
         d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
         kern = _kernels_for(dst)
-        if (kern and src.is_contiguous() and src.dtype == dst.dtype
-                and _row_bytes(src) == _row_bytes(dst)):
+        # the fused kernel reads the source where the destination is (not host or another GPU)
+        if (kern and src.device == dst.device and src.is_contiguous()
+                and src.dtype == dst.dtype and _row_bytes(src) == _row_bytes(dst)):
             s_addr, _ = _span(src, p.src_row, p.rows)
             if s_addr % 4 == 0 and d_addr % 4 == 0:
-                fused.append((i, (s_addr, d_addr, d_bytes)))
+                fused.append((i, dst.device, (s_addr, d_addr, d_bytes)))
                 continue
         _rows_of(dst, p.dst_row, p.rows).copy_(_rows_of(src, p.src_row, p.rows))
         if kern and d_addr % 4 == 0:
-            after.append((i, (d_addr, d_addr, d_bytes)))
+            after.append((i, dst.device, (d_addr, d_addr, d_bytes)))
         else:
             reference.append((i, _rows_of(dst, p.dst_row, p.rows)))
-    if fused:
-        for (i, _), s in zip(fused, kernels.piece_sums([f for _, f in fused], _device(targets),
-                                                       copy=True)):
-            sums[i] = s
-    _sum_into(sums, after, reference, targets)
+    _by_kernel(sums, fused, copy=True)
+    _sum_into(sums, after, reference)
     return [int(s) for s in sums]  # type: ignore[arg-type]
 
 
 def verify(plan: Plan, ps: list[Piece], targets: MappingABC[str, Any]) -> list[int]:
     """Engine: the checksum of every piece's bytes in its own tensors (one read of each)."""
     sums: list[int | None] = [None] * len(ps)
-    summed: list[tuple[int, tuple[int, int, int]]] = []
+    summed: list[tuple[int, Any, tuple[int, int, int]]] = []
     reference: list[tuple[int, Any]] = []
     for i, p in enumerate(ps):
         dst = targets[p.dst]
@@ -145,24 +147,28 @@ def verify(plan: Plan, ps: list[Piece], targets: MappingABC[str, Any]) -> list[i
             continue
         d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
         if _kernels_for(dst) and dst.is_contiguous() and d_addr % 4 == 0:
-            summed.append((i, (d_addr, d_addr, d_bytes)))
+            summed.append((i, dst.device, (d_addr, d_addr, d_bytes)))
         else:
             reference.append((i, _rows_of(dst, p.dst_row, p.rows)))
-    _sum_into(sums, summed, reference, targets)
+    _sum_into(sums, summed, reference)
     return [int(s) for s in sums]  # type: ignore[arg-type]
 
 
-def _sum_into(sums: list, by_kernel: list, reference: list, targets: MappingABC[str, Any]) -> None:
-    if by_kernel:
-        for (i, _), s in zip(by_kernel, kernels.piece_sums([f for _, f in by_kernel],
-                                                           _device(targets))):
+def _by_kernel(sums: list, items: list, *, copy: bool = False) -> None:
+    """piece_sums over ``items`` (index, device, piece), one launch group per device."""
+    devices: dict[Any, list] = {}
+    for it in items:
+        devices.setdefault(it[1], []).append(it)
+    for dev, group in devices.items():
+        for (i, _, _), s in zip(group, kernels.piece_sums([p for _, _, p in group], dev,
+                                                           copy=copy)):
             sums[i] = s
+
+
+def _sum_into(sums: list, by_kernel: list, reference: list) -> None:
+    _by_kernel(sums, by_kernel)
     for i, view in reference:
         sums[i] = _reference(view)
-
-
-def _device(targets: MappingABC[str, Any]) -> Any:
-    return next(iter(targets.values())).device
 
 
 def first_difference(ps: list[Piece], got: list[int], want: list[int]) -> str | None:

@@ -172,7 +172,7 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
 
 # ---- many pieces in one launch (the direct weight update) ---------------------------------------
 
-PIECE_BLOCK = 1 << 15  # words per program of piece_sums (128 KiB; W < 2**61 needs <= 2**15)
+PIECE_BLOCK = 1 << 15  # words per program of piece_sums (128 KiB; W < 2**62 needs <= 2**15)
 PIECE_TILE = 2048
 _MAX_PIECE_BLOCKS = 1 << 19  # the limbs' bounds (_triton_sums.piece_sums) hold up to here
 

@@ -305,19 +305,28 @@ class _Imported:
     views into it; :meth:`close` releases it (and every descriptor)."""
 
     def __init__(self, meta: dict, fds: list[int], device: int | None):
+        """Map the engine's pieces; ``fds`` are closed here on every path (the mapping holds
+        its own references)."""
         import torch
 
-        sizes = [int(n) for n in meta["sizes"]]
-        if len(sizes) != len(fds) or not fds:
-            _close_all(fds)
-            raise UpdateError(f"the engine sent {len(fds)} descriptors for {len(sizes)} pieces")
-        self.kind, self.buffer, self.fd = meta["kind"], None, None
-        self.nbytes = sum(sizes)
+        self.buffer, self.fd, self.base, self.device = None, None, None, device
         try:
+            sizes = [int(n) for n in meta["sizes"]]
+            self.kind = str(meta["kind"])
+            if len(sizes) != len(fds) or not fds or min(sizes) < 1:
+                raise UpdateError(f"the engine sent {len(fds)} descriptors for {len(sizes)} "
+                                  f"pieces")
+            self.nbytes = sum(sizes)
             if self.kind == "host":
                 if len(fds) != 1:
                     raise UpdateError("host memory comes as one descriptor")
                 self.fd = fds.pop()
+                # the engine cannot shrink it under this mapping (SIGBUS): sealed, large enough
+                if not fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                    raise UpdateError("the engine's memory is not sealed against shrinking")
+                if os.fstat(self.fd).st_size < self.nbytes:
+                    raise UpdateError(f"the engine's memory holds {os.fstat(self.fd).st_size} "
+                                      f"bytes, {self.nbytes} claimed")
                 self.base = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True,
                                             size=self.nbytes, dtype=torch.uint8)
             elif self.kind == "cuda":
@@ -326,15 +335,40 @@ class _Imported:
                 dev = 0 if device is None else device
                 self.buffer = _native.SharedBuffer.import_fds(list(zip(fds, sizes)), dev)
                 self.base = _device_tensor(self.buffer.ptr, self.nbytes, dev)
+                self.device = dev
             else:
                 raise UpdateError(f"unknown exported memory kind {self.kind!r}")
+        except (KeyError, TypeError, ValueError) as e:
+            self._abandon(fds)
+            raise UpdateError(f"a malformed description of the engine's memory: {e!r}") from None
+        except BaseException:
+            self._abandon(fds)
+            raise
         finally:
-            _close_all(fds)  # the mapping holds its own references
+            _close_all(fds)
+
+    def _abandon(self, fds: list[int]) -> None:
+        _close_all(fds)
+        try:
+            self.close()
+        except UpdateError as e:  # the first error is the one that propagates
+            log.debug("releasing a partial import: %s", e)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the mapped memory's device (before it is unmapped)."""
+        if self.buffer is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
     def tensor(self, offset: int, shape: list[int], dtype: str) -> Any:
         import torch
 
-        dt = getattr(torch, dtype)
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise UpdateError(f"the engine names an unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape):
+            raise UpdateError(f"the engine names a tensor of shape {shape}")
         n = math.prod(shape) * dt.itemsize
         if not 0 <= offset <= self.nbytes - n:
             raise UpdateError(f"a tensor of {n} bytes at offset {offset} is outside the "
@@ -542,8 +576,11 @@ class Receiver:
                  self.engine[d].data_ptr() + self.engine[d].numel() * self.engine[d].element_size())
                 for d in dsts]
         t_export = time.perf_counter()
-        exp = self.exporter(min(a for a, _ in ends), max(b for _, b in ends)) if dsts else \
-            {"kind": "host", "base": 0, "pieces": []}
+        # the engine's own queued work (a replay reading the weights) finishes before another
+        # process may write them
+        self.synchronize()
+        exp = self.exporter(min(a for a, _ in ends), max(b for _, b in ends)) if ps else \
+            {"kind": "none", "base": 0, "pieces": []}
         t_export = time.perf_counter() - t_export
         out_fds = [fd for _, fd in exp["pieces"]]
         try:
@@ -579,15 +616,16 @@ class Receiver:
         bad = direct.first_difference(ps, [int(x) for x in fin.get("sums", [])], want)
         if bad is not None:
             raise UpdateError(f"the update is not what the trainer wrote: {bad}")
-        for n in need:
-            self.applied[n] = digests[n]
         total_model = sum(stream._itemsize(d) * math.prod(sh) for sh, d in manifest.values())
-        self.last = {"bytes_moved": sum(stream._itemsize(manifest[n][1])
-                                        * math.prod(manifest[n][0]) for n in need),
-                     "bytes_total": total_model, "pieces": len(ps), "copies": len(copies),
-                     "tensors": len(need), "tensors_total": len(manifest), "direct": True,
-                     "verify_seconds": time.perf_counter() - t1, "export_seconds": t_export,
-                     "seconds": time.perf_counter() - t0}
+        last = {"bytes_moved": sum(stream._itemsize(manifest[n][1])
+                                   * math.prod(manifest[n][0]) for n in need),
+                "bytes_total": total_model, "pieces": len(ps), "copies": len(copies),
+                "tensors": len(need), "tensors_total": len(manifest), "direct": True,
+                "verify_seconds": time.perf_counter() - t1, "export_seconds": t_export,
+                "seconds": time.perf_counter() - t0}
+        for n in need:  # the summary is computed: nothing below can fail before "ready"
+            self.applied[n] = digests[n]
+        self.last = last
         self.state = "ready"
         _send(conn, {"type": "finished", **self.last})
         return self.last
@@ -605,6 +643,7 @@ def _check_pieces(plan: Plan, ps: list, sources: MappingABC[str, Any],
         if p.kind != "rows":
             continue
         if (src.dim() == 0 or dst.dim() == 0 or tuple(src.shape[1:]) != tuple(dst.shape[1:])
+                or p.rows < 0
                 or not (0 <= p.src_row and p.src_row + p.rows <= src.shape[0])
                 or not (0 <= p.dst_row and p.dst_row + p.rows <= dst.shape[0])):
             raise UpdateError(f"rows {p.src_row}..{p.src_row + p.rows} of {p.src!r} "
@@ -721,7 +760,9 @@ class Sender:
         def dig(n: str, t: Any) -> str:
             if versions is None:
                 return digest(t, self.key)
-            return f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:v:{versions[n]}"
+            # scoped to this sender: another trainer's tag 1 is not this one's
+            return (f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:"
+                    f"v:{self.key[0]:x}.{self.key[1]:x}:{versions[n]}")
 
         manifest = [{"name": n, "shape": list(t.shape),
                      "dtype": str(t.dtype).removeprefix("torch."), "digest": dig(n, t)}
@@ -776,7 +817,8 @@ class Sender:
         while in_flight:
             wait_oldest()
         _send(sock, {"type": "finish"})
-        fin, _ = _expect(sock, "finished")
+        fin, extra = _expect(sock, "finished")
+        _close_all(extra)
         return fin
 
     def _direct(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
@@ -793,32 +835,48 @@ class Sender:
                 raise UpdateError(f"the engine asks for tensors this update does not have: "
                                   f"{unknown[:4]}")
             plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
-            ps = direct.pieces(plan, ready["need"])
+            rows = sum(int(v[1][0]) if v[1] else 1 for v in meta["tensors"].values())
+            ps = direct.pieces(plan, ready["need"], limit=rows)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            _close_all(fds)
+            raise UpdateError(f"a malformed ready frame from the engine: {e!r}") from None
         except BaseException:
             _close_all(fds)
             raise
         times = {"plan_s": time.perf_counter() - t0}
-        t = time.perf_counter()
-        mem = _Imported(meta, fds, self.device)  # closes the descriptors
-        times["import_s"] = time.perf_counter() - t
-        try:
+        sums: list[int] = []
+        if ps:  # else nothing changed: no memory to map
             t = time.perf_counter()
-            targets = {n: mem.tensor(int(v[0]), [int(d) for d in v[1]], str(v[2]))
-                       for n, v in meta["tensors"].items()}
-            _check_pieces(plan, ps, tensors, targets)
-            times["check_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            sums = direct.send(plan, ps, tensors, targets)
-            sync()
-            times["write_s"] = time.perf_counter() - t
-        finally:
-            targets = {}
-            t = time.perf_counter()
-            mem.close()  # released before "finish" says so
-            times["release_s"] = time.perf_counter() - t
+            mem = _Imported(meta, fds, self.device)  # closes the descriptors
+            times["import_s"] = time.perf_counter() - t
+            ok = False
+            try:
+                t = time.perf_counter()
+                targets = {n: mem.tensor(int(v[0]), [int(d) for d in v[1]], str(v[2]))
+                           for n, v in meta["tensors"].items()}
+                _check_pieces(plan, ps, tensors, targets)
+                times["check_s"] = time.perf_counter() - t
+                t = time.perf_counter()
+                sums = direct.send(plan, ps, tensors, targets)
+                sync()
+                times["write_s"] = time.perf_counter() - t
+                ok = True
+            finally:
+                targets = {}
+                t = time.perf_counter()
+                if not ok:  # queued copies must finish before their memory is unmapped
+                    try:
+                        mem.synchronize()
+                    except Exception as e:  # the first error is the one that propagates
+                        log.debug("synchronize before releasing the engine's memory: %s", e)
+                mem.close()  # released before "finish" says so
+                times["release_s"] = time.perf_counter() - t
+        else:
+            _close_all(fds)
         written = time.perf_counter() - t0
         _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
-        fin, _ = _expect(sock, "finished")
+        fin, extra = _expect(sock, "finished")
+        _close_all(extra)
         return {**fin, "trainer_write_seconds": written, "trainer_times": times}
 
     def close(self) -> None:
