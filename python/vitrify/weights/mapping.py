@@ -304,7 +304,7 @@ def copy(c: Copy, src: Any, dst: Any) -> None:
 
 
 def megatron_llama(*, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool = False,
-                   engine: str = "separate") -> Mapping:
+                   engine: str = "separate", qk_norm: bool = False) -> Mapping:
     """A Megatron-style (Megatron-Core, TransformerEngine fused norms) Llama / Qwen2 layout onto
     the engine's names: ``engine="separate"`` for transformers' names (the transformers engine),
     ``"fused"`` for SGLang's ``qkv_proj`` / ``gate_up_proj``.
@@ -315,7 +315,8 @@ def megatron_llama(*, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool =
     ``heads // kv_heads`` query heads, one key head, one value head, ``head_dim`` rows each),
     ``self_attention.linear_qkv.layer_norm_weight`` (the input norm),
     ``self_attention.linear_proj.weight``, ``mlp.linear_fc1.weight`` (gate rows, then up rows),
-    ``mlp.linear_fc1.layer_norm_weight`` (the post-attention norm), ``mlp.linear_fc2.weight``.
+    ``mlp.linear_fc1.layer_norm_weight`` (the post-attention norm), ``mlp.linear_fc2.weight``;
+    with ``qk_norm`` (Qwen3) ``self_attention.q_layernorm.weight`` and ``k_layernorm.weight``.
     """
     _check.integer("heads", heads, 1, 1 << 20)
     _check.integer("kv_heads", kv_heads, 1, 1 << 20)
@@ -364,4 +365,9 @@ def megatron_llama(*, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool =
         rules.append(Rule(L + r"mlp\.linear_fc1\.weight", (Move(E + "mlp.gate_up_proj.weight"),)))
     if qkv_bias:
         rules.append(Rule(L + r"self_attention\.linear_qkv\.bias", tuple(qkv("bias"))))
+    if qk_norm:  # Qwen3: RMS norms of the query and key heads
+        rules += [Rule(L + r"self_attention\.q_layernorm\.weight",
+                       (Move(E + "self_attn.q_norm.weight"),)),
+                  Rule(L + r"self_attention\.k_layernorm\.weight",
+                       (Move(E + "self_attn.k_norm.weight"),))]
     return Mapping(tuple(rules), keep=(r"model\.rotary_emb\.inv_freq",))

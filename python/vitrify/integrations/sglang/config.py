@@ -18,6 +18,9 @@ key                value                           meaning
                    ``"cold-start"``                match this server: stop, or build cold
 ``prefill_graphs`` ``"disabled"`` (default, the    prefill CUDA graphs are not frozen yet, so
                    only accepted value)            the plugin turns them off
+``weight_updates`` bool (default false)            ``update_weights_from_tensor(load_format=
+                                                   "vitrify")`` runs vitrify's receiver
+                                                   (``weights.py``); any mode, ``off`` included
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -42,7 +45,7 @@ PREFILL_GRAPHS = ("disabled",)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
-_KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs")
+_KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates")
 
 
 class PluginConfigError(ValueError):
@@ -59,11 +62,17 @@ class PluginConfig:
     on_mismatch: str = "refuse"
     prefill_graphs: str = "disabled"
     source: str | None = None  # the TOML file it came from, for messages
+    weight_updates: bool = False
 
     @property
     def active(self) -> bool:
-        """True for SAVE and LOAD: the plugin registers its hooks."""
+        """True for SAVE and LOAD: the plugin registers its FREEZE/THAW hooks."""
         return self.mode != "off"
+
+    @property
+    def registers_hooks(self) -> bool:
+        """Whether the plugin registers any hook (FREEZE/THAW ones, weight-update ones)."""
+        return self.active or self.weight_updates
 
 
 def _one_line(text: str) -> str:
@@ -153,8 +162,12 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
             raise _type_error("prefill_graphs", "the string \"disabled\"", value)
         raise PluginConfigError(f"config key 'prefill_graphs': {value!r} is not supported: "
                                 f"prefill CUDA graphs are not frozen yet, only \"disabled\" is")
+    weight_updates = data.get("weight_updates", False)
+    if not isinstance(weight_updates, bool):
+        raise _type_error("weight_updates", "true or false", weight_updates)
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
-                        on_mismatch=on_mismatch, prefill_graphs="disabled", source=source)
+                        on_mismatch=on_mismatch, prefill_graphs="disabled", source=source,
+                        weight_updates=weight_updates)
 
 
 def _toml_module():

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import pkgutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -241,17 +242,48 @@ def after_server_args_post_init(result: Any, self: Any, *args: Any, **kwargs: An
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """One hook: SGLang target (dotted path ending in one attribute), HookType name, function."""
+    """One hook: SGLang target (dotted path ending in one attribute), HookType name, function;
+    ``feature``: "freeze" (modes save/load) or "weights" (``weight_updates``); ``scheduler``:
+    registered only in scheduler processes (resolving its target imports the scheduler, which a
+    launcher must not pay for)."""
 
     target: str
     kind: str  # "BEFORE" | "AFTER" | "AROUND" | "REPLACE"
     fn: Callable
+    feature: str = "freeze"
+    scheduler: bool = False
 
+
+def _weights_hook(name: str) -> Callable:
+    """A hook function of ``weights.py``, imported when it runs (that module imports torch)."""
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        from . import weights
+
+        return getattr(weights, name)(*args, **kwargs)
+    hook.__name__ = name
+    return hook
+
+
+UPDATE_TARGET = ("sglang.srt.model_executor.model_runner_components.weight_updater."
+                 "WeightUpdater.update_weights_from_tensor")
+QUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 
 # Every hook register() hands to SGLang (PLUGIN.md's table lists the ones still to come).
 HOOKS: tuple[Hook, ...] = (
     Hook(SERVER_ARGS_TARGET, "AFTER", after_server_args_post_init),
+    Hook(UPDATE_TARGET, "AROUND", _weights_hook("around_update_weights_from_tensor"),
+         feature="weights", scheduler=True),
+    Hook(QUEUE_TARGET, "AROUND", _weights_hook("around_add_request_to_queue"),
+         feature="weights", scheduler=True),
 )
+
+
+def hooks_for(cfg: Any, in_scheduler: bool) -> tuple[Hook, ...]:
+    """The hooks this process registers for ``cfg``."""
+    features = ({"freeze"} if cfg.active else set()) | ({"weights"} if cfg.weight_updates
+                                                        else set())
+    return tuple(h for h in HOOKS if h.feature in features and (in_scheduler or not h.scheduler))
 _REGISTRY_TARGET = "sglang.srt.plugins.hook_registry.HookRegistry"
 _HOOK_TYPE_TARGET = "sglang.srt.plugins.hook_registry.HookType"
 
@@ -319,14 +351,15 @@ def _register(path: str) -> None:
         cfg = _config.load(path)
     except _config.PluginConfigError as e:
         raise fatal(f"{CONFIG_ENV}: {e}") from None
-    if not cfg.active:
+    if not cfg.registers_hooks:
         STATE.config, STATE.registered = cfg, True
         log.info("vitrify SGLang plugin: mode 'off' in %s, no hooks registered", path)
         return
     version = _sglang_version()
     registry = _resolve(_REGISTRY_TARGET, version)
     hook_type = _resolve(_HOOK_TYPE_TARGET, version)
-    for hook in HOOKS:
+    hooks = hooks_for(cfg, SCHEDULER_MODULE in sys.modules)
+    for hook in hooks:
         _resolve(hook.target, version)
         if hook.kind not in hook_type.__members__:
             raise fatal(f"hook kind {hook.kind!r} for {hook.target!r} is not a HookType of "
@@ -334,11 +367,13 @@ def _register(path: str) -> None:
         if isinstance(hook.fn, type) and hook.kind != "REPLACE":  # the registry would raise
             raise fatal(f"hook {hook.fn.__name__} on {hook.target!r} is a class; SGLang takes "
                         f"classes only as REPLACE hooks")
-    _check_server_args_fields(version)
+    if cfg.active:
+        _check_server_args_fields(version)
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
-    for hook in HOOKS:
+    for hook in hooks:
         registry.register(hook.target, hook.fn, hook_type[hook.kind])
     STATE.registered = True
-    log.info("vitrify SGLang plugin: mode %r, archive %s, %d hook(s) registered (SGLang %s)",
-             cfg.mode, cfg.archive, len(HOOKS), version)
+    log.info("vitrify SGLang plugin: mode %r, archive %s, weight updates %s, %d hook(s) "
+             "registered (SGLang %s)", cfg.mode, cfg.archive,
+             "on" if cfg.weight_updates else "off", len(hooks), version)

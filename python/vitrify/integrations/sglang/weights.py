@@ -1,0 +1,183 @@
+"""vitrify's weight update behind SGLang's own entry point (``update_weights_from_tensor``).
+
+An RL framework updates an SGLang server the way it already does — ``Engine.
+update_weights_from_tensor`` or the ``/update_weights_from_tensor`` HTTP route — with
+``load_format="vitrify"`` and a one-entry payload naming a Unix socket where its
+:class:`vitrify.weights.transport.Sender` listens (:func:`payload`, :func:`update`). In the
+scheduler process the plugin's AROUND hook on ``WeightUpdater.update_weights_from_tensor``
+(:func:`around_update_weights_from_tensor`) connects there and runs a
+:class:`~vitrify.weights.transport.Receiver` over the model's parameters (SGLang's fused names,
+``megatron_llama(engine="fused")``): the tensors stream through the sender's staging buffer (or
+are written in place when the server's weights are exportable) and are verified on the GPU.
+SGLang gets ``(False, reason)`` for any failure; its other load formats pass through untouched.
+
+A failed update leaves the receiver ``incomplete`` (the weights may be half old, half new): the
+AROUND hook on ``Scheduler._add_request_to_queue`` (:func:`around_add_request_to_queue`) then
+finishes every new request with an abort naming the reason, until an update completes.
+
+The server needs the plugin's config with ``weight_updates = true`` (``VITRIFY_SGLANG_CONFIG``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping as MappingABC
+from typing import Any
+
+log = logging.getLogger("vitrify.sglang")
+
+LOAD_FORMAT = "vitrify"
+_PREFIX = "vitrify:"  # the payload's one tensor name: the prefix, then JSON
+
+# Receivers of this process (one per WeightUpdater), for the queue hook.
+_RECEIVERS: list[Any] = []
+_LOCK = threading.Lock()
+
+
+def payload(path: str, *, timeout: float = 600.0) -> list[tuple[str, Any]]:
+    """``named_tensors`` for ``update_weights_from_tensor(..., load_format="vitrify")``: the
+    socket where the trainer's sender listens, carried in the one entry's name (the tensor is a
+    placeholder SGLang moves around)."""
+    import torch
+
+    meta = {"socket": str(path), "timeout": float(timeout)}
+    return [(_PREFIX + json.dumps(meta, separators=(",", ":")), torch.zeros(1))]
+
+
+def _parse(named_tensors: Any) -> dict:
+    entries = [n for n, _ in named_tensors if isinstance(n, str) and n.startswith(_PREFIX)]
+    if len(entries) != 1 or len(named_tensors) != 1:
+        raise ValueError(f"load_format={LOAD_FORMAT!r} takes exactly one entry made by "
+                         f"vitrify.integrations.sglang.weights.payload(), got "
+                         f"{len(named_tensors)} entries")
+    meta = json.loads(entries[0][len(_PREFIX):])
+    if not isinstance(meta, dict) or not isinstance(meta.get("socket"), str):
+        raise ValueError(f"the vitrify payload names no socket: {entries[0][:200]!r}")
+    return meta
+
+
+def mapping_for(model: Any) -> Any:
+    """The Megatron-style layout onto this SGLang model's fused parameters, from its config
+    (heads, KV heads, head size) and parameters (QKV bias, Qwen3's q/k norms)."""
+    from ...weights.mapping import megatron_llama
+
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if cfg is None or heads is None:
+        raise ValueError(f"{type(model).__name__} has no config with num_attention_heads")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    names = {n for n, _ in model.named_parameters()}
+    return megatron_llama(heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          qkv_bias=any(n.endswith("self_attn.qkv_proj.bias") for n in names),
+                          qk_norm=any(n.endswith("self_attn.q_norm.weight") for n in names),
+                          engine="fused")
+
+
+def receiver_of(updater: Any) -> Any:
+    """The updater's receiver (made once: its state and digests outlive each update)."""
+    rx = getattr(updater, "_vitrify_receiver", None)
+    if rx is None:
+        import torch
+
+        from ...weights.transport import Receiver
+
+        model = updater.get_model()
+        rx = Receiver(dict(model.named_parameters()), mapping_for(model),
+                      synchronize=torch.cuda.synchronize if torch.cuda.is_available()
+                      else None)
+        updater._vitrify_receiver = rx
+        with _LOCK:
+            _RECEIVERS.append(rx)
+    return rx
+
+
+def around_update_weights_from_tensor(original: Callable, updater: Any, named_tensors: Any,
+                                      load_format: str | None = None, *args: Any,
+                                      **kwargs: Any) -> Any:
+    """AROUND hook: ``load_format="vitrify"`` runs vitrify's receiver and returns SGLang's
+    ``(success, message)``; any other format is SGLang's own path."""
+    if load_format != LOAD_FORMAT:
+        return original(updater, named_tensors, load_format, *args, **kwargs)
+    try:
+        meta = _parse(named_tensors)
+        rx = receiver_of(updater)
+    except Exception as e:
+        return False, f"vitrify: {type(e).__name__}: {e}"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(float(meta.get("timeout", 600.0)))
+            conn.connect(meta["socket"])
+            summary = rx.serve_one(conn)
+    except Exception as e:  # the receiver's state says whether the weights are intact
+        msg = f"vitrify: the weight update failed ({type(e).__name__}: {e}); engine {rx.state}"
+        log.error("%s", msg)
+        return False, msg
+    return True, (f"vitrify: {summary['tensors']} of {summary['tensors_total']} tensors, "
+                  f"{summary['bytes_moved']} bytes in {summary['seconds']:.3f} s")
+
+
+def refusal() -> str | None:
+    """Why this process must not serve now (a weight update failed or runs), or None."""
+    with _LOCK:
+        states = [rx.state for rx in _RECEIVERS]
+    bad = [s for s in states if s != "ready"]
+    if not bad:
+        return None
+    return (f"vitrify: the model's weights are {bad[0]} (a weight update failed part-way); "
+            f"retry the update before serving")
+
+
+def around_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *args: Any,
+                                **kwargs: Any) -> Any:
+    """AROUND hook: while :func:`refusal` says so, the request is finished with an abort (SGLang
+    answers it with the reason) instead of running on half-updated weights."""
+    why = refusal()
+    if why is not None and getattr(req, "to_finish", None) is None:
+        req.set_finish_with_abort(why)
+    return original(scheduler, req, *args, **kwargs)
+
+
+def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[str, Any],
+           path: str, *, versions: MappingABC[str, Any] | None = None,
+           timeout: float = 600.0) -> dict:
+    """The trainer's side: listen at ``path``, ask SGLang to update through ``call(named_tensors,
+    load_format)`` (e.g. ``lambda nt, lf: engine.update_weights_from_tensor(named_tensors=nt,
+    load_format=lf)``), and stream ``tensors`` to the receiver that connects. Returns the
+    engine's summary; raises :class:`~vitrify.weights.transport.UpdateError` when either side
+    failed (SGLang's answer included)."""
+    from ...weights.transport import UpdateError, listen
+
+    box: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            box["answer"] = call(payload(path, timeout=timeout), LOAD_FORMAT)
+        except BaseException as e:  # reported below
+            box["error"] = e
+
+    with listen(path) as srv:
+        srv.settimeout(timeout)
+        t = threading.Thread(target=ask, name="vitrify-sglang-update", daemon=True)
+        t.start()
+        try:
+            conn, _ = srv.accept()
+        except OSError as e:
+            t.join(timeout)
+            raise UpdateError(f"SGLang did not connect for the update: {e}; its answer: "
+                              f"{box.get('answer', box.get('error'))}") from None
+        with conn:
+            conn.settimeout(timeout)
+            fin = sender.update_over(conn, tensors, versions=versions, where="the SGLang server")
+        t.join(timeout)
+    if "error" in box:
+        raise UpdateError(f"SGLang's update call failed: {box['error']}")
+    answer = box.get("answer")
+    ok = answer[0] if isinstance(answer, (tuple, list)) and answer else \
+        getattr(answer, "success", True)
+    if ok is False:
+        raise UpdateError(f"SGLang reported a failed update: {answer}")
+    return fin

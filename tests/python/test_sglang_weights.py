@@ -1,0 +1,171 @@
+"""vitrify's weight update behind SGLang's update_weights_from_tensor (integrations/sglang/
+weights.py) on the CPU: the plugin's AROUND hook, called as SGLang's WeightUpdater would call it,
+receives a Megatron-layout update into a model holding SGLang's fused parameter names (Llama and
+Qwen3 with q/k norms) bit for bit; a failure part-way returns SGLang's (False, reason) and every
+new request is aborted until a retry completes; other load formats reach SGLang's own path; and
+the plugin registers these hooks only in scheduler processes, with weight_updates on."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_weight_mapping import engine_tensors, fused_engine, megatron_reference  # noqa: E402
+from vitrify.integrations.sglang import weights as sw  # noqa: E402
+from vitrify.weights import stream as ws  # noqa: E402
+from vitrify.weights import transport as wt  # noqa: E402
+
+
+class FakeModel(torch.nn.Module):
+    """Parameters under SGLang's names (dots and all), and an HF-like config."""
+
+    def __init__(self, tensors, heads=8, kv_heads=2, hidden=64):
+        super().__init__()
+        self._named = [(n, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+                       for n, t in tensors.items()]
+        self.config = types.SimpleNamespace(num_attention_heads=heads,
+                                            num_key_value_heads=kv_heads, hidden_size=hidden)
+
+    def named_parameters(self, *a, **k):
+        return iter(self._named)
+
+
+class FakeUpdater:
+    def __init__(self, model):
+        self.model = model
+        self.own_calls = []
+
+    def get_model(self):
+        return self.model
+
+
+def _original(updater, named_tensors, load_format=None):
+    updater.own_calls.append(load_format)
+    return True, "Success"
+
+
+def _call(updater):
+    return lambda nt, lf: sw.around_update_weights_from_tensor(
+        _original, updater, named_tensors=nt, load_format=lf)
+
+
+def _with_qk_norms(eng, src, layers, hd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(layers):
+        for x, y in (("q", "q"), ("k", "k")):
+            t = torch.randn(hd, generator=g)
+            eng[f"model.layers.{i}.self_attn.{x}_norm.weight"] = t
+            src[f"decoder.layers.{i}.self_attention.{y}_layernorm.weight"] = t
+    return eng, src
+
+
+@pytest.fixture(autouse=True)
+def _fresh_receivers(monkeypatch):
+    monkeypatch.setattr(sw, "_RECEIVERS", [])
+
+
+@pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qwen3-qk-norm"])
+def test_an_update_through_sglangs_entry_point_lands_bit_for_bit(tmp_path, qwen3):
+    v = engine_tensors(seed=3)
+    eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
+    if qwen3:
+        eng, src = _with_qk_norms(eng, src, 2, 8)
+    model = FakeModel(eng)
+    up = FakeUpdater(model)
+    tx = wt.Sender(chunk_bytes=16 << 10)
+    try:
+        fin = sw.update(_call(up), tx, src, str(tmp_path / "u.sock"))
+    finally:
+        tx.close()
+    assert fin["tensors"] == len(src) and up.own_calls == []
+    got = dict(model.named_parameters())
+    for n, t in eng.items():
+        if not n.endswith("inv_freq"):
+            assert torch.equal(got[n], t), n
+    assert sw.refusal() is None
+
+
+def test_a_failed_update_aborts_requests_until_a_retry_completes(tmp_path, monkeypatch):
+    v = engine_tensors(seed=4)
+    eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
+    model = FakeModel(eng)
+    up = FakeUpdater(model)
+    tx = wt.Sender(chunk_bytes=8 << 10)
+    real, calls = ws.fill, []
+
+    def dying(chunk, tensors, staging):
+        calls.append(chunk.index)
+        if len(calls) > 2:
+            raise RuntimeError("trainer died")
+        return real(chunk, tensors, staging)
+
+    class Req:
+        to_finish = None
+
+        def set_finish_with_abort(self, msg):
+            self.to_finish = msg
+
+    queued = []
+    queue = lambda sched, req: queued.append(req)  # noqa: E731
+    try:
+        monkeypatch.setattr(ws, "fill", dying)
+        with pytest.raises(RuntimeError, match="trainer died"):
+            sw.update(_call(up), tx, src, str(tmp_path / "a.sock"), timeout=30)
+        assert "incomplete" in (sw.refusal() or "")
+        r = Req()
+        sw.around_add_request_to_queue(queue, object(), r)
+        assert queued == [r] and "retry the update" in r.to_finish  # answered, not run
+        monkeypatch.setattr(ws, "fill", real)
+        fin = sw.update(_call(up), tx, src, str(tmp_path / "b.sock"))
+        assert fin["tensors"] == len(src)
+        assert sw.refusal() is None
+        r2 = Req()
+        sw.around_add_request_to_queue(queue, object(), r2)
+        assert r2.to_finish is None and queued[-1] is r2
+    finally:
+        tx.close()
+    got = dict(model.named_parameters())
+    assert all(torch.equal(got[n], t) for n, t in eng.items() if not n.endswith("inv_freq"))
+
+
+def test_other_formats_reach_sglang_and_bad_payloads_are_refused():
+    up = FakeUpdater(FakeModel(fused_engine(engine_tensors(), 2)))
+    assert sw.around_update_weights_from_tensor(_original, up, [("w", torch.zeros(1))],
+                                                load_format=None) == (True, "Success")
+    assert sw.around_update_weights_from_tensor(_original, up, [], "direct") == (True, "Success")
+    assert up.own_calls == [None, "direct"]
+    ok, msg = sw.around_update_weights_from_tensor(_original, up, [("w", torch.zeros(1))],
+                                                   load_format="vitrify")
+    assert ok is False and "exactly one entry" in msg
+    ok, msg = sw.around_update_weights_from_tensor(
+        _original, up, sw.payload("/nonexistent/vitrify.sock", timeout=1), "vitrify")
+    assert ok is False and "engine ready" in msg  # nothing was touched
+    assert sw.refusal() is None
+
+
+def test_the_plugin_registers_the_weight_hooks_only_where_asked():
+    from vitrify.integrations.sglang import config as pconfig
+    from vitrify.integrations.sglang import plugin
+
+    off = pconfig.from_mapping({"mode": "off"})
+    w = pconfig.from_mapping({"mode": "off", "weight_updates": True})
+    assert not off.registers_hooks and w.registers_hooks and not w.active
+    assert plugin.hooks_for(w, in_scheduler=False) == ()
+    targets = {h.target for h in plugin.hooks_for(w, in_scheduler=True)}
+    assert targets == {plugin.UPDATE_TARGET, plugin.QUEUE_TARGET}
+    with pytest.raises(pconfig.PluginConfigError, match="weight_updates"):
+        pconfig.from_mapping({"mode": "off", "weight_updates": "yes"})
+
+
+def test_the_update_target_exists_in_the_pinned_sglang():
+    """The AROUND hook's target and the signature it relies on (SGLang 0.5.17)."""
+    pytest.importorskip("sglang", reason="needs sglang importable")
+    import inspect
+
+    from vitrify.integrations.sglang import plugin
+
+    fn = plugin._resolve(plugin.UPDATE_TARGET, "0.5.17")
+    assert list(inspect.signature(fn).parameters)[:3] == ["self", "named_tensors", "load_format"]
