@@ -169,3 +169,38 @@ def test_the_update_target_exists_in_the_pinned_sglang():
 
     fn = plugin._resolve(plugin.UPDATE_TARGET, "0.5.17")
     assert list(inspect.signature(fn).parameters)[:3] == ["self", "named_tensors", "load_format"]
+
+
+def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, monkeypatch):
+    import sys
+
+    seen = []
+
+    class Backend:
+        def set_weight_version(self, v):
+            seen.append(v)
+
+    class Broken:
+        def set_weight_version(self, v):
+            raise ValueError("closed")
+
+    fake = types.SimpleNamespace(live_backends=lambda: [Backend(), Broken()])
+    monkeypatch.setitem(sys.modules, "vitrify.integrations.sglang.hicache.backend", fake)
+    v = engine_tensors(seed=6)
+    eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
+    up = FakeUpdater(FakeModel(eng))
+    answers = []
+
+    def call(nt, lf):
+        answers.append(sw.around_update_weights_from_tensor(_original, up, named_tensors=nt,
+                                                            load_format=lf))
+        return answers[-1]
+
+    tx = wt.Sender(chunk_bytes=16 << 10)
+    try:
+        sw.update(call, tx, src, str(tmp_path / "v.sock"), weight_version="step-7")
+    finally:
+        tx.close()
+    assert seen == ["step-7"]
+    ok, msg = answers[0]
+    assert ok and "applied to 1 of 2 HiCache backend(s) (ValueError: closed)" in msg

@@ -37,13 +37,17 @@ _RECEIVERS: list[Any] = []
 _LOCK = threading.Lock()
 
 
-def payload(path: str, *, timeout: float = 600.0) -> list[tuple[str, Any]]:
+def payload(path: str, *, timeout: float = 600.0,
+            weight_version: str | None = None) -> list[tuple[str, Any]]:
     """``named_tensors`` for ``update_weights_from_tensor(..., load_format="vitrify")``: the
     socket where the trainer's sender listens, carried in the one entry's name (the tensor is a
-    placeholder SGLang moves around)."""
+    placeholder SGLang moves around). ``weight_version``: after the update, vitrify's HiCache
+    backends of the server store and find pages under it (no KV of the old weights is served)."""
     import torch
 
     meta = {"socket": str(path), "timeout": float(timeout)}
+    if weight_version is not None:
+        meta["weight_version"] = str(weight_version)
     return [(_PREFIX + json.dumps(meta, separators=(",", ":")), torch.zeros(1))]
 
 
@@ -116,8 +120,31 @@ def around_update_weights_from_tensor(original: Callable, updater: Any, named_te
         msg = f"vitrify: the weight update failed ({type(e).__name__}: {e}); engine {rx.state}"
         log.error("%s", msg)
         return False, msg
-    return True, (f"vitrify: {summary['tensors']} of {summary['tensors_total']} tensors, "
-                  f"{summary['bytes_moved']} bytes in {summary['seconds']:.3f} s")
+    msg = (f"vitrify: {summary['tensors']} of {summary['tensors_total']} tensors, "
+           f"{summary['bytes_moved']} bytes in {summary['seconds']:.3f} s")
+    if meta.get("weight_version") is not None:
+        msg += "; " + _new_weight_version(str(meta["weight_version"]))
+    return True, msg
+
+
+def _new_weight_version(version: str) -> str:
+    """Tell this process's vitrify HiCache backends (if any) the weights' new version: pages
+    are stored and found under it from now on. A backend that cannot reopen its store keeps
+    none (it serves no stored page) and says so."""
+    import sys
+
+    backend = sys.modules.get("vitrify.integrations.sglang.hicache.backend")
+    backends = backend.live_backends() if backend is not None else []
+    failed = []
+    for b in backends:
+        try:
+            b.set_weight_version(version)
+        except Exception as e:
+            failed.append(f"{type(e).__name__}: {e}")
+            log.error("vitrify: weight version %r not applied to a HiCache backend: %s",
+                      version, e)
+    return (f"weight version {version!r} applied to {len(backends) - len(failed)} of "
+            f"{len(backends)} HiCache backend(s)" + (f" ({failed[0]})" if failed else ""))
 
 
 def refusal() -> str | None:
@@ -127,8 +154,9 @@ def refusal() -> str | None:
     bad = [s for s in states if s != "ready"]
     if not bad:
         return None
-    return (f"vitrify: the model's weights are {bad[0]} (a weight update failed part-way); "
-            f"retry the update before serving")
+    why = "a weight update failed part-way" if bad[0] == "incomplete" else \
+        "a weight update is running"
+    return f"vitrify: the model's weights are {bad[0]} ({why}); retry the update before serving"
 
 
 def around_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *args: Any,
@@ -143,11 +171,11 @@ def around_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *a
 
 def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[str, Any],
            path: str, *, versions: MappingABC[str, Any] | None = None,
-           timeout: float = 600.0) -> dict:
+           timeout: float = 600.0, weight_version: str | None = None) -> dict:
     """The trainer's side: listen at ``path``, ask SGLang to update through ``call(named_tensors,
     load_format)`` (e.g. ``lambda nt, lf: engine.update_weights_from_tensor(named_tensors=nt,
-    load_format=lf)``), and stream ``tensors`` to the receiver that connects. Returns the
-    engine's summary; raises :class:`~vitrify.weights.transport.UpdateError` when either side
+    load_format=lf)``), and stream ``tensors`` to the receiver that connects
+    (``weight_version``: see :func:`payload`). Returns the engine's summary; raises :class:`~vitrify.weights.transport.UpdateError` when either side
     failed (SGLang's answer included)."""
     from ...weights.transport import UpdateError, listen
 
@@ -155,7 +183,8 @@ def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[st
 
     def ask() -> None:
         try:
-            box["answer"] = call(payload(path, timeout=timeout), LOAD_FORMAT)
+            box["answer"] = call(payload(path, timeout=timeout,
+                                         weight_version=weight_version), LOAD_FORMAT)
         except BaseException as e:  # reported below
             box["error"] = e
 
@@ -169,10 +198,13 @@ def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[st
             t.join(timeout)
             raise UpdateError(f"SGLang did not connect for the update: {e}; its answer: "
                               f"{box.get('answer', box.get('error'))}") from None
-        with conn:
-            conn.settimeout(timeout)
-            fin = sender.update_over(conn, tensors, versions=versions, where="the SGLang server")
-        t.join(timeout)
+        try:
+            with conn:
+                conn.settimeout(timeout)
+                fin = sender.update_over(conn, tensors, versions=versions,
+                                         where="the SGLang server")
+        finally:  # SGLang's answer, also when this side failed (it saw the socket close)
+            t.join(timeout)
     if "error" in box:
         raise UpdateError(f"SGLang's update call failed: {box['error']}")
     answer = box.get("answer")

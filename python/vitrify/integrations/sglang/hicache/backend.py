@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -111,6 +112,16 @@ class _Counters:
     backup_bandwidth: list = field(default_factory=list)
 
 
+# Every backend of this process, for whoever updates the weights here (set_weight_version on
+# each: integrations/sglang/weights.py after a vitrify update).
+_LIVE: "weakref.WeakSet[VitrifyStorage]" = weakref.WeakSet()
+
+
+def live_backends() -> list:
+    """The backends open in this process."""
+    return list(_LIVE)
+
+
 class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     """SGLang ``HiCacheStorage`` on vitrify's O_DIRECT slab store (see the package docstring).
 
@@ -121,6 +132,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        _LIVE.add(self)
         self.storage_config = storage_config
         self.settings = VitrifyStorageSettings.from_extra_config(storage_config.extra_config)
         extra = storage_config.extra_config or {}
