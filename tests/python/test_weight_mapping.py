@@ -214,3 +214,24 @@ def test_overlaps_gaps_and_other_dimensions_are_refused():
         Rule("(", (Move("w"),))
     with pytest.raises(MappingError, match="multiple of kv_heads"):
         wm.megatron_llama(heads=6, kv_heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_megatron_layout_is_the_independent_reference(bias):
+    t = engine_tensors(bias=bias, seed=9)
+    want = megatron_reference(t, 2, 8, 2, bias=bias)
+    got = wm.megatron_layout(t, layers=2, heads=8, kv_heads=2, qkv_bias=bias)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_qwen3_qk_norms_map_both_ways():
+    t = engine_tensors(seed=10)
+    for i in range(2):
+        t[f"model.layers.{i}.self_attn.q_norm.weight"] = torch.randn(8)
+        t[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.randn(8)
+    src = wm.megatron_layout(t, layers=2, heads=8, kv_heads=2, qk_norm=True)
+    m = wm.megatron_llama(heads=8, kv_heads=2, head_dim=8, qk_norm=True, engine="fused")
+    dst, _ = apply(m, src, fused_engine(t, 2))
+    want = fused_engine(t, 2)
+    assert all(torch.equal(dst[n], want[n]) for n in want if not n.endswith("inv_freq"))

@@ -166,30 +166,10 @@ def megatron_tensors(weights: dict[str, Any], cfg: EngineConfig) -> dict[str, An
     """The engine's weights in a Megatron-style trainer's layout (what a trainer streams):
     ``linear_qkv`` with each KV group's query heads, key head and value head together,
     ``linear_fc1`` = gate then up, the norms inside the fused linears."""
-    import torch
+    from ..weights.mapping import megatron_layout
 
-    hd = cfg.hidden // cfg.heads
-    per = cfg.heads // cfg.kv_heads
-    out = {"embedding.word_embeddings.weight": weights["model.embed_tokens.weight"],
-           "output_layer.weight": weights["lm_head.weight"],
-           "decoder.final_layernorm.weight": weights["model.norm.weight"]}
-    for i in range(cfg.layers):
-        e, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for suffix in ("weight", "bias") if cfg.arch == "qwen2" else ("weight",):
-            q, k, v = (weights[f"{e}self_attn.{x}_proj.{suffix}"] for x in "qkv")
-            rest = q.shape[1:]
-            out[f"{m}self_attention.linear_qkv.{suffix}"] = torch.cat(
-                [q.view(cfg.kv_heads, per * hd, *rest), k.view(cfg.kv_heads, hd, *rest),
-                 v.view(cfg.kv_heads, hd, *rest)], dim=1).reshape(-1, *rest)
-        out[f"{m}self_attention.linear_qkv.layer_norm_weight"] = weights[
-            f"{e}input_layernorm.weight"]
-        out[f"{m}self_attention.linear_proj.weight"] = weights[f"{e}self_attn.o_proj.weight"]
-        out[f"{m}mlp.linear_fc1.weight"] = torch.cat([weights[f"{e}mlp.gate_proj.weight"],
-                                                     weights[f"{e}mlp.up_proj.weight"]])
-        out[f"{m}mlp.linear_fc1.layer_norm_weight"] = weights[
-            f"{e}post_attention_layernorm.weight"]
-        out[f"{m}mlp.linear_fc2.weight"] = weights[f"{e}mlp.down_proj.weight"]
-    return out
+    return megatron_layout(weights, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                           qkv_bias=cfg.arch == "qwen2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -371,3 +371,40 @@ def megatron_llama(*, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool =
                   Rule(L + r"self_attention\.k_layernorm\.weight",
                        (Move(E + "self_attn.k_norm.weight"),))]
     return Mapping(tuple(rules), keep=(r"model\.rotary_emb\.inv_freq",))
+
+
+def megatron_layout(weights: MappingABC[str, Any], *, layers: int, heads: int, kv_heads: int,
+                    qkv_bias: bool = False, qk_norm: bool = False) -> dict[str, Any]:
+    """Tensors under Hugging Face / transformers Llama-Qwen names (``model.layers.<i>.
+    self_attn.q_proj.weight`` ...) in the Megatron-style layout :func:`megatron_llama` maps
+    from: what a trainer holds. ``linear_qkv`` has each KV group's query heads, key head and
+    value head together; ``linear_fc1`` is gate then up; the norms sit in the fused linears
+    (``qk_norm``: Qwen3's q/k norms as ``q_layernorm`` / ``k_layernorm``). Views and
+    concatenations of the given tensors (torch)."""
+    import torch
+
+    per = heads // kv_heads
+    out = {"embedding.word_embeddings.weight": weights["model.embed_tokens.weight"],
+           "output_layer.weight": weights["lm_head.weight"],
+           "decoder.final_layernorm.weight": weights["model.norm.weight"]}
+    for i in range(layers):
+        e, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        hd = weights[f"{e}self_attn.k_proj.weight"].shape[0] // kv_heads
+        for suffix in ("weight", "bias") if qkv_bias else ("weight",):
+            q, k, v = (weights[f"{e}self_attn.{x}_proj.{suffix}"] for x in "qkv")
+            rest = q.shape[1:]
+            out[f"{m}self_attention.linear_qkv.{suffix}"] = torch.cat(
+                [q.reshape(kv_heads, per * hd, *rest), k.reshape(kv_heads, hd, *rest),
+                 v.reshape(kv_heads, hd, *rest)], dim=1).reshape(-1, *rest)
+        out[f"{m}self_attention.linear_qkv.layer_norm_weight"] = weights[
+            f"{e}input_layernorm.weight"]
+        out[f"{m}self_attention.linear_proj.weight"] = weights[f"{e}self_attn.o_proj.weight"]
+        out[f"{m}mlp.linear_fc1.weight"] = torch.cat([weights[f"{e}mlp.gate_proj.weight"],
+                                                     weights[f"{e}mlp.up_proj.weight"]])
+        out[f"{m}mlp.linear_fc1.layer_norm_weight"] = weights[
+            f"{e}post_attention_layernorm.weight"]
+        out[f"{m}mlp.linear_fc2.weight"] = weights[f"{e}mlp.down_proj.weight"]
+        if qk_norm:
+            out[f"{m}self_attention.q_layernorm.weight"] = weights[f"{e}self_attn.q_norm.weight"]
+            out[f"{m}self_attention.k_layernorm.weight"] = weights[f"{e}self_attn.k_norm.weight"]
+    return out

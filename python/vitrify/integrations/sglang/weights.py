@@ -40,15 +40,13 @@ _LOCK = threading.Lock()
 def payload(path: str, *, timeout: float = 600.0,
             weight_version: str | None = None) -> list[tuple[str, Any]]:
     """``named_tensors`` for ``update_weights_from_tensor(..., load_format="vitrify")``: the
-    socket where the trainer's sender listens, carried in the one entry's name (the tensor is a
-    placeholder SGLang moves around). ``weight_version``: after the update, vitrify's HiCache
+    socket where the trainer's sender listens, carried in the one entry's name (its value is
+    None: nothing for SGLang's serializer to share). ``weight_version``: after the update, vitrify's HiCache
     backends of the server store and find pages under it (no KV of the old weights is served)."""
-    import torch
-
     meta = {"socket": str(path), "timeout": float(timeout)}
     if weight_version is not None:
         meta["weight_version"] = str(weight_version)
-    return [(_PREFIX + json.dumps(meta, separators=(",", ":")), torch.zeros(1))]
+    return [(_PREFIX + json.dumps(meta, separators=(",", ":")), None)]
 
 
 def _parse(named_tensors: Any) -> dict:
