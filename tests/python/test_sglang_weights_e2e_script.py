@@ -1,0 +1,59 @@
+"""benchmarks/sglang_weights_e2e.py's pieces that need no GPU: the W1 checkpoint's names, the
+trainer's Megatron layout planned onto SGLang's fused Qwen3 parameters, the payload's
+serialization."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import pickle
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_weight_mapping import fused_engine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("sglang_weights_e2e",
+                                               REPO / "benchmarks" / "sglang_weights_e2e.py")
+we = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(we)
+
+CFG = {"hidden_size": 64, "head_dim": 8, "num_hidden_layers": 2, "num_attention_heads": 8,
+       "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 100}
+
+
+def test_the_trainer_layout_plans_onto_sglangs_qwen3_names_bit_for_bit():
+    from vitrify.integrations.sglang import weights as sw
+    from vitrify.weights import mapping as wm
+
+    w = {n: t.float() for n, t in we.hf_weights(CFG, seed=1).items()}
+    src = we.trainer_tensors(w, CFG)
+    engine = fused_engine(w, 2)  # q_norm / k_norm keep their names in SGLang's Qwen3
+    assert "model.layers.1.self_attn.q_norm.weight" in engine
+
+    class Model:
+        config = type("C", (), {"num_attention_heads": 8, "num_key_value_heads": 2,
+                                "head_dim": 8})()
+
+        def named_parameters(self):
+            return iter(engine.items())
+
+    m = sw.mapping_for(Model())
+    specs = lambda ts: {n: (tuple(t.shape), str(t.dtype)[6:]) for n, t in ts.items()}  # noqa
+    plan = m.plan(specs(src), specs(engine))
+    dst = {n: torch.zeros_like(t) for n, t in engine.items()}
+    for name, t in src.items():
+        for c in plan.for_source(name):
+            wm.copy(c, t, dst[c.dst])
+    assert all(torch.equal(dst[n], engine[n]) for n in engine)
+
+
+def test_the_payload_serializes_without_tensors():
+    from vitrify.integrations.sglang import weights as sw
+
+    nt = sw.payload("/tmp/x.sock", weight_version="w1")
+    back = pickle.loads(base64.b64decode(we.serialize(nt)))
+    assert back == nt and back[0][1] is None and '"weight_version":"w1"' in back[0][0]
