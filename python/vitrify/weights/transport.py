@@ -220,14 +220,19 @@ class CudaStaging:
 
     def close(self) -> None:
         self.tensor = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if self.buffer is not None:
-            buf, self.buffer = self.buffer, None
-            rc = buf.release()
-            if rc:
-                raise UpdateError(f"releasing the staging buffer's mapping failed: CUresult {rc}")
+        fd, self.fd = self.fd, None
+        buf, self.buffer = self.buffer, None
+        _release(fd, buf, "the staging buffer's mapping")
+
+
+def _release(fd: int | None, buffer: Any, what: str) -> None:
+    """Close a descriptor and release a SharedBuffer's mapping (either may be None)."""
+    if fd is not None:
+        os.close(fd)
+    if buffer is not None:
+        rc = buffer.release()
+        if rc:
+            raise UpdateError(f"releasing {what} failed: CUresult {rc}")
 
 
 def _device_tensor(ptr: int, nbytes: int, device: int) -> Any:
@@ -377,15 +382,9 @@ class _Imported:
 
     def close(self) -> None:
         self.base = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if self.buffer is not None:
-            buf, self.buffer = self.buffer, None
-            rc = buf.release()
-            if rc:
-                raise UpdateError(f"releasing the mapping of the engine's weights failed: "
-                                  f"CUresult {rc}")
+        fd, self.fd = self.fd, None
+        buf, self.buffer = self.buffer, None
+        _release(fd, buf, "the mapping of the engine's weights")
 
 
 def _copy_json(c: Copy) -> list:
