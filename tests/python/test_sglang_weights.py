@@ -7,7 +7,9 @@ the plugin registers these hooks only in scheduler processes, with weight_update
 
 from __future__ import annotations
 
+import dataclasses
 import types
+from typing import Any
 
 import pytest
 
@@ -33,13 +35,19 @@ class FakeModel(torch.nn.Module):
         return iter(self._named)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FakeUpdater:
-    def __init__(self, model):
-        self.model = model
-        self.own_calls = []
+    """Like SGLang's WeightUpdater: frozen, slots (nothing can be stored on it)."""
+
+    model: Any
+    own_calls: list = dataclasses.field(default_factory=list)
+    tp: int = 1
 
     def get_model(self):
         return self.model
+
+    def get_model_runner(self):
+        return types.SimpleNamespace(tp_size=self.tp)
 
 
 def _original(updater, named_tensors, load_format=None):
@@ -65,6 +73,7 @@ def _with_qk_norms(eng, src, layers, hd, seed=0):
 @pytest.fixture(autouse=True)
 def _fresh_receivers(monkeypatch):
     monkeypatch.setattr(sw, "_RECEIVERS", [])
+    monkeypatch.setattr(sw, "_BY_UPDATER", {})
 
 
 @pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qwen3-qk-norm"])
@@ -74,7 +83,7 @@ def test_an_update_through_sglangs_entry_point_lands_bit_for_bit(tmp_path, qwen3
     if qwen3:
         eng, src = _with_qk_norms(eng, src, 2, 8)
     model = FakeModel(eng)
-    up = FakeUpdater(model)
+    up = FakeUpdater(model=model)
     tx = wt.Sender(chunk_bytes=16 << 10)
     try:
         fin = sw.update(_call(up), tx, src, str(tmp_path / "u.sock"))
@@ -92,7 +101,7 @@ def test_a_failed_update_aborts_requests_until_a_retry_completes(tmp_path, monke
     v = engine_tensors(seed=4)
     eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
     model = FakeModel(eng)
-    up = FakeUpdater(model)
+    up = FakeUpdater(model=model)
     tx = wt.Sender(chunk_bytes=8 << 10)
     real, calls = ws.fill, []
 
@@ -132,7 +141,7 @@ def test_a_failed_update_aborts_requests_until_a_retry_completes(tmp_path, monke
 
 
 def test_other_formats_reach_sglang_and_bad_payloads_are_refused():
-    up = FakeUpdater(FakeModel(fused_engine(engine_tensors(), 2)))
+    up = FakeUpdater(model=FakeModel(fused_engine(engine_tensors(), 2)))
     assert sw.around_update_weights_from_tensor(_original, up, [("w", torch.zeros(1))],
                                                 load_format=None) == (True, "Success")
     assert sw.around_update_weights_from_tensor(_original, up, [], "direct") == (True, "Success")
@@ -188,7 +197,7 @@ def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, mon
     monkeypatch.setitem(sys.modules, "vitrify.integrations.sglang.hicache.backend", fake)
     v = engine_tensors(seed=6)
     eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
-    up = FakeUpdater(FakeModel(eng))
+    up = FakeUpdater(model=FakeModel(eng))
     answers = []
 
     def call(nt, lf):
@@ -204,3 +213,10 @@ def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, mon
     assert seen == ["step-7"]
     ok, msg = answers[0]
     assert ok and "applied to 1 of 2 HiCache backend(s) (ValueError: closed)" in msg
+
+
+def test_more_than_one_gpu_is_refused_before_anything_moves():
+    up = FakeUpdater(model=FakeModel(fused_engine(engine_tensors(), 2)), tp=2)
+    ok, msg = sw.around_update_weights_from_tensor(_original, up, sw.payload("/x.sock"),
+                                                   "vitrify")
+    assert ok is False and "tp_size 2" in msg and sw.refusal() is None

@@ -32,8 +32,10 @@ log = logging.getLogger("vitrify.sglang")
 LOAD_FORMAT = "vitrify"
 _PREFIX = "vitrify:"  # the payload's one tensor name: the prefix, then JSON
 
-# Receivers of this process (one per WeightUpdater), for the queue hook.
+# Receivers of this process, one per WeightUpdater (SGLang's is a frozen dataclass with slots:
+# nothing can be stored on it or weakly referenced), for the queue hook.
 _RECEIVERS: list[Any] = []
+_BY_UPDATER: dict[int, tuple[Any, Any]] = {}  # id -> (updater, receiver): the ref keeps the id
 _LOCK = threading.Lock()
 
 
@@ -81,19 +83,24 @@ def mapping_for(model: Any) -> Any:
 
 def receiver_of(updater: Any) -> Any:
     """The updater's receiver (made once: its state and digests outlive each update)."""
-    rx = getattr(updater, "_vitrify_receiver", None)
-    if rx is None:
-        import torch
+    with _LOCK:
+        known = _BY_UPDATER.get(id(updater))
+    if known is not None:
+        return known[1]
+    import torch
 
-        from ...weights.transport import Receiver
+    from ...weights.transport import Receiver
 
-        model = updater.get_model()
-        rx = Receiver(dict(model.named_parameters()), mapping_for(model),
-                      synchronize=torch.cuda.synchronize if torch.cuda.is_available()
-                      else None)
-        updater._vitrify_receiver = rx
-        with _LOCK:
-            _RECEIVERS.append(rx)
+    runner = getattr(updater, "get_model_runner", None)
+    tp = getattr(runner(), "tp_size", 1) if callable(runner) else 1
+    if tp != 1:  # every rank would connect to the one trainer socket
+        raise ValueError(f"vitrify weight updates take one GPU for now (tp_size {tp})")
+    model = updater.get_model()
+    rx = Receiver(dict(model.named_parameters()), mapping_for(model),
+                  synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    with _LOCK:
+        _BY_UPDATER[id(updater)] = (updater, rx)
+        _RECEIVERS.append(rx)
     return rx
 
 
