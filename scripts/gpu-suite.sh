@@ -14,7 +14,7 @@
 # VITRIFY_PYTEST_K="transformers_engine_gpu" VITRIFY_SUITE_BENCH=0 VITRIFY_SUITE_CTEST=0 (the
 # 1.1 B engine, eager and compiled: about 6 minutes). `vitrify bench coldstart` gets a call of
 # its own (three cold starts of the compiled engine take about 6 minutes). `bench weights` (an
-# 8 B-shaped update between two processes) is new: time it before relying on one call.
+# 8 B-shaped update between two processes, direct and staged) takes about 25 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=$(realpath -m "${1:-${OUT:-build/gpu-suite}}")
@@ -83,6 +83,17 @@ if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
       --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
   else
     echo "=== sglang-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
+  fi
+fi
+
+# Opt-in (VITRIFY_SGLANG_WEIGHTS_E2E=1): vitrify's weight update through a real SGLang server's
+# /update_weights_from_tensor route (two launches of the tiny Qwen3, about 3 minutes).
+if [ "${VITRIFY_SGLANG_WEIGHTS_E2E:-0}" = 1 ]; then
+  if [ -f .whl/sglang-site.tar.xz ]; then
+    step sglang-weights-e2e "$PY" benchmarks/sglang_weights_e2e.py --bundle .whl/sglang-site.tar.xz \
+      --out "$WORK/bench"
+  else
+    echo "=== sglang-weights-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
   fi
 fi
 
