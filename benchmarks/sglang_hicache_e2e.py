@@ -669,6 +669,10 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
                                             val("file", "l3_hit", "ttft_ms_median")),
         "l3_restart_over_l3_hit": ratio(val("vitrify_restart", "l3_restart", "ttft_ms_median"),
                                         val("vitrify", "l3_hit", "ttft_ms_median")),
+        # the same prompt as each process's first L3 hit: the restart's over the first launch's
+        "restart_first_request_over_first_l3_hit": ratio(
+            val("vitrify_restart", "restart_first_request", "ttft_ms_median"),
+            val("vitrify", "l3_first_hit", "ttft_ms_median")),
     }
     be = break_even(rows, s.model_config, (extra.get("drive") or {}).get("bytes_per_s"))
     ratios["l3_hit_ttft_over_drive_floor"] = be.get("l3_hit_ttft_over_floor")
@@ -835,6 +839,8 @@ class Run:
                 # transfer kernels); the warmup prompt's pages are in L3 too
                 w = run_pass(port, self.warmup, s.max_new_tokens)
                 info["warmup_l3_storage_tokens"] = int(w[0]["details"].get("storage", 0))
+                # the process's first L3 hit (the warmup prompt), kept apart from the steady pass
+                self._row(scenario, backend, "l3_first_hit", w)
                 l3 = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(scenario, backend, "l3_hit", l3, (scenario, "miss"))
                 ck = {
@@ -870,6 +876,12 @@ class Run:
             with srv:
                 info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
                 self.launches += 1
+                # the literal first request after the restart (the warmup prompt, stored by the
+                # first launch), then the prompts: one-time costs of the process apart from the
+                # storage path's steady state
+                first = run_pass(port, self.warmup, s.max_new_tokens)
+                self._row(sc, "vitrify", "restart_first_request", first)
+                info["first_request_storage_tokens"] = int(first[0]["details"].get("storage", 0))
                 l3 = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(sc, "vitrify", "l3_restart", l3, ("vitrify", "miss"))
                 flush_cache(port)

@@ -534,9 +534,14 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
                                          indent=1)[:4000]
     assert set(res["scenarios"]) == {"vitrify", "vitrify_restart", "file"} and not res["skipped"]
     passes = [(r["scenario"], r["pass"]) for r in res["rows"]]
-    assert passes == [("vitrify", "miss"), ("vitrify", "device_hit"), ("vitrify", "l3_hit"),
+    assert passes == [("vitrify", "miss"), ("vitrify", "device_hit"),
+                      ("vitrify", "l3_first_hit"), ("vitrify", "l3_hit"),
+                      ("vitrify_restart", "restart_first_request"),
                       ("vitrify_restart", "l3_restart"), ("vitrify_restart", "miss_after_clear"),
-                      ("file", "miss"), ("file", "device_hit"), ("file", "l3_hit")]
+                      ("file", "miss"), ("file", "device_hit"), ("file", "l3_first_hit"),
+                      ("file", "l3_hit")]
+    assert "restart_first_request_over_first_l3_hit" in res["ratios"]
+    assert res["scenarios"]["vitrify_restart"]["first_request_storage_tokens"] > 0
     assert res["checks"]["vitrify_restart.first_request_from_storage"] is True
     assert res["scenarios"]["vitrify"]["pages_written"] >= res["scenarios"]["vitrify"]["pages_needed"]
     for sc in ("vitrify", "vitrify_restart"):   # read from the stats file, not the log
