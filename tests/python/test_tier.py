@@ -190,7 +190,8 @@ def _host_torture(h: str, trials: int, seed: int) -> dict:
     same name, a stale slab of an older generation). After every restart (load): every read is
     the exact bytes or a miss, and every acknowledged page whose slot no fault touched is there."""
     rng = random.Random(seed)
-    slots, per_trial = 512, 30  # no GC: trials * per_trial stays under 90 % of the slots
+    per_trial = 30
+    slots = max(512, trials * per_trial * 10 // 8)  # no GC: stays under 90 % of the slots
     assert trials * per_trial < 0.9 * slots
     b = budget(slots)
     other = tempfile.mkdtemp(prefix="vitrify-tier-other-", dir=SHM)
@@ -288,6 +289,13 @@ def test_host_torture_sigkill_faults_restart(h):
     assert counts["wrong"] == 0, counts
     assert counts["lost"] == 0, counts
     assert counts["hit"] > 0 and counts["miss"] > 0 and counts["faults"] > 0, counts
+
+
+@pytest.mark.long
+def test_host_torture_long(h):
+    counts = _host_torture(h, trials=150, seed=6)
+    assert counts["wrong"] == 0 and counts["lost"] == 0, counts
+    assert counts["hit"] > 1000 and counts["faults"] > 100, counts
 
 
 # ------------------------------------------------------------------------------------ processes
