@@ -118,6 +118,8 @@ def _cmd_tier_clear(args: argparse.Namespace) -> int:
     from . import tier
 
     removed, kept = tier.remove_slabs(args.dir, name=args.name, force=args.force)
+    if not removed and not kept:
+        print(f"no host slabs to remove in {args.dir or tier.default_dir()}")
     for p in removed:
         print(f"removed {p}")
     for p in kept:

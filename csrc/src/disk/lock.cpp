@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -179,8 +180,20 @@ SlabLock::SlabLock(int fd, const std::string& path, SlabLocking locking) : path_
   method_ = m;
   try {
     write_owner_record(path);
-  } catch (...) {
+  } catch (const std::system_error& e) {
+    // hugetlbfs (a host-tier directory, H1) refuses write(2): no owner record there; a
+    // refused opener then names "an unknown holder". Anything else fails the lock.
+    struct statfs sfs{};
+    if (e.code().value() == EINVAL &&
+        ::statfs(file_io::directory_of(path).c_str(), &sfs) == 0 &&
+        static_cast<uint64_t>(sfs.f_type) == 0x958458F6) {
+      log::info("vitrify.disk: no owner record for " + path + " (hugetlbfs refuses write)");
+      return;
+    }
     release();  // nothing stays locked when the constructor fails
+    throw;
+  } catch (...) {
+    release();
     throw;
   }
 }

@@ -195,7 +195,15 @@ std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
                  "slab file " + path + " holds " + std::to_string(st.st_size) +
                      " bytes, fewer than the " + std::to_string(size) +
                      " its geometry needs; a read-only store never formats or grows a slab");
-  if (host) s->map_ = SlabMapping(s->fd_.get(), static_cast<size_t>(size), false, path);
+  if (host) {
+    // The writer sized the file to whole filesystem blocks (H1); hugetlbfs maps only those.
+    struct statfs sfs{};
+    VITRIFY_SYSCALL(::fstatfs(s->fd_.get(), &sfs), path);
+    const uint64_t whole = round_up(size, sfs.f_bsize > 0 ? static_cast<uint64_t>(sfs.f_bsize)
+                                                          : kBlock);
+    const uint64_t bytes = std::min<uint64_t>(whole, static_cast<uint64_t>(st.st_size));
+    s->map_ = SlabMapping(s->fd_.get(), static_cast<size_t>(bytes), false, path);
+  }
   const std::string why = s->reload_header();
   VITRIFY_EXPECT(why.empty(), "slab file " + path + " " + why +
                                   "; a read-only store never formats a slab");
