@@ -4,7 +4,8 @@ API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="vitrify", cold_start="clear", direct_io=None,
 write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85,
-load_threads=0, mode="write")``
+load_threads=0, mode="write", tier="disk")`` (``tier="host"``: the host tier, see
+:mod:`vitrify.tier`)
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)

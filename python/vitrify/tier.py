@@ -115,8 +115,9 @@ class TieredStore:
         write: ``"back"`` (default) or ``"through"``.
         queue_pages: write-back pages waiting for the disk before ``put`` waits (back-pressure).
 
-    Both stores stay owned by the caller's ``TieredStore``: :meth:`close` flushes the write-back
-    queue and closes both. With two readers (``mode="read"``) it is read-only: ``get`` reads host
+    The ``TieredStore`` owns both stores from then on: :meth:`close` (or leaving a ``with``
+    block) flushes the write-back queue and closes both; call it, since the write-back thread
+    keeps the object alive until then. With two readers (``mode="read"``) it is read-only: ``get`` reads host
     then disk and promotes nothing; puts and deletes raise ``OSError`` (``EROFS``).
     """
 

@@ -388,6 +388,27 @@ def test_write_back_serves_pages_waiting_for_the_disk_and_full_host_goes_to_disk
         assert t.stats()["writebacks"] + 0 <= 30
 
 
+def test_tiered_write_back_copies_any_buffer_type(h, d):
+    """Write-back keeps its own copy of each page: the caller may reuse its buffer at once."""
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    host = HostStore(budget(8), PAGE, dir=h, name="buf")
+    disk_store = DiskStore(d, budget(16), PAGE, name="buf")
+    with TieredStore(host, disk_store, write="back") as t:
+        a = np.arange(1000, dtype=np.int32)
+        b = torch.arange(500, dtype=torch.float32)
+        c = bytearray(b"xyz" * 100)
+        assert t.batch_put(["a", "b", "c"], [a, b, c]) == [True] * 3
+        want = [a.tobytes(), b.numpy().tobytes(), bytes(c)]
+        a[:] = 0
+        b.zero_()
+        c[:] = b"\0" * len(c)
+        t.flush()
+        assert disk_store.batch_get(["a", "b", "c"]) == want
+        assert t.batch_get(["a", "b", "c"]) == want
+
+
 def test_tiered_read_only_view_in_another_process(h, d):
     host = HostStore(budget(16), PAGE, dir=h, name="ro")
     disk_store = DiskStore(d, budget(64), PAGE, name="ro")
