@@ -10,8 +10,9 @@ the same user and identity opens them read-only (``mode="read"``) and reads the 
 while the one writer holds the slab lock (csrc/src/disk/DESIGN.md D13, D14, H1-H8).
 
 ``dir`` defaults to ``<VITRIFY_HOST_DIR>/vitrify-<uid>`` (``/dev/shm/vitrify-0`` for root), a
-directory created ``0700``; slab files are created ``0600``. A directory or slab of another user
-is refused (``PermissionError``); too little space on the mount is an ``OSError`` (``ENOSPC``)
+directory created ``0700``; slab files are created ``0600``. A slab of another user, or a
+directory of another user that is not sticky (``/dev/shm`` itself is), is refused
+(``PermissionError``); too little space on the mount is an ``OSError`` (``ENOSPC``)
 naming the mount, the bytes needed and the bytes free.
 
 ``TieredStore(host, disk, *, write="back")`` puts every page into the host tier and writes it to
@@ -61,10 +62,12 @@ def _own_directory(path: str, create: bool) -> str:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, "host tier: not a directory (or a link)", path)
-    if st.st_uid != os.geteuid():
+    # A shared sticky directory (/dev/shm itself) is fine: nobody else can rename or remove
+    # this user's files there, and every slab file is checked on its own (uid, O_NOFOLLOW).
+    if st.st_uid != os.geteuid() and not st.st_mode & stat.S_ISVTX:
         raise PermissionError(errno.EACCES, f"host tier: directory of uid {st.st_uid}, not of "
-                              f"this user (uid {os.geteuid()}); another user's slabs are never "
-                              f"used", path)
+                              f"this user (uid {os.geteuid()}), and not sticky; another user's "
+                              f"slabs are never used", path)
     return path
 
 

@@ -151,6 +151,10 @@ def test_another_users_directory_and_slabs_are_refused(h):
     os.chown(other, 4242, 4242)
     with pytest.raises(PermissionError, match="another user"):
         HostStore(budget(4), PAGE, dir=other, name="u")
+    # a sticky shared directory of another user (like /dev/shm itself) is fine
+    os.chmod(other, 0o1777)
+    with HostStore(budget(4), PAGE, dir=other, name="u") as s:
+        assert s.put("b", b"2") and os.stat(s.slab_path()).st_uid == os.geteuid()
 
 
 # ------------------------------------------------------------------------------------ torture
