@@ -135,6 +135,39 @@ void bind_disk(nb::module_& m) {
   m.attr("DISK_SLOT_HEADER_BYTES") = disk::kSlotHeaderBytes;
   m.attr("DISK_FILE_HEADER_BYTES") = disk::kFileHeaderBytes;
   m.def("disk_slot_bytes_for", &disk::slot_bytes_for, nb::arg("payload_bytes"));
+  m.def("disk_store_tag", &disk::store_tag, nb::arg("name"));
+  m.def("disk_slab_lock_held", &disk::slab_lock_held, nb::arg("path"),
+        "Whether an open store holds the OFD lock of the slab file `path`.");
+  m.def(
+      "disk_slab_header",
+      [](const std::string& path) -> nb::object {
+        const auto h = disk::read_slab_header(path);
+        if (!h) return nb::none();
+        nb::dict d;
+        d["kind"] = h->kind;
+        d["slot_bytes"] = h->slot_bytes;
+        d["slot_count"] = h->slot_count;
+        d["store_tag"] = h->store_tag;
+        d["slab_id"] = h->slab_id;
+        d["created_ns"] = h->created_ns;
+        return d;
+      },
+      nb::arg("path"), "The verified file header of a slab file as a dict, or None.");
+  m.def(
+      "disk_slab_owner",
+      [](const std::string& path) -> nb::object {
+        const disk::SlabOwner o = disk::read_slab_owner(path);
+        if (o.pid < 0) return nb::none();
+        return nb::make_tuple(o.pid, o.host, o.since);
+      },
+      nb::arg("path"), "(pid, host, since) from the slab's owner record, or None.");
+  m.def(
+      "disk_host_fs",
+      [](const std::string& dir) {
+        const disk::HostFs f = disk::host_fs(dir);
+        return nb::make_tuple(f.mount, f.type, f.block_size, f.free_bytes);
+      },
+      nb::arg("dir"), "(mount, type, block_size, free_bytes) of a host-tier directory.");
 
   g_slab_locked = PyErr_NewExceptionWithDoc(
       "vitrify.disk.SlabLockedError",
@@ -181,7 +214,8 @@ void bind_disk(nb::module_& m) {
              std::vector<uint64_t> page_bytes, std::vector<double> shares, std::string name,
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
-             double gc_low, unsigned load_threads, std::string slab_lock, bool read_only) {
+             double gc_low, unsigned load_threads, std::string slab_lock, bool read_only,
+             bool host) {
             VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -201,6 +235,7 @@ void bind_disk(nb::module_& m) {
             c.load_threads = load_threads;
             c.slab_locking = disk::parse_slab_locking(slab_lock);
             c.read_only = read_only;
+            c.host = host;
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
@@ -208,7 +243,7 @@ void bind_disk(nb::module_& m) {
           nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
           nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0,
-          nb::arg("slab_lock") = "auto", nb::arg("read_only") = false)
+          nb::arg("slab_lock") = "auto", nb::arg("read_only") = false, nb::arg("host") = false)
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;

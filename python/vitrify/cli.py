@@ -90,6 +90,43 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tier_ls(args: argparse.Namespace) -> int:
+    from . import tier
+
+    slabs = tier.list_slabs(args.dir)
+    where = args.dir or tier.default_dir()
+    if args.json:
+        print(json.dumps({"dir": where, "slabs": slabs}, indent=2))
+        return 0
+    if not slabs:
+        print(f"no host slabs in {where}")
+        return 0
+    print(f"{'path':<48} {'MiB':>9} {'uid':>6} {'mode':>5} {'identity':<24} {'holder':<18} last use")
+    for s in slabs:
+        ident = f"{s['name']}/kind{s['kind']}" + ("" if s["identity_ok"] else " (foreign)")
+        if s["holder"] is not None:
+            holder = f"pid {s['holder']['pid']}"
+        else:
+            holder = "locked (unknown)" if s["locked"] else "-"
+        print(f"{s['path']:<48} {s['bytes'] / 2**20:>9.1f} {s['uid']:>6} {s['mode']:>5} "
+              f"{ident:<24} {holder:<18} {s['last_use']}")
+    print(f"{len(slabs)} slab(s), {sum(s['bytes'] for s in slabs) / 2**20:.1f} MiB of memory")
+    return 0
+
+
+def _cmd_tier_clear(args: argparse.Namespace) -> int:
+    from . import tier
+
+    removed, kept = tier.remove_slabs(args.dir, name=args.name, force=args.force)
+    if not removed and not kept:
+        print(f"no host slabs to remove in {args.dir or tier.default_dir()}")
+    for p in removed:
+        print(f"removed {p}")
+    for p in kept:
+        print(f"kept {p}: an open store holds it (or another user owns it); --force removes it")
+    return 1 if kept else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vitrify", description=__import__("vitrify").__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"vitrify {__import__('vitrify').__version__}")
@@ -110,6 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every file of an archive (exit 0 intact, 1 damaged)")
     v.add_argument("archive")
     v.set_defaults(func=_cmd_verify)
+    t = sub.add_parser("tier", help="the host tier's slabs in shared memory: list, remove")
+    tsub = t.add_subparsers(dest="tier_command", required=True)
+    tl = tsub.add_parser("ls", help="list host slabs: path, memory, owner, identity, holder, "
+                                    "last use")
+    tl.add_argument("--dir", default=None,
+                    help="host-tier directory (default: $VITRIFY_HOST_DIR/vitrify-<uid>)")
+    tl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tl.set_defaults(func=_cmd_tier_ls)
+    tc = tsub.add_parser("clear", help="remove host slabs (not those an open store holds, "
+                                       "unless --force); exit 1 when some were kept")
+    tc.add_argument("--dir", default=None,
+                    help="host-tier directory (default: $VITRIFY_HOST_DIR/vitrify-<uid>)")
+    tc.add_argument("--name", default=None, help="only the slabs of this store name")
+    tc.add_argument("--force", action="store_true",
+                    help="also remove slabs an open store holds (it keeps its mapping until it "
+                         "closes; a restart finds nothing)")
+    tc.set_defaults(func=_cmd_tier_clear)
     # vitrify bench NAME: the benchmarks (vitrify/bench/), one subcommand each with its options
     from .bench import cli as bench_cli
 

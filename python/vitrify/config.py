@@ -36,6 +36,7 @@ class Settings:
     git_sha: str | None = None
     test_dir: str | None = None
     weights_triton: bool = True
+    host_dir: str = "/dev/shm"
 
 
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
@@ -114,6 +115,8 @@ VARIABLES: tuple[Variable, ...] = (
              "the CUDA driver library to `dlopen`", _path),
     Variable("VITRIFY_DIRECT_IO", "direct_io", "`auto`, `on`, `off`", "`auto`",
              "O_DIRECT for disk slabs and archives", _direct_io),
+    Variable("VITRIFY_HOST_DIR", "host_dir", "path", "`/dev/shm`",
+             "where host-tier KV slabs live (tmpfs or hugetlbfs)", _path),
     Variable("VITRIFY_MAX_SLAB_GB", "max_slab_gb", "number > 0", "`480`",
              "the largest single pinned-host registration", _positive_gib),
     Variable("VITRIFY_WARMUP_RESTORE", "warmup_restore", "`1`, `0`", "`1`",

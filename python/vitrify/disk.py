@@ -4,7 +4,8 @@ API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="vitrify", cold_start="clear", direct_io=None,
 write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85,
-load_threads=0, mode="write")``
+load_threads=0, mode="write", tier="disk")`` (``tier="host"``: the host tier, see
+:mod:`vitrify.tier`)
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -265,6 +266,10 @@ class DiskStore:
         mode: ``"write"`` (the owner: locks the slabs) or ``"read"`` (a reader of the slabs an
             open writer owns; see the module docstring). A reader always loads (``cold_start``
             must be None or ``"load"``) and never creates a directory or file.
+        tier: ``"disk"`` (slab files on drives, O_DIRECT as ``direct_io`` says) or ``"host"``
+            (the host tier: ``dirs`` on tmpfs or hugetlbfs, slab files created ``0600`` and
+            mapped, pages copied with memcpy, space checked first; see
+            :class:`vitrify.tier.HostStore` and DESIGN.md H1-H8).
 
     Raises:
         SlabLockedError: another open store (this process or another) holds one of the slab
@@ -277,7 +282,7 @@ class DiskStore:
                  cold_start: str | None = None, direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
                  max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85,
-                 load_threads: int = 0, mode: str = "write") -> None:
+                 load_threads: int = 0, mode: str = "write", tier: str = "disk") -> None:
         self._s = None
         self._last_refresh = 0.0
         if isinstance(dirs, (str, os.PathLike)):
@@ -289,6 +294,7 @@ class DiskStore:
             raise ValueError(f"dirs must be distinct directories, got {dirs!r}")
         budget_bytes = _check.integer("budget_bytes", budget_bytes, 1, _check.I64_MAX)
         mode = _check.choice("mode", mode, ("write", "read"))
+        tier = _check.choice("tier", tier, ("disk", "host"))
         if cold_start is None:
             cold_start = "load" if mode == "read" else "clear"
         cold_start = _check.choice("cold_start", cold_start, ("clear", "load"))
@@ -296,8 +302,11 @@ class DiskStore:
             raise ValueError("a read-only store (mode=\"read\") always loads; cold_start must be "
                              f"None or \"load\", got {cold_start!r}")
         if direct_io is None:
-            direct_io = config.settings().direct_io
+            direct_io = config.settings().direct_io if tier == "disk" else "off"
         direct_io = _check.choice("direct_io", direct_io, _native.DIRECT_IO_MODES)
+        if tier == "host" and direct_io == "on":
+            raise ValueError("direct_io=\"on\" does not apply to the host tier (its slabs are "
+                             "mapped); pass None, \"auto\" or \"off\"")
         name = _check.string("name", name)
         if "/" in name:
             raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
@@ -319,10 +328,12 @@ class DiskStore:
         self.name = name
         self.dirs = dirs
         self.mode = mode
+        self.tier = tier
         self._s = _native.DiskStore(
             dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
             threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
-            threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read")
+            threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read",
+            host=tier == "host")
         self._last_refresh = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -275,6 +275,99 @@ def test_restart_cold_start_load_hits_clear_misses(tmp_path):
         b4.close()
 
 
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="vitrify-hicache-host-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_host_tier_serves_gets_first_and_survives_a_restart(tmp_path, shm_dir):
+    """host_bytes: v1 sets land in the host tier and on disk; gets are served from the host tier;
+    a restarted server (cold_start=load) maps the same host slabs and serves from memory even
+    when the disk slabs are gone (a disk page would be read from the drive otherwise)."""
+    _, host = _mha_host("page_first")
+    _fill_random(host, 16)
+    idx = host.alloc(5 * PAGE)
+    want = _pages(host, idx, 5)
+    _, keys = _keys(5)
+    extra = _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir)
+    b = _backend(host, extra)
+    try:
+        info = b.vitrify_stats()
+        assert info["host"]["store"]["kinds"]["kv"]["slots_total"] >= 5
+        assert b.batch_set_v1(keys, idx) == [True] * 5
+        assert b.vitrify_stats()["host"]["store"]["kinds"]["kv"]["entries"] == 5
+        assert b.vitrify_stats()["store"]["kinds"]["kv"]["entries"] == 5  # and on disk
+        host_slab = b.vitrify_stats()["host"]["slab"]
+        assert os.path.dirname(host_slab) == shm_dir
+        assert os.stat(host_slab).st_mode & 0o777 == 0o600
+        dst = host.alloc(5 * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * 5
+        assert b.vitrify_stats()["host"]["host_hits"] == 5
+        assert b.vitrify_stats()["store"]["reloads"] == 0  # nothing read from the disk
+        for i, page in enumerate(_pages(host, dst, 5)):
+            assert torch.equal(page, want[i])
+    finally:
+        b.close()
+    for f in os.listdir(tmp_path):  # the disk tier is gone; the host tier is not
+        os.unlink(os.path.join(tmp_path, f))
+    host.kv_buffer.zero_()
+    b2 = _backend(host, dict(extra, cold_start="load"))
+    try:
+        assert b2.batch_exists(keys) == 5
+        dst = host.alloc(5 * PAGE)
+        assert b2.batch_get_v1(keys, dst) == [True] * 5
+        for i, page in enumerate(_pages(host, dst, 5)):
+            assert torch.equal(page, want[i])
+        assert b2.vitrify_stats()["host"]["host_hits"] == 5
+    finally:
+        b2.close()
+
+
+def test_host_tier_promotes_disk_hits_and_clear_drops_both(tmp_path, shm_dir):
+    _, host = _mha_host("layer_first")
+    _fill_random(host, 17)
+    idx = host.alloc(4 * PAGE)
+    want = _pages(host, idx, 4)
+    _, keys = _keys(4)
+    # three host slots for four pages: the host tier's LRU evicts (demotes) the oldest
+    slot = disk.slot_bytes_for(BLOB)
+    b = _backend(host, _extra(tmp_path, host_bytes=4096 + 3 * slot, host_dir=shm_dir))
+    try:
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+        st = b.vitrify_stats()
+        in_host = st["host"]["store"]["kinds"]["kv"]["entries"]
+        assert in_host < 4 and st["store"]["kinds"]["kv"]["entries"] == 4
+        dst = host.alloc(4 * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * 4  # host hits, the rest from the disk
+        st = b.vitrify_stats()
+        assert st["host"]["host_hits"] == in_host
+        assert st["store"]["reloads"] == 4 - in_host
+        assert st["host"]["host_promotions"] == 4 - in_host  # disk hits copied into the host
+        for i, page in enumerate(_pages(host, dst, 4)):
+            assert torch.equal(page, want[i])
+        assert b.clear() is True
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, host.alloc(4 * PAGE)) == [False] * 4
+    finally:
+        b.close()
+
+
+def test_host_tier_config_errors(tmp_path):
+    for bad, match in (({"host_bytes": -1}, "host_bytes"), ({"host_gb": "1"}, "host_gb"),
+                       ({"host_bytes": 1, "host_gb": 1}, "at most one"),
+                       ({"host_dir": ""}, "host_dir")):
+        with pytest.raises(ValueError, match=match):
+            VitrifyStorageSettings.from_extra_config(_extra(tmp_path, **bad))
+    s = VitrifyStorageSettings.from_extra_config(_extra(tmp_path, host_gb=0.5))
+    assert s.host_bytes == 500_000_000 and s.host_dir is None
+    assert VitrifyStorageSettings.from_extra_config(_extra(tmp_path)).host_bytes == 0
+
+
 def test_clear_drops_everything_also_for_a_restart(tmp_path):
     _, host = _mha_host("layer_first")
     _fill_random(host, 7)

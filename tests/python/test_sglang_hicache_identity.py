@@ -276,3 +276,82 @@ def test_set_weight_version_while_sglang_threads_transfer(tmp_path):
         assert slabs == [os.path.basename(b.slab_paths[0])]   # the old ones were deleted
     finally:
         b.close()
+
+
+# ---- the host tier (host_bytes): the same identity rules, the pages in /dev/shm ------------------
+
+
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="vitrify-identity-host-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _wipe(d):
+    for f in os.listdir(d):
+        os.unlink(os.path.join(d, f))
+
+
+@pytest.mark.parametrize("field", sorted(CASES))
+def test_host_tier_a_changed_identity_field_is_a_miss(tmp_path, shm_dir, server_args, field):
+    """With the disk slabs removed, only the host tier can answer: a changed identity field
+    finds nothing there, the unchanged identity finds every page with its bytes."""
+    args, pool, kw = CASES[field]
+    host_kw = {"layout": "page_first", "dtype": torch.bfloat16, "page": PAGE}
+    _, host = _mha_host(host_kw["layout"], dtype=host_kw["dtype"], page=host_kw["page"])
+    extra = _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir)
+    _fill_random(host, 31)
+    idx = host.alloc(3 * PAGE)
+    want = _pages(host, idx, 3)
+    _, keys = _keys(3)
+    b = _backend(host, extra)
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    b.close()
+    _wipe(tmp_path)
+
+    def found(pool_host, **kw2):
+        b = _backend(pool_host, extra, **kw2)
+        try:
+            ps = pool_host.page_size
+            dst = pool_host.alloc(3 * ps)
+            r = b.batch_exists(keys), b.batch_get_v1(keys, dst)
+            assert b.counters()["errors"] == 0
+            return (*r, [pool_host.get_data_page(int(dst[i * ps])) for i in range(3)])
+        finally:
+            b.close()
+            _wipe(tmp_path)
+
+    for k, v in args.items():
+        setattr(server_args, k, v)
+    host_kw.update(pool)
+    _, other = _mha_host(host_kw.pop("layout"), **host_kw)
+    n, got, _ = found(other, **kw)
+    assert (n, got) == (0, [False] * 3), field
+    for k, v in BASE_ARGS.items():
+        setattr(server_args, k, v)
+    n, got, pages = found(host)
+    assert (n, got) == (3, [True] * 3), field
+    assert all(torch.equal(p, w) for p, w in zip(pages, want))
+
+
+def test_host_tier_set_weight_version_removes_the_old_host_slabs(tmp_path, shm_dir):
+    _, host = _mha_host("page_first")
+    _fill_random(host, 32)
+    idx = host.alloc(2 * PAGE)
+    _, keys = _keys(2)
+    b = _backend(host, _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir))
+    try:
+        assert b.batch_set_v1(keys, idx) == [True] * 2
+        old = b.vitrify_stats()["host"]["slab"]
+        assert os.path.exists(old)
+        b.set_weight_version("w9")
+        new = b.vitrify_stats()["host"]["slab"]
+        assert new != old and not os.path.exists(old) and os.path.exists(new)
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, host.alloc(2 * PAGE)) == [False] * 2
+    finally:
+        b.close()

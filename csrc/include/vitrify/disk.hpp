@@ -185,8 +185,61 @@ struct LockedSlab {
   SlabLock lock;
 };
 // Opens (creating it empty if missing) and locks `path`; throws as SlabLock does, or as
-// file_io::open_file when the open fails.
-LockedSlab lock_slab(const std::string& path, file_io::DirectIo dio, SlabLocking locking);
+// file_io::open_file when the open fails. `host` (a host-tier slab, DESIGN.md H2): the file is
+// created 0600 and buffered; one of another user is refused (std::system_error EACCES naming
+// the file and both uids) before it is locked, and an own file with wider permissions is
+// chmod-ed to 0600.
+LockedSlab lock_slab(const std::string& path, file_io::DirectIo dio, SlabLocking locking,
+                     bool host = false);
+// Whether another open file description holds an OFD lock on `path` (fcntl F_OFD_GETLK; a
+// flock, the fallback of D13, is not seen). False when the file cannot be opened. Never throws.
+bool slab_lock_held(const std::string& path) noexcept;
+// The verified file header of the slab file `path` (any kind, geometry or store), or nullopt
+// when it is missing, unreadable, too short or its header does not verify. Never throws.
+std::optional<FileHeader> read_slab_header(const std::string& path) noexcept;
+
+// Host slabs (H2): std::system_error EACCES naming `path` and both uids when the open file `fd`
+// belongs to another user; with `fix_mode`, an own file readable by others is chmod-ed 0600.
+void check_host_owner(int fd, const std::string& path, bool fix_mode);
+
+// ---------------------------------------------------------------------------------------------
+// Host tier: slabs in shared memory (tmpfs, hugetlbfs), mapped (DESIGN.md, Host tier)
+// ---------------------------------------------------------------------------------------------
+
+// Owns one mmap(2) of a slab file (MAP_SHARED): munmap exactly once, never throws. Move-only.
+class SlabMapping {
+ public:
+  SlabMapping() noexcept = default;
+  // Maps [0, bytes) of `fd` read-write or read-only; std::system_error naming mmap and `path`.
+  SlabMapping(int fd, size_t bytes, bool writable, const std::string& path);
+  ~SlabMapping() { reset(); }
+  SlabMapping(SlabMapping&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  SlabMapping& operator=(SlabMapping&& o) noexcept;
+  SlabMapping(const SlabMapping&) = delete;
+  SlabMapping& operator=(const SlabMapping&) = delete;
+  void reset() noexcept;
+  uint8_t* data() const noexcept { return p_; }
+  size_t size() const noexcept { return n_; }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// The filesystem of a host-tier directory.
+struct HostFs {
+  std::string mount;        // mount point (the topmost ancestor on the same device)
+  std::string type;         // "tmpfs" or "hugetlbfs"
+  uint64_t block_size = 0;  // file sizes are rounded to it (the huge page size on hugetlbfs)
+  uint64_t free_bytes = 0;  // what a new slab may still take there
+};
+// statfs of `dir`; std::invalid_argument (ValueError) naming the directory and its filesystem
+// when it is not in memory (tmpfs or hugetlbfs), std::system_error when statfs fails.
+HostFs host_fs(const std::string& dir);
+// Throws std::system_error ENOSPC, one line naming the mount, its filesystem, the bytes needed
+// and the bytes free, when `needed` > fs.free_bytes.
+void check_host_space(const HostFs& fs, const std::string& what, uint64_t needed);
 
 // One preallocated slab file. Thread-safe for concurrent slot I/O on distinct or equal slots
 // (pread/pwrite on one fd); open/format are not concurrent with I/O.
@@ -201,16 +254,20 @@ class SlabFile {
   // written, until release_lock() or destruction; SlabBusy when another open store holds it.
   SlabFile(const std::string& path, const SlabGeometry& geometry, ColdStart mode,
            file_io::DirectIo dio, SlabLocking locking = SlabLocking::kAuto);
-  // The same with a file already opened and locked by lock_slab.
-  SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode);
+  // The same with a file already opened and locked by lock_slab. `host`: a host-tier slab
+  // (lock_slab(..., host = true)) on tmpfs or hugetlbfs: sized to a multiple of the filesystem's
+  // block, never shrunk (a larger file is std::invalid_argument: readers may have it mapped),
+  // mapped MAP_SHARED, and every slot transfer is a memcpy (DESIGN.md H1-H4).
+  SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode, bool host = false);
   // Opens an existing slab O_RDONLY for a read-only store (D14): takes no lock, never creates,
   // truncates, preallocates or formats it. O_DIRECT as `dio` says (kAuto falls back to buffered
   // when open refuses it; no probe file is created). Throws std::system_error (OSError, e.g.
   // ENOENT) when the file cannot be opened, std::invalid_argument (ValueError) when it is
   // shorter than `geometry`, has no valid file header or belongs to another store or geometry.
+  // `host`: a host-tier slab, mapped PROT_READ; a file of another user is refused (EACCES).
   static std::unique_ptr<SlabFile> open_read_only(const std::string& path,
                                                   const SlabGeometry& geometry,
-                                                  file_io::DirectIo dio);
+                                                  file_io::DirectIo dio, bool host = false);
   ~SlabFile();
   SlabFile(const SlabFile&) = delete;
   SlabFile& operator=(const SlabFile&) = delete;
@@ -262,8 +319,13 @@ class SlabFile {
   // Throws std::system_error on an I/O error.
   void invalidate(uint64_t slot);
 
-  // fdatasync(2): everything written so far is durable.
+  // fdatasync(2): everything written so far is durable. A host slab: nothing to do (the bytes
+  // are in shared memory once copied; H3).
   void sync();
+  // Host slabs: sets the file's mtime to now (`vitrify tier ls` shows it as the last use).
+  // Never throws.
+  void mark_used() noexcept;
+  bool host() const noexcept { return static_cast<bool>(map_); }
 
   // Gives up the owner lock (removes the owner record, then unlocks); the fd stays open but
   // no more slot I/O may follow. Store::close() calls it last. Never throws.
@@ -287,11 +349,18 @@ class SlabFile {
   bool verify_header(const SlotHeader& h, uint64_t slot) const noexcept;
   std::vector<ScannedSlot> scan_range(uint64_t first, uint64_t last) const;
   void format();
+  // The slab's bytes [off, off + n): pread/pwrite, or a memcpy on a host slab's mapping.
+  // read_at returns the bytes read (fewer only past the end); both throw as pread_full and
+  // pwrite_full do.
+  size_t read_at(void* buf, size_t n, uint64_t off) const;
+  void write_at(const void* buf, size_t n, uint64_t off);
+  void map_host(bool writable);
 
   std::string path_;
   SlabGeometry geo_;
   file_io::Fd fd_;
   SlabLock lock_;  // on fd_; declared after it, so released before fd_ closes
+  SlabMapping map_;  // host slabs only: the whole slab, MAP_SHARED
   bool direct_ = false;
   bool formatted_ = false;
   bool read_only_ = false;
@@ -330,6 +399,11 @@ struct StoreConfig {
   // O_RDONLY without a lock and their headers scanned (cold_start is ignored); puts, remove()
   // and clear() are refused; refresh() picks up the writer's later pages. write_threads unused.
   bool read_only = false;
+  // The host tier (DESIGN.md H1-H8): `dirs` are in shared memory (tmpfs such as /dev/shm, or
+  // hugetlbfs); slab files are created 0600, mapped, and written and read with memcpy; the
+  // filesystem's free space is checked before any slab grows (ENOSPC naming the mount, the
+  // need and what is free). direct_io must be kAuto or kOff (it is off).
+  bool host = false;
 };
 constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 

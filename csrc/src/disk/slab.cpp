@@ -2,12 +2,14 @@
 // transfers (buffered + fdatasync where O_DIRECT is refused). See DESIGN.md.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <random>
 #include <thread>
@@ -83,7 +85,7 @@ void SlabFile::check_writable() const {
     vitrify::detail::throw_errno(EROFS, "write", path_, "slab opened read-only");
 }
 
-SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode)
+SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mode, bool host)
     : path_(std::move(locked.path)), geo_(geometry) {
   check_geometry(geo_);
   VITRIFY_EXPECT(locked.lock.held() && locked.file.fd,
@@ -95,20 +97,34 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
   lock_ = std::move(locked.lock);
   direct_ = locked.file.direct;
   buffered_reason_ = std::move(locked.file.buffered_reason);
-  if (!direct_) log::info("vitrify.disk: buffered I/O for " + path + ": " + buffered_reason_);
+  if (!direct_ && !host)
+    log::info("vitrify.disk: buffered I/O for " + path + ": " + buffered_reason_);
 
-  const uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
+  uint64_t size = kFileHeaderBytes + geo_.slot_count * geo_.slot_bytes;
   struct stat st{};
   VITRIFY_SYSCALL(::fstat(fd_.get(), &st), path);
   const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
-  if (static_cast<uint64_t>(st.st_size) > size)
+  if (host) {
+    // H1: a whole number of the filesystem's blocks (huge pages on hugetlbfs), never shrunk:
+    // a reader may have the old size mapped, and a shrink would make its reads fault.
+    struct statfs sfs{};
+    VITRIFY_SYSCALL(::fstatfs(fd_.get(), &sfs), path);
+    size = round_up(size, sfs.f_bsize > 0 ? static_cast<uint64_t>(sfs.f_bsize) : kBlock);
+    VITRIFY_EXPECT(static_cast<uint64_t>(st.st_size) <= size,
+                   "host slab " + path + " holds " + std::to_string(st.st_size) +
+                       " bytes, more than the " + std::to_string(size) +
+                       " of this geometry; a host slab is never shrunk (readers may map it): "
+                       "remove it with `vitrify tier clear` or use another name");
+  } else if (static_cast<uint64_t>(st.st_size) > size) {
     VITRIFY_SYSCALL(::ftruncate(fd_.get(), static_cast<off_t>(size)), path);
+  }
   const int fa = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size));
   if (fa != 0)
     vitrify::detail::throw_errno(fa, "posix_fallocate", path, std::to_string(size) + " bytes");
+  if (host) map_ = SlabMapping(fd_.get(), static_cast<size_t>(size), true, path);
 
   AlignedBuffer hb(kFileHeaderBytes);
-  const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path);
+  const size_t r = read_at(hb.data(), kFileHeaderBytes, 0);
   FileHeader fh{};
   std::memcpy(&fh, hb.data(), sizeof fh);
   const bool valid = r == kFileHeaderBytes && fh.magic == kFileMagic &&
@@ -139,13 +155,20 @@ SlabFile::~SlabFile() = default;
 // (yet) is an error here, never formatted.
 std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
                                                    const SlabGeometry& geometry,
-                                                   file_io::DirectIo dio) {
+                                                   file_io::DirectIo dio, bool host) {
   check_geometry(geometry);
   std::unique_ptr<SlabFile> s(new SlabFile());
   s->path_ = path;
   s->geo_ = geometry;
   s->read_only_ = true;
-  if (dio != file_io::DirectIo::kOff) {
+  if (host) {
+    int fd;
+    VITRIFY_SYSCALL_RETRY(fd, ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC), path,
+                          "read-only");
+    s->fd_.reset(fd);
+    check_host_owner(fd, path, false);
+    s->buffered_reason_ = "host slab (mapped)";
+  } else if (dio != file_io::DirectIo::kOff) {
     int fd;
     do fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
     while (fd == -1 && errno == EINTR);
@@ -172,6 +195,15 @@ std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
                  "slab file " + path + " holds " + std::to_string(st.st_size) +
                      " bytes, fewer than the " + std::to_string(size) +
                      " its geometry needs; a read-only store never formats or grows a slab");
+  if (host) {
+    // The writer sized the file to whole filesystem blocks (H1); hugetlbfs maps only those.
+    struct statfs sfs{};
+    VITRIFY_SYSCALL(::fstatfs(s->fd_.get(), &sfs), path);
+    const uint64_t whole = round_up(size, sfs.f_bsize > 0 ? static_cast<uint64_t>(sfs.f_bsize)
+                                                          : kBlock);
+    const uint64_t bytes = std::min<uint64_t>(whole, static_cast<uint64_t>(st.st_size));
+    s->map_ = SlabMapping(s->fd_.get(), static_cast<size_t>(bytes), false, path);
+  }
   const std::string why = s->reload_header();
   VITRIFY_EXPECT(why.empty(), "slab file " + path + " " + why +
                                   "; a read-only store never formats a slab");
@@ -182,7 +214,7 @@ std::string SlabFile::reload_header() noexcept {
   slab_id_ = 0;  // nothing verifies unless the header does
   try {
     AlignedBuffer hb(kFileHeaderBytes);
-    const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path_);
+    const size_t r = read_at(hb.data(), kFileHeaderBytes, 0);
     FileHeader fh{};
     std::memcpy(&fh, hb.data(), sizeof fh);
     if (r != kFileHeaderBytes || fh.magic != kFileMagic || fh.version != kFormatVersion ||
@@ -202,6 +234,22 @@ std::string SlabFile::reload_header() noexcept {
   }
 }
 
+std::optional<FileHeader> read_slab_header(const std::string& path) noexcept {
+  try {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return std::nullopt;
+    file_io::Fd owned(fd);
+    FileHeader fh{};
+    if (file_io::pread_full(fd, &fh, sizeof fh, 0, path) != sizeof fh) return std::nullopt;
+    if (fh.magic != kFileMagic || fh.version != kFormatVersion || fh.slab_id == 0 ||
+        fh.header_crc != crc32c(&fh, offsetof(FileHeader, header_crc)))
+      return std::nullopt;
+    return fh;
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
 void SlabFile::format() {
   check_writable();
   AlignedBuffer hb(kFileHeaderBytes);
@@ -217,14 +265,36 @@ void SlabFile::format() {
       std::chrono::system_clock::now().time_since_epoch() / std::chrono::nanoseconds(1));
   fh.header_crc = crc32c(&fh, offsetof(FileHeader, header_crc));
   std::memcpy(hb.data(), &fh, sizeof fh);
-  file_io::pwrite_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path_);
+  write_at(hb.data(), kFileHeaderBytes, 0);
   sync();
   formatted_ = true;
 }
 
 void SlabFile::sync() {
   check_writable();
+  if (map_) return;  // H3: in shared memory once copied; no drive behind it
   VITRIFY_SYSCALL(::fdatasync(fd_.get()), path_);
+}
+
+void SlabFile::mark_used() noexcept {
+  if (fd_) (void)::futimens(fd_.get(), nullptr);
+}
+
+size_t SlabFile::read_at(void* buf, size_t n, uint64_t off) const {
+  if (!map_) return file_io::pread_full(fd_.get(), buf, n, off, path_);
+  if (off >= map_.size()) return 0;
+  const size_t got = std::min<uint64_t>(n, map_.size() - off);
+  std::memcpy(buf, map_.data() + off, got);
+  return got;
+}
+
+void SlabFile::write_at(const void* buf, size_t n, uint64_t off) {
+  if (!map_) return file_io::pwrite_full(fd_.get(), buf, n, off, path_);
+  if (off > map_.size() || n > map_.size() - off)
+    vitrify::detail::throw_errno(ENOSPC, "memcpy", path_,
+                                 std::to_string(n) + " bytes at " + std::to_string(off) +
+                                     " past the mapping of " + std::to_string(map_.size()));
+  std::memcpy(map_.data() + off, buf, n);
 }
 
 void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
@@ -252,6 +322,19 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   std::memcpy(buf, &h, sizeof h);
   const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
   std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
+  if (map_) {
+    // H4 commit order: the old header goes first, then the payload, then the new header, so a
+    // header that verifies was written after its payload (a copy cut short by SIGKILL leaves a
+    // slot whose header does not verify, or whose payload CRC does not match: a miss).
+    uint8_t* at = map_.data() + slot_offset(slot);
+    VITRIFY_EXPECT(slot_offset(slot) + n <= map_.size(), "slot past the mapping of " + path_);
+    std::memset(at, 0, kSlotHeaderBytes);
+    std::atomic_thread_fence(std::memory_order_release);
+    std::memcpy(at + kSlotHeaderBytes, buf + kSlotHeaderBytes, n - kSlotHeaderBytes);
+    std::atomic_thread_fence(std::memory_order_release);
+    std::memcpy(at, buf, kSlotHeaderBytes);
+    return;
+  }
   file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
 }
 
@@ -259,7 +342,7 @@ void SlabFile::invalidate(uint64_t slot) {
   check_writable();
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
   AlignedBuffer zero(kBlock);
-  file_io::pwrite_full(fd_.get(), zero.data(), kBlock, slot_offset(slot), path_);
+  write_at(zero.data(), kBlock, slot_offset(slot));
 }
 
 bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept {
@@ -280,7 +363,7 @@ ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
   }
   if (buf_bytes < n) return -1;
   try {
-    return static_cast<ssize_t>(file_io::pread_full(fd_.get(), buf, n, slot_offset(slot), path_));
+    return static_cast<ssize_t>(read_at(buf, n, slot_offset(slot)));
   } catch (...) {  // an I/O error reads as a miss
     return -1;
   }
@@ -314,7 +397,7 @@ std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) con
   for (uint64_t s0 = first; s0 < last; s0 += per_read) {
     const uint64_t n = std::min(per_read, last - s0);
     const size_t bytes = n == 1 ? kBlock : static_cast<size_t>(n * geo_.slot_bytes);
-    const size_t r = file_io::pread_full(fd_.get(), b.data(), bytes, slot_offset(s0), path_);
+    const size_t r = read_at(b.data(), bytes, slot_offset(s0));
     for (uint64_t i = 0; i < n; ++i) {
       const uint64_t at = i * geo_.slot_bytes;
       if (r < at + kSlotHeaderBytes) break;  // truncated file

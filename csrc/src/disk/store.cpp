@@ -7,6 +7,8 @@
 #include <cstring>
 #include <functional>
 
+#include <sys/stat.h>
+
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/log.hpp"
@@ -62,6 +64,11 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
                     std::to_string(kc.share));
     share_sum += kc.share;
   }
+  if (cfg_.host) {
+    VITRIFY_EXPECT(cfg_.direct_io != file_io::DirectIo::kOn,
+                   "direct_io=on does not apply to a host-tier store (its slabs are mapped)");
+    cfg_.direct_io = file_io::DirectIo::kOff;
+  }
   const size_t nd = cfg_.dirs.size();
   const uint64_t tag = store_tag(cfg_.name);
   const auto slab_path = [&](size_t kind, size_t drive) {
@@ -89,21 +96,44 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   // when `locked` goes out of scope, before any file was formatted or scanned.
   // A read-only store takes no lock and opens the existing slabs O_RDONLY (D14).
   std::vector<LockedSlab> locked;
+  std::vector<HostFs> host_fss;
+  if (cfg_.host)  // H1: in memory, or refused before any file is created
+    for (size_t d = 0; d < nd; ++d) host_fss.push_back(host_fs(cfg_.dirs[d]));
   if (!cfg_.read_only) {
     locked.reserve(kinds_.size() * nd);
     for (size_t i = 0; i < kinds_.size(); ++i)
       for (size_t d = 0; d < nd; ++d)
-        locked.push_back(lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking));
+        locked.push_back(
+            lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking, cfg_.host));
+  }
+  if (cfg_.host && !cfg_.read_only) {
+    // H5: the space the slabs still have to take, per directory, against what its filesystem
+    // has free, before any slab grows (a write into a mapping tmpfs cannot back is a SIGBUS).
+    for (size_t d = 0; d < nd; ++d) {
+      uint64_t needed = 0;
+      for (size_t i = 0; i < kinds_.size(); ++i) {
+        const uint64_t bytes = round_up(
+            kFileHeaderBytes + counts[i][d] * kinds_[i].slot_bytes, host_fss[d].block_size);
+        struct stat st{};
+        VITRIFY_SYSCALL(::fstat(locked[i * nd + d].file.fd.get(), &st), slab_path(i, d));
+        const uint64_t have = static_cast<uint64_t>(st.st_blocks) * 512;
+        needed += bytes > have ? bytes - have : 0;
+      }
+      check_host_space(host_fss[d],
+                       "the slabs \"" + cfg_.dirs[d] + "/" + cfg_.name + ".kind*.slab\"", needed);
+    }
   }
   for (size_t i = 0; i < kinds_.size(); ++i) {
     KindState& k = kinds_[i];
     for (size_t d = 0; d < nd; ++d) {
       const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag};
       if (cfg_.read_only)
-        k.slabs.push_back(SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io));
-      else
         k.slabs.push_back(
-            std::make_unique<SlabFile>(std::move(locked[i * nd + d]), geo, cfg_.cold_start));
+            SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io, cfg_.host));
+      else
+        k.slabs.push_back(std::make_unique<SlabFile>(std::move(locked[i * nd + d]), geo,
+                                                     cfg_.cold_start, cfg_.host));
+      if (cfg_.host && !cfg_.read_only) k.slabs.back()->mark_used();
     }
     k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
   }
@@ -169,7 +199,10 @@ void Store::close() noexcept {
   }
   // Nothing touches the slabs after this: another store may open them now (D13).
   for (auto& k : kinds_)
-    for (auto& s : k.slabs) s->release_lock();
+    for (auto& s : k.slabs) {
+      if (cfg_.host && !cfg_.read_only) s->mark_used();  // `vitrify tier ls`: last use
+      s->release_lock();
+    }
 }
 
 // Scan the slab headers; the kind's SlotIndex rebuilds the index, slot pool and GC order (D7).

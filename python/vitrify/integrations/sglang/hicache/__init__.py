@@ -46,6 +46,13 @@ version``          after a weight update call :meth:`VitrifyStorage.set_weight_v
 refresh_s``        often, on an exists query that misses (seconds, default 2; 0: every miss)
 ``reader_open_     MLA with ``tp_size > 1``: how long ranks > 0 wait at attach for TP rank 0
 timeout_s``        to create the shared store (seconds, default 300)
+``host_bytes``     bytes of THIS rank's KV pages kept in the host tier (named shared memory
+                   that outlives the server, :mod:`vitrify.tier`) in front of the disk slabs
+                   (int, default 0: none); or ``host_gb`` (1e9 bytes). v1 sets write both
+                   tiers (the disk's result is the answer), v1 gets read the host tier first
+                   and copy disk hits into it; a restarted server maps the same slabs
+``host_dir``       the host tier's directory (tmpfs or hugetlbfs; default
+                   ``$VITRIFY_HOST_DIR/vitrify-<uid>``); ``vitrify tier ls`` lists its slabs
 =================  =====================================================================
 
 Slab files are per rank and per model: ``<dir>/<name>-<model>-<identity hash>-tp<r>of<n>-

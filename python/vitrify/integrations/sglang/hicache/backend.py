@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from .... import host as _host
 from .... import disk as _disk
+from .... import tier as _tier
 from .geometry import (_host_geometry, _HostGeometry, _model_identity, _rank_suffix,
                        _shares_tp_store, _store_name)
 from .metrics import PrometheusExport
@@ -168,6 +169,12 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         # The KV store's page mover (v1): its staging slots, one mutex per direction.
         self._mover: Optional[_disk.PageMover] = None
         self._chunk = 1
+        # The host tier (settings.host_bytes > 0, writers only): a HostStore of the same name in
+        # front of the KV store, with its own page mover; host_hits / host_promotions count
+        # v1 gets served from it and disk hits copied into it.
+        self._host_store: Optional[_tier.HostStore] = None
+        self._host_mover: Optional[_disk.PageMover] = None
+        self._host_c = {"host_hits": 0, "host_promotions": 0, "host_set_failed": 0}
         self._c = _Counters()
         self._retired = {k: 0 for k in _STORE_TOTALS}  # totals of the stores closed so far
         self._clock = threading.Lock()
@@ -200,6 +207,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         with self._state.exclusive():
             if self._store is not None:
                 self._retire(self._store)
+                self._drop_host()
             self._geom = geom
             self._store_name = name
             self._plan, self._extra_budget = plan, extra_budget
@@ -223,7 +231,10 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 "slabs": [self._store.slab_path(_KIND, d) for d in range(len(self.settings.dirs))],
                 "o_direct": self._store.direct_io(_KIND), "cold_start": self.settings.cold_start,
                 "mode": self._store.mode,
-                "budget_bytes": self._kv_budget, "identity": self._identity_locked()}
+                "budget_bytes": self._kv_budget, "identity": self._identity_locked(),
+                "host_slabs": ([self._host_store.slab_path(_KIND)] if self._host_store
+                               else []),
+                "host_bytes": self.settings.host_bytes if self._host_store else 0}
 
     def _open_store(self, budget: int, page_bytes: int, name: str,
                     cold_start: str) -> _disk.DiskStore:
@@ -247,9 +258,50 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                         f"reader_open_timeout_s={s.reader_open_timeout_s:g} s ({e})") from e
                 time.sleep(0.05)
 
+    def _open_host(self, cold_start: str) -> None:
+        """The host tier of the KV store (caller holds the state lock exclusively): a HostStore
+        named like the KV store (same identity), cold start as configured, so a restarted
+        server maps the pages it left in shared memory."""
+        s = self.settings
+        if s.host_bytes <= 0 or self._reader:
+            return
+        host = _tier.HostStore(s.host_bytes, {_KIND: self._geom.blob_bytes}, dir=s.host_dir,
+                               name=self._store_name, cold_start=cold_start,
+                               read_threads=s.read_threads, write_threads=s.write_threads)
+        try:
+            chunk = max(1, min(STORAGE_BATCH_SIZE // 4,
+                               s.staging_bytes // (2 * host.slot_bytes(_KIND))))
+            self._host_mover = _disk.PageMover(host, chunk, _KIND, copier=self._copier)
+        except BaseException:
+            host.close()
+            raise
+        self._host_store = host
+
+    def _drop_host(self, delete: bool = False) -> None:
+        """Close the host tier (caller holds the state lock exclusively); ``delete``: remove
+        its slab files too (their pages belong to an identity no longer served)."""
+        host, self._host_store = self._host_store, None
+        self._host_mover = None
+        if host is None:
+            return
+        paths = [host.slab_path(_KIND)]
+        host.close()
+        if delete:
+            for p in paths:
+                for f in (p, p + ".owner"):
+                    try:
+                        os.unlink(f)
+                    except FileNotFoundError:
+                        pass
+
     def _open(self, cold_start: str) -> _disk.DiskStore:
         store = self._open_store(self._kv_budget, self._geom.blob_bytes, self._store_name,
                                  cold_start)
+        try:
+            self._open_host(cold_start)
+        except BaseException:
+            store.close()
+            raise
         self._last_refresh = time.monotonic()
         # The page mover (and its staging slots) belongs to a store; a new one with every
         # (re)open. Each direction stages two chunks: writes gather one chunk while the previous
@@ -268,6 +320,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 store, self._store = self._store, None
                 self._mover = None
                 self._retire(store)
+            self._drop_host()
             for ep in self._extra.values():
                 if ep.store is not None:
                     ep_store, ep.store = ep.store, None
@@ -285,6 +338,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 if self._reader:  # TP rank 0 clears the shared store; nothing to do here
                     return True
                 self._store.clear()
+                if self._host_store is not None:
+                    self._host_store.clear()
                 for ep in self._extra.values():
                     if ep.store is not None:
                         ep.store.clear()
@@ -339,6 +394,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             store, self._store = self._store, None   # no store if the new one cannot open
             self._mover = None
             self._retire(store, delete=True)
+            self._drop_host(delete=True)
             self._store_name = _store_name(self.settings.name, self.storage_config,
                                            self._geom.identity, self._model)
             self._store = self._open(self.settings.cold_start)
@@ -461,6 +517,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 if self._store is None or not keys:
                     return 0
                 found = self._store.batch_exists(keys, _KIND)
+                if not all(found) and self._host_store is not None:
+                    found = [a or b for a, b in
+                             zip(found, self._host_store.batch_exists(keys, _KIND))]
                 if not all(found) and self._refresh_readers():
                     found = self._store.batch_exists(keys, _KIND)
             with self._clock:
@@ -586,15 +645,20 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         export.update(self.counters())
 
     def vitrify_stats(self) -> dict:
-        """:meth:`counters` plus the disk store's (occupancy, spills, reloads, GC, errors)."""
+        """:meth:`counters` plus the disk store's (occupancy, spills, reloads, GC, errors), and
+        ``host``: None without a host tier, else ``host_hits``, ``host_promotions``,
+        ``host_set_failed``, the host store's stats (``store``) and its slab file (``slab``)."""
         d = self.counters()
         with self._state.shared():
             d["store"] = self._store.stats() if self._store is not None else None
             d["name"] = self._store_name
             d["page_bytes"] = self._geom.blob_bytes if self._geom else None
             d["budget_bytes"] = self._kv_budget
+            hs = self._host_store
+            host = None if hs is None else {"store": hs.stats(), "slab": hs.slab_path(_KIND)}
             with self._clock:
                 d["extra_pools"] = {k: ep.stats() for k, ep in self._extra.items()}
+                d["host"] = None if host is None else dict(self._host_c, **host)
         return d
 
     @property

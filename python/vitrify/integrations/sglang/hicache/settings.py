@@ -25,6 +25,7 @@ _VITRIFY_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
     "read_threads", "write_threads", "name", "extra_pool_budget_bytes", "stats_path",
     "revision", "weight_version", "reader_refresh_s", "reader_open_timeout_s",
+    "host_bytes", "host_gb", "host_dir",
 })
 _KIND = "kv"  # the one payload kind of every slab store of this backend
 _MiB = 1 << 20
@@ -52,6 +53,11 @@ class VitrifyStorageSettings:
     reader_refresh_s: float = 2.0
     # ... and wait this long at open for TP rank 0 to create (format) the shared store.
     reader_open_timeout_s: float = 300.0
+    # The host tier (vitrify.tier; DESIGN.md "Host tier"): bytes of this rank's pages kept in
+    # named shared memory in front of the disk slabs (0: none), and its directory (None:
+    # vitrify.tier.default_dir(), under VITRIFY_HOST_DIR).
+    host_bytes: int = 0
+    host_dir: Optional[str] = None
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict]) -> "VitrifyStorageSettings":
@@ -145,9 +151,32 @@ class VitrifyStorageSettings:
             floats[key] = float(v)
         versions = {k: identity_text(k, extra[k]) if k in extra else None
                     for k in ("revision", "weight_version")}
+        host_bytes = 0
+        if "host_bytes" in extra and "host_gb" in extra:
+            raise ValueError("vitrify HiCache backend: give at most one of 'host_bytes' and "
+                             f"'host_gb', got host_bytes={extra['host_bytes']!r} "
+                             f"host_gb={extra['host_gb']!r}")
+        if "host_bytes" in extra:
+            host_bytes = extra["host_bytes"]
+            if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or \
+                    not 0 <= host_bytes <= _MAX_BUDGET:
+                raise ValueError(f"vitrify HiCache backend: 'host_bytes' must be an int in "
+                                 f"[0, {_MAX_BUDGET}] (0: no host tier), got {host_bytes!r}")
+        elif "host_gb" in extra:
+            gb = extra["host_gb"]
+            if isinstance(gb, bool) or not isinstance(gb, (int, float)) or \
+                    not 0 <= gb <= _MAX_BUDGET / 1e9:
+                raise ValueError(f"vitrify HiCache backend: 'host_gb' must be a number in "
+                                 f"[0, {_MAX_BUDGET / 1e9:.0f}] (0: no host tier), got {gb!r}")
+            host_bytes = int(gb * 1e9)
+        host_dir = extra.get("host_dir")
+        if host_dir is not None and (not isinstance(host_dir, str) or not host_dir
+                                     or "\0" in host_dir):
+            raise ValueError(f"vitrify HiCache backend: 'host_dir' must be a directory path "
+                             f"(non-empty string), got {host_dir!r}")
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, stats_path=stats_path,
-                   **versions, **ints, **floats)
+                   host_bytes=host_bytes, host_dir=host_dir, **versions, **ints, **floats)
 
 
 def identity_text(what: str, value: object) -> str:

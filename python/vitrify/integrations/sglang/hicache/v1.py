@@ -50,6 +50,13 @@ class _V1Path:
                 if self._reader:  # MLA, TP rank > 0: rank 0 writes the shared pages
                     return [True] * n
                 pages = self._pages(n, host_indices)
+                if self._host_mover is not None:
+                    # The host tier first (memory speed; write-through: the disk follows in
+                    # this call). Its failures (full) are counted; the disk's result is the
+                    # acknowledgement.
+                    hres, _ = self._host_mover.put_pages(keys, g.layout, pages)
+                    with self._clock:
+                        self._host_c["host_set_failed"] += sum(1 for r in hres if not r)
                 # One native call: skip stored keys, gather chunk i+1 while chunk i is written.
                 results, present = self._mover.put_pages(keys, g.layout, pages)
                 written = sum(results) - present
@@ -76,6 +83,32 @@ class _V1Path:
             self._error("batch_set_v1", e)
             return [False] * n
 
+    def _get_tiered(self, keys: List[str], g, pages: List[int]):
+        """The host tier first, then the disk for its misses; disk hits are copied into the
+        host tier (promotion). Caller holds the state lock shared."""
+        if self._host_mover is None:
+            # One native call: two chunks of reads in flight while one is scattered.
+            return self._mover.get_pages(keys, g.layout, pages)
+        results, dropped = self._host_mover.get_pages(keys, g.layout, pages)
+        rest = [i for i, hit in enumerate(results) if not hit]
+        host_hits = len(keys) - len(rest)
+        promoted = 0
+        if rest:
+            dres, ddrop = self._mover.get_pages([keys[i] for i in rest], g.layout,
+                                                [pages[i] for i in rest])
+            dropped = list(dropped) + [(rest[j], ln) for j, ln in ddrop]
+            hit = [rest[j] for j, ok in enumerate(dres) if ok]
+            for i in hit:
+                results[i] = True
+            if hit:  # promotion: gather the pages just scattered into the host tier
+                pres, _ = self._host_mover.put_pages([keys[i] for i in hit], g.layout,
+                                                     [pages[i] for i in hit])
+                promoted = sum(1 for r in pres if r)
+        with self._clock:
+            self._host_c["host_hits"] += host_hits
+            self._host_c["host_promotions"] += promoted
+        return results, dropped
+
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Read ``keys`` into the host-pool pages at ``host_indices``; one bool per key
@@ -91,8 +124,7 @@ class _V1Path:
                 if store is None:
                     return [False] * n
                 pages = self._pages(n, host_indices)
-                # One native call: two chunks of reads in flight while one is scattered.
-                results, dropped = self._mover.get_pages(keys, g.layout, pages)
+                results, dropped = self._get_tiered(keys, g, pages)
             for i, ln in dropped:
                 logger.warning("vitrify HiCache backend: page %s has %d bytes, %d expected; "
                                "dropped", keys[i], ln, g.blob_bytes)
