@@ -118,6 +118,16 @@ class _Counters:
 _LIVE: "weakref.WeakSet[VitrifyStorage]" = weakref.WeakSet()
 
 
+def _unlink_slabs(paths: list) -> None:
+    """Delete slab files and their owner records (missing ones are fine)."""
+    for p in paths:
+        for f in (p, p + ".owner"):
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
+
+
 def live_backends() -> list:
     """The backends open in this process."""
     return list(_LIVE)
@@ -287,12 +297,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         paths = [host.slab_path(_KIND)]
         host.close()
         if delete:
-            for p in paths:
-                for f in (p, p + ".owner"):
-                    try:
-                        os.unlink(f)
-                    except FileNotFoundError:
-                        pass
+            _unlink_slabs(paths)
 
     def _open(self, cold_start: str) -> _disk.DiskStore:
         store = self._open_store(self._kv_budget, self._geom.blob_bytes, self._store_name,
@@ -420,12 +425,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             for k in _STORE_TOTALS:
                 self._retired[k] += totals[k]
         if delete and not self._reader:  # a reader never deletes the writer's files
-            for p in paths:
-                for f in (p, p + ".owner"):
-                    try:
-                        os.unlink(f)
-                    except FileNotFoundError:
-                        pass
+            _unlink_slabs(paths)
 
     # -- helpers -----------------------------------------------------------------------------
 
