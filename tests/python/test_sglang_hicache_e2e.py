@@ -536,10 +536,13 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
     passes = [(r["scenario"], r["pass"]) for r in res["rows"]]
     assert passes == [("vitrify", "miss"), ("vitrify", "device_hit"),
                       ("vitrify", "l3_first_hit"), ("vitrify", "l3_hit"),
+                      ("vitrify", "l3_hit_cached"),
                       ("vitrify_restart", "restart_first_request"),
                       ("vitrify_restart", "l3_restart"), ("vitrify_restart", "miss_after_clear"),
                       ("file", "miss"), ("file", "device_hit"), ("file", "l3_first_hit"),
-                      ("file", "l3_hit")]
+                      ("file", "l3_hit"), ("file", "l3_hit_cached")]
+    assert res["checks"]["vitrify.cached_pass_from_storage"] is True
+    assert "file_cached_over_vitrify_restart" in res["ratios"]
     assert "restart_first_request_over_first_l3_hit" in res["ratios"]
     assert res["scenarios"]["vitrify_restart"]["first_request_storage_tokens"] > 0
     assert res["checks"]["vitrify_restart.first_request_from_storage"] is True
@@ -606,3 +609,13 @@ def test_long_prompts_grow_the_context_and_need_a_pool_that_holds_them(tmp_path)
         e2e.parse_args(["--prompt-len", "12000:16000", "--work", str(tmp_path)])  # pool 65536
     with pytest.raises(SystemExit):
         e2e.parse_args(["--prompt-len", "9:3"])
+
+
+def test_the_host_tier_option_reaches_the_backends_config(tmp_path):
+    s, _ = e2e.parse_args(["--host-gb", "4", "--work", str(tmp_path)])
+    assert s.host_bytes == 4_000_000_000
+    extra = e2e.vitrify_extra_config(s, "vitrify")
+    assert extra["host_bytes"] == 4_000_000_000 and extra["host_dir"].startswith("/dev/shm/")
+    assert "host_bytes" not in e2e.vitrify_extra_config(e2e.Settings(), "vitrify")
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--host-gb", "-1"])
