@@ -205,17 +205,21 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
         for aligned, idx in groups.items():
             if not idx:
                 continue
-            segs = torch.tensor([pieces[i] for i in idx], dtype=torch.int64)
-            counts = torch.tensor([max(1, -(-pieces[i][2] // (4 * block))) for i in idx],
-                                  dtype=torch.int64)
-            piece_of = torch.repeat_interleave(torch.arange(len(idx)), counts)
+            # two small host-to-device copies; the block table is built on the device
+            segs = torch.tensor([pieces[i] for i in idx], dtype=torch.int64).to(device)
+            n_blocks = [max(1, -(-pieces[i][2] // (4 * block))) for i in idx]
+            counts = torch.tensor(n_blocks, dtype=torch.int64).to(device)
+            total = sum(n_blocks)
+            piece_of = torch.repeat_interleave(
+                torch.arange(len(idx), dtype=torch.int64, device=device), counts,
+                output_size=total)
             first = torch.cumsum(counts, 0) - counts
-            blocks = torch.stack([piece_of, torch.arange(piece_of.numel()) - first[piece_of]], 1)
-            segs, blocks = segs.to(device), blocks.to(device)
-            limbs = torch.empty((blocks.shape[0], 7), dtype=torch.int64, device=device)
+            blocks = torch.stack([piece_of, torch.arange(total, dtype=torch.int64, device=device)
+                                  - first[piece_of]], 1).contiguous()
+            limbs = torch.empty((total, 7), dtype=torch.int64, device=device)
             _launch(kernel, segs, blocks, limbs, copy, aligned, block, tile)
             out = torch.zeros((len(idx), 7), dtype=torch.int64, device=device)
-            out.index_add_(0, piece_of.to(device), limbs)  # < 2**61 each (the limbs' bounds)
+            out.index_add_(0, piece_of, limbs)  # < 2**61 each (the limbs' bounds)
             outs.append((idx, out))
         rows = torch.cat([o for _, o in outs]).tolist() if outs else []  # one synchronisation
     result = [0] * len(pieces)
