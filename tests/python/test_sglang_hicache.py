@@ -737,3 +737,45 @@ def test_multi_chunk_pipelines_keep_pages_and_results_in_order(tmp_path, layout)
                 assert torch.equal(got[j], want[i]), f"slot {j} (page {i}) differs"
     finally:
         b.close()
+
+
+def test_a_second_server_reads_the_first_servers_host_tier(tmp_path, shm_dir):
+    """role = "reader": a second server of the node with the same storage identity maps the
+    first one's host and disk slabs read-only, serves their pages from the host tier, finds the
+    pages written after it opened (a rescan on a miss), writes nothing and deletes nothing."""
+    _, host = _mha_host("page_first")
+    _fill_random(host, 21)
+    idx = host.alloc(6 * PAGE)
+    want = _pages(host, idx, 6)
+    _, keys = _keys(6, salt=300)
+    extra = _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir, reader_refresh_s=0)
+    w = _backend(host, extra)
+    try:
+        assert w.batch_set_v1(keys[:3], idx[:3 * PAGE]) == [True] * 3
+        _, host2 = _mha_host("page_first")
+        r = _backend(host2, dict(extra, role="reader"))
+        try:
+            assert r.identity()["role"] == "reader"
+            assert r.batch_exists(keys) == 3
+            dst = host2.alloc(3 * PAGE)
+            assert r.batch_get_v1(keys[:3], dst) == [True] * 3
+            assert all(torch.equal(p, want[i]) for i, p in enumerate(_pages(host2, dst, 3)))
+            assert r.vitrify_stats()["host"]["host_hits"] == 3
+            # written by the first server after the second opened: found by a rescan
+            assert w.batch_set_v1(keys[3:], idx[3 * PAGE:]) == [True] * 3
+            assert r.batch_exists(keys) == 6
+            dst = host2.alloc(3 * PAGE)
+            assert r.batch_get_v1(keys[3:], dst) == [True] * 3
+            assert all(torch.equal(p, want[3 + i]) for i, p in enumerate(_pages(host2, dst, 3)))
+            # the reader's own pages are not written anywhere
+            _, other = _keys(2, salt=900)
+            r.batch_set_v1(other, host2.alloc(2 * PAGE))
+            assert w.batch_exists(other) == 0
+            assert w.vitrify_stats()["host"]["store"]["kinds"]["kv"]["entries"] == 6
+        finally:
+            r.close()
+        assert w.batch_exists(keys) == 6  # closing the reader removed nothing
+    finally:
+        w.close()
+    with pytest.raises(ValueError, match="'role' must be 'writer' or 'reader'"):
+        VitrifyStorageSettings.from_extra_config(dict(extra, role="boss"))

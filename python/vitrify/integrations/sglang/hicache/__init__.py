@@ -53,6 +53,10 @@ timeout_s``        to create the shared store (seconds, default 300)
                    and copy disk hits into it; a restarted server maps the same slabs
 ``host_dir``       the host tier's directory (tmpfs or hugetlbfs; default
                    ``$VITRIFY_HOST_DIR/vitrify-<uid>``); ``vitrify tier ls`` lists its slabs
+``role``           ``"writer"`` (default) or ``"reader"``: a second server of the node with
+                   the same storage identity maps the first one's host and disk slabs
+                   read-only (waiting ``reader_open_timeout_s`` for them), serves their pages,
+                   rescans on a miss (``reader_refresh_s``) and writes nothing
 =================  =====================================================================
 
 Slab files are per rank and per model: ``<dir>/<name>-<model>-<identity hash>-tp<r>of<n>-

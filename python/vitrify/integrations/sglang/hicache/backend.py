@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -153,7 +153,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         # MLA under tensor parallelism (DESIGN.md): SGLang backs pages up from TP rank 0 only
         # and every rank reads them, so the TP ranks share one store: rank 0 opens it as its
         # writer, the other ranks as readers (no writes, a rescan on misses).
-        self._reader = _shares_tp_store(storage_config) and storage_config.tp_rank != 0
+        self._reader = (_shares_tp_store(storage_config) and storage_config.tp_rank != 0) or \
+            self.settings.role == "reader"
         self._last_refresh = 0.0
         stats_path = self.settings.stats_path
         if stats_path is not None:
@@ -255,16 +256,25 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         if not self._reader:
             return _disk.DiskStore(list(s.dirs), budget, {_KIND: page_bytes},
                                    cold_start=cold_start, write_threads=s.write_threads, **args)
+        return self._wait_for(lambda: _disk.DiskStore(list(s.dirs), budget, {_KIND: page_bytes},
+                                                      mode="read", **args), f"store {name!r}")
+
+    def _wait_for(self, open_store: Callable[[], Any], what: str) -> Any:
+        """A reader's open: retried until the writer (TP rank 0 of an MLA model, or the server
+        whose stores this one reads) has created and formatted it, for up to
+        ``reader_open_timeout_s``."""
+        s = self.settings
         deadline = time.monotonic() + s.reader_open_timeout_s
         while True:
             try:
-                return _disk.DiskStore(list(s.dirs), budget, {_KIND: page_bytes}, mode="read",
-                                       **args)
+                return open_store()
             except (FileNotFoundError, ValueError) as e:  # not created / formatted yet
                 if time.monotonic() >= deadline:
+                    writer = ("the server that owns it" if s.role == "reader"
+                              else "TP rank 0")
                     raise RuntimeError(
-                        f"vitrify HiCache backend: TP rank {self.storage_config.tp_rank} (MLA) "
-                        f"found no store {name!r} written by TP rank 0 within "
+                        f"vitrify HiCache backend: TP rank {self.storage_config.tp_rank} found "
+                        f"no {what} written by {writer} within "
                         f"reader_open_timeout_s={s.reader_open_timeout_s:g} s ({e})") from e
                 time.sleep(0.05)
 
@@ -273,11 +283,19 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         named like the KV store (same identity), cold start as configured, so a restarted
         server maps the pages it left in shared memory."""
         s = self.settings
-        if s.host_bytes <= 0 or self._reader:
+        if s.host_bytes <= 0:
             return
-        host = _tier.HostStore(s.host_bytes, {_KIND: self._geom.blob_bytes}, dir=s.host_dir,
-                               name=self._store_name, cold_start=cold_start,
-                               read_threads=s.read_threads, write_threads=s.write_threads)
+        if self._reader and s.role != "reader":
+            return  # MLA TP ranks > 0 read the shared disk store only
+        if self._reader:  # another server's host tier, mapped read-only once it exists
+            host = self._wait_for(lambda: _tier.HostStore(
+                s.host_bytes, {_KIND: self._geom.blob_bytes}, dir=s.host_dir,
+                name=self._store_name, mode="read", read_threads=s.read_threads),
+                f"host tier {self._store_name!r}")
+        else:
+            host = _tier.HostStore(s.host_bytes, {_KIND: self._geom.blob_bytes}, dir=s.host_dir,
+                                   name=self._store_name, cold_start=cold_start,
+                                   read_threads=s.read_threads, write_threads=s.write_threads)
         try:
             chunk = max(1, min(STORAGE_BATCH_SIZE // 4,
                                s.staging_bytes // (2 * host.slot_bytes(_KIND))))
@@ -493,7 +511,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             if now - self._last_refresh < self.settings.reader_refresh_s:
                 return False
             self._last_refresh = now
-        for st in [self._store] + [ep.store for ep in self._extra.values()]:
+        for st in [self._store, self._host_store] + [ep.store for ep in self._extra.values()]:
             if st is not None:
                 st.refresh()
         return True

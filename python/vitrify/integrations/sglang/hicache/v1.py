@@ -47,7 +47,7 @@ class _V1Path:
                 store, g = self._store, self._geom
                 if store is None:
                     return [False] * n
-                if self._reader:  # MLA, TP rank > 0: rank 0 writes the shared pages
+                if self._reader:  # the writer (MLA TP rank 0, or the owning server) writes them
                     return [True] * n
                 pages = self._pages(n, host_indices)
                 if self._host_mover is not None:
@@ -100,7 +100,7 @@ class _V1Path:
             hit = [rest[j] for j, ok in enumerate(dres) if ok]
             for i in hit:
                 results[i] = True
-            if hit:  # promotion: gather the pages just scattered into the host tier
+            if hit and not self._reader:  # promotion: the pages just scattered, into host
                 pres, _ = self._host_mover.put_pages([keys[i] for i in hit], g.layout,
                                                      [pages[i] for i in hit])
                 promoted = sum(1 for r in pres if r)
