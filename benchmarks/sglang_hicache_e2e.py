@@ -158,6 +158,7 @@ class Settings:
     vitrify_budget_bytes: int = 1 << 30
     skip_file: bool = False
     skip_restart: bool = False
+    second_server: bool = False              # a reader server beside the restarted one
     host_bytes: int = 0                      # vitrify's host tier in /dev/shm (0: disk only)
     host_dir: str = "/dev/shm/vitrify-e2e-host"
     page_bytes: int = MiB
@@ -207,6 +208,7 @@ def vitrify_extra_config(s: Settings, scenario: str) -> dict:
         "dirs": [s.vitrify_dir],
         "budget_bytes": s.vitrify_budget_bytes,
         "cold_start": "clear" if scenario == "vitrify" else "load",
+        **({"role": "reader"} if scenario == "vitrify_second" else {}),
         "direct_io": "auto",
         "staging_bytes": 64 * MiB,
         "stats_path": stats_path_of(s, scenario),
@@ -214,7 +216,7 @@ def vitrify_extra_config(s: Settings, scenario: str) -> dict:
     }
 
 
-SCENARIOS = ("vitrify", "vitrify_restart", "file")
+SCENARIOS = ("vitrify", "vitrify_restart", "file", "vitrify_second")
 
 
 def port_of(s: Settings, scenario: str) -> int:
@@ -905,6 +907,8 @@ class Run:
                 info["first_request_storage_tokens"] = int(first[0]["details"].get("storage", 0))
                 l3 = run_pass(port, self.prompts, s.max_new_tokens)
                 self._row(sc, "vitrify", "l3_restart", l3, ("vitrify", "miss"))
+                if s.second_server:  # while this server owns the stores
+                    self.second_scenario()
                 flush_cache(port)
                 st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
                 info["clear_http"] = [st, text.strip()[:200]]
@@ -923,6 +927,34 @@ class Run:
                 }
                 # across processes bitwise-equal logprobs need deterministic kernel choices
                 # too: recorded, not a check (the tokens are)
+                info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
+                    logprob_diff(l3, dev_a)
+                self._backend_counters(sc, info, ck)
+                self._record_checks(sc, info, ck)
+        except Exception as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+        if not info["ok"]:
+            info["log_tail"] = log_tail(srv.log_path)
+
+    def second_scenario(self) -> None:
+        """vitrify_second: another server of the node (role "reader") beside the restarted
+        one, with the same storage identity: it maps the owner's slabs read-only and serves
+        the prompts from them (tokens as the first launch's miss pass, every page stored)."""
+        s, page, sc = self.s, self.s.page_tokens, "vitrify_second"
+        port = port_of(s, sc)
+        info: dict[str, Any] = {"ok": False}
+        self.scenarios[sc] = info
+        srv = self._launch(sc)
+        info["log"] = os.path.basename(srv.log_path)
+        try:
+            with srv:
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
+                self.launches += 1
+                l3 = run_pass(port, self.prompts, s.max_new_tokens)
+                self._row(sc, "vitrify", "l3_second_server", l3, ("vitrify", "miss"))
+                dev_a = self.results.get(("vitrify", "device_hit"), [])
+                ck = {"l3_all_from_storage": all_from_storage(l3, page),
+                      "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")])}
                 info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
                     logprob_diff(l3, dev_a)
                 self._backend_counters(sc, info, ck)
@@ -1028,6 +1060,9 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     ap.add_argument("--host-gb", type=float, default=0.0, metavar="GB",
                     help="vitrify's host tier in /dev/shm of this many GB in front of its disk "
                     "slabs (default 0: disk only)")
+    ap.add_argument("--second-server", action="store_true",
+                    help="launch a second server (role reader) beside the restarted one: it "
+                    "must serve the prompts from the first server's slabs")
     ap.add_argument("--skip-file", action="store_true", help="no file-backend launch")
     ap.add_argument("--skip-restart", action="store_true", help="no restart launch")
     ap.add_argument("--dry-run", action="store_true", help="print the server command lines")
@@ -1051,7 +1086,8 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     s = Settings.for_shape(a.shape, bundle=a.bundle, site=a.site, work=a.work, out=a.out,
                            log_dir=a.log_dir, port=a.port, prompts=a.prompts,
                            io_backend=a.io_backend, mem_layout=a.mem_layout,
-                           skip_file=a.skip_file, skip_restart=a.skip_restart, min_len=lo,
+                           skip_file=a.skip_file, skip_restart=a.skip_restart,
+                           second_server=a.second_server, min_len=lo,
                            max_len=hi, **explicit)
     return s, a
 

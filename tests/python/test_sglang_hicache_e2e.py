@@ -115,6 +115,8 @@ def test_server_args_parse_with_sglangs_parser(tmp_path, scenario):
         assert a.hicache_storage_backend == "dynamic"
         extra = json.loads(a.hicache_storage_backend_extra_config)
         assert extra["cold_start"] == ("clear" if scenario == "vitrify" else "load")
+        assert extra.get("role", "writer") == ("reader" if scenario == "vitrify_second"
+                                               else "writer")
     with pytest.raises(ValueError, match="nope"):
         e2e.server_args(s, "nope")
 
@@ -376,7 +378,7 @@ def test_dry_run_prints_every_command(capsys):
     out = capsys.readouterr().out
     for sc in e2e.SCENARIOS:
         assert f"# {sc}\n" in out
-    assert out.count("-m sglang.launch_server") == 3
+    assert out.count("-m sglang.launch_server") == 4
     assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=" in out
     assert '"cold_start":"load"' in out and '"cold_start":"clear"' in out
 
@@ -495,9 +497,10 @@ class H(http.server.BaseHTTPRequestHandler):
                 "prompt_tokens": len(ids), "cached_tokens": cached, "cached_tokens_details": det or None,
                 "output_token_logprobs": [[-0.01 * t, t, None] for t in out[:i + 1]]}}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
+        # in the caches before the client hears [DONE] (a flush that follows clears them)
         device.update(ks)
         store([k + suffix for k in ks])
+        self.wfile.write(b"data: [DONE]\n\n")
 
 print("fake sglang up", flush=True)
 http.server.ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
@@ -512,9 +515,11 @@ def _free_port_base():
         return so.getsockname()[1]
 
 
-def test_whole_run_against_a_stand_in_server(tmp_path):
+@pytest.mark.parametrize("second", [False, True], ids=["three-launches", "second-server"])
+def test_whole_run_against_a_stand_in_server(tmp_path, second):
     """Run.run end to end (bundle unpack, three launches, passes, waits on the real observables,
-    flush, restart, clear, JSON) with `sglang.launch_server` replaced by a stand-in."""
+    flush, restart, clear, JSON) with `sglang.launch_server` replaced by a stand-in; with
+    ``second``, a reader server beside the restarted one."""
     import tarfile
 
     fake = tmp_path / "fakesite"
@@ -527,8 +532,15 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
     s = e2e.Settings(bundle=str(bundle), site=str(tmp_path / "site"), work=str(tmp_path / "w"),
                      out=str(tmp_path / "out"), model_dir=str(tmp_path / "model"),
                      port=_free_port_base(), prompts=2, min_len=300, max_len=400,
-                     budget_s=300, first_ready_s=30, ready_s=30)
+                     budget_s=300, first_ready_s=30, ready_s=30, second_server=second)
     res = e2e.Run(s).run()
+    if second:
+        assert res["ok"] is True, json.dumps(res.get("scenarios"), indent=1)[:4000]
+        assert res["scenarios"]["vitrify_second"]["ok"] is True
+        assert res["checks"]["vitrify_second.tokens_identical"] is True
+        assert [r["pass"] for r in res["rows"] if r["scenario"] == "vitrify_second"] == \
+            ["l3_second_server"]
+        return
     assert res["bundle"].startswith("unpacked")
     assert res["ok"] is True, json.dumps({k: res.get(k) for k in ("checks", "scenarios")},
                                          indent=1)[:4000]
@@ -555,7 +567,7 @@ def test_whole_run_against_a_stand_in_server(tmp_path):
     assert res["scenarios"]["vitrify"]["backend_counters"]["set_pages"] == \
         res["scenarios"]["vitrify"]["pages_written"]
     assert "l3_hit_ttft_file_over_vitrify" in res["ratios"]
-    for sc in e2e.SCENARIOS:
+    for sc in ("vitrify", "vitrify_restart", "file"):  # no --second-server
         assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")
     assert e2e.unpack_bundle(s) == "already unpacked"
 
@@ -619,3 +631,10 @@ def test_the_host_tier_option_reaches_the_backends_config(tmp_path):
     assert "host_bytes" not in e2e.vitrify_extra_config(e2e.Settings(), "vitrify")
     with pytest.raises(SystemExit):
         e2e.parse_args(["--host-gb", "-1"])
+
+
+def test_the_second_server_option(tmp_path):
+    s, _ = e2e.parse_args(["--second-server", "--work", str(tmp_path)])
+    assert s.second_server and not e2e.Settings().second_server
+    assert e2e.port_of(s, "vitrify_second") == s.port + 3
+    assert e2e.vitrify_extra_config(s, "vitrify_second")["role"] == "reader"
