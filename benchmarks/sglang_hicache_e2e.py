@@ -642,6 +642,38 @@ def break_even(rows: list[dict], cfg: dict, drive_bytes_per_s: Optional[float]) 
                      + (hit["prompt_tokens"] - hit["cached_tokens"]) / tps) / hit["prompts"]
             out["l3_hit_floor_ms"] = 1e3 * floor
             out["l3_hit_ttft_over_floor"] = hit["ttft_ms_mean"] / (1e3 * floor)
+    out.update(_marginal_break_even(row("vitrify", "device_hit"), miss, kv, drive_bytes_per_s))
+    return out
+
+
+def _marginal_break_even(dev: Optional[dict], miss: dict, kv: int,
+                         drive: Optional[float]) -> dict:
+    """The same question with the request's fixed costs taken out: a hit skips only the prefix's
+    compute, so reading its KV must take less than the miss TTFT minus the device-hit TTFT (the
+    same prompts, the prefix already on the GPU). The storage rate above which an L3 hit beats
+    recomputing is then (prefix KV bytes) / (miss - device hit), per request on average. A
+    device hit no faster than the miss means no storage rate pays."""
+    if dev is None or not dev.get("prompts"):
+        return {}
+    saved_s = (miss["ttft_ms_mean"] - dev["ttft_ms_mean"]) / 1e3
+    prefix_bytes = dev["cached_tokens"] * kv / dev["prompts"]
+    out: dict[str, Any] = {"recompute_saved_ms_per_request": 1e3 * saved_s,
+                           "prefix_kv_bytes_per_request": prefix_bytes}
+    if saved_s <= 0:
+        out["marginal_break_even_read_bytes_per_s"] = None
+        out["marginal_verdict"] = (
+            f"no storage rate pays here: the device-hit pass ({dev['ttft_ms_mean']:.1f} ms) is "
+            f"not faster than the miss ({miss['ttft_ms_mean']:.1f} ms)")
+        return out
+    rate = prefix_bytes / saved_s
+    out["marginal_break_even_read_bytes_per_s"] = rate
+    if drive:
+        out["marginal_l3_pays"] = drive > rate
+        out["marginal_verdict"] = (
+            f"counting only the compute a hit saves ({1e3 * saved_s:.1f} ms per request for "
+            f"{prefix_bytes / 1e6:.0f} MB of KV), an L3 hit "
+            f"{'beats' if drive > rate else 'loses to'} recompute: it needs "
+            f"{rate / 1e9:.2f} GB/s, the drive reads {drive / 1e9:.2f} GB/s")
     return out
 
 
@@ -1016,8 +1048,9 @@ def report(res: dict) -> None:
               f"{info.get('error', '')}")
     for sc, why in res.get("skipped", {}).items():
         print(f"  {sc}: skipped ({why})")
-    if res.get("break_even", {}).get("verdict"):
-        print(f"  {res['break_even']['verdict']}")
+    for key in ("verdict", "marginal_verdict"):
+        if res.get("break_even", {}).get(key):
+            print(f"  {res['break_even'][key]}")
     print(f"ok={res.get('ok')}")
 
 

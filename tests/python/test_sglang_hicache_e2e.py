@@ -638,3 +638,24 @@ def test_the_second_server_option(tmp_path):
     assert s.second_server and not e2e.Settings().second_server
     assert e2e.port_of(s, "vitrify_second") == s.port + 3
     assert e2e.vitrify_extra_config(s, "vitrify_second")["role"] == "reader"
+
+
+def test_the_marginal_break_even_takes_the_fixed_costs_out():
+    def row(name, prompt_tokens, cached, ttft_ms, prompts=2):
+        return {"scenario": "vitrify", "pass": name, "prompts": prompts,
+                "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+                "cached_storage": 0, "ttft_ms_mean": ttft_ms}
+
+    cfg = e2e.model_config("8b-mqa")  # 18,432 B of KV per token
+    # the miss saves 26 ms per request over the device hit, for 2,464 tokens of prefix
+    rows = [row("miss", 2 * 2500, 0, 79.0), row("device_hit", 2 * 2500, 2 * 2464, 53.0)]
+    be = e2e.break_even(rows, cfg, 1.0e9)
+    want = 2464 * 18432 / 0.026
+    assert be["marginal_break_even_read_bytes_per_s"] == pytest.approx(want)
+    assert be["marginal_l3_pays"] is False and "loses to" in be["marginal_verdict"]
+    assert e2e.break_even(rows, cfg, 2.0e9)["marginal_l3_pays"] is True
+    # the 8b-mqa run: a device hit no faster than the miss
+    flat = [row("miss", 5000, 0, 80.0), row("device_hit", 5000, 4928, 83.0)]
+    be = e2e.break_even(flat, cfg, 1.0e9)
+    assert be["marginal_break_even_read_bytes_per_s"] is None
+    assert "no storage rate pays" in be["marginal_verdict"]
