@@ -55,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -842,6 +842,25 @@ class Run:
         srv = Server(server_args(s, scenario), server_env(s, scenario), log)
         return srv
 
+    def _serve(self, scenario: str, passes: Callable[[int, dict], None]) -> None:
+        """Launch ``scenario``'s server, wait until it is ready, run ``passes(port, info)`` on
+        it, stop it. Any error is recorded in the scenario's info (with the log's tail) instead
+        of ending the run."""
+        port = port_of(self.s, scenario)
+        info: dict[str, Any] = {"ok": False}
+        self.scenarios[scenario] = info
+        srv = self._launch(scenario)
+        info["log"] = os.path.basename(srv.log_path)
+        try:
+            with srv:
+                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
+                self.launches += 1
+                passes(port, info)
+        except Exception as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+        if not info["ok"]:
+            info["log_tail"] = log_tail(srv.log_path)
+
     def _ready_timeout(self) -> float:
         t = self.s.first_ready_s if self.launches == 0 else self.s.ready_s
         return max(30.0, min(t, self.left() - 45.0))
@@ -849,152 +868,125 @@ class Run:
     def l3_scenario(self, scenario: str) -> None:
         """vitrify or file: miss, device_hit, written, flush, l3_hit."""
         s, page = self.s, self.s.page_tokens
-        port = port_of(s, scenario)
-        info: dict[str, Any] = {"ok": False}
-        self.scenarios[scenario] = info
         backend = "file" if scenario == "file" else "vitrify"
         store = s.file_dir if backend == "file" else s.vitrify_dir
         shutil.rmtree(store, ignore_errors=True)
         if backend == "vitrify" and s.host_bytes:
             shutil.rmtree(s.host_dir, ignore_errors=True)  # a fresh host tier too
         os.makedirs(store, exist_ok=True)
-        srv = self._launch(scenario)
-        info["log"] = os.path.basename(srv.log_path)
-        try:
-            with srv:
-                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
-                self.launches += 1
-                t = time.monotonic()
-                run_pass(port, self.warmup, s.max_new_tokens,
-                         timeout=max(60.0, self.left() - 60))
-                info["warmup_s"] = round(time.monotonic() - t, 2)
-                miss = run_pass(port, self.prompts, s.max_new_tokens)
-                r_miss = self._row(scenario, backend, "miss", miss,
-                                   ("vitrify", "miss") if scenario == "file" else None)
-                dev = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
-                needed = self.needed_pages(self.prompts + self.warmup)
-                observe = (lambda: file_pages_written(store)) if backend == "file" else \
-                    (lambda: vitrify_pages_written(stats_path_of(s, scenario)))
-                info["pages_needed"] = needed
-                info["pages_written"], wait = wait_written(
-                    observe, needed, max(5.0, min(60.0, self.left() - 40)))
-                info["write_wait_s"] = round(wait, 2)
-                flush_cache(port)
-                files = glob.glob(os.path.join(store, "*"))
-                info["page_cache_dropped_files"] = resultlib.drop_page_cache(files)
-                # untimed: the first L3 hit of a process pays one-time costs (host->device
-                # transfer kernels); the warmup prompt's pages are in L3 too
-                w = run_pass(port, self.warmup, s.max_new_tokens)
-                info["warmup_l3_storage_tokens"] = int(w[0]["details"].get("storage", 0))
-                # the process's first L3 hit (the warmup prompt), kept apart from the steady pass
-                self._row(scenario, backend, "l3_first_hit", w)
-                l3 = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(scenario, backend, "l3_hit", l3, (scenario, "miss"))
-                # again with the files' page cache as the last pass left it (a realistic
-                # restart: the file backend then reads from memory)
-                flush_cache(port)
-                cached = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(scenario, backend, "l3_hit_cached", cached, (scenario, "miss"))
-                ck = {
-                    "miss_was_miss": all(r["cached_tokens"] == 0 for r in miss),
-                    "device_hit_from_device": all(
-                        r["cached_tokens"] == prefix_pages(r["prompt_tokens"], page) * page
-                        for r in dev),
-                    "l3_all_from_storage": all_from_storage(l3, page),
-                    "tokens_identical": tokens_identical(l3, miss),
-                    "logprobs_identical_vs_device_hit": logprob_diff(l3, dev) == 0.0,
-                    "cached_pass_from_storage": all_from_storage(cached, page),
-                    "cached_pass_tokens_identical": tokens_identical(cached, miss),
-                }
-                info["l3_logprob_max_abs_diff_vs_device_hit"] = logprob_diff(l3, dev)
-                info["l3_logprob_max_abs_diff_vs_miss"] = logprob_diff(l3, miss)
-                if scenario == "file":
-                    info["miss_tokens_equal_vitrify_launch"] = r_miss.get("tokens_identical")
-                if backend == "vitrify":
-                    self._backend_counters(scenario, info, ck)
-                self._record_checks(scenario, info, ck)
-        except Exception as e:
-            info["error"] = f"{type(e).__name__}: {e}"
-        if not info["ok"]:
-            info["log_tail"] = log_tail(srv.log_path)
+
+        def passes(port: int, info: dict) -> None:
+            t = time.monotonic()
+            run_pass(port, self.warmup, s.max_new_tokens,
+                     timeout=max(60.0, self.left() - 60))
+            info["warmup_s"] = round(time.monotonic() - t, 2)
+            miss = run_pass(port, self.prompts, s.max_new_tokens)
+            r_miss = self._row(scenario, backend, "miss", miss,
+                               ("vitrify", "miss") if scenario == "file" else None)
+            dev = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(scenario, backend, "device_hit", dev, (scenario, "miss"))
+            needed = self.needed_pages(self.prompts + self.warmup)
+            observe = (lambda: file_pages_written(store)) if backend == "file" else \
+                (lambda: vitrify_pages_written(stats_path_of(s, scenario)))
+            info["pages_needed"] = needed
+            info["pages_written"], wait = wait_written(
+                observe, needed, max(5.0, min(60.0, self.left() - 40)))
+            info["write_wait_s"] = round(wait, 2)
+            flush_cache(port)
+            files = glob.glob(os.path.join(store, "*"))
+            info["page_cache_dropped_files"] = resultlib.drop_page_cache(files)
+            # untimed: the first L3 hit of a process pays one-time costs (host->device
+            # transfer kernels); the warmup prompt's pages are in L3 too
+            w = run_pass(port, self.warmup, s.max_new_tokens)
+            info["warmup_l3_storage_tokens"] = int(w[0]["details"].get("storage", 0))
+            # the process's first L3 hit (the warmup prompt), kept apart from the steady pass
+            self._row(scenario, backend, "l3_first_hit", w)
+            l3 = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(scenario, backend, "l3_hit", l3, (scenario, "miss"))
+            # again with the files' page cache as the last pass left it (a realistic
+            # restart: the file backend then reads from memory)
+            flush_cache(port)
+            cached = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(scenario, backend, "l3_hit_cached", cached, (scenario, "miss"))
+            ck = {
+                "miss_was_miss": all(r["cached_tokens"] == 0 for r in miss),
+                "device_hit_from_device": all(
+                    r["cached_tokens"] == prefix_pages(r["prompt_tokens"], page) * page
+                    for r in dev),
+                "l3_all_from_storage": all_from_storage(l3, page),
+                "tokens_identical": tokens_identical(l3, miss),
+                "logprobs_identical_vs_device_hit": logprob_diff(l3, dev) == 0.0,
+                "cached_pass_from_storage": all_from_storage(cached, page),
+                "cached_pass_tokens_identical": tokens_identical(cached, miss),
+            }
+            info["l3_logprob_max_abs_diff_vs_device_hit"] = logprob_diff(l3, dev)
+            info["l3_logprob_max_abs_diff_vs_miss"] = logprob_diff(l3, miss)
+            if scenario == "file":
+                info["miss_tokens_equal_vitrify_launch"] = r_miss.get("tokens_identical")
+            if backend == "vitrify":
+                self._backend_counters(scenario, info, ck)
+            self._record_checks(scenario, info, ck)
+
+        self._serve(scenario, passes)
 
     def restart_scenario(self) -> None:
         """vitrify_restart: cold_start=load on the first launch's slabs; the first request hits."""
         s, page, sc = self.s, self.s.page_tokens, "vitrify_restart"
-        port = port_of(s, sc)
-        info: dict[str, Any] = {"ok": False}
-        self.scenarios[sc] = info
-        srv = self._launch(sc)
-        info["log"] = os.path.basename(srv.log_path)
-        try:
-            with srv:
-                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
-                self.launches += 1
-                # the literal first request after the restart (the warmup prompt, stored by the
-                # first launch), then the prompts: one-time costs of the process apart from the
-                # storage path's steady state
-                first = run_pass(port, self.warmup, s.max_new_tokens)
-                self._row(sc, "vitrify", "restart_first_request", first)
-                info["first_request_storage_tokens"] = int(first[0]["details"].get("storage", 0))
-                l3 = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(sc, "vitrify", "l3_restart", l3, ("vitrify", "miss"))
-                if s.second_server:  # while this server owns the stores
-                    self.second_scenario()
-                flush_cache(port)
-                st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
-                info["clear_http"] = [st, text.strip()[:200]]
-                flush_cache(port)
-                fresh = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(sc, "vitrify", "miss_after_clear", fresh, ("vitrify", "miss"))
-                dev_a = self.results.get(("vitrify", "device_hit"), [])
-                ck = {
-                    "first_request_from_storage": int(l3[0]["details"].get("storage", 0)) > 0,
-                    "l3_all_from_storage": all_from_storage(l3, page),
-                    "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")]),
-                    "clear_then_miss": st == 200 and all(r["cached_tokens"] == 0
-                                                         for r in fresh),
-                    "cross_launch_deterministic": tokens_identical(
-                        fresh, self.results[("vitrify", "miss")]),
-                }
-                # across processes bitwise-equal logprobs need deterministic kernel choices
-                # too: recorded, not a check (the tokens are)
-                info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
-                    logprob_diff(l3, dev_a)
-                self._backend_counters(sc, info, ck)
-                self._record_checks(sc, info, ck)
-        except Exception as e:
-            info["error"] = f"{type(e).__name__}: {e}"
-        if not info["ok"]:
-            info["log_tail"] = log_tail(srv.log_path)
+
+        def passes(port: int, info: dict) -> None:
+            # the literal first request after the restart (the warmup prompt, stored by the
+            # first launch), then the prompts: one-time costs of the process apart from the
+            # storage path's steady state
+            first = run_pass(port, self.warmup, s.max_new_tokens)
+            self._row(sc, "vitrify", "restart_first_request", first)
+            info["first_request_storage_tokens"] = int(first[0]["details"].get("storage", 0))
+            l3 = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(sc, "vitrify", "l3_restart", l3, ("vitrify", "miss"))
+            if s.second_server:  # while this server owns the stores
+                self.second_scenario()
+            flush_cache(port)
+            st, text = http_call(port, "POST", "/hicache/storage-backend/clear")
+            info["clear_http"] = [st, text.strip()[:200]]
+            flush_cache(port)
+            fresh = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(sc, "vitrify", "miss_after_clear", fresh, ("vitrify", "miss"))
+            dev_a = self.results.get(("vitrify", "device_hit"), [])
+            ck = {
+                "first_request_from_storage": int(l3[0]["details"].get("storage", 0)) > 0,
+                "l3_all_from_storage": all_from_storage(l3, page),
+                "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")]),
+                "clear_then_miss": st == 200 and all(r["cached_tokens"] == 0
+                                                     for r in fresh),
+                "cross_launch_deterministic": tokens_identical(
+                    fresh, self.results[("vitrify", "miss")]),
+            }
+            # across processes bitwise-equal logprobs need deterministic kernel choices
+            # too: recorded, not a check (the tokens are)
+            info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
+                logprob_diff(l3, dev_a)
+            self._backend_counters(sc, info, ck)
+            self._record_checks(sc, info, ck)
+
+        self._serve(sc, passes)
 
     def second_scenario(self) -> None:
         """vitrify_second: another server of the node (role "reader") beside the restarted
         one, with the same storage identity: it maps the owner's slabs read-only and serves
         the prompts from them (tokens as the first launch's miss pass, every page stored)."""
         s, page, sc = self.s, self.s.page_tokens, "vitrify_second"
-        port = port_of(s, sc)
-        info: dict[str, Any] = {"ok": False}
-        self.scenarios[sc] = info
-        srv = self._launch(sc)
-        info["log"] = os.path.basename(srv.log_path)
-        try:
-            with srv:
-                info["ready_s"] = round(srv.wait_ready(port, self._ready_timeout()), 1)
-                self.launches += 1
-                l3 = run_pass(port, self.prompts, s.max_new_tokens)
-                self._row(sc, "vitrify", "l3_second_server", l3, ("vitrify", "miss"))
-                dev_a = self.results.get(("vitrify", "device_hit"), [])
-                ck = {"l3_all_from_storage": all_from_storage(l3, page),
-                      "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")])}
-                info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
-                    logprob_diff(l3, dev_a)
-                self._backend_counters(sc, info, ck)
-                self._record_checks(sc, info, ck)
-        except Exception as e:
-            info["error"] = f"{type(e).__name__}: {e}"
-        if not info["ok"]:
-            info["log_tail"] = log_tail(srv.log_path)
+
+        def passes(port: int, info: dict) -> None:
+            l3 = run_pass(port, self.prompts, s.max_new_tokens)
+            self._row(sc, "vitrify", "l3_second_server", l3, ("vitrify", "miss"))
+            dev_a = self.results.get(("vitrify", "device_hit"), [])
+            ck = {"l3_all_from_storage": all_from_storage(l3, page),
+                  "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")])}
+            info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
+                logprob_diff(l3, dev_a)
+            self._backend_counters(sc, info, ck)
+            self._record_checks(sc, info, ck)
+
+        self._serve(sc, passes)
 
     def run(self) -> dict:
         s = self.s

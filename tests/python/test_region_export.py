@@ -6,7 +6,6 @@ exportable memory with memfds, as test_shared_buffer.py does), and once on a rea
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +15,10 @@ import pytest
 from vitrify import _check
 from vitrify.region import Region
 
-FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
+from test_shared_buffer import fake_env, gpu_env, needs_fake  # noqa: E402
+
 WORKER = Path(__file__).with_name("region_export_worker.py")
 MiB = 1 << 20
-
-needs_fake = pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test "
-                                                 "sets it)")
-
-
-def fake_env(**extra: str) -> dict:
-    return dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE or "", FAKE_CUDA_DEVICES="1", **extra)
-
-
-def gpu_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDA_")}
-    env.pop("VITRIFY_LIBCUDA_PATH", None)
-    return env
 
 
 def run_owner(env: dict) -> dict:

@@ -25,18 +25,17 @@ g = torch.Generator().manual_seed(0)
 checked = []
 def same(buf, n, **kw):
     assert K.checksum(buf, n, **kw) == S.checksum(buf, n), ("checksum", n, kw)
-    keykw = {k: v for k, v in kw.items() if k != "group"}
     t = buf[:n]
-    assert K.keyed_sums(t, (12345, 987654321), **keykw) == S.keyed_sums(t, (12345, 987654321)), \
+    assert K.keyed_sums(t, (12345, 987654321), **kw) == S.keyed_sums(t, (12345, 987654321)), \
         ("keyed", n, kw)
     checked.append(n)
 for n in (0, 1, 2, 3, 4, 5, 7, 1000, 4096 * 3 + 2, 70001):
     buf = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=g)
-    for span, tile, group in ((256, 64, 2), (1024, 256, 4)):
-        same(buf, n, span=span, tile=tile, group=group)
-# the largest words at the real span and tile (the int64 bounds), over two groups of one program
+    for span, tile in ((256, 64), (1024, 256)):
+        same(buf, n, span=span, tile=tile)
+# the largest words at the real spans and tiles (the int64 bounds), over several programs
 full = torch.full((4 * K.SPAN * 2 + 6,), 255, dtype=torch.uint8)
-same(full, full.numel(), group=1)
+same(full, full.numel())
 # a changed byte changes both
 buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
 c0, k0 = K.checksum(buf, 5000, span=256, tile=64), K.keyed_sums(buf, (3, 5), span=256, tile=64)
@@ -109,6 +108,6 @@ def test_the_sums_refuse_what_they_cannot_read_as_words():
     for bad in ({"span": 96, "tile": 64}, {"span": 1 << 17}, {"tile": 48, "span": 96}):
         with pytest.raises(ValueError, match="power-of-two tile"):
             kernels.checksum(torch.zeros(8, dtype=torch.uint8), **bad)
-    with pytest.raises(ValueError, match="group"):
-        kernels.checksum(torch.zeros(8, dtype=torch.uint8), group=0)
+    with pytest.raises(ValueError, match="block <= 32768"):  # the weighted sum's bound
+        kernels.checksum(torch.zeros(8, dtype=torch.uint8), span=1 << 16)
     assert not kernels.takes(torch.zeros(8, dtype=torch.int32))  # only uint8 bytes

@@ -2,15 +2,14 @@
 :func:`keyed_sums` give exactly the integers of :func:`vitrify.weights.stream.checksum` and
 :func:`vitrify.weights.stream.keyed_sums` (their torch form, kept as the reference and for CPU
 tensors) with one read of the bytes and one device synchronisation per call, instead of a
-dozen int64 passes and four synchronisations per piece.
+dozen int64 passes and four synchronisations per piece. :func:`checksum` is
+:func:`piece_sums` of one piece: the kernel the direct update copies and sums with.
 
-Each program sums ``span`` consecutive 32-bit words (the bytes as little-endian words; the last
-zero-padded word of a length that is not a multiple of 4 is added on the host). Bounds that keep
-every int64 exact: a word's 16-bit halves are below ``2**16``, a position inside a program's span
-(``span <= 2**16``) at most ``2**16``, so a program's position-weighted sum stays below ``2**48``
-and ``group`` programs (``<= 2**14``) combine on the device below ``2**62``; keyed products are
-below ``2**40`` and a program's keyed sum below ``2**57``, combined on the host. Everything else
-is Python integers modulo ``2**61 - 1``.
+Keyed sums: each program sums ``span`` consecutive 32-bit words (the bytes as little-endian
+words; the last zero-padded word of a length that is not a multiple of 4 is added on the host).
+A word's 16-bit halves are below ``2**16`` and the keyed weights below ``2**24``, so keyed
+products are below ``2**40`` and a program's keyed sum (``span <= 2**16``) below ``2**57``,
+combined on the host. Everything else is Python integers modulo ``2**61 - 1``.
 
 :func:`usable` says whether a tensor can take this path (a CUDA tensor, Triton importable, not
 turned off with ``VITRIFY_WEIGHTS_TRITON=0``); tests force it on CPU tensors under Triton's
@@ -24,9 +23,8 @@ import importlib.util
 from typing import Any
 
 PRIME = (1 << 61) - 1
-SPAN = 1 << 16  # words per program
+SPAN = 1 << 16  # words per program (keyed sums)
 TILE = 2048  # words per step inside a program
-GROUP = 1 << 14  # programs combined on the device per synchronisation (checksum)
 
 
 def usable(t: Any) -> bool:
@@ -53,20 +51,18 @@ def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _check_shape(span: int, tile: int, group: int = 1) -> None:
-    """The bounds the module docstring relies on (span, tile and group are tuning knobs)."""
-    if not (0 < tile <= span <= SPAN and span % tile == 0 and tile & (tile - 1) == 0
-            and 0 < group <= GROUP):
-        raise ValueError(f"span={span}, tile={tile}, group={group}: need a power-of-two tile "
-                         f"dividing span <= {SPAN}, and 1 <= group <= {GROUP}")
+def _check_shape(span: int, tile: int) -> None:
+    """The bounds the module docstring relies on (span and tile are tuning knobs)."""
+    if not (0 < tile <= span <= SPAN and span % tile == 0 and tile & (tile - 1) == 0):
+        raise ValueError(f"span={span}, tile={tile}: need a power-of-two tile dividing "
+                         f"span <= {SPAN}")
 
 
 @functools.cache
 def _kernels() -> tuple[Any, Any, Any]:
     from . import _triton_sums  # imports triton: only where a kernel runs
 
-    return (_triton_sums.checksum_blocks, _triton_sums.keyed_blocks,
-            _triton_sums.piece_sums)
+    return _triton_sums.keyed_blocks, _triton_sums.piece_sums
 
 
 def _split(buf: Any, n: int) -> tuple[Any, int, int]:
@@ -93,15 +89,20 @@ def _weight(pos: int, k1: int, k2: int) -> int:
     return x & 0xFFFFFF
 
 
-def checksum(buf: Any, nbytes: int | None = None, *, span: int = SPAN, tile: int = TILE,
-             group: int = GROUP) -> int:
-    """:func:`vitrify.weights.stream.checksum` of ``buf[:nbytes]`` in one pass (Triton)."""
-    _check_shape(span, tile, group)
+def checksum(buf: Any, nbytes: int | None = None, *, span: int | None = None,
+             tile: int | None = None) -> int:
+    """:func:`vitrify.weights.stream.checksum` of ``buf[:nbytes]`` in one pass (Triton):
+    :func:`piece_sums` of one piece (``span``: words per program, at most ``2**15``;
+    ``tile``: lanes)."""
+    span = PIECE_BLOCK if span is None else span
+    tile = PIECE_TILE if tile is None else tile
+    _check_shape(span, tile)
     n = buf.numel() if nbytes is None else int(nbytes)
     if n > buf.numel():
         raise ValueError(f"nbytes={n} exceeds the buffer's {buf.numel()} bytes")
-    with _on(buf):
-        return _checksum(buf, n, span, tile, group)
+    _split(buf, 0)  # a contiguous uint8 tensor on a 4-byte boundary, else ValueError
+    return piece_sums([(buf.data_ptr(), buf.data_ptr(), n)], buf.device, block=span,
+                      tile=tile)[0]
 
 
 def _on(buf: Any) -> Any:
@@ -112,32 +113,6 @@ def _on(buf: Any) -> Any:
     import torch
 
     return torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext()
-
-
-def _checksum(buf: Any, n: int, span: int, tile: int, group: int) -> int:
-    import torch
-
-    words, full, tail = _split(buf, n)
-    kernel = _kernels()[0]
-    plain = weighted = 0
-    piece = span * group  # words per device-side combination
-    for lo in range(0, full, piece):
-        m = min(piece, full - lo)
-        blocks = -(-m // span)
-        out = torch.empty((blocks, 4), dtype=torch.int64, device=buf.device)
-        kernel[(blocks,)](words[lo:lo + m], m, out, SPAN=span, TILE=tile)
-        idx = torch.arange(blocks, dtype=torch.int64, device=buf.device)
-        s0, s1, w0, w1, b0, b1 = torch.stack([
-            out[:, 0].sum(), out[:, 1].sum(), out[:, 2].sum(), out[:, 3].sum(),
-            (idx * out[:, 0]).sum(), (idx * out[:, 1]).sum()]).tolist()  # one synchronisation
-        total = s0 + (s1 << 16)
-        # word g = lo + b * span + (j - 1) weighs g + 1 = lo + b * span + j
-        weighted += w0 + (w1 << 16) + span * (b0 + (b1 << 16)) + lo * total
-        plain += total
-    if n % 4:
-        plain += tail
-        weighted += (full + 1) * tail
-    return (plain % PRIME) << 61 | (weighted % PRIME)
 
 
 def keyed_sums(buf: Any, key: tuple[int, int], *, span: int = SPAN, tile: int = TILE) -> int:
@@ -159,7 +134,7 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
     if full:
         blocks = -(-full // span)
         out = torch.empty((blocks, 2), dtype=torch.int64, device=buf.device)
-        _kernels()[1][(blocks,)](words, full, 0, k1, k2, out, SPAN=span, TILE=tile)
+        _kernels()[0][(blocks,)](words, full, 0, k1, k2, out, SPAN=span, TILE=tile)
         pa, pb = out.t().tolist()  # one synchronisation; each below 2**57
         a, b = sum(pa), sum(pb)
     if n % 4:
@@ -199,7 +174,7 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
             raise ValueError(f"piece {i}: {n} bytes exceed {_MAX_PIECE_BLOCKS} blocks of "
                              f"{4 * block} bytes")
         groups[src % 16 == 0 and (not copy or dst % 16 == 0)].append(i)
-    kernel = _kernels()[2]
+    kernel = _kernels()[1]
     outs = []
     with torch.cuda.device(device) if torch.device(device).type == "cuda" else _null():
         for aligned, idx in groups.items():

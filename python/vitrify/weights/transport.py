@@ -610,8 +610,7 @@ class Receiver:
         if not fin.get("released"):
             raise UpdateError("the trainer did not release its mapping of the engine's weights")
         t1 = time.perf_counter()
-        want = direct.verify(sub, ps, self.engine)
-        self.synchronize()
+        want = direct.verify(sub, ps, self.engine)  # its sums are read back: nothing queued
         bad = direct.first_difference(ps, [int(x) for x in fin.get("sums", [])], want)
         if bad is not None:
             raise UpdateError(f"the update is not what the trainer wrote: {bad}")
