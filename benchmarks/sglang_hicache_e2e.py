@@ -726,6 +726,7 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
     ran = [sc for sc in SCENARIOS if sc in scenarios]
     ok = bool(ran) and all(scenarios[sc].get("ok") for sc in ran) and \
         all(v for v in checks.values() if isinstance(v, bool))
+    importlib.invalidate_caches()  # vitrify may have been installed since start-up (its git_sha)
     return resultlib.result(
         NAME, rows=rows, ratios=ratios, goals=GOALS, goal_direction=GOAL_DIRECTION,
         directory=s.work if os.path.isdir(s.work) else None,

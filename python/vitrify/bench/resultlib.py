@@ -15,8 +15,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from vitrify import config
-
 PACKAGE = Path(__file__).resolve().parents[1]  # .../vitrify
 
 
@@ -33,7 +31,11 @@ def git_sha() -> str:
     no usable .git), else HEAD of the vitrify checkout this package lives in (a source tree, an
     editable install, or a virtual environment inside the checkout); "unknown" otherwise (an
     installed wheel: ``machine["vitrify"]`` names the version)."""
-    env = config.get("git_sha")
+    try:  # by path, before the package is installed (the SGLang scripts), there is none yet
+        from vitrify import config
+    except ImportError:
+        config = None
+    env = config.get("git_sha") if config is not None else ""
     if env:
         return env
     top = _git("rev-parse", "--show-toplevel")
