@@ -140,15 +140,21 @@ def test_gpu_benchmark_without_a_driver_says_why_and_exits_0(name, tmp_path):
     assert strict.returncode == 3 and strict.stdout == r.stdout
 
 
-def test_host_without_a_driver_runs_gather_and_names_the_skipped_sections(tmp_path):
+def test_host_without_a_driver_runs_gather_and_tier_and_names_the_skipped_sections(tmp_path):
     r = bench_in_subprocess(["host", "--quick", "--out", str(tmp_path)],
                             env={"VITRIFY_LIBCUDA_PATH": NO_DRIVER})
     assert r.returncode == 0, r.stdout + r.stderr
     res = only_result(tmp_path, "host-cpu")
     assert set(res["skipped"]) == {"registration", "transfer"}
     assert all(NO_DRIVER in why for why in res["skipped"].values())
-    assert {r_["section"] for r_ in res["rows"]} == {"gather"}
+    assert {r_["section"] for r_ in res["rows"]} == {"gather", "tier"}
     assert {"gather_llama8b_vs_memcpy_1t", "scatter_llama8b_vs_memcpy_1t"} <= set(res["ratios"])
+    tier = [r_["case"] for r_ in res["rows"] if r_["section"] == "tier"]
+    assert any(c.startswith("get 16 pages of 9 MiB page_first") for c in tier), tier
+    assert any(c.startswith("memcpy baseline") for c in tier), tier
+    ratio = res["ratios"]["tier_get_vs_memcpy"]
+    assert isinstance(ratio, float) and 0 < ratio < float("inf"), ratio
+    assert res["goals"]["tier_get_vs_memcpy"] == 0.8
     assert "skipped registration: no CUDA GPU: " in r.stdout and NO_DRIVER in r.stdout
     assert "[host +" in r.stderr and "Traceback" not in r.stderr
 

@@ -5,9 +5,13 @@
   transfer      H2D / D2H page copies (scattered pages, batch API and loop) vs the pinned-copy
                 limit: one large cuMemcpyHtoD / cuMemcpyDtoH of a registered buffer
   gather        gather/scatter GB/s (multi-threaded) vs single-threaded memcpy of the same bytes
+  tier          host KV tier (vitrify.tier.HostStore + disk.PageMover) get and put GB/s of
+                Qwen3-8B pages (9 MiB, page_first and layer_first) vs the best multi-threaded
+                memcpy of the same bytes out of a mapped file in the same host directory
 
-GPU sections are skipped, with the reason, on machines without a GPU; gather always runs (the
-result is then named ``host-cpu``). Needs numpy.
+GPU sections are skipped, with the reason, on machines without a GPU; gather and tier always run
+(the result is then named ``host-cpu``; tier is skipped, with the reason, when the host
+directory cannot hold a store). Needs numpy.
 
   vitrify bench host [--out DIR] [--quick] [--note TEXT]
 """
@@ -15,13 +19,16 @@ result is then named ``host-cpu``). Needs numpy.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 
 import vitrify
-from vitrify import _native, host
+from vitrify import _native, disk, host, tier
 from vitrify._units import GiB, MiB
 
 from . import resultlib
@@ -208,6 +215,138 @@ def bench_gather(pages: int, reps: int, rows: list, ratios: dict) -> None:
         del mems, dst, src_flat, flat_dst
 
 
+# ---- host tier --------------------------------------------------------------------------------
+
+
+def bench_tier(pages: int, reps: int, rows: list, ratios: dict, skipped: dict) -> None:
+    """HostStore get/put through a PageMover vs the best T-thread memcpy of the same bytes."""
+    # Qwen3-8B as SGLang's host pool holds it: 36 layers, 8 KV heads x 128, bf16, 64-token pages.
+    geom = dict(layers=36, pages=pages, page_tokens=64, heads=8, head_dim=128, item_bytes=2)
+    per_comp = 36 * pages * 64 * 8 * 128 * 2
+    total = 2 * per_comp
+    cpus = os.cpu_count() or 1
+    base = tier.default_dir()
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="bench-tier-", dir=base)
+    except OSError as e:
+        skipped["tier"] = f"host directory {base}: {e}"
+        return
+    try:
+        get_gbs = tier_sweep(geom, per_comp, work, cpus, reps, rows, skipped)
+        if get_gbs is None:
+            return
+        shutil.rmtree(os.path.join(work, "store"))
+        try:
+            memcpy = memcpy_sweep(os.path.join(work, "memcpy.src"), total, cpus, reps, rows)
+        except OSError as e:
+            skipped["tier"] = f"memcpy baseline: a mapped file in {work}: {e}"
+            return
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for r in rows:
+        if r["section"] == "tier" and r["case"].startswith(("get", "put")):
+            r["vs_memcpy"] = round(r["value"] / memcpy, 3)
+    ratios["tier_get_vs_memcpy"] = round(get_gbs["page_first"] / memcpy, 3)
+    ratios["tier_get_layer_first_vs_memcpy"] = round(get_gbs["layer_first"] / memcpy, 3)
+
+
+def tier_sweep(geom: dict, per_comp: int, work: str, cpus: int, reps: int, rows: list,
+               skipped: dict) -> dict | None:
+    """Put then get every page, per read-thread count and layout; the best get GB/s per layout
+    (None, with skipped["tier"] set, when the directory cannot hold the store)."""
+    import numpy as np
+
+    pages = geom["pages"]
+    src = [np.empty(per_comp, dtype=np.uint8) for _ in range(2)]
+    for c, a in enumerate(src):  # distinct 8-byte words, so a misplaced slice cannot compare equal
+        a.view(np.uint64)[:] = np.arange(per_comp // 8, dtype=np.uint64) * 2 + c
+    dst = [np.zeros(per_comp, dtype=np.uint8) for _ in range(2)]
+    layouts = {name: (make([a.ctypes.data for a in src], **geom),
+                      make([a.ctypes.data for a in dst], **geom))
+               for name, make in (("page_first", host.PageLayout.page_first),
+                                  ("layer_first", host.PageLayout.layer_first))}
+    blob = layouts["page_first"][0].blob_bytes
+    # The store's GC starts at 90 % occupancy: a quarter more slots than pages keeps every page.
+    budget = (pages * 5 // 4 + 1) * (blob + 8192) + 64 * MiB
+    copier = host.Copier()
+    keys = [f"bench-tier-{i}" for i in range(pages)]
+    idx = list(range(pages))
+    moved = pages * blob
+    best = {name: 0.0 for name in layouts}
+    put = (float("inf"), 0)
+    for threads in sorted({min(t, cpus) for t in (4, 8, 16)}):
+        try:
+            store = tier.HostStore(budget, {"kv": blob}, dir=os.path.join(work, "store"),
+                                   name="bench-tier", read_threads=threads, write_threads=threads)
+        except (OSError, ValueError) as e:
+            skipped["tier"] = f"host tier store of {budget >> 20} MiB in {work}: {e}"
+            return None
+        try:
+            chunk = max(1, 256 * MiB // (2 * store.slot_bytes("kv")))  # SGLang backend's staging
+            mover = disk.PageMover(store, chunk, "kv", copier=copier)
+            for name, (lay, out) in layouts.items():
+                store.clear()
+                t0 = time.perf_counter()
+                ok, present = mover.put_pages(keys, lay, idx)
+                t_put = time.perf_counter() - t0
+                if not all(ok) or present:
+                    raise RuntimeError(f"tier {name}: put stored {sum(ok)} of {pages} pages "
+                                       f"({present} were present before)")
+                if name == "page_first" and t_put < put[0]:
+                    put = (t_put, threads)
+                t_get = float("inf")
+                for _ in range(reps):
+                    for a in dst:
+                        a.fill(0)
+                    t0 = time.perf_counter()
+                    hits, dropped = mover.get_pages(keys, out, idx)
+                    t_get = min(t_get, time.perf_counter() - t0)
+                    if not all(hits) or dropped:
+                        raise RuntimeError(f"tier {name}: get hit {sum(hits)} of {pages} pages, "
+                                           f"dropped for their length: {dropped}")
+                    if not all(np.array_equal(a, b) for a, b in zip(src, dst)):
+                        raise RuntimeError(f"tier {name}: get returned wrong bytes "
+                                           f"({threads} read threads)")
+                best[name] = max(best[name], moved / t_get / 1e9)
+                rows.append(row("tier", f"get {pages} pages of {blob >> 20} MiB {name}, "
+                                f"{threads} read threads", moved / t_get / 1e9, "GB/s",
+                                chunk=chunk, copy_threads=copier.threads))
+        finally:
+            store.close()
+    rows.append(row("tier", f"put {pages} pages of {blob >> 20} MiB page_first, {put[1]} write "
+                    f"threads (best single put)", moved / put[0] / 1e9, "GB/s"))
+    return best
+
+
+def memcpy_sweep(path: str, total: int, cpus: int, reps: int, rows: list) -> float:
+    """T threads each np.copyto one contiguous T-th of a mapped file into a buffer; best GB/s."""
+    import numpy as np
+
+    src = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,))
+    src[:] = 1
+    dst = np.empty(total, dtype=np.uint8)
+    dst[:] = 0
+    best = 0.0
+    try:
+        for threads in sorted({min(t, cpus) for t in (1, 2, 4, 8, 16)}):
+            cut = [total * i // threads for i in range(threads + 1)]
+            def part(i):
+                np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]])
+            with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+                def once():
+                    list(ex.map(part, range(threads)))
+                once()
+                t = best_of(once, reps)
+            v = total / t / 1e9
+            best = max(best, v)
+            rows.append(row("tier", f"memcpy baseline: {total >> 20} MiB from a mapped file in "
+                            f"the host dir, {threads} thread{'s' * (threads > 1)}", v, "GB/s"))
+    finally:
+        os.unlink(path)  # the tmpfs pages go with the mapping, at return
+    return best
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI / smoke)")
     ap.add_argument("--note", default="", help="free text stored in the result (machine load...)")
@@ -216,7 +355,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def unavailable(args: argparse.Namespace) -> str | None:
     if importlib.util.find_spec("numpy") is None:
         return "needs numpy, which is not installed (pip install numpy)"
-    return None  # without a GPU the gather section runs and the GPU sections say why not
+    return None  # without a GPU gather and tier run and the GPU sections say why not
 
 
 def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -239,6 +378,8 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         progress("registration, transfer: skipped, no CUDA GPU (the reason follows the table)")
     progress("gather/scatter vs single-threaded memcpy")
     bench_gather(16 if a.quick else 64, reps, rows, ratios)
+    progress("tier: host-tier get/put of 9 MiB pages vs multi-threaded memcpy")
+    bench_tier(16 if a.quick else 64, reps, rows, ratios, skipped)
     goals = {
         "registration_parallel_speedup": 2.0,
         "transfer_h2d_batch_2048KiB_vs_limit": 0.9,
@@ -247,6 +388,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "transfer_d2h_batch_256KiB_vs_limit": 0.9,
         "gather_llama8b_vs_memcpy_1t": 2.0,
         "scatter_llama8b_vs_memcpy_1t": 2.0,
+        "tier_get_vs_memcpy": 0.8,
     }
     res = resultlib.result("host" if gpu else "host-cpu", rows=rows, ratios=ratios, goals=goals,
                            skipped=skipped, quick=a.quick, note=a.note,
