@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,5 +54,44 @@ TEST(Crc32c, DetectsSingleBitFlips) {
     buf[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
     EXPECT_NE(vitrify::crc32c(buf.data(), buf.size()), base) << "bit " << bit;
     buf[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+  }
+}
+
+TEST(Crc32c, CopyStoresTheBytesAndReturnsTheirCrc) {
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> src(3 * 4096 * 3 + 200);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  for (bool streaming : {false, true}) {
+    for (size_t n : {0, 1, 7, 8, 9, 4095, 12288, 12289, 24577, 36864}) {
+      for (size_t src_off : {0, 3}) {
+        for (size_t dst_off : {0, 1, 5, 8}) {
+          if (src_off + n > src.size()) continue;
+          std::vector<uint8_t> dst(n + 16, 0xEE);
+          const uint32_t seed = static_cast<uint32_t>(n * 2654435761u);
+          const uint32_t c = vitrify::crc32c_copy(dst.data() + dst_off, src.data() + src_off, n,
+                                                  seed, streaming);
+          EXPECT_EQ(c, vitrify::crc32c_software(src.data() + src_off, n, seed))
+              << "n=" << n << " streaming=" << streaming;
+          EXPECT_TRUE(std::equal(dst.begin() + dst_off, dst.begin() + dst_off + n,
+                                 src.begin() + src_off))
+              << "n=" << n << " dst_off=" << dst_off << " streaming=" << streaming;
+          // Nothing written around the destination range.
+          for (size_t i = 0; i < dst_off; ++i) EXPECT_EQ(dst[i], 0xEE);
+          for (size_t i = dst_off + n; i < dst.size(); ++i) EXPECT_EQ(dst[i], 0xEE);
+        }
+      }
+    }
+  }
+}
+
+TEST(Crc32c, CombineEqualsTheCrcOfTheConcatenation) {
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> buf(70000);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (size_t cut : {0, 1, 4096, 12288, 33333, 69999, 70000}) {
+    const uint32_t a = vitrify::crc32c(buf.data(), cut);
+    const uint32_t b = vitrify::crc32c(buf.data() + cut, buf.size() - cut);
+    EXPECT_EQ(vitrify::crc32c_combine(a, b, buf.size() - cut), vitrify::crc32c(buf.data(), buf.size()))
+        << "cut=" << cut;
   }
 }

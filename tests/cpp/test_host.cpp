@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "vitrify/aligned.hpp"
+#include "vitrify/crc32c.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/host.hpp"
@@ -402,6 +403,45 @@ TEST(Gather, PaddedStridedLayoutAndLargeParallelPages) {
     l.validate();
     round_trip(l, c, mem);
   }
+}
+
+// scatter_crc_each: every page lands as scatter_each would put it, and its CRC is the CRC32C
+// of its source blob, whether one task or many (runs split inside a page) copy it.
+TEST(Gather, ScatterCrcEachCopiesAndChecksumsEveryPage) {
+  for (size_t threads : {1u, 3u, 8u})
+    for (size_t tokens : {4u, 2048u}) {  // 3 KiB pages (one task) and 1.5 MiB pages (parallel)
+      const size_t layers = 6, pages = 9, heads = 2, dim = 32, item = 2;
+      const size_t bytes = layers * pages * tokens * heads * dim * item;
+      std::vector<std::vector<uint8_t>> mem(2, std::vector<uint8_t>(bytes, 0xEE));
+      const PageLayout l = PageLayout::page_first(
+          {reinterpret_cast<uintptr_t>(mem[0].data()), reinterpret_cast<uintptr_t>(mem[1].data())},
+          layers, pages, tokens, heads, dim, item);
+      const size_t blob = l.blob_bytes();
+      std::vector<uint8_t> blobs(5 * blob);
+      fill_random(blobs, threads * 100 + tokens);
+      std::vector<uintptr_t> srcs;
+      for (size_t i = 0; i < 5; ++i) srcs.push_back(reinterpret_cast<uintptr_t>(blobs.data() + i * blob));
+      const std::vector<size_t> dst_pages = {7, 0, 3, 8, 4};
+      Copier c(threads);
+      const std::vector<uint32_t> crcs = c.scatter_crc_each(srcs, blob, l, dst_pages);
+      ASSERT_EQ(crcs.size(), 5u);
+      std::vector<uint8_t> back(blob);
+      for (size_t i = 0; i < 5; ++i) {
+        EXPECT_EQ(crcs[i], vitrify::crc32c(blobs.data() + i * blob, blob))
+            << "threads " << threads << " tokens " << tokens << " page " << i;
+        c.gather(l, dst_pages[i], back.data(), blob);
+        EXPECT_EQ(std::memcmp(back.data(), blobs.data() + i * blob, blob), 0) << "page " << i;
+      }
+      std::vector<uint8_t> untouched(blob);
+      for (size_t p : {1u, 2u, 5u, 6u}) {
+        c.gather(l, p, untouched.data(), blob);
+        EXPECT_EQ(untouched, std::vector<uint8_t>(blob, 0xEE)) << "page " << p << " written";
+      }
+      EXPECT_TRUE(c.scatter_crc_each({}, blob, l, {}).empty());
+      EXPECT_THROW(c.scatter_crc_each({srcs[0], srcs[1]}, blob, l, {2, 2}), std::invalid_argument);
+      EXPECT_THROW(c.scatter_crc_each({srcs[0]}, blob - 1, l, {2}), std::invalid_argument);
+      EXPECT_THROW(c.scatter_crc_each({srcs[0]}, blob, l, {pages}), std::invalid_argument);
+    }
 }
 
 TEST(Gather, BatchedPagesIntoSlotStride) {

@@ -3,14 +3,21 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "temp_dir.hpp"
+#include "vitrify/crc32c.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/host.hpp"
 #include "vitrify/page_mover.hpp"
@@ -343,4 +350,228 @@ TEST(PageMover, RefusesBadArguments) {
                std::invalid_argument);  // the kind's slots are larger than the staging slots
   EXPECT_TRUE(mover.put_pages(store, {}, 0, src.layout, {}, src.blob()).results.empty());
   expect_idle(store);
+}
+
+// ---- host stores: straight out of the mapping (D21) ------------------------------------------
+
+namespace {
+
+// A fresh directory in /dev/shm (the host tier needs tmpfs), removed at the end.
+struct ShmDir {
+  std::string path;
+  ShmDir() {
+    std::string tmpl = "/dev/shm/vitrify-mover-test-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp " + tmpl);
+    path = tmpl;
+  }
+  ~ShmDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+StoreConfig host_cfg(const std::string& dir, uint64_t page, uint64_t slots,
+                     bool read_only = false) {
+  StoreConfig c = store_cfg(dir, page, slots);
+  c.host = true;
+  c.read_only = read_only;
+  return c;
+}
+
+uint64_t slot_of(const Store& store, const Key& key) {
+  for (const ScannedSlot& s : store.slab(0, 0).scan())
+    if (s.key == key) return s.slot;
+  throw std::runtime_error("key not in the slab");
+}
+
+// Overwrites `len` bytes at `at` bytes into `slot` of the store's slab file (its mapping sees it).
+void poke(const Store& store, uint64_t slot, size_t at, const void* bytes, size_t len) {
+  const SlabFile& slab = store.slab(0, 0);
+  const int fd = ::open(slab.path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pwrite(fd, bytes, len, static_cast<off_t>(slab.slot_offset(slot) + at)),
+            static_cast<ssize_t>(len));
+  ::close(fd);
+}
+
+}  // namespace
+
+// Hits land byte for byte (in a writer and in a reader of the same slabs); a flipped payload
+// byte and a zeroed header are misses counted as verify failures and dropped; a page of another
+// length is dropped and removed, as from disk.
+TEST(PageMover, HostStoreCopiesFromTheMappingAndMissesBadSlots) {
+  ShmDir d;
+  Copier copier(3);
+  HostPool src(8, 0), dst(8, 0xEE);
+  src.randomize(21);
+  Store store(host_cfg(d.path, src.blob(), 16));
+  ASSERT_TRUE(store.host());
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const auto keys = keys_of(2100, 6);
+  ASSERT_EQ(mover.put_pages(store, keys, 0, src.layout, {0, 1, 2, 3, 4, 5}, src.blob()).results,
+            std::vector<PutResult>(6, PutResult::kStored));
+  {
+    Store reader(host_cfg(d.path, src.blob(), 16, true));
+    HostPool mirror(8, 0xEE);
+    const GetPagesResult r = mover.get_pages(reader, keys, 0, mirror.layout, {0, 1, 2, 3, 4, 5},
+                                             mirror.blob());
+    EXPECT_EQ(r.hits, all(6, true));
+    for (size_t p = 0; p < 6; ++p) EXPECT_EQ(mirror.page(copier, p), src.page(copier, p)) << p;
+    expect_idle(reader);
+  }
+  const uint8_t flip = 0x5A;
+  uint8_t b = 0;
+  const uint64_t s1 = slot_of(store, keys[1]);
+  const SlabFile& slab = store.slab(0, 0);
+  {
+    const int fd = ::open(slab.path().c_str(), O_RDONLY);
+    ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(slab.slot_offset(s1) + kSlotHeaderBytes + 77)), 1);
+    ::close(fd);
+  }
+  b ^= flip;
+  poke(store, s1, kSlotHeaderBytes + 77, &b, 1);
+  const std::vector<uint8_t> zero(kSlotHeaderBytes, 0);
+  poke(store, slot_of(store, keys[3]), 0, zero.data(), zero.size());
+  std::vector<uint8_t> half(src.blob() / 2, 0x11);
+  const Key odd = key_of(2199);
+  ASSERT_EQ(store.submit_put_copy(0, {odd}, {half.data()}, {half.size()})->wait()[0],
+            static_cast<int64_t>(PutResult::kStored));
+
+  std::vector<Key> ask = keys;
+  ask.push_back(odd);
+  ask.push_back(key_of(2198));  // never stored
+  const GetPagesResult got =
+      mover.get_pages(store, ask, 0, dst.layout, {7, 6, 5, 4, 3, 2, 1, 0}, dst.blob());
+  EXPECT_EQ(got.hits, (std::vector<bool>{true, false, true, false, true, true, false, false}));
+  ASSERT_EQ(got.dropped.size(), 1u);
+  EXPECT_EQ(got.dropped[0].index, 6u);
+  EXPECT_EQ(got.dropped[0].bytes, half.size());
+  for (size_t i : {0u, 2u, 4u, 5u}) EXPECT_EQ(dst.page(copier, 7 - i), src.page(copier, i)) << i;
+  EXPECT_EQ(dst.page(copier, 4), std::vector<uint8_t>(dst.blob(), 0xEE))
+      << "a header that does not verify: nothing copied";
+  const StoreStats st = store.stats();
+  EXPECT_EQ(st.verify_failures, 2u);
+  EXPECT_FALSE(store.lookup(0, keys[1]).has_value());
+  EXPECT_FALSE(store.lookup(0, keys[3]).has_value());
+  EXPECT_FALSE(store.lookup(0, odd).has_value()) << "the wrong-length page was removed";
+  EXPECT_TRUE(store.lookup(0, keys[0]).has_value());
+  expect_idle(store);
+}
+
+// The second look (H4's reader side): a slot whose header changes while its payload is copied
+// (a writer reusing it) is a miss even though the copied bytes match the old CRC; a declined
+// item is a plain miss; an exception of the copy propagates with the counters settled; a disk
+// store has no mapping to read.
+TEST(PageMover, HostStoreReadMappedChecksTheHeaderAgainAfterTheCopy) {
+  ShmDir d;
+  Copier copier(2);
+  HostPool src(4, 0);
+  src.randomize(22);
+  Store store(host_cfg(d.path, src.blob(), 8));
+  PageMover mover(store.slot_bytes(0), 2, copier);
+  const auto keys = keys_of(2200, 3);
+  mover.put_pages(store, keys, 0, src.layout, {0, 1, 2}, src.blob());
+  const uint64_t s0 = slot_of(store, keys[0]);
+  std::vector<uint8_t> out(src.blob());
+  const std::vector<int64_t> r = store.read_mapped(
+      0, keys, SIZE_MAX, [&](const std::vector<Store::MappedPayload>& items) {
+        std::vector<std::optional<uint32_t>> crcs;
+        for (const Store::MappedPayload& it : items) {
+          crcs.push_back(vitrify::crc32c_copy(out.data(), it.data, it.bytes));
+          if (it.index == 0) {  // rewritten after the copy: another seq in its header
+            const uint32_t seq = 0xABCD;
+            poke(store, s0, 20, &seq, sizeof seq);
+          }
+          if (it.index == 2) crcs.back().reset();  // declined
+        }
+        return crcs;
+      });
+  EXPECT_EQ(r, (std::vector<int64_t>{-1, static_cast<int64_t>(src.blob()), -1}));
+  StoreStats st = store.stats();
+  EXPECT_EQ(st.verify_failures, 1u);
+  EXPECT_EQ(st.reloads, 1u);
+  EXPECT_EQ(st.misses, 1u) << "the declined item";
+  EXPECT_TRUE(store.lookup(0, keys[2]).has_value()) << "declined is not corrupt";
+  EXPECT_THROW(store.read_mapped(0, {keys[1]}, SIZE_MAX,
+                                 [](const std::vector<Store::MappedPayload>&)
+                                     -> std::vector<std::optional<uint32_t>> {
+                                   throw std::runtime_error("copy failed");
+                                 }),
+               std::runtime_error);
+  EXPECT_TRUE(store.lookup(0, keys[1]).has_value()) << "an error is not a verify failure";
+  expect_idle(store);
+
+  TempDir disk_dir;
+  Store disk(store_cfg(disk_dir.path, src.blob(), 4));
+  EXPECT_THROW(disk.read_mapped(0, keys, SIZE_MAX,
+                                [](const std::vector<Store::MappedPayload>&) {
+                                  return std::vector<std::optional<uint32_t>>{};
+                                }),
+               std::invalid_argument);
+}
+
+// A writer reusing slots (GC) while a reader of the same slabs copies pages out of the mapping:
+// every page the reader reports as a hit holds exactly the bytes of its key, never a mix.
+TEST(PageMover, HostStoreReaderNeverSeesAPageBeingRewritten) {
+  ShmDir d;
+  Copier wc(1), rc(2);
+  HostPool src(1, 0), dst(4, 0);
+  const size_t blob = src.blob();
+  const auto fill = [&](uint64_t id) {
+    std::mt19937_64 g(id);
+    for (auto* m : {&src.k, &src.v})
+      for (auto& b : *m) b = static_cast<uint8_t>(g());
+  };
+  const auto expected = [&](uint64_t id) {
+    fill(id);
+    return src.page(wc, 0);
+  };
+  Store writer(host_cfg(d.path, blob, 12));
+  PageMover wm(writer.slot_bytes(0), 1, wc);
+  fill(0);
+  ASSERT_EQ(wm.put_pages(writer, {key_of(0)}, 0, src.layout, {0}, blob).results[0],
+            PutResult::kStored);
+  Store reader(host_cfg(d.path, blob, 12, true));
+  PageMover rm(reader.slot_bytes(0), 1, rc);
+  std::atomic<uint64_t> written{1};
+  std::atomic<bool> stop{false};
+  HostPool wsrc(1, 0);  // the writer's own page (expected() uses src on the reader's side)
+  std::thread w([&] {
+    for (uint64_t id = 1; !stop.load() && id < 200000; ++id) {
+      std::mt19937_64 g(id);
+      for (auto* m : {&wsrc.k, &wsrc.v})
+        for (auto& b : *m) b = static_cast<uint8_t>(g());
+      wm.put_pages(writer, {key_of(id)}, 0, wsrc.layout, {0}, blob);
+      written.store(id + 1);
+    }
+  });
+  size_t hits = 0, misses = 0, wrong = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  while (std::chrono::steady_clock::now() < until) {
+    reader.refresh();
+    const uint64_t top = written.load();
+    std::vector<Key> keys;
+    std::vector<uint64_t> ids;
+    for (uint64_t i = 0; i < 4; ++i) {  // the oldest pages still stored: GC takes them next
+      const uint64_t id = top > 8 + i ? top - 8 - i : 0;
+      ids.push_back(id);
+      keys.push_back(key_of(id));
+    }
+    const GetPagesResult r = rm.get_pages(reader, keys, 0, dst.layout, {0, 1, 2, 3}, blob);
+    for (size_t i = 0; i < 4; ++i) {
+      if (!r.hits[i]) {
+        ++misses;
+        continue;
+      }
+      ++hits;
+      if (dst.page(rc, i) != expected(ids[i])) ++wrong;
+    }
+  }
+  stop.store(true);
+  w.join();
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_GT(hits, 0u);
+  EXPECT_GT(written.load(), 12u) << "the writer reused slots";
+  std::printf("reader: %zu hits, %zu misses over %llu pages written\n", hits, misses,
+              static_cast<unsigned long long>(written.load()));
 }

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -326,6 +327,16 @@ class SlabFile {
   // Never throws.
   void mark_used() noexcept;
   bool host() const noexcept { return static_cast<bool>(map_); }
+  // Host slabs: the slot header of `slot` as the mapping holds it now, when it verifies for
+  // this slab, `key` and `expected_len` (SIZE_MAX: any length), and where its payload lies in
+  // the mapping; nullopt otherwise, and always on a disk slab. The payload's CRC is the
+  // caller's to check on the bytes it copies (Store::read_mapped). Never throws.
+  struct MappedSlot {
+    SlotHeader header;
+    const uint8_t* payload;
+  };
+  std::optional<MappedSlot> mapped_slot(uint64_t slot, const Key& key,
+                                        size_t expected_len = SIZE_MAX) const noexcept;
 
   // Gives up the owner lock (removes the owner record, then unlocks); the fd stays open but
   // no more slot I/O may follow. Store::close() calls it last. Never throws.
@@ -681,6 +692,27 @@ class Store {
                          const std::vector<const void*>& srcs, const std::vector<size_t>& lens);
   // Submit reads; results are payload lengths or -1 (miss). dst must stay valid until done.
   Ticket submit_get(unsigned kind, std::vector<GetItem> items);
+
+  // Host stores only (DESIGN.md H9): reads without a queue, straight out of the mapping, on the
+  // caller's threads. The keys found in the index whose mapped slot header verifies for the key
+  // (D1; and of `expected_len` bytes, SIZE_MAX: any) are handed to `copy` in one call, as
+  // (key index, mapped payload, length); copy puts the bytes where the caller wants them and
+  // returns, per item, the CRC32C of the bytes it copied, or nullopt to decline the item (a
+  // miss, not a verify failure). A result is the payload length only when that CRC equals the
+  // header's and the slot header is unchanged after the copy, else -1 (absent, torn, rewritten
+  // or corrupt: a miss; corrupt entries are dropped as submit_get's are). Reads touch (D8) and
+  // are counted as submit_get's; no clear() or refresh() runs during the call.
+  // std::invalid_argument on a disk store; anything copy throws after the counters are settled.
+  struct MappedPayload {
+    size_t index;         // into keys
+    const uint8_t* data;  // in the slab mapping
+    size_t bytes;
+  };
+  using MappedCopy = std::function<std::vector<std::optional<uint32_t>>(
+      const std::vector<MappedPayload>&)>;
+  std::vector<int64_t> read_mapped(unsigned kind, const std::vector<Key>& keys,
+                                   size_t expected_len, const MappedCopy& copy);
+  bool host() const noexcept { return cfg_.host; }
 
   // Indexed length of `key` (no I/O), or nullopt.
   std::optional<size_t> lookup(unsigned kind, const Key& key) const;

@@ -243,6 +243,12 @@ class Copier {
                    const std::vector<uintptr_t>& dsts, size_t each_bytes);
   void scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
                     const PageLayout& layout, const std::vector<size_t>& pages);
+  // scatter_each that also returns the CRC32C of each source blob (its blob_bytes), computed
+  // on the values copied in the same pass (crc32c_copy): srcs[i] may be memory another process
+  // writes, the CRC still describes exactly what landed in page pages[i].
+  std::vector<uint32_t> scatter_crc_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                                         const PageLayout& layout,
+                                         const std::vector<size_t>& pages);
   // Runs copies (dst, src, n) over the threads, balanced by bytes. Ranges must not overlap.
   struct Copy {
     uint8_t* dst;

@@ -1,11 +1,13 @@
 // PageMover: KV pages between a host page layout (vitrify/host.hpp) and one payload kind of a
 // disk Store (vitrify/disk.hpp), pipelined in native code so an engine makes one call per batch.
-// Invariants D15-D20: csrc/src/disk/DESIGN.md ("Page mover").
+// Invariants D15-D21: csrc/src/disk/DESIGN.md ("Page mover").
 //
 //   put_pages: skip keys already indexed -> gather chunk i into staging set i % 2 ->
 //              submit_put(chunk i) || gather chunk i + 1 -> wait -> per-key PutResult
 //   get_pages: submit_get(chunks 0, 1) -> wait chunk i -> scatter its verified hits ||
 //              chunk i + 1 is read -> submit_get(chunk i + 2) into chunk i's set -> per-key hit
+//   get_pages of a host store (D21): Store::read_mapped -> the Copier copies every page from the
+//              slab mapping into its host page and checksums it in the same pass -> per-key hit
 //
 // The mover owns its staging buffers: two sets of `chunk` slot buffers per direction, allocated
 // once by the constructor. It does no I/O and no copy of its own: gather/scatter are the host
@@ -42,7 +44,9 @@ struct DroppedPage {
 
 struct GetPagesResult {
   // Per key: true when the page was read, verified and scattered into its host page; false for
-  // a miss (absent, failed verification, wrong length), and then its host page is untouched.
+  // a miss (absent, failed verification, wrong length). A disk store's miss leaves its host
+  // page untouched; a host store's miss found only after the copy (a torn or corrupt page,
+  // D21) leaves it holding unspecified bytes: hand a missed page to nobody.
   std::vector<bool> hits;
   // Keys whose stored payload was not `blob_bytes` long: reported as misses and removed from
   // the store (a read-only store keeps them: it never removes anything, D14).
@@ -76,7 +80,8 @@ class PageMover {
 
   // Reads keys[i] from `kind` of `store` and scatters each verified page of exactly `blob_bytes`
   // into host page pages[i] of `layout` (pages of the hits must be distinct). Two chunks of
-  // reads are in flight while one is scattered. A page of another length is removed from the
+  // reads are in flight while one is scattered; a host store's pages are copied straight from
+  // its mapping instead, all in one parallel pass (D21), and get_pages calls may overlap. A page of another length is removed from the
   // store and missed (GetPagesResult::dropped). Same preconditions and error behaviour as
   // put_pages: nothing is in flight when an exception propagates; pages scattered before it
   // stay written.
@@ -88,6 +93,9 @@ class PageMover {
   using StagingSet = std::vector<SlotBufferPtr>;
   void check_call(const Store& store, size_t keys, unsigned kind, const host::PageLayout& layout,
                   size_t pages, size_t blob_bytes) const;
+  GetPagesResult get_pages_mapped(Store& store, const std::vector<Key>& keys, unsigned kind,
+                                  const host::PageLayout& layout,
+                                  const std::vector<size_t>& pages, size_t blob_bytes);
 
   size_t slot_bytes_;
   size_t chunk_;

@@ -1,9 +1,12 @@
 #include "vitrify/crc32c.hpp"
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__x86_64__)
+#include <emmintrin.h>
 #include <nmmintrin.h>
 #endif
 
@@ -67,8 +70,20 @@ uint32_t x_pow_bytes(size_t bytes) noexcept {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t hw_raw(const uint8_t* p, size_t n,
-                                                   uint32_t c) noexcept {
+// Stores one 8-byte word: an ordinary or a non-temporal store.
+template <bool kStream>
+__attribute__((target("sse4.2"))) inline void put_word(uint8_t* d, uint64_t w) noexcept {
+  if constexpr (kStream) {
+    _mm_stream_si64(reinterpret_cast<long long*>(d), static_cast<long long>(w));
+  } else {
+    std::memcpy(d, &w, 8);
+  }
+}
+
+// The raw CRC over [p, p+n), copying the words to dst on the way when kCopy.
+template <bool kCopy, bool kStream>
+__attribute__((target("sse4.2"))) uint32_t hw_raw_t(uint8_t* dst, const uint8_t* p, size_t n,
+                                                     uint32_t c) noexcept {
   uint64_t c64 = c;
   // Three independent streams hide the instruction's 3-cycle latency on large buffers.
   constexpr size_t kBlock = 4096;
@@ -81,6 +96,11 @@ __attribute__((target("sse4.2"))) uint32_t hw_raw(const uint8_t* p, size_t n,
       std::memcpy(&w0, p + i, 8);
       std::memcpy(&w1, p1 + i, 8);
       std::memcpy(&w2, p2 + i, 8);
+      if constexpr (kCopy) {
+        put_word<kStream>(dst + i, w0);
+        put_word<kStream>(dst + kBlock + i, w1);
+        put_word<kStream>(dst + 2 * kBlock + i, w2);
+      }
       a = _mm_crc32_u64(a, w0);
       b = _mm_crc32_u64(b, w1);
       d = _mm_crc32_u64(d, w2);
@@ -90,18 +110,31 @@ __attribute__((target("sse4.2"))) uint32_t hw_raw(const uint8_t* p, size_t n,
     r = gf2_mul(r, kShift) ^ static_cast<uint32_t>(d);
     c64 = r;
     p += 3 * kBlock;
+    if constexpr (kCopy) dst += 3 * kBlock;
     n -= 3 * kBlock;
   }
   while (n >= 8) {
     uint64_t w;
     std::memcpy(&w, p, 8);
+    if constexpr (kCopy) {
+      put_word<kStream>(dst, w);
+      dst += 8;
+    }
     c64 = _mm_crc32_u64(c64, w);
     p += 8;
     n -= 8;
   }
   uint32_t c32 = static_cast<uint32_t>(c64);
-  while (n--) c32 = _mm_crc32_u8(c32, *p++);
+  while (n--) {
+    const uint8_t byte = *p++;
+    if constexpr (kCopy) *dst++ = byte;
+    c32 = _mm_crc32_u8(c32, byte);
+  }
   return c32;
+}
+
+uint32_t hw_raw(const uint8_t* p, size_t n, uint32_t c) noexcept {
+  return hw_raw_t<false, false>(nullptr, p, n, c);
 }
 #endif
 
@@ -126,6 +159,31 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) noexcept {
   if (kHw) return ~hw_raw(static_cast<const uint8_t*>(data), n, ~crc);
 #endif
   return crc32c_software(data, n, crc);
+}
+
+uint32_t crc32c_copy(void* dst, const void* src, size_t n, uint32_t crc,
+                     bool streaming) noexcept {
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+#if defined(__x86_64__)
+  if (kHw) {
+    // Non-temporal 8-byte stores need 8-byte aligned addresses: ordinary stores up to there.
+    const size_t head = streaming ? std::min(n, (8 - reinterpret_cast<uintptr_t>(d) % 8) % 8) : 0;
+    uint32_t c = hw_raw_t<true, false>(d, s, head, ~crc);
+    if (!streaming) return ~hw_raw_t<true, false>(d + head, s + head, n - head, c);
+    c = hw_raw_t<true, true>(d + head, s + head, n - head, c);
+    _mm_sfence();  // streaming stores are weakly ordered: visible before the caller goes on
+    return ~c;
+  }
+#endif
+  (void)streaming;
+  // Copy first, then checksum the copy: the CRC still describes exactly the bytes in dst.
+  std::memcpy(d, s, n);
+  return crc32c_software(d, n, crc);
+}
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b) noexcept {
+  return gf2_mul(crc_a, x_pow_bytes(len_b)) ^ crc_b;
 }
 
 bool crc32c_hardware() noexcept { return kHw; }

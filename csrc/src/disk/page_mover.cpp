@@ -1,5 +1,5 @@
 // PageMover: the gather -> write and read -> scatter pipelines between a host page layout and a
-// Store kind, on the Store's tickets and the host Copier. Invariants D15-D20: DESIGN.md.
+// Store kind, on the Store's tickets and the host Copier. Invariants D15-D21: DESIGN.md.
 #include "vitrify/page_mover.hpp"
 
 #include <algorithm>
@@ -146,6 +146,7 @@ GetPagesResult PageMover::get_pages(Store& store, const std::vector<Key>& keys, 
   GetPagesResult out;
   out.hits.assign(keys.size(), false);
   if (keys.empty()) return out;
+  if (store.host()) return get_pages_mapped(store, keys, kind, layout, pages, blob_bytes);
   const std::lock_guard lk(get_mu_);  // D19
   const size_t chunks = (keys.size() + chunk_ - 1) / chunk_;
   const auto first_of = [&](size_t ci) { return ci * chunk_; };
@@ -189,6 +190,40 @@ GetPagesResult PageMover::get_pages(Store& store, const std::vector<Key>& keys, 
     }
     if (ci + 2 < chunks) submit(ci + 2);
   }
+  return out;
+}
+
+// A host store's pages go from the slab mapping straight into their host pages, the CRC
+// computed in the same pass (D21): no staging, no read queue.
+GetPagesResult PageMover::get_pages_mapped(Store& store, const std::vector<Key>& keys,
+                                           unsigned kind, const host::PageLayout& layout,
+                                           const std::vector<size_t>& pages, size_t blob_bytes) {
+  GetPagesResult out;
+  out.hits.assign(keys.size(), false);
+  std::vector<size_t> wrong_size;
+  const std::vector<int64_t> r = store.read_mapped(
+      kind, keys, SIZE_MAX, [&](const std::vector<Store::MappedPayload>& items) {
+        std::vector<std::optional<uint32_t>> crcs(items.size());
+        std::vector<uintptr_t> srcs;
+        std::vector<size_t> dst_pages, slots;
+        for (size_t j = 0; j < items.size(); ++j) {
+          if (items[j].bytes != blob_bytes) {  // not a page of this layout (D17)
+            out.dropped.push_back(DroppedPage{items[j].index, items[j].bytes});
+            wrong_size.push_back(items[j].index);
+            continue;
+          }
+          srcs.push_back(reinterpret_cast<uintptr_t>(items[j].data));
+          dst_pages.push_back(pages[items[j].index]);
+          slots.push_back(j);
+        }
+        const std::vector<uint32_t> got =
+            copier_.scatter_crc_each(srcs, blob_bytes, layout, dst_pages);
+        for (size_t m = 0; m < slots.size(); ++m) crcs[slots[m]] = got[m];
+        return crcs;
+      });
+  for (size_t i = 0; i < keys.size(); ++i) out.hits[i] = r[i] >= 0;
+  if (!store.read_only())
+    for (size_t i : wrong_size) store.remove(kind, keys[i]);
   return out;
 }
 

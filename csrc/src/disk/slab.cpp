@@ -369,6 +369,22 @@ ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
   }
 }
 
+std::optional<SlabFile::MappedSlot> SlabFile::mapped_slot(uint64_t slot, const Key& key,
+                                                          size_t expected_len) const noexcept {
+  if (!map_ || slot >= geo_.slot_count) return std::nullopt;
+  const uint64_t off = slot_offset(slot);
+  if (off + geo_.slot_bytes > map_.size()) return std::nullopt;
+  MappedSlot m{};
+  std::memcpy(&m.header, map_.data() + off, sizeof m.header);
+  // H4's reader side: the header is read before the payload (and again after it, by the caller).
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (!verify_header(m.header, slot) || std::memcmp(m.header.key, key.data(), kKeyBytes) != 0)
+    return std::nullopt;
+  if (expected_len != SIZE_MAX && m.header.payload_len != expected_len) return std::nullopt;
+  m.payload = map_.data() + off + kSlotHeaderBytes;
+  return m;
+}
+
 std::optional<size_t> SlabFile::verify_read(uint64_t slot, const Key& key, const uint8_t* buf,
                                             ssize_t got, size_t expected_len) const noexcept {
   if (buf == nullptr || got < static_cast<ssize_t>(kSlotHeaderBytes)) return std::nullopt;

@@ -529,6 +529,85 @@ Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
   return t;
 }
 
+std::vector<int64_t> Store::read_mapped(unsigned kind, const std::vector<Key>& keys,
+                                        size_t expected_len, const MappedCopy& copy) {
+  VITRIFY_EXPECT(cfg_.host, "read_mapped: store '" + cfg_.name +
+                                "' is a disk store; only a host store's slabs are mapped");
+  KindState& k = kind_state(kind);
+  std::vector<int64_t> out(keys.size(), -1);
+  struct Found {
+    SlotLocation at;
+    std::optional<SlabFile::MappedSlot> mapped;  // nullopt: the header did not verify
+  };
+  std::vector<Found> found(keys.size());
+  std::vector<size_t> located;  // key indices found in the index
+  GateGuard gate{this};         // no clear() or refresh() until the copies are checked
+  {
+    std::lock_guard lk(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const std::optional<SlotLocation> e = closed_ ? std::nullopt : k.index->find(keys[i]);
+      if (!e) {
+        ++counters_.misses;
+        continue;
+      }
+      k.index->touch(keys[i]);  // reads touch (D8)
+      found[i].at = *e;
+      located.push_back(i);
+    }
+  }
+  in_flight_reads_ += located.size();
+  std::vector<MappedPayload> items;
+  items.reserve(located.size());
+  for (size_t i : located) {
+    Found& f = found[i];
+    f.mapped = k.slabs[f.at.drive]->mapped_slot(f.at.slot, keys[i], expected_len);
+    if (f.mapped) items.push_back({i, f.mapped->payload, f.mapped->header.payload_len});
+  }
+  std::vector<std::optional<uint32_t>> crcs;
+  std::exception_ptr error;
+  try {
+    if (!items.empty()) crcs = copy(items);
+    VITRIFY_EXPECT(crcs.size() == items.size(),
+                   "read_mapped: the copy returned " + std::to_string(crcs.size()) +
+                       " results for " + std::to_string(items.size()) + " payloads");
+  } catch (...) {
+    error = std::current_exception();
+    crcs.assign(items.size(), std::nullopt);
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the copies before the second look
+  std::vector<bool> declined(keys.size(), false);
+  for (size_t j = 0; j < items.size(); ++j) {
+    const size_t i = items[j].index;
+    if (!crcs[j]) {
+      declined[i] = true;
+      continue;
+    }
+    const SlotHeader& h = found[i].mapped->header;
+    const auto again = k.slabs[found[i].at.drive]->mapped_slot(found[i].at.slot, keys[i],
+                                                                 expected_len);
+    if (*crcs[j] == h.payload_crc && again &&
+        std::memcmp(&again->header, &h, sizeof h) == 0)
+      out[i] = static_cast<int64_t>(h.payload_len);
+  }
+  {
+    std::lock_guard lk(mu_);
+    for (size_t i : located) {
+      if (out[i] >= 0) {
+        ++counters_.reloads;
+        counters_.reload_bytes += static_cast<uint64_t>(out[i]);
+      } else if (declined[i] || error) {
+        ++counters_.misses;
+      } else {
+        ++counters_.verify_failures;
+        k.index->drop_if_at(keys[i], found[i].at);  // a slot that does not verify (D1, D4)
+      }
+    }
+  }
+  in_flight_reads_ -= located.size();
+  if (error) std::rethrow_exception(error);
+  return out;
+}
+
 // Statistics, the verify-failure reclaim and the acknowledgement of one read.
 void Store::complete_read(ReadJob& j, std::optional<size_t> r) {
   {

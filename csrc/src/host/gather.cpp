@@ -5,6 +5,7 @@
 #include <thread>
 #include <utility>
 
+#include "vitrify/crc32c.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/host.hpp"
 
@@ -354,21 +355,84 @@ void Copier::gather_each(const PageLayout& layout, const std::vector<size_t>& pa
   copy(copies);
 }
 
-void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
-                          const PageLayout& layout, const std::vector<size_t>& pages) {
-  layout.validate();
-  check_each(layout, pages, srcs, each_bytes, "scatter_each source");
+namespace {
+
+void check_distinct(const std::vector<size_t>& pages, const char* what) {
   std::vector<size_t> sorted = pages;
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   VITRIFY_EXPECT(dup == sorted.end(),
-              "scatter_each: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
-                  " appears twice (two sources for one page)");
+                 std::string(what) + ": page " + (dup == sorted.end() ? std::string() : n(*dup)) +
+                     " appears twice (two sources for one page)");
+}
+
+}  // namespace
+
+void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
+                          const PageLayout& layout, const std::vector<size_t>& pages) {
+  layout.validate();
+  check_each(layout, pages, srcs, each_bytes, "scatter_each source");
+  check_distinct(pages, "scatter_each");
   std::vector<Copy> copies;
   copies.reserve(pages.size() * layout.components.size() * layout.layers);
   for (size_t i = 0; i < pages.size(); ++i)
     add_page(layout, pages[i], reinterpret_cast<uint8_t*>(srcs[i]), false, copies);
   copy(copies);
+}
+
+std::vector<uint32_t> Copier::scatter_crc_each(const std::vector<uintptr_t>& srcs,
+                                               size_t each_bytes, const PageLayout& layout,
+                                               const std::vector<size_t>& pages) {
+  layout.validate();
+  check_each(layout, pages, srcs, each_bytes, "scatter_crc_each source");
+  check_distinct(pages, "scatter_crc_each");
+  std::vector<uint32_t> crcs(pages.size(), 0);
+  if (pages.empty()) return crcs;
+  // The pages' slices in blob order, page after page: slice k is slice k % per_page of page
+  // k / per_page. A task copies a contiguous run of slices and chains the CRC of each page's
+  // slices it holds; the runs' CRCs of one page are combined afterwards, in order.
+  const size_t per_page = layout.components.size() * layout.layers;
+  const size_t slices = pages.size() * per_page;
+  const size_t total = pages.size() * layout.blob_bytes();
+  size_t tasks = std::min({threads(), slices, (total + kBytesPerTask - 1) / kBytesPerTask});
+  if (total < kParallelMinBytes) tasks = 1;
+  const bool streaming = streaming_ && total >= kStreamMinBytes;
+  struct Run {
+    size_t page_index;
+    uint32_t crc;
+    size_t bytes;
+  };
+  std::vector<std::vector<Run>> runs(tasks);
+  auto run_slices = [&](size_t t) {
+    const size_t lo = slices * t / tasks, hi = slices * (t + 1) / tasks;
+    for (size_t k = lo; k < hi;) {
+      const size_t i = k / per_page;
+      const size_t end = std::min(hi, (i + 1) * per_page);
+      const size_t first = k;
+      uint32_t crc = 0;
+      for (; k < end; ++k) {
+        const size_t s = k % per_page, c = s / layout.layers, layer = s % layout.layers;
+        uint8_t* mem = reinterpret_cast<uint8_t*>(layout.components[c]) +
+                       layer * layout.layer_stride + pages[i] * layout.page_stride;
+        const auto* blob = reinterpret_cast<const uint8_t*>(srcs[i]) + s * layout.slice_bytes;
+        crc = crc32c_copy(mem, blob, layout.slice_bytes, crc, streaming);
+      }
+      runs[t].push_back({i, crc, (end - first) * layout.slice_bytes});
+    }
+  };
+  if (tasks == 1)
+    run_slices(0);
+  else
+    pool_.run(tasks, run_slices);
+  std::vector<bool> started(pages.size(), false);
+  for (const std::vector<Run>& task_runs : runs)
+    for (const Run& r : task_runs) {
+      crcs[r.page_index] = started[r.page_index]
+                               ? crc32c_combine(crcs[r.page_index], r.crc, r.bytes)
+                               : r.crc;
+      started[r.page_index] = true;
+    }
+  return crcs;
 }
 
 }  // namespace vitrify::host
