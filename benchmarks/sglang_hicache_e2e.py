@@ -577,6 +577,11 @@ def logprob_diff(a: list[dict], b: list[dict]) -> Optional[float]:
     return worst
 
 
+def storage_pages(res: list[dict], page: int) -> int:
+    """Pages the requests of a pass got from L3 storage."""
+    return sum(int(r["details"].get("storage", 0)) for r in res) // page
+
+
 def all_from_storage(res: list[dict], page: int) -> bool:
     """Every request got its whole reusable prefix from L3 storage."""
     return bool(res) and all(
@@ -829,6 +834,8 @@ class Run:
         counters = st.get("counters") or {}
         info["backend_counters"] = counters
         info["backend_errors"] = counters.get("errors")
+        if st.get("host") is not None:  # the host tier's hits and promotions
+            info["host_counters"] = st["host"]
         store = st.get("store") or {}
         if store:
             info["store"] = {k: store.get(k) for k in ("name", "page_bytes", "o_direct",
@@ -966,9 +973,18 @@ class Run:
             info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
                 logprob_diff(l3, dev_a)
             self._backend_counters(sc, info, ck)
+            self._host_tier_check(info, ck, storage_pages(first, page) + storage_pages(l3, page))
             self._record_checks(sc, info, ck)
 
         self._serve(sc, passes)
+
+    def _host_tier_check(self, info: dict, ck: dict, pages: int) -> None:
+        """With a host tier, the pages read from L3 by a launch that started with it in place
+        (a restart, a second server) came from the host tier, not the drive."""
+        if self.s.host_bytes:
+            hits = int((info.get("host_counters") or {}).get("host_hits", 0))
+            info["host_hits_needed"] = pages
+            ck["l3_from_host_tier"] = hits >= pages
 
     def second_scenario(self) -> None:
         """vitrify_second: another server of the node (role "reader") beside the restarted
@@ -980,11 +996,14 @@ class Run:
             l3 = run_pass(port, self.prompts, s.max_new_tokens)
             self._row(sc, "vitrify", "l3_second_server", l3, ("vitrify", "miss"))
             dev_a = self.results.get(("vitrify", "device_hit"), [])
+            diff = logprob_diff(l3, dev_a)
             ck = {"l3_all_from_storage": all_from_storage(l3, page),
-                  "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")])}
-            info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = \
-                logprob_diff(l3, dev_a)
+                  "tokens_identical": tokens_identical(l3, self.results[("vitrify", "miss")]),
+                  # another process on the same GPU, same kernels: bit for bit
+                  "logprobs_identical_vs_first_launch_device_hit": diff == 0.0}
+            info["l3_logprob_max_abs_diff_vs_first_launch_device_hit"] = diff
             self._backend_counters(sc, info, ck)
+            self._host_tier_check(info, ck, storage_pages(l3, page))
             self._record_checks(sc, info, ck)
 
         self._serve(sc, passes)

@@ -294,7 +294,8 @@ def test_host_tier_serves_gets_first_and_survives_a_restart(tmp_path, shm_dir):
     idx = host.alloc(5 * PAGE)
     want = _pages(host, idx, 5)
     _, keys = _keys(5)
-    extra = _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir)
+    stats = tmp_path / "stats.json"
+    extra = _extra(tmp_path, host_bytes=1 << 20, host_dir=shm_dir, stats_path=str(stats))
     b = _backend(host, extra)
     try:
         info = b.vitrify_stats()
@@ -308,6 +309,8 @@ def test_host_tier_serves_gets_first_and_survives_a_restart(tmp_path, shm_dir):
         dst = host.alloc(5 * PAGE)
         assert b.batch_get_v1(keys, dst) == [True] * 5
         assert b.vitrify_stats()["host"]["host_hits"] == 5
+        assert json.loads(stats.read_text())["host"] == {"host_hits": 5, "host_promotions": 0,
+                                                         "host_set_failed": 0}
         assert b.vitrify_stats()["store"]["reloads"] == 0  # nothing read from the disk
         for i, page in enumerate(_pages(host, dst, 5)):
             assert torch.equal(page, want[i])
@@ -585,6 +588,7 @@ def test_stats_path_file_follows_the_counters(tmp_path):
         assert _totals(read()["counters"]) == _totals(b.counters())
         assert b.counters()["exists_queries"] == 1
         assert [p.name for p in path.parent.iterdir()] == ["hicache.json"]   # no temporary
+        assert read()["host"] is None  # no host tier
     finally:
         b.close()
     d = read()

@@ -659,3 +659,20 @@ def test_the_marginal_break_even_takes_the_fixed_costs_out():
     be = e2e.break_even(flat, cfg, 1.0e9)
     assert be["marginal_break_even_read_bytes_per_s"] is None
     assert "no storage rate pays" in be["marginal_verdict"]
+
+
+def test_host_tier_check_counts_the_pages_a_launch_read_from_storage(tmp_path):
+    """With a host tier, a restart's and a second server's L3 pages must be host-tier hits."""
+    page = 64
+    res = [{"details": {"storage": 3 * page}}, {"details": {"storage": 2 * page}}, {"details": {}}]
+    assert e2e.storage_pages(res, page) == 5
+    run = e2e.Run.__new__(e2e.Run)
+    run.s = _settings(tmp_path, host_bytes=1 << 30)
+    for hits, ok in ((5, True), (4, False)):
+        info, ck = {"host_counters": {"host_hits": hits}}, {}
+        run._host_tier_check(info, ck, 5)
+        assert ck == {"l3_from_host_tier": ok} and info["host_hits_needed"] == 5
+    info, ck = {}, {}
+    run.s = _settings(tmp_path)  # no host tier: no check
+    run._host_tier_check(info, ck, 5)
+    assert ck == {} and info == {}

@@ -458,8 +458,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._publish()
 
     def _publish(self) -> None:
-        """Bring the Prometheus metrics up to date and write :meth:`counters` and the KV store's
-        identity as JSON to ``stats_path`` (written to a temporary file, then renamed over it;
+        """Bring the Prometheus metrics up to date and write :meth:`counters`, the KV store's
+        identity and the host tier's counters (``host``: None without one) as JSON to
+        ``stats_path`` (written to a temporary file, then renamed over it;
         no file without ``stats_path``). Called once the store is open and after every v1/v2
         transfer batch, exists query, error, clear, weight-version switch and close. Never raises: a failure
         is logged once."""
@@ -479,8 +480,10 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         if path is None:
             return
         with self._stats_lock:
+            with self._clock:
+                host = dict(self._host_c) if self._host_store is not None else None
             doc = {"pid": os.getpid(), "time": time.time(), "closed": self._closed,
-                   "store": self._store_info, "counters": counters}
+                   "store": self._store_info, "counters": counters, "host": host}
             tmp = f"{path}.tmp{os.getpid()}"
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
