@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -93,5 +94,26 @@ TEST(Crc32c, CombineEqualsTheCrcOfTheConcatenation) {
     const uint32_t b = vitrify::crc32c(buf.data() + cut, buf.size() - cut);
     EXPECT_EQ(vitrify::crc32c_combine(a, b, buf.size() - cut), vitrify::crc32c(buf.data(), buf.size()))
         << "cut=" << cut;
+  }
+}
+
+// Both of crc32c_copy's paths: direct, and through the bounce buffer where dst - src modulo
+// 4096 would make direct loads and stores alias.
+TEST(Crc32c, CopyAtEveryDistanceModulo4096) {
+  std::mt19937_64 rng(13);
+  std::vector<uint8_t> mem(3 * 65536);
+  for (size_t delta : {0, 8, 16, 64, 1000, 1024, 1500, 2048, 3000, 4000, 4032, 4064, 4090}) {
+    for (size_t n : {100, 12288, 40000}) {
+      for (bool streaming : {false, true}) {
+        uint8_t* src = mem.data() + 64;
+        uint8_t* dst = mem.data() + 65536 + 64 + delta;
+        for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(rng());
+        std::fill(dst, dst + n, 0);
+        EXPECT_EQ(vitrify::crc32c_copy(dst, src, n, 7, streaming),
+                  vitrify::crc32c_software(src, n, 7))
+            << "delta " << delta << " n " << n;
+        EXPECT_EQ(std::memcmp(dst, src, n), 0) << "delta " << delta << " n " << n;
+      }
+    }
   }
 }
