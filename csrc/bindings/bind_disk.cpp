@@ -215,7 +215,7 @@ void bind_disk(nb::module_& m) {
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
              double gc_low, unsigned load_threads, std::string slab_lock, bool read_only,
-             bool host) {
+             bool host, int register_device, unsigned register_threads) {
             VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -236,6 +236,8 @@ void bind_disk(nb::module_& m) {
             c.slab_locking = disk::parse_slab_locking(slab_lock);
             c.read_only = read_only;
             c.host = host;
+            c.register_device = register_device;
+            c.register_threads = register_threads;
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
@@ -243,7 +245,8 @@ void bind_disk(nb::module_& m) {
           nb::arg("name"), nb::arg("cold_start"), nb::arg("direct_io"), nb::arg("write_threads"),
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
           nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0,
-          nb::arg("slab_lock") = "auto", nb::arg("read_only") = false, nb::arg("host") = false)
+          nb::arg("slab_lock") = "auto", nb::arg("read_only") = false, nb::arg("host") = false,
+          nb::arg("register_device") = -1, nb::arg("register_threads") = 8)
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;
@@ -260,6 +263,22 @@ void bind_disk(nb::module_& m) {
              return s.refresh();
            })
       .def("read_only", &disk::Store::read_only)
+      .def(
+          "registration",
+          [](const disk::Store& s) {
+            const host::RegistrationTiming& r = s.registration();
+            nb::dict d;
+            d["registered"] = r.registered;
+            d["device"] = s.config().register_device;
+            d["parallel"] = r.parallel;
+            d["threads"] = r.threads;
+            d["seconds"] = r.seconds;
+            d["ranges"] = r.slab_seconds.size();
+            d["range_seconds"] = r.slab_seconds;
+            return d;
+          },
+          "The slab mappings' CUDA registration: registered, device (-1: none), parallel, "
+          "threads, seconds, ranges, range_seconds.")
       .def("kind_count", &disk::Store::kind_count)
       .def("page_bytes", &disk::Store::page_bytes)
       .def("slot_bytes", &disk::Store::slot_bytes)

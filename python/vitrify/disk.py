@@ -269,7 +269,11 @@ class DiskStore:
         tier: ``"disk"`` (slab files on drives, O_DIRECT as ``direct_io`` says) or ``"host"``
             (the host tier: ``dirs`` on tmpfs or hugetlbfs, slab files created ``0600`` and
             mapped, pages copied with memcpy, space checked first; see
-            :class:`vitrify.tier.HostStore` and DESIGN.md H1-H8).
+            :class:`vitrify.tier.HostStore` and DESIGN.md H1-H9).
+        register_device: host tier only: register the slab mappings with this CUDA device
+            (``cuMemHostRegister``, in parallel ranges; :meth:`registration` reports the time),
+            so a GPU can copy pages straight out of them (None: not registered).
+        register_threads: threads registering the ranges.
 
     Raises:
         SlabLockedError: another open store (this process or another) holds one of the slab
@@ -282,7 +286,8 @@ class DiskStore:
                  cold_start: str | None = None, direct_io: str | None = None,
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
                  max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85,
-                 load_threads: int = 0, mode: str = "write", tier: str = "disk") -> None:
+                 load_threads: int = 0, mode: str = "write", tier: str = "disk",
+                 register_device: int | None = None, register_threads: int = 8) -> None:
         self._s = None
         self._last_refresh = 0.0
         if isinstance(dirs, (str, os.PathLike)):
@@ -316,6 +321,12 @@ class DiskStore:
             raise ValueError(f"gc_low must be below gc_high, got gc_low={gc_low!r} "
                              f"gc_high={gc_high!r}")
         load_threads = _check.integer("load_threads", load_threads, 0, 256)
+        if register_device is not None:
+            if tier != "host":
+                raise ValueError("register_device applies to the host tier only (tier=\"host\"): "
+                                 "a disk store's slabs are not in memory")
+            register_device = _check.integer("register_device", register_device, 0, 1 << 16)
+        register_threads = _check.integer("register_threads", register_threads, 1, 256)
         threads = {n: _check.integer(n, v, 1, hi) for n, v, hi in (
             ("write_threads", write_threads, 256), ("read_threads", read_threads, 256),
             ("queue_capacity", queue_capacity, 1 << 20), ("max_batch", max_batch, 1 << 16))}
@@ -333,7 +344,8 @@ class DiskStore:
             dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
             threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
             threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read",
-            host=tier == "host")
+            host=tier == "host", register_device=-1 if register_device is None else register_device,
+            register_threads=register_threads)
         self._last_refresh = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -424,6 +436,13 @@ class DiskStore:
             d = _check.buffer(f"{what}[{i}]", d, writable=writable)
             out.append(d if hasattr(d, "data_ptr") else memoryview(d).cast("B"))  # torch: as is
         return out
+
+    def registration(self) -> dict[str, Any]:
+        """The CUDA registration of a host store's slab mappings (``register_device``):
+        ``registered`` (False without a register_device, and after :meth:`close`), ``device``
+        (-1: none), ``parallel``, ``threads``, ``seconds`` (wall time), ``ranges`` and
+        ``range_seconds`` (each registration's time)."""
+        return dict(self._native().registration())
 
     def page_bytes(self, kind: str | int | None = None) -> int:
         """Largest payload of ``kind`` in bytes."""

@@ -7,7 +7,7 @@ the full key, per-page CRC32C, slab id), so a page moves between the tiers uncha
 are mapped and pages copied with ``memcpy``; they survive the process (not a reboot), so a
 restarted server (``cold_start="load"``) finds its pages at memory speed, and another process of
 the same user and identity opens them read-only (``mode="read"``) and reads the same pages
-while the one writer holds the slab lock (csrc/src/disk/DESIGN.md D13, D14, H1-H8).
+while the one writer holds the slab lock (csrc/src/disk/DESIGN.md D13, D14, H1-H9).
 
 ``dir`` defaults to ``<VITRIFY_HOST_DIR>/vitrify-<uid>`` (``/dev/shm/vitrify-0`` for root), a
 directory created ``0700``; slab files are created ``0600``. A slab of another user, or a

@@ -1,4 +1,4 @@
-"""The host tier (vitrify.tier; csrc/src/disk/DESIGN.md, Host tier, H1-H8) with real processes.
+"""The host tier (vitrify.tier; csrc/src/disk/DESIGN.md, Host tier, H1-H9) with real processes.
 
 HostStore slabs in /dev/shm: 0600 files in a 0700 directory, surviving the writer (SIGKILL at
 random points, then torn, bit-flipped, foreign and stale slabs: 0 wrong payloads, 0 acknowledged
@@ -501,3 +501,85 @@ def test_tier_ls_and_clear(h):
         stop(child)
     r = vitrify_cli("tier", "ls", "--dir", h)
     assert r.returncode == 0 and "no host slabs" in r.stdout
+
+
+# ---- CUDA registration (H9) --------------------------------------------------------------------
+
+_REGISTER = textwrap.dedent("""
+    import json, sys
+    from vitrify.tier import HostStore
+    d, budget, page = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out = {}
+    try:
+        w = HostStore(budget, page, dir=d, name="reg", register_device=0, register_threads=4)
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        sys.exit(0)
+    assert w.put("a", b"x" * 100)
+    out["writer"] = w.registration()
+    r = HostStore(budget, page, dir=d, name="reg", mode="read", register_device=0)
+    out["reader"] = r.registration()
+    assert r.get("a") == b"x" * 100
+    r.close()
+    out["reader_closed"] = r._s is None
+    w.close()
+    out["plain"] = HostStore(budget, page, dir=d, name="reg2").registration()
+    print(json.dumps(out))
+""")
+
+
+def _register_in_fake_driver(h: str, **env: str) -> dict:
+    fake = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
+    if not fake or not os.path.exists(fake):
+        pytest.skip("VITRIFY_TEST_FAKE_LIBCUDA not set or not built (make test sets it)")
+    r = subprocess.run([sys.executable, "-c", _REGISTER, h, str(64 * SB + 4096), str(PAGE)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, VITRIFY_LIBCUDA_PATH=fake, FAKE_CUDA_DEVICES="1",
+                                **env))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_registration_of_writer_and_reader_mappings_is_timed(h):
+    out = _register_in_fake_driver(h)
+    for who in ("writer", "reader"):
+        reg = out[who]
+        assert reg["registered"] is True and reg["device"] == 0, reg
+        assert reg["ranges"] == len(reg["range_seconds"]) >= 1
+        assert reg["seconds"] >= max(reg["range_seconds"]) >= 0 and reg["threads"] >= 1
+    assert out["plain"] == {"registered": False, "device": -1, "parallel": False, "threads": 0,
+                            "seconds": 0.0, "ranges": 0, "range_seconds": []}
+
+
+def test_a_refused_registration_is_one_error_and_leaves_nothing_held(h):
+    out = _register_in_fake_driver(h, FAKE_CUDA_MAX_REGISTER="4096")
+    assert "cuMemHostRegister" in out["error"], out
+    # the slabs were released with the error: a new writer opens them
+    with HostStore(64 * SB + 4096, PAGE, dir=h, name="reg") as s:
+        assert s.put("b", b"y")
+
+
+def test_register_device_is_for_the_host_tier_and_checked(h, d):
+    with pytest.raises(ValueError, match="host tier only"):
+        DiskStore(d, 4 * SB + 4096, PAGE, register_device=0)
+    with pytest.raises(ValueError, match="register_device"):
+        HostStore(4 * SB + 4096, PAGE, dir=h, register_device=-1)
+    with pytest.raises(ValueError, match="register_threads"):
+        HostStore(4 * SB + 4096, PAGE, dir=h, register_device=0, register_threads=0)
+
+
+@pytest.mark.gpu
+def test_gpu_registers_writer_and_reader_mappings(h):
+    """The real driver: a writer's mapping registered read-write, a reader's PROT_READ mapping
+    registered READ_ONLY (refused without that flag), both timed."""
+    import vitrify
+    if not vitrify.cuda_available():
+        pytest.skip(f"no CUDA GPU: {vitrify.cuda_unavailable_reason()}")
+    with HostStore(256 * SB + 4096, PAGE, dir=h, name="gpu", register_device=0) as w:
+        assert w.put("a", b"x" * PAGE)
+        reg = w.registration()
+        assert reg["registered"] and reg["ranges"] >= 1
+        with HostStore(256 * SB + 4096, PAGE, dir=h, name="gpu", mode="read",
+                       register_device=0) as r:
+            assert r.registration()["registered"] and r.get("a") == b"x" * PAGE
+        assert w.get("a") == b"x" * PAGE

@@ -29,6 +29,7 @@
 
 #include "vitrify/aligned.hpp"
 #include "vitrify/file_io.hpp"
+#include "vitrify/host.hpp"
 
 namespace vitrify::disk {
 
@@ -327,6 +328,7 @@ class SlabFile {
   // Never throws.
   void mark_used() noexcept;
   bool host() const noexcept { return static_cast<bool>(map_); }
+  const SlabMapping& mapping() const noexcept { return map_; }
   // Host slabs: the slot header of `slot` as the mapping holds it now, when it verifies for
   // this slab, `key` and `expected_len` (SIZE_MAX: any length), and where its payload lies in
   // the mapping; nullopt otherwise, and always on a disk slab. The payload's CRC is the
@@ -410,11 +412,19 @@ struct StoreConfig {
   // O_RDONLY without a lock and their headers scanned (cold_start is ignored); puts, remove()
   // and clear() are refused; refresh() picks up the writer's later pages. write_threads unused.
   bool read_only = false;
-  // The host tier (DESIGN.md H1-H8): `dirs` are in shared memory (tmpfs such as /dev/shm, or
+  // The host tier (DESIGN.md H1-H9): `dirs` are in shared memory (tmpfs such as /dev/shm, or
   // hugetlbfs); slab files are created 0600, mapped, and written and read with memcpy; the
   // filesystem's free space is checked before any slab grows (ENOSPC naming the mount, the
   // need and what is free). direct_io must be kAuto or kOff (it is off).
   bool host = false;
+  // Host stores: register every slab mapping with the CUDA driver (cuMemHostRegister, in the
+  // primary context of this device; -1: not registered), so a GPU can copy pages straight out
+  // of it. Ranges of at most register_max_bytes, registered on up to register_threads threads;
+  // read-only stores register READ_ONLY. Errors (no driver, a refused range) propagate from
+  // the constructor, with nothing left registered.
+  int register_device = -1;
+  unsigned register_threads = 8;
+  uint64_t register_max_bytes = host::kDefaultMaxSlabBytes;
 };
 constexpr unsigned kDefaultLoadThreads = 8;  // I/O-bound: threads mostly wait for the drive
 
@@ -722,6 +732,10 @@ class Store {
 
   StoreStats stats() const;
   const StoreConfig& config() const noexcept { return cfg_; }
+  // The slab mappings' CUDA registration (StoreConfig::register_device): registered, threads,
+  // wall seconds, each range's seconds. Not registered without a register_device, and after
+  // close(), which unregisters.
+  const host::RegistrationTiming& registration() const noexcept { return registration_; }
   // The slab file of (kind, drive), for tests and tools.
   const SlabFile& slab(unsigned kind, unsigned drive) const;
 
@@ -797,8 +811,13 @@ class Store {
   KindState& kind_state(unsigned kind);
   const KindState& kind_state(unsigned kind) const;
 
+  void register_mappings();
+
   StoreConfig cfg_;
   std::vector<KindState> kinds_;
+  // After kinds_: destroyed first, so nothing is unmapped while registered.
+  std::vector<host::HostRegistration> registrations_;
+  host::RegistrationTiming registration_;
   std::vector<std::unique_ptr<Drive>> drives_;
   mutable std::mutex mu_;  // every kind's SlotIndex and spare buffers, the counters below
   uint32_t seq_ = 0;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace vitrify::host {
@@ -65,12 +66,13 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
 
 // ---- one registration ---------------------------------------------------------------------------
 
-// cuMemHostRegister(ptr, bytes, PORTABLE | DEVICEMAP) with one owner; unregisters on destruction. Refuses
-// (std::invalid_argument, before any driver call) a range larger than `ceiling`.
+// cuMemHostRegister(ptr, bytes, PORTABLE | DEVICEMAP, and READ_ONLY for memory mapped without
+// write permission) with one owner; unregisters on destruction. Refuses (std::invalid_argument,
+// before any driver call) a range larger than `ceiling`.
 class HostRegistration {
  public:
   HostRegistration() = default;
-  HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling);
+  HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling, bool read_only = false);
   ~HostRegistration();
   HostRegistration(HostRegistration&& o) noexcept;
   HostRegistration& operator=(HostRegistration&& o) noexcept;
@@ -117,6 +119,14 @@ struct RegistrationTiming {
   double prefault_seconds = 0;       // wall time of the parallel prefault before it (0: none)
   std::vector<double> slab_seconds;  // each slab's cuMemHostRegister
 };
+
+// Registers each of `ranges` (each at most `ceiling` bytes) with its own HostRegistration, on up
+// to `max_threads` threads (1: one after another), and fills `timing` (seconds, threads, each
+// range's seconds in slab_seconds). On a failure every range registered so far is unregistered
+// and the first error propagates.
+std::vector<HostRegistration> register_ranges(const std::vector<std::pair<void*, size_t>>& ranges,
+                                              int device, size_t ceiling, size_t max_threads,
+                                              bool read_only, RegistrationTiming& timing);
 
 class HostPool {
  public:

@@ -141,6 +141,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   for (auto& k : kinds_)
     for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
   load_index();
+  if (cfg_.host && cfg_.register_device >= 0) register_mappings();
   for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
   try {
     for (size_t d = 0; d < nd; ++d) {
@@ -156,6 +157,30 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
 }
 
 Store::~Store() { close(); }
+
+void Store::register_mappings() {
+  VITRIFY_EXPECT(cfg_.register_threads >= 1 && cfg_.register_max_bytes >= (uint64_t{2} << 20),
+                 "register_threads must be >= 1 and register_max_bytes >= 2 MiB");
+  // Pieces of whole 2 MiB units (the last one of a slab takes the rest), each under the
+  // single-registration ceiling.
+  const uint64_t unit = uint64_t{2} << 20;
+  const uint64_t piece = cfg_.register_max_bytes / unit * unit;
+  std::vector<std::pair<void*, size_t>> ranges;
+  for (const KindState& k : kinds_)
+    for (const auto& slab : k.slabs) {
+      const SlabMapping& m = slab->mapping();
+      for (uint64_t off = 0; off < m.size(); off += piece)
+        ranges.emplace_back(m.data() + off, static_cast<size_t>(std::min<uint64_t>(piece, m.size() - off)));
+    }
+  registrations_ = host::register_ranges(ranges, cfg_.register_device, cfg_.register_max_bytes,
+                                         cfg_.register_threads, cfg_.read_only, registration_);
+  uint64_t bytes = 0;
+  for (const auto& r : ranges) bytes += r.second;
+  log::info("vitrify.disk: host store " + cfg_.name + ": " + std::to_string(bytes >> 20) +
+            " MiB registered with CUDA device " + std::to_string(cfg_.register_device) + " in " +
+            std::to_string(ranges.size()) + " ranges, " + std::to_string(registration_.seconds) +
+            " s on " + std::to_string(registration_.threads) + " threads");
+}
 
 void Store::close() noexcept {
   std::lock_guard cl(clear_mu_);  // not while a clear() rewrites the slab headers
@@ -203,6 +228,8 @@ void Store::close() noexcept {
       if (cfg_.host && !cfg_.read_only) s->mark_used();  // `vitrify tier ls`: last use
       s->release_lock();
     }
+  registrations_.clear();  // unregisters (never throws); the mappings stay until destruction
+  registration_.registered = false;
 }
 
 // Scan the slab headers; the kind's SlotIndex rebuilds the index, slot pool and GC order (D7).

@@ -139,7 +139,8 @@ void check_hugetlbfs_capacity(const std::string& mount, size_t needed, const FsC
 
 // ---- one registration ---------------------------------------------------------------------------
 
-HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling)
+HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t ceiling,
+                                   bool read_only)
     : device_(device) {
   VITRIFY_EXPECT(ptr != nullptr && bytes > 0, "cannot register an empty host range");
   VITRIFY_EXPECT(bytes <= ceiling,
@@ -150,8 +151,11 @@ HostRegistration::HostRegistration(void* ptr, size_t bytes, int device, size_t c
                   "into slabs (HostPool does) or raise VITRIFY_MAX_SLAB_GB if this driver allows it");
   driver::ContextGuard ctx(device);
   // PORTABLE: pinned for every context; DEVICEMAP: mapped, so cuMemHostGetDevicePointer works.
-  VITRIFY_CU(driver::cu().cuMemHostRegister(ptr, bytes,
-                                         CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP));
+  // READ_ONLY: the range is mapped without write permission (a reader's view of a slab).
+  VITRIFY_CU(driver::cu().cuMemHostRegister(
+      ptr, bytes,
+      CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
+          (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0u)));
   ptr_ = ptr;
   bytes_ = bytes;
 }
@@ -185,6 +189,52 @@ HostRegistration& HostRegistration::operator=(HostRegistration&& o) noexcept {
     device_ = o.device_;
   }
   return *this;
+}
+
+std::vector<HostRegistration> register_ranges(const std::vector<std::pair<void*, size_t>>& ranges,
+                                              int device, size_t ceiling, size_t max_threads,
+                                              bool read_only, RegistrationTiming& timing) {
+  const size_t count = ranges.size();
+  timing = RegistrationTiming{};
+  std::vector<HostRegistration> regs(count);
+  std::vector<std::exception_ptr> errors(count);
+  timing.slab_seconds.assign(count, 0.0);
+  timing.parallel = max_threads > 1 && count > 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto register_one = [&](size_t i) {
+    try {
+      const auto ts = std::chrono::steady_clock::now();
+      regs[i] = HostRegistration(ranges[i].first, ranges[i].second, device, ceiling, read_only);
+      timing.slab_seconds[i] = seconds_since(ts);
+    } catch (...) {
+      errors[i] = std::current_exception();
+    }
+  };
+  if (timing.parallel) {
+    const size_t nthreads = std::min(count, max_threads);
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> threads;
+    threads.reserve(nthreads);
+    try {
+      for (size_t t = 0; t < nthreads; ++t)
+        threads.emplace_back([&] {
+          for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
+        });
+    } catch (...) {
+      // Could not start every thread: the ones running drain the queue; finish it here.
+      for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
+    }
+    for (auto& th : threads) th.join();
+    timing.threads = std::max<size_t>(1, threads.size());
+  } else {
+    for (size_t i = 0; i < count; ++i) register_one(i);
+    timing.threads = 1;
+  }
+  timing.seconds = seconds_since(t0);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);  // `regs` unregisters the ranges that succeeded
+  timing.registered = count > 0;
+  return regs;
 }
 
 // ---- the pool -----------------------------------------------------------------------------------
@@ -288,49 +338,14 @@ HostPool::HostPool(size_t total_bytes, size_t page_bytes, HostPoolOptions option
       timing_.prefault_seconds = seconds_since(tp);
     }
     if (do_register) {
-      const size_t count = plan_.size();
-      std::vector<HostRegistration> regs(count);
-      std::vector<std::exception_ptr> errors(count);
-      timing_.slab_seconds.assign(count, 0.0);
-      timing_.parallel = options_.parallel_registration && count > 1;
-      const auto t0 = std::chrono::steady_clock::now();
-      auto register_one = [&](size_t i) {
-        try {
-          const auto ts = std::chrono::steady_clock::now();
-          regs[i] = HostRegistration(maps_[i].ptr, maps_[i].bytes, options_.device,
-                                     options_.max_slab_bytes);
-          timing_.slab_seconds[i] = seconds_since(ts);
-        } catch (...) {
-          errors[i] = std::current_exception();
-        }
-      };
-      if (timing_.parallel) {
-        const size_t nthreads =
-            std::min(count, std::max<size_t>(1, options_.registration_threads));
-        std::atomic<size_t> next{0};
-        std::vector<std::thread> threads;
-        threads.reserve(nthreads);
-        try {
-          for (size_t t = 0; t < nthreads; ++t)
-            threads.emplace_back([&] {
-              for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
-            });
-        } catch (...) {
-          // Could not start every thread: the ones running drain the queue; finish it here.
-          for (size_t i; (i = next.fetch_add(1)) < count;) register_one(i);
-        }
-        for (auto& th : threads) th.join();
-        timing_.threads = std::max<size_t>(1, threads.size());
-      } else {
-        for (size_t i = 0; i < count; ++i) register_one(i);
-        timing_.threads = 1;
-      }
-      timing_.seconds = seconds_since(t0);
-      for (auto& e : errors)
-        if (e) std::rethrow_exception(e);  // `regs` unregisters the slabs that succeeded
-      regs_ = std::move(regs);
-      timing_.registered = true;
-      log::write(log::kInfo, "host pool: registered " + n(count) + " slab(s), " +
+      std::vector<std::pair<void*, size_t>> ranges;
+      for (const Mapping& m : maps_) ranges.emplace_back(m.ptr, m.bytes);
+      const double prefault = timing_.prefault_seconds;
+      regs_ = register_ranges(ranges, options_.device, options_.max_slab_bytes,
+                              options_.parallel_registration ? options_.registration_threads : 1,
+                              false, timing_);
+      timing_.prefault_seconds = prefault;
+      log::write(log::kInfo, "host pool: registered " + n(ranges.size()) + " slab(s), " +
                                  human(total_bytes_) + " in " +
                                  std::to_string(timing_.seconds) + " s (" +
                                  (timing_.parallel ? "parallel" : "serial") + ")");
