@@ -183,6 +183,13 @@ def test_hicache_small_run_on_the_cpu(tmp_path):
     assert res["ratios"]["get_vitrify_vs_file@512KiB"] > 0
     assert res["goals"] == {"get_vitrify_vs_file@512KiB": 3.0}
     assert "[hicache +" in r.stderr and "backend" in r.stdout
+    if shutil.which("fio"):  # the drive's ceilings, both directions, and what they allow
+        assert {("drive (fio)", "read"), ("drive (fio)", "write")} <= {
+            (x["backend"], x["op"]) for x in res["rows"]}
+        for k in ("get_file_headroom@512KiB", "set_durable_file_headroom@512KiB",
+                  "set_vitrify_vs_drive@512KiB"):
+            assert res["ratios"][k] > 0, k
+        assert res["config"]["geometries"][0]["drive_write_limit"] > 0
 
 
 # ---- --plot ---------------------------------------------------------------------------------

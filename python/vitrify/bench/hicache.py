@@ -20,7 +20,9 @@ are dropped, and fio reads it back cold (O_DIRECT, libaio, queue depth 16, 1 MiB
 same run. (Virtual drives may cache recently read data below the guest; reps are best-of.)
 Two ratios put the get goal in proportion to the drive: ``get_file_headroom`` = drive / file
 get, the most any backend reading from this drive could beat the file backend by, and
-``get_vitrify_vs_drive`` = vitrify get / drive, the share of the drive vitrify's gets use.
+``get_vitrify_vs_drive`` = vitrify get / drive, the share of the drive vitrify's gets use; two
+do the same for durable sets against fio's O_DIRECT write + fsync (``drive (fio)`` write row):
+``set_durable_file_headroom`` = drive write / file set + sync, and ``set_vitrify_vs_drive``.
 
   vitrify bench hicache [--out DIR] [--dir SCRATCH] [--quick]
 
@@ -48,33 +50,42 @@ from . import resultlib
 from .cli import existing_dir, nonnegative_int, positive_int
 
 
-def fio_read_limit(scratch, nbytes):
-    """Bytes/s of a cold O_DIRECT sequential read (libaio, queue depth 16) of a file fio just
-    wrote with O_DIRECT in the scratch directory, or why it was not measured."""
+def fio_limits(scratch, nbytes):
+    """The drive's ceilings in the scratch directory: ``(read, write)``, each bytes/s or why it
+    was not measured. write: fio writes a fresh file with O_DIRECT (libaio, queue depth 16,
+    1 MiB blocks) and ``--end_fsync=1`` (durable, as a store's set is); read: the same file,
+    its page cache dropped, read back cold the same way."""
     fio = shutil.which("fio")
     if fio is None:
-        return "fio not installed"
+        return "fio not installed", "fio not installed"
     path = os.path.join(scratch, "fio-ceiling.bin")
     common = [f"--filename={path}", "--bs=1m", "--direct=1", f"--size={nbytes}",
-              "--output-format=json"]
+              "--ioengine=libaio", "--iodepth=16", "--output-format=json"]
     try:
-        w = subprocess.run([fio, "--name=write", "--rw=write", "--ioengine=psync", *common],
+        w = subprocess.run([fio, "--name=write", "--rw=write", "--end_fsync=1", *common],
                            capture_output=True, text=True, timeout=300)
         if w.returncode != 0:
-            return f"fio write failed: {w.stderr.strip()[-200:]}"
+            why = f"fio write failed: {w.stderr.strip()[-200:]}"
+            return why, why
+        write = float(json.loads(w.stdout)["jobs"][0]["write"]["bw_bytes"])
         resultlib.drop_page_cache([path])
-        r = subprocess.run([fio, "--name=read", "--readonly", "--rw=read", "--ioengine=libaio",
-                            "--iodepth=16", *common], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([fio, "--name=read", "--readonly", "--rw=read", *common],
+                           capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
-            return f"fio read failed: {r.stderr.strip()[-200:]}"
-        return float(json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"])
+            return f"fio read failed: {r.stderr.strip()[-200:]}", write
+        return float(json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"]), write
     except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
-        return f"fio failed: {type(e).__name__}: {e}"
+        return f"fio failed: {type(e).__name__}: {e}", f"fio failed: {type(e).__name__}: {e}"
     finally:
         try:
             os.unlink(path)
         except OSError:
             pass
+
+
+def fio_read_limit(scratch, nbytes):
+    """Bytes/s of the drive's cold O_DIRECT read (:func:`fio_limits`), or why not measured."""
+    return fio_limits(scratch, nbytes)[0]
 
 
 def files_under(d):
@@ -268,7 +279,7 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
             results[name]["get"].append(t1 - t0)
 
     direct = controllers["vitrify"].storage_backend.vitrify_stats()["store"]["direct_io"]
-    drive = fio_read_limit(scratch, args.bytes_per_rep)
+    drive, drive_write = fio_limits(scratch, args.bytes_per_rep)
     for cc in controllers.values():
         cc.detach_storage_backend()
     controllers.clear()
@@ -297,6 +308,11 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
                      "page_bytes": "", "GB/s": round(drive / 1e9, 3), "pages/s": "",
                      "best_s": "", "median_s": "",
                      "note": "drive: fio cold O_DIRECT read, libaio QD16, 1 MiB, fresh file"})
+    if isinstance(drive_write, float):
+        rows.append({"page": page, "backend": "drive (fio)", "op": "write", "pages": "",
+                     "page_bytes": "", "GB/s": round(drive_write / 1e9, 3), "pages/s": "",
+                     "best_s": "", "median_s": "",
+                     "note": "drive: fio O_DIRECT write + fsync, libaio QD16, 1 MiB, fresh file"})
     ratios = {
         f"get_vitrify_vs_file@{page}": round(r["vitrify_get"] / r["file_get"], 3),
         f"set_vitrify_vs_file@{page}": round(r["vitrify_set"] / r["file_set"], 3),
@@ -307,10 +323,17 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
         # backend by more than drive / file, and vitrify_get / drive says how much of it vitrify uses.
         ratios[f"get_file_headroom@{page}"] = round(drive / r["file_get"], 3)
         ratios[f"get_vitrify_vs_drive@{page}"] = round(r["vitrify_get"] / drive, 3)
+    if isinstance(drive_write, float):
+        # The same for durable sets: no backend writing durably to this drive can beat the
+        # file backend's set + sync by more than drive_write / file set + sync.
+        ratios[f"set_durable_file_headroom@{page}"] = round(drive_write / r["file_set_sync"], 3)
+        ratios[f"set_vitrify_vs_drive@{page}"] = round(r["vitrify_set"] / drive_write, 3)
     cfg = {"page": page, "page_tokens": P, "layers": layers, "kv_heads": heads,
            "head_dim": head_dim, "dtype": "bfloat16", "page_bytes": page_bytes, "pages": n,
            "batch_pages": B, "vitrify_direct_io": direct,
            "drive_read_limit": drive if isinstance(drive, float) else None,
-           "drive_read_limit_note": None if isinstance(drive, float) else drive}
+           "drive_read_limit_note": None if isinstance(drive, float) else drive,
+           "drive_write_limit": drive_write if isinstance(drive_write, float) else None,
+           "drive_write_limit_note": None if isinstance(drive_write, float) else drive_write}
     return rows, ratios, cfg
 
