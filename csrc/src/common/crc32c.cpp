@@ -155,7 +155,7 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) noexcept {
 // crc32c_copy loads each word once, checksums it and stores it (hw_raw_t<true, ...>), unless
 // dst lies at or a little above src modulo 4096: then the loop's loads keep hitting addresses
 // whose low 12 bits equal those of stores still in flight, and the CPU stalls on "4K aliasing"
-// (measured on one core: 0.4-3 GB/s instead of ~10; a slot payload at +64 copied into a torch
+// (measured on a 2-core VM through the page mover: 0.4-3 GB/s instead of ~10; a slot payload at +64 copied into a torch
 // tensor's page at +64 is such a case). Those go through a bounce buffer of one 3 x 4 KiB round
 // (L1-resident) instead: src -> bounce (memcpy), CRC of the bounce, bounce -> dst, the
 // bounce's offset chosen at least 1 KiB from both src and dst modulo 4096. Either way the CRC
@@ -163,7 +163,7 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) noexcept {
 constexpr size_t kRound = 3 * 4096;
 
 // Whether dst - src modulo 4096 falls where direct loads meet in-flight stores: from 0 up to
-// 1 KiB (the loads run ahead of the stores). Measured on one core, direct: 3.0 GB/s at 0,
+// 1 KiB (the loads run ahead of the stores). Measured on a 2-core VM, direct: 3.0 GB/s at 0,
 // 0.4 at 16 and 80, 8.8 at 2000, 10.8 at 4048.
 bool aliases(const uint8_t* src, const uint8_t* dst) noexcept {
   return (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(src)) % 4096 < 1024;
