@@ -155,8 +155,8 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) noexcept {
 // crc32c_copy loads each word once, checksums it and stores it (hw_raw_t<true, ...>), unless
 // dst lies at or a little above src modulo 4096: then the loop's loads keep hitting addresses
 // whose low 12 bits equal those of stores still in flight, and the CPU stalls on "4K aliasing"
-// (measured on a 2-core VM through the page mover: 0.4-3 GB/s instead of ~10; a slot payload at +64 copied into a torch
-// tensor's page at +64 is such a case). Those go through a bounce buffer of one 3 x 4 KiB round
+// (measured on a 2-core VM through the page mover: 0.4-3 GB/s instead of ~10; a slot payload
+// at +64 copied into a torch tensor's page at +64 is such a case). Those go through a bounce buffer of one 3 x 4 KiB round
 // (L1-resident) instead: src -> bounce (memcpy), CRC of the bounce, bounce -> dst, the
 // bounce's offset chosen at least 1 KiB from both src and dst modulo 4096. Either way the CRC
 // is of exactly the bytes stored.
