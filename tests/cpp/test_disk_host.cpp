@@ -22,6 +22,7 @@
 
 #include <gtest/gtest.h>
 
+#include "temp_dir.hpp"
 #include "vitrify/disk.hpp"
 
 namespace fs = std::filesystem;
@@ -31,19 +32,7 @@ namespace {
 
 constexpr size_t kPage = 10000;
 
-// A fresh directory in /dev/shm (tmpfs), removed with its contents at the end.
-struct ShmDir {
-  std::string path;
-  ShmDir() {
-    std::string tmpl = "/dev/shm/vitrify-host-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp " + tmpl);
-    path = tmpl;
-  }
-  ~ShmDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using vitrify::test::ShmDir;
 
 Key key_of(uint64_t i) {
   Key k{};

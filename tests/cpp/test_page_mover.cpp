@@ -25,6 +25,7 @@
 using namespace vitrify::disk;
 using vitrify::host::Copier;
 using vitrify::host::PageLayout;
+using vitrify::test::ShmDir;
 using vitrify::test::TempDir;
 
 namespace {
@@ -355,20 +356,6 @@ TEST(PageMover, RefusesBadArguments) {
 // ---- host stores: straight out of the mapping (D21) ------------------------------------------
 
 namespace {
-
-// A fresh directory in /dev/shm (the host tier needs tmpfs), removed at the end.
-struct ShmDir {
-  std::string path;
-  ShmDir() {
-    std::string tmpl = "/dev/shm/vitrify-mover-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp " + tmpl);
-    path = tmpl;
-  }
-  ~ShmDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
 
 StoreConfig host_cfg(const std::string& dir, uint64_t page, uint64_t slots,
                      bool read_only = false) {
