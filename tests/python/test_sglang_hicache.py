@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -329,6 +330,138 @@ def test_host_tier_serves_gets_first_and_survives_a_restart(tmp_path, shm_dir):
         assert b2.vitrify_stats()["host"]["host_hits"] == 5
     finally:
         b2.close()
+
+
+def test_host_tier_write_back_acknowledges_from_memory_and_writes_the_disk_behind(
+        tmp_path, shm_dir):
+    """host_write="back": a set the host tier takes whole is acknowledged from it; the disk
+    store receives the same pages from the host tier on the write-back thread; close() waits
+    for the queue; a restart finds every page on disk even with the host tier gone."""
+    _, host = _mha_host("page_first")
+    _fill_random(host, 18)
+    idx = host.alloc(6 * PAGE)
+    want = _pages(host, idx, 6)
+    _, keys = _keys(6)
+    slot = disk.slot_bytes_for(BLOB)
+    extra = _extra(tmp_path, host_bytes=4096 + 32 * slot, host_dir=shm_dir, host_write="back")
+    b = _backend(host, extra)
+    try:
+        wb = b._writeback
+        assert wb is not None and wb.capacity == 8  # a quarter of the host tier's 32 slots
+        assert b.batch_set_v1(keys, idx) == [True] * 6
+        assert wb.flush(timeout=30)
+        st = b.vitrify_stats()
+        assert st["host"]["writeback_queued"] == 6 and st["host"]["writeback_written"] == 6
+        assert st["host"]["writeback_lost"] == 0 and st["host"]["writeback_depth"] == 0
+        assert st["store"]["kinds"]["kv"]["entries"] == 6  # on disk behind the host tier
+        assert b.counters()["set_pages"] == 6
+        # a batch that does not fit the queue (8 pages) is written through
+        idx2 = host.alloc(10 * PAGE)
+        _, keys2 = _keys(10, salt=10_000)
+        assert b.batch_set_v1(keys2, idx2) == [True] * 10
+        assert b.vitrify_stats()["host"]["writeback_queued"] == 6
+        assert b.vitrify_stats()["store"]["kinds"]["kv"]["entries"] == 16
+    finally:
+        b.close()
+    assert not wb._thread.is_alive()
+    shutil.rmtree(shm_dir)  # the host tier is gone; the disk has every page
+    os.makedirs(shm_dir)
+    host.kv_buffer.zero_()
+    b2 = _backend(host, dict(extra, cold_start="load"))
+    try:
+        dst = host.alloc(6 * PAGE)
+        assert b2.batch_get_v1(keys, dst) == [True] * 6
+        for i, page in enumerate(_pages(host, dst, 6)):
+            assert torch.equal(page, want[i])
+        assert b2.vitrify_stats()["store"]["reloads"] == 6
+    finally:
+        b2.close()
+
+
+def test_host_tier_write_back_queue_is_dropped_by_clear_and_a_weight_switch(tmp_path,
+                                                                             shm_dir):
+    """Pages queued for the disk when the stores are cleared or replaced are dropped, not
+    written into the new store; a page the host tier lost before its disk write is counted."""
+    _, host = _mha_host("page_first")
+    _fill_random(host, 19)
+    slot = disk.slot_bytes_for(BLOB)
+    b = _backend(host, _extra(tmp_path, host_bytes=4096 + 32 * slot, host_dir=shm_dir,
+                              host_write="back"))
+    try:
+        wb = b._writeback
+        _, keys = _keys(4)
+        assert b.batch_set_v1(keys, host.alloc(4 * PAGE)) == [True] * 4
+        # queued, being written into the old store, or taken and then found gone: never in
+        # the store of the new version
+        assert b.set_weight_version("step-2") is not None
+        assert wb.flush(timeout=30)
+        st = b.vitrify_stats()
+        c = st["host"]
+        assert c["writeback_dropped"] + c["writeback_written"] + c["writeback_lost"] == 4
+        assert st["store"]["kinds"]["kv"]["entries"] == 0  # nothing of step 1 on the new disk
+        _, keys2 = _keys(3, salt=20_000)
+        assert b.batch_set_v1(keys2, host.alloc(3 * PAGE)) == [True] * 3
+        assert b.clear() is True
+        assert wb.flush(timeout=30)
+        assert b.vitrify_stats()["store"]["kinds"]["kv"]["entries"] == 0
+    finally:
+        b.close()
+
+
+def test_write_back_queue_counts_dropped_lost_and_refuses_what_does_not_fit():
+    """The write-back queue alone, with the backend's lock held by the test: a batch being
+    written waits for it; what is queued meanwhile can be dropped; a page the host tier no
+    longer has is lost, not written; offers beyond the capacity are refused whole."""
+    from vitrify.integrations.sglang.hicache.writeback import WriteBack
+
+    class Stub:
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.put = []
+            self.errors = []
+            self._host_store = self
+            self._store = self
+            self._state = self
+
+        def shared(self):
+            return self.lock
+
+        def batch_get(self, keys, kind):
+            return [None if k.startswith("gone") else k.encode() for k in keys]
+
+        def batch_put(self, keys, datas, kind):
+            self.put += list(zip(keys, datas))
+            return [True] * len(keys)
+
+        def _error(self, op, e):
+            self.errors.append((op, e))
+
+    stub = Stub()
+    wb = WriteBack(stub, 4)
+    try:
+        with stub.lock:  # the thread takes the first batch, then waits for the lock
+            assert wb.offer(["a", "gone-1"])
+            deadline = time.monotonic() + 10
+            while wb._busy == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert wb._busy == 2
+            assert wb.offer(["b", "c"])
+            assert not wb.offer(["d"])  # 2 busy + 2 queued: full
+            assert wb.depth() == 4
+            assert wb.drop() == 2
+        assert wb.flush(timeout=10)
+        assert stub.put == [("a", b"a")] and stub.errors == []
+        assert wb.counts == {"writeback_queued": 4, "writeback_written": 1, "writeback_lost": 1,
+                             "writeback_dropped": 2, "writeback_failed": 0}
+    finally:
+        wb.stop()
+    assert not wb.offer(["e"])  # stopped
+
+
+def test_host_write_setting_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="'host_write' must be 'through' or 'back'"):
+        VitrifyStorageSettings.from_extra_config(_extra(tmp_path, host_write="behind"))
+    assert VitrifyStorageSettings.from_extra_config(_extra(tmp_path)).host_write == "through"
 
 
 def test_host_tier_promotes_disk_hits_and_clear_drops_both(tmp_path, shm_dir):

@@ -51,6 +51,10 @@ timeout_s``        to create the shared store (seconds, default 300)
                    (int, default 0: none); or ``host_gb`` (1e9 bytes). v1 sets write both
                    tiers (the disk's result is the answer), v1 gets read the host tier first
                    and copy disk hits into it; a restarted server maps the same slabs
+``host_write``     ``"through"`` (default): a v1 set is acknowledged by the disk, as above;
+                   ``"back"``: by the host tier when it took the whole batch, the disk
+                   written behind by one thread (queue: a quarter of the host tier's slots;
+                   a batch that does not fit is written through; ``close`` waits for it)
 ``host_dir``       the host tier's directory (tmpfs or hugetlbfs; default
                    ``$VITRIFY_HOST_DIR/vitrify-<uid>``); ``vitrify tier ls`` lists its slabs
 ``role``           ``"writer"`` (default) or ``"reader"``: a second server of the node with

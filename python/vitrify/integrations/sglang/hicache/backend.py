@@ -31,6 +31,7 @@ from .geometry import (_host_geometry, _HostGeometry, _model_identity, _rank_suf
 from .metrics import PrometheusExport
 from .settings import _KIND, VitrifyStorageSettings, identity_text, logger
 from .v1 import _V1Path
+from .writeback import WriteBack
 from .v2 import _ExtraPools
 
 
@@ -186,6 +187,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._host_store: Optional[_tier.HostStore] = None
         self._host_mover: Optional[_disk.PageMover] = None
         self._host_c = {"host_hits": 0, "host_promotions": 0, "host_set_failed": 0}
+        self._writeback: Optional[WriteBack] = None  # host_write="back": the disk behind
         self._c = _Counters()
         self._retired = {k: 0 for k in _STORE_TOTALS}  # totals of the stores closed so far
         self._clock = threading.Lock()
@@ -304,6 +306,22 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             host.close()
             raise
         self._host_store = host
+        if s.host_write == "back" and not self._reader:
+            # a quarter of the host tier's slots may wait for the disk (writeback.py)
+            cap = host.stats()["kinds"][_KIND]["slots_total"] // 4
+            if self._writeback is None:
+                self._writeback = WriteBack(self, cap)
+            else:
+                self._writeback.capacity = max(1, cap)
+
+    def _host_counters(self) -> Optional[dict]:
+        """The host tier's counters (None without one); caller holds the counter lock."""
+        if self._host_store is None:
+            return None
+        d = dict(self._host_c)
+        if self._writeback is not None:
+            d.update(self._writeback.counts, writeback_depth=self._writeback.depth())
+        return d
 
     def _drop_host(self, delete: bool = False) -> None:
         """Close the host tier (caller holds the state lock exclusively); ``delete``: remove
@@ -336,7 +354,11 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         return store
 
     def close(self) -> None:
-        """Finish queued writes and close the slab files (idempotent)."""
+        """Finish queued writes (the host tier's write-back queue first) and close the slab
+        files (idempotent)."""
+        wb = self._writeback
+        if wb is not None:
+            wb.flush()
         with self._state.exclusive():
             self._closed = True
             if self._store is not None:
@@ -348,6 +370,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 if ep.store is not None:
                     ep_store, ep.store = ep.store, None
                     self._retire(ep_store)
+        if wb is not None:
+            wb.stop()
         self._publish()
 
     def clear(self) -> bool:
@@ -355,6 +379,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         its index and gives every slab a new slab id (files, threads and staging buffers stay),
         so neither this process nor a later ``cold_start=load`` sees them."""
         try:
+            if self._writeback is not None:  # its pages are about to go
+                self._writeback.drop()
             with self._state.exclusive():
                 if self._store is None:
                     return not self._closed
@@ -404,6 +430,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         per pool) and new ones opened under the new identity (``cold_start`` as configured).
         Calls in flight finish first. ValueError for a bad version or a closed backend."""
         version = identity_text("weight_version", version)
+        if self._writeback is not None:  # pages of the weights no longer served
+            self._writeback.drop()
         with self._state.exclusive():
             if self._closed:
                 raise ValueError(f"vitrify HiCache backend: set_weight_version({version!r}) "
@@ -481,7 +509,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             return
         with self._stats_lock:
             with self._clock:
-                host = dict(self._host_c) if self._host_store is not None else None
+                host = self._host_counters()
             doc = {"pid": os.getpid(), "time": time.time(), "closed": self._closed,
                    "store": self._store_info, "counters": counters, "host": host}
             tmp = f"{path}.tmp{os.getpid()}"
@@ -679,7 +707,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             host = None if hs is None else {"store": hs.stats(), "slab": hs.slab_path(_KIND)}
             with self._clock:
                 d["extra_pools"] = {k: ep.stats() for k, ep in self._extra.items()}
-                d["host"] = None if host is None else dict(self._host_c, **host)
+                d["host"] = None if host is None else dict(self._host_counters(), **host)
         return d
 
     @property

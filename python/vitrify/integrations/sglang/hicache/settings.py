@@ -25,7 +25,7 @@ _VITRIFY_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
     "read_threads", "write_threads", "name", "extra_pool_budget_bytes", "stats_path",
     "revision", "weight_version", "reader_refresh_s", "reader_open_timeout_s",
-    "host_bytes", "host_gb", "host_dir", "role",
+    "host_bytes", "host_gb", "host_dir", "host_write", "role",
 })
 _KIND = "kv"  # the one payload kind of every slab store of this backend
 _MiB = 1 << 20
@@ -58,6 +58,9 @@ class VitrifyStorageSettings:
     # vitrify.tier.default_dir(), under VITRIFY_HOST_DIR).
     host_bytes: int = 0
     host_dir: Optional[str] = None
+    # "through": a v1 set is acknowledged by the disk; "back": by the host tier, the disk
+    # written behind it (writeback.py)
+    host_write: str = "through"
     # "reader": another server of the node with the same storage identity owns the stores; this
     # one maps them read-only (host tier and disk), writes nothing and rescans on a miss.
     role: str = "writer"
@@ -177,13 +180,17 @@ class VitrifyStorageSettings:
                                      or "\0" in host_dir):
             raise ValueError(f"vitrify HiCache backend: 'host_dir' must be a directory path "
                              f"(non-empty string), got {host_dir!r}")
+        host_write = extra.get("host_write", "through")
+        if host_write not in ("through", "back"):
+            raise ValueError(f"vitrify HiCache backend: 'host_write' must be 'through' or "
+                             f"'back', got {host_write!r}")
         role = extra.get("role", "writer")
         if role not in ("writer", "reader"):
             raise ValueError(f"vitrify HiCache backend: 'role' must be 'writer' or 'reader', "
                              f"got {role!r}")
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, stats_path=stats_path,
-                   host_bytes=host_bytes, host_dir=host_dir, role=role, **versions, **ints,
+                   host_bytes=host_bytes, host_dir=host_dir, host_write=host_write, role=role, **versions, **ints,
                    **floats)
 
 

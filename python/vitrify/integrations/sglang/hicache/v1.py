@@ -50,15 +50,23 @@ class _V1Path:
                 if self._reader:  # the writer (MLA TP rank 0, or the owning server) writes them
                     return [True] * n
                 pages = self._pages(n, host_indices)
+                behind = False
                 if self._host_mover is not None:
-                    # The host tier first (memory speed; write-through: the disk follows in
-                    # this call). Its failures (full) are counted; the disk's result is the
-                    # acknowledgement.
-                    hres, _ = self._host_mover.put_pages(keys, g.layout, pages)
+                    # The host tier first (memory speed). Write-through: the disk follows in
+                    # this call and its result is the acknowledgement (host failures, a full
+                    # host tier, are counted). Write-back: a batch the host tier took whole is
+                    # acknowledged now and queued for the disk, if the queue has room.
+                    hres, hpresent = self._host_mover.put_pages(keys, g.layout, pages)
                     with self._clock:
                         self._host_c["host_set_failed"] += sum(1 for r in hres if not r)
-                # One native call: skip stored keys, gather chunk i+1 while chunk i is written.
-                results, present = self._mover.put_pages(keys, g.layout, pages)
+                    wb = self._writeback
+                    behind = wb is not None and all(hres) and wb.offer(list(keys))
+                if behind:
+                    results, present = hres, hpresent
+                else:
+                    # One native call: skip stored keys, gather chunk i+1 while chunk i is
+                    # written.
+                    results, present = self._mover.put_pages(keys, g.layout, pages)
                 written = sum(results) - present
             dt = time.perf_counter() - t0
             with self._clock:
@@ -72,9 +80,10 @@ class _V1Path:
                     c.backup_bandwidth.append(written * g.blob_bytes / dt / 1e9)
                 total_written, total_read = c.set_pages, c.get_pages
             # One summary line per batch (SGLang batches up to STORAGE_BATCH_SIZE pages).
-            logger.info("vitrify HiCache backend: batch_set_v1 %d pages: %d written, %d already "
-                        "stored, %d failed, %.1f MiB in %.1f ms; totals: %d pages written, "
-                        "%d pages read", n, written, present,
+            logger.info("vitrify HiCache backend: batch_set_v1 %d pages: %d written%s, %d "
+                        "already stored, %d failed, %.1f MiB in %.1f ms; totals: %d pages "
+                        "written, %d pages read", n, written,
+                        " (host tier; disk behind)" if behind else "", present,
                         sum(1 for r in results if not r), written * g.blob_bytes / _MiB,
                         dt * 1e3, total_written, total_read)
             self._publish()
