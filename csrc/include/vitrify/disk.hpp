@@ -276,7 +276,9 @@ class SlabFile {
 
   // Writes one slot with a single transfer of round_up(64 + payload_len, 4096) bytes from `buf`
   // (4 KiB-aligned, at least that many bytes; the payload already at buf + 64). Fills the
-  // header in place and zeroes the pad; no copy. Does not sync: call sync() before publishing.
+  // header in place and zeroes the pad; no copy. A host slab instead copies the payload into
+  // its mapping, checksumming it on the way, and writes header and pad there (H4); `buf` is
+  // only read. Does not sync: call sync() before publishing.
   // Throws std::system_error on an I/O error, std::invalid_argument on bad arguments.
   void write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
                      uint32_t seq);

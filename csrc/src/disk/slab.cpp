@@ -317,24 +317,28 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   h.slab_id = slab_id_;
   h.seq = seq;
   std::memcpy(h.key, key.data(), kKeyBytes);
-  h.payload_crc = crc32c(buf + kSlotHeaderBytes, payload_len);
-  h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
-  std::memcpy(buf, &h, sizeof h);
   const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
-  std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
   if (map_) {
     // H4 commit order: the old header goes first, then the payload, then the new header, so a
     // header that verifies was written after its payload (a copy cut short by SIGKILL leaves a
-    // slot whose header does not verify, or whose payload CRC does not match: a miss).
+    // slot whose header does not verify, or whose payload CRC does not match: a miss). The
+    // payload's CRC is taken on the copy into the mapping (one pass over the slot buffer).
     uint8_t* at = map_.data() + slot_offset(slot);
     VITRIFY_EXPECT(slot_offset(slot) + n <= map_.size(), "slot past the mapping of " + path_);
     std::memset(at, 0, kSlotHeaderBytes);
     std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(at + kSlotHeaderBytes, buf + kSlotHeaderBytes, n - kSlotHeaderBytes);
+    h.payload_crc = crc32c_copy(at + kSlotHeaderBytes, buf + kSlotHeaderBytes, payload_len, 0,
+                                /*streaming=*/true);
+    std::memset(at + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
+    h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
     std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(at, buf, kSlotHeaderBytes);
+    std::memcpy(at, &h, sizeof h);
     return;
   }
+  h.payload_crc = crc32c(buf + kSlotHeaderBytes, payload_len);
+  h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
+  std::memcpy(buf, &h, sizeof h);
+  std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
   file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
 }
 
