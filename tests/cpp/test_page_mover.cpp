@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -446,39 +447,52 @@ TEST(PageMover, HostStoreCopiesFromTheMappingAndMissesBadSlots) {
 }
 
 // The second look (H4's reader side): a slot whose header changes while its payload is copied
-// (a writer reusing it) is a miss even though the copied bytes match the old CRC; a declined
-// item is a plain miss; an exception of the copy propagates with the counters settled; a disk
-// store has no mapping to read.
+// (a writer reusing or rewriting it: the header torn, or whole with another seq) is a plain miss
+// and its entry stays, even though the copied bytes match the old CRC; a CRC that differs under
+// an unchanged header is corrupt (a verify failure, dropped, D1); a declined item is a plain
+// miss; an exception of the copy propagates with the counters settled; a disk store has no
+// mapping to read.
 TEST(PageMover, HostStoreReadMappedChecksTheHeaderAgainAfterTheCopy) {
   ShmDir d;
   Copier copier(2);
-  HostPool src(4, 0);
+  HostPool src(5, 0);
   src.randomize(22);
   Store store(host_cfg(d.path, src.blob(), 8));
   PageMover mover(store.slot_bytes(0), 2, copier);
-  const auto keys = keys_of(2200, 3);
-  mover.put_pages(store, keys, 0, src.layout, {0, 1, 2}, src.blob());
-  const uint64_t s0 = slot_of(store, keys[0]);
+  const auto keys = keys_of(2200, 5);
+  mover.put_pages(store, keys, 0, src.layout, {0, 1, 2, 3, 4}, src.blob());
+  const uint64_t s0 = slot_of(store, keys[0]), s3 = slot_of(store, keys[3]);
   std::vector<uint8_t> out(src.blob());
   const std::vector<int64_t> r = store.read_mapped(
       0, keys, SIZE_MAX, [&](const std::vector<Store::MappedPayload>& items) {
         std::vector<std::optional<uint32_t>> crcs;
         for (const Store::MappedPayload& it : items) {
           crcs.push_back(vitrify::crc32c_copy(out.data(), it.data, it.bytes));
-          if (it.index == 0) {  // rewritten after the copy: another seq in its header
+          if (it.index == 0) {  // torn after the copy: its header no longer verifies
             const uint32_t seq = 0xABCD;
             poke(store, s0, 20, &seq, sizeof seq);
           }
           if (it.index == 2) crcs.back().reset();  // declined
+          if (it.index == 3) {  // rewritten whole after the copy: a valid header, another seq
+            SlotHeader h;
+            std::memcpy(&h, it.data - kSlotHeaderBytes, sizeof h);
+            h.seq += 1000;
+            h.header_crc = vitrify::crc32c(&h, offsetof(SlotHeader, header_crc));
+            poke(store, s3, 0, &h, sizeof h);
+          }
+          if (it.index == 4) *crcs.back() ^= 1;  // bytes that do not match the header
         }
         return crcs;
       });
-  EXPECT_EQ(r, (std::vector<int64_t>{-1, static_cast<int64_t>(src.blob()), -1}));
+  const int64_t blob = static_cast<int64_t>(src.blob());
+  EXPECT_EQ(r, (std::vector<int64_t>{-1, blob, -1, -1, -1}));
   StoreStats st = store.stats();
-  EXPECT_EQ(st.verify_failures, 1u);
   EXPECT_EQ(st.reloads, 1u);
-  EXPECT_EQ(st.misses, 1u) << "the declined item";
-  EXPECT_TRUE(store.lookup(0, keys[2]).has_value()) << "declined is not corrupt";
+  EXPECT_EQ(st.misses, 3u) << "torn, declined and rewritten";
+  EXPECT_EQ(st.verify_failures, 1u) << "only the CRC mismatch under an unchanged header";
+  for (size_t i : {0u, 2u, 3u})
+    EXPECT_TRUE(store.lookup(0, keys[i]).has_value()) << "key " << i << ": not corrupt, kept";
+  EXPECT_FALSE(store.lookup(0, keys[4]).has_value()) << "corrupt: dropped";
   EXPECT_THROW(store.read_mapped(0, {keys[1]}, SIZE_MAX,
                                  [](const std::vector<Store::MappedPayload>&)
                                      -> std::vector<std::optional<uint32_t>> {

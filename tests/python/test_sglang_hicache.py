@@ -378,10 +378,20 @@ def test_host_tier_write_back_acknowledges_from_memory_and_writes_the_disk_behin
         b2.close()
 
 
-def test_host_tier_write_back_queue_is_dropped_by_clear_and_a_weight_switch(tmp_path,
-                                                                             shm_dir):
-    """Pages queued for the disk when the stores are cleared or replaced are dropped, not
-    written into the new store; a page the host tier lost before its disk write is counted."""
+def test_host_tier_write_back_queue_is_dropped_by_clear_and_a_weight_switch(
+        tmp_path, shm_dir, monkeypatch):
+    """Pages queued for the disk when the stores are replaced (a weight switch) or cleared are
+    dropped, never written into the new store; close() refuses new keys (those sets are
+    written through) and writes what is queued."""
+    from vitrify.integrations.sglang.hicache import writeback
+
+    gate = threading.Event()
+    take = writeback.WriteBack._take
+
+    def gated_take(self):  # the write-back thread waits until the test opens the gate
+        gate.wait(30)
+        return take(self)
+    monkeypatch.setattr(writeback.WriteBack, "_take", gated_take)
     _, host = _mha_host("page_first")
     _fill_random(host, 19)
     slot = disk.slot_bytes_for(BLOB)
@@ -391,21 +401,25 @@ def test_host_tier_write_back_queue_is_dropped_by_clear_and_a_weight_switch(tmp_
         wb = b._writeback
         _, keys = _keys(4)
         assert b.batch_set_v1(keys, host.alloc(4 * PAGE)) == [True] * 4
-        # queued, being written into the old store, or taken and then found gone: never in
-        # the store of the new version
+        assert wb.depth() == 4  # the thread is held at the gate
         assert b.set_weight_version("step-2") is not None
-        assert wb.flush(timeout=30)
-        st = b.vitrify_stats()
-        c = st["host"]
-        assert c["writeback_dropped"] + c["writeback_written"] + c["writeback_lost"] == 4
-        assert st["store"]["kinds"]["kv"]["entries"] == 0  # nothing of step 1 on the new disk
+        assert wb.counts["writeback_dropped"] == 4 and wb.depth() == 0
         _, keys2 = _keys(3, salt=20_000)
         assert b.batch_set_v1(keys2, host.alloc(3 * PAGE)) == [True] * 3
         assert b.clear() is True
+        assert wb.counts["writeback_dropped"] == 7
+        gate.set()
         assert wb.flush(timeout=30)
-        assert b.vitrify_stats()["store"]["kinds"]["kv"]["entries"] == 0
+        st = b.vitrify_stats()
+        assert st["host"]["writeback_written"] == 0 and st["host"]["writeback_lost"] == 0
+        assert st["store"]["kinds"]["kv"]["entries"] == 0  # nothing of before on the disk
+        _, keys3 = _keys(2, salt=30_000)
+        assert b.batch_set_v1(keys3, host.alloc(2 * PAGE)) == [True] * 2
     finally:
+        gate.set()
         b.close()
+    assert b.vitrify_stats()["host"] is None  # closed
+    assert wb.counts["writeback_written"] == 2  # close() wrote the queue
 
 
 def test_write_back_queue_counts_dropped_lost_and_refuses_what_does_not_fit():

@@ -71,8 +71,9 @@ void populate(uint8_t* p, size_t n, bool writable, const std::string& path) noex
   std::vector<std::thread> pool;
   size_t lo = 0;
   try {
+    pool.reserve(threads);
     for (; lo + step < n; lo += step) pool.emplace_back(range, lo);
-  } catch (const std::system_error&) {  // no more threads: the rest on this one
+  } catch (...) {  // no more threads (or no memory for them): the rest on this one
   }
   for (; lo < n; lo += step) range(lo);
   for (std::thread& t : pool) t.join();

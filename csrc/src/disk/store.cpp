@@ -141,7 +141,14 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   for (auto& k : kinds_)
     for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
   load_index();
-  if (cfg_.host && cfg_.register_device >= 0) register_mappings();
+  if (cfg_.host && cfg_.register_device >= 0) {
+    try {
+      register_mappings();
+    } catch (...) {  // owner records and last use settled, locks released, as on close
+      close();
+      throw;
+    }
+  }
   for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
   try {
     for (size_t d = 0; d < nd; ++d) {
@@ -583,6 +590,11 @@ std::vector<int64_t> Store::read_mapped(unsigned kind, const std::vector<Key>& k
     }
   }
   in_flight_reads_ += located.size();
+  struct InFlight {  // the count comes back down on every way out, allocation failures too
+    std::atomic<uint64_t>& n;
+    size_t k;
+    ~InFlight() { n -= k; }
+  } in_flight{in_flight_reads_, located.size()};
   std::vector<MappedPayload> items;
   items.reserve(located.size());
   for (size_t i : located) {
@@ -602,27 +614,34 @@ std::vector<int64_t> Store::read_mapped(unsigned kind, const std::vector<Key>& k
     crcs.assign(items.size(), std::nullopt);
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // the copies before the second look
-  std::vector<bool> declined(keys.size(), false);
+  // Per located key: a hit, a plain miss (declined, an error, or the slot rewritten during the
+  // copy: its header changed, so nothing is known about the entry), or corrupt (the first look
+  // failed, or the header is unchanged and the CRC differs: D1, the entry is dropped).
+  enum class Outcome : uint8_t { kCorrupt, kMiss, kHit };
+  std::vector<Outcome> outcome(keys.size(), Outcome::kCorrupt);
   for (size_t j = 0; j < items.size(); ++j) {
     const size_t i = items[j].index;
     if (!crcs[j]) {
-      declined[i] = true;
+      outcome[i] = Outcome::kMiss;
       continue;
     }
     const SlotHeader& h = found[i].mapped->header;
     const auto again = k.slabs[found[i].at.drive]->mapped_slot(found[i].at.slot, keys[i],
                                                                  expected_len);
-    if (*crcs[j] == h.payload_crc && again &&
-        std::memcmp(&again->header, &h, sizeof h) == 0)
+    if (!again || std::memcmp(&again->header, &h, sizeof h) != 0) {
+      outcome[i] = Outcome::kMiss;
+    } else if (*crcs[j] == h.payload_crc) {
+      outcome[i] = Outcome::kHit;
       out[i] = static_cast<int64_t>(h.payload_len);
+    }
   }
   {
     std::lock_guard lk(mu_);
     for (size_t i : located) {
-      if (out[i] >= 0) {
+      if (outcome[i] == Outcome::kHit) {
         ++counters_.reloads;
         counters_.reload_bytes += static_cast<uint64_t>(out[i]);
-      } else if (declined[i] || error) {
+      } else if (outcome[i] == Outcome::kMiss || error) {
         ++counters_.misses;
       } else {
         ++counters_.verify_failures;
@@ -630,7 +649,6 @@ std::vector<int64_t> Store::read_mapped(unsigned kind, const std::vector<Key>& k
       }
     }
   }
-  in_flight_reads_ -= located.size();
   if (error) std::rethrow_exception(error);
   return out;
 }

@@ -357,7 +357,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         """Finish queued writes (the host tier's write-back queue first) and close the slab
         files (idempotent)."""
         wb = self._writeback
-        if wb is not None:
+        if wb is not None:  # sets from now on are written through; the queue reaches the disk
+            wb.refuse()
             wb.flush()
         with self._state.exclusive():
             self._closed = True
@@ -379,9 +380,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         its index and gives every slab a new slab id (files, threads and staging buffers stay),
         so neither this process nor a later ``cold_start=load`` sees them."""
         try:
-            if self._writeback is not None:  # its pages are about to go
-                self._writeback.drop()
             with self._state.exclusive():
+                if self._writeback is not None:  # its pages are about to go
+                    self._writeback.drop()
                 if self._store is None:
                     return not self._closed
                 if self._reader:  # TP rank 0 clears the shared store; nothing to do here
@@ -430,9 +431,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         per pool) and new ones opened under the new identity (``cold_start`` as configured).
         Calls in flight finish first. ValueError for a bad version or a closed backend."""
         version = identity_text("weight_version", version)
-        if self._writeback is not None:  # pages of the weights no longer served
-            self._writeback.drop()
         with self._state.exclusive():
+            if self._writeback is not None:  # pages of the weights no longer served
+                self._writeback.drop()
             if self._closed:
                 raise ValueError(f"vitrify HiCache backend: set_weight_version({version!r}) "
                                  f"on a closed backend")

@@ -7,7 +7,9 @@ at most a quarter of the host tier's slots: GC keeps the newest 85 % of them (D8
 page is evicted before its disk write only if reads touch more than 60 % of the host tier in
 the meantime; such a page is counted as lost (a later miss, never wrong bytes). A set that does
 not fit the queue is written through. ``clear`` and a weight-version switch drop the queue (its
-pages belong to a store that is going away); ``close`` waits until it is written.
+pages belong to a store that is going away), holding the backend's state lock exclusively so no
+set queues more meanwhile; ``close`` first refuses new keys (later sets are written through),
+then waits until the queue is written.
 
 The thread takes the backend's state lock shared for each batch, like any transfer call, so it
 never runs while the stores are swapped; the callers below never hold that lock while they wait
@@ -35,6 +37,7 @@ class WriteBack:
         self._q: collections.deque = collections.deque()
         self._busy = 0
         self._stop = False
+        self._refusing = False
         self._cv = threading.Condition()
         self.counts = {"writeback_queued": 0, "writeback_written": 0, "writeback_lost": 0,
                        "writeback_dropped": 0, "writeback_failed": 0}
@@ -42,10 +45,16 @@ class WriteBack:
                                         daemon=True)
         self._thread.start()
 
-    def offer(self, keys: list) -> bool:
-        """Queue ``keys`` for the disk, all or none: False when they do not fit."""
+    def refuse(self) -> None:
+        """Take no more keys (the backend is closing: later sets are written through)."""
         with self._cv:
-            if self._stop or len(self._q) + self._busy + len(keys) > self.capacity:
+            self._refusing = True
+
+    def offer(self, keys: list) -> bool:
+        """Queue ``keys`` for the disk, all or none: False when they do not fit, or once
+        :meth:`refuse` was called."""
+        with self._cv:
+            if self._refusing or len(self._q) + self._busy + len(keys) > self.capacity:
                 return False
             self._q.extend(keys)
             self.counts["writeback_queued"] += len(keys)
@@ -76,7 +85,8 @@ class WriteBack:
         return True
 
     def stop(self) -> None:
-        """Write what is queued, then end the thread."""
+        """Take no more keys, write what is queued, then end the thread."""
+        self.refuse()
         self.flush()
         with self._cv:
             self._stop = True
