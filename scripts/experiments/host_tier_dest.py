@@ -1,7 +1,7 @@
 """Host-tier get (PageMover from a HostStore in /dev/shm) into different destinations: numpy
-memory (as `vitrify bench host` uses), torch pinned memory (as SGLang's host KV pool is), and
-pinned memory registered after allocation; 9 MiB pages of Qwen3-8B's KV, page_first; and the
-copier's thread count. Prints one line per case (GB/s, best of 3). A probe: the in-server
+memory (as `vitrify bench host` uses) at several distances modulo 4096, torch pageable memory,
+and torch pinned memory (as SGLang's host KV pool is) where a GPU is present; 9 MiB pages of
+Qwen3-8B's KV, page_first; and the copier's thread count. Prints one line per case (GB/s, best of 3). A probe: the in-server
 host-tier gets ran at ~13 GB/s while the benchmark read 45 GB/s on the same machine.
 
     python3 scripts/experiments/host_tier_dest.py [PAGES]
@@ -36,6 +36,9 @@ keys = [f"k{i}" for i in range(pages)]
 disk.PageMover(store, 4, "kv").put_pages(keys, lsrc, list(range(pages)))
 dests = {"numpy": [np.zeros(comp, np.uint8) for _ in range(2)],
          "torch pageable": [torch.zeros(comp, dtype=torch.uint8) for _ in range(2)]}
+for off in (64, 128, 2048):  # the destination's distance modulo 4096 from the slot payloads
+    dests[f"numpy at +{off}"] = [np.zeros(comp + 8192, np.uint8)[off:off + comp]
+                                 for _ in range(2)]
 if torch.cuda.is_available():
     dests["torch pinned"] = [torch.zeros(comp, dtype=torch.uint8, pin_memory=True)
                              for _ in range(2)]
@@ -56,7 +59,7 @@ for threads in (16, 8):
             hits, _ = mover.get_pages(keys, lay, list(range(pages)))
             best = min(best, time.perf_counter() - t)
             assert all(hits)
-        print(f"{name:15s} copier {threads:2d} threads: {pages * blob / best / 1e9:6.2f} GB/s",
-              flush=True)
+        print(f"{name:15s} (dst % 4096 = {addr(bufs[0]) % 4096:4d}) copier {threads:2d} "
+              f"threads: {pages * blob / best / 1e9:6.2f} GB/s", flush=True)
 store.close()
 shutil.rmtree(d, ignore_errors=True)

@@ -120,6 +120,14 @@ struct RegistrationTiming {
   std::vector<double> slab_seconds;  // each slab's cuMemHostRegister
 };
 
+// Faults every page of `ranges` into this process's page tables ahead of first use, on up to
+// `threads` threads (64 MiB pieces): MADV_POPULATE_WRITE (`write`) or _READ, and where that
+// fails, one access per `page` bytes: a write of zero when `zero_fill` (fresh memory, zero
+// anyway), a read otherwise. Returns the errno of the first madvise that failed other than
+// because the kernel lacks it (EINVAL), 0 otherwise. Never throws.
+int populate_ranges(const std::vector<std::pair<uint8_t*, size_t>>& ranges, bool write,
+                    bool zero_fill, size_t page, size_t threads) noexcept;
+
 // Registers each of `ranges` (each at most `ceiling` bytes) with its own HostRegistration, on up
 // to `max_threads` threads (1: one after another), and fills `timing` (seconds, threads, each
 // range's seconds in slab_seconds). On a failure every range registered so far is unregistered

@@ -5,12 +5,10 @@
 #include <sys/statfs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <system_error>
-#include <thread>
 #include <vector>
 
 #include "vitrify/disk.hpp"
@@ -40,49 +38,21 @@ std::string mount_of(const std::string& dir) {
   }
   return at;
 }
-#ifndef MADV_POPULATE_READ  // Linux 5.14
-#define MADV_POPULATE_READ 22
-#define MADV_POPULATE_WRITE 23
-#endif
-
 constexpr size_t kPopulateThreads = 8;
-constexpr size_t kPopulateUnit = size_t{2} << 20;  // ranges of whole 2 MiB (huge) pages
 
 // Puts every page of a fresh mapping into this process's page tables before the first copy
 // needs it: without it a restarted server's (or a reader's) first reads of the host tier take
 // a page fault per 4 KiB page, in parallel copy threads that then contend in the kernel.
-// MADV_POPULATE_{READ,WRITE} where the kernel has it, else a read of one byte per page; on
-// several threads. Never fails: a range that cannot be populated faults in on first use.
+// host::populate_ranges on up to 8 threads, never writing the slab's bytes. Never fails.
 void populate(uint8_t* p, size_t n, bool writable, const std::string& path) noexcept {
   const auto t0 = std::chrono::steady_clock::now();
-  const size_t threads = std::clamp<size_t>(n / (kPopulateUnit * 16), 1, kPopulateThreads);
-  const size_t step = (n / threads + kPopulateUnit - 1) / kPopulateUnit * kPopulateUnit;
-  std::atomic<int> failed{0};
-  auto range = [&](size_t lo) {
-    const size_t len = std::min(step, n - lo);
-    if (::madvise(p + lo, len, writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) return;
-    if (errno != EINVAL) {  // EINVAL: an older kernel; anything else: leave it to the faults
-      failed.store(errno);
-      return;
-    }
-    for (size_t off = 0; off < len; off += kBlock)
-      (void)*static_cast<volatile const uint8_t*>(p + lo + off);
-  };
-  std::vector<std::thread> pool;
-  size_t lo = 0;
-  try {
-    pool.reserve(threads);
-    for (; lo + step < n; lo += step) pool.emplace_back(range, lo);
-  } catch (...) {  // no more threads (or no memory for them): the rest on this one
-  }
-  for (; lo < n; lo += step) range(lo);
-  for (std::thread& t : pool) t.join();
+  const int failed = host::populate_ranges({{p, n}}, writable, false, kBlock, kPopulateThreads);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   try {
-    if (failed.load() != 0)
+    if (failed != 0)
       log::warning("vitrify.disk: host slab " + path + ": populating its page tables failed (" +
-                   std::strerror(failed.load()) + "); its pages fault in on first use");
+                   std::strerror(failed) + "); its pages were touched one by one instead");
     else
       log::debug("vitrify.disk: host slab " + path + ": " + std::to_string(n >> 20) +
                  " MiB of page tables populated in " + std::to_string(ms) + " ms");

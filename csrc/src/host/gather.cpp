@@ -242,6 +242,15 @@ void Copier::copy(const std::vector<Copy>& copies) {
 
 namespace {
 
+void check_distinct(const std::vector<size_t>& pages, const char* what) {
+  std::vector<size_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  VITRIFY_EXPECT(dup == sorted.end(),
+                 std::string(what) + ": page " + (dup == sorted.end() ? std::string() : n(*dup)) +
+                     " appears twice (two sources for one page)");
+}
+
 void check_page(const PageLayout& l, size_t page) {
   VITRIFY_EXPECT(page < l.pages, "page " + n(page) + " out of range: the layout has " +
                                   n(l.pages) + " pages");
@@ -315,12 +324,7 @@ void Copier::scatter_pages(const void* src, size_t src_stride, size_t src_bytes,
   layout.validate();
   if (pages.empty()) return;
   for (size_t p : pages) check_page(layout, p);
-  std::vector<size_t> sorted = pages;
-  std::sort(sorted.begin(), sorted.end());
-  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  VITRIFY_EXPECT(dup == sorted.end(),
-              "scatter_pages: page " + (dup == sorted.end() ? std::string() : n(*dup)) +
-                  " appears twice (two sources for one page)");
+  check_distinct(pages, "scatter_pages");
   const size_t need = batch_extent(pages.size(), src_stride, layout.blob_bytes(), "scatter_pages");
   check_buffer(src, src_bytes, need, "scatter_pages source");
   std::vector<Copy> copies;
@@ -354,19 +358,6 @@ void Copier::gather_each(const PageLayout& layout, const std::vector<size_t>& pa
     add_page(layout, pages[i], reinterpret_cast<uint8_t*>(dsts[i]), true, copies);
   copy(copies);
 }
-
-namespace {
-
-void check_distinct(const std::vector<size_t>& pages, const char* what) {
-  std::vector<size_t> sorted = pages;
-  std::sort(sorted.begin(), sorted.end());
-  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  VITRIFY_EXPECT(dup == sorted.end(),
-                 std::string(what) + ": page " + (dup == sorted.end() ? std::string() : n(*dup)) +
-                     " appears twice (two sources for one page)");
-}
-
-}  // namespace
 
 void Copier::scatter_each(const std::vector<uintptr_t>& srcs, size_t each_bytes,
                           const PageLayout& layout, const std::vector<size_t>& pages) {

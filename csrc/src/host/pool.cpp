@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -362,38 +363,61 @@ HostPool::~HostPool() {
   unmap_all();
 }
 
-void HostPool::prefault_parallel(size_t threads) {
+#ifndef MADV_POPULATE_READ  // Linux 5.14
+#define MADV_POPULATE_READ 22
+#define MADV_POPULATE_WRITE 23
+#endif
+
+int populate_ranges(const std::vector<std::pair<uint8_t*, size_t>>& ranges, bool write,
+                    bool zero_fill, size_t page, size_t threads) noexcept {
   constexpr size_t kPiece = size_t(64) << 20;
   struct Piece {
     uint8_t* p;
     size_t n;
   };
   std::vector<Piece> pieces;
-  for (const auto& m : maps_)
-    for (size_t off = 0; off < m.bytes; off += kPiece)
-      pieces.push_back({m.ptr + off, std::min(kPiece, m.bytes - off)});
-  const size_t step = map_align_;
+  try {
+    for (const auto& [ptr, bytes] : ranges)
+      for (size_t off = 0; off < bytes; off += kPiece)
+        pieces.push_back({ptr + off, std::min(kPiece, bytes - off)});
+  } catch (...) {  // no memory for the list: the pages fault in on first use
+    return ENOMEM;
+  }
   std::atomic<size_t> next{0};
+  std::atomic<int> failed{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
-#ifdef MADV_POPULATE_WRITE
-      if (::madvise(pieces[i].p, pieces[i].n, MADV_POPULATE_WRITE) == 0) continue;
-#endif
-      // Older kernels: a write per page faults it in (the pages are fresh, so zero is their
-      // content already).
-      volatile uint8_t* v = pieces[i].p;
-      for (size_t off = 0; off < pieces[i].n; off += step) v[off] = 0;
+      if (::madvise(pieces[i].p, pieces[i].n, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) ==
+          0)
+        continue;
+      if (errno != EINVAL) failed.store(errno);  // EINVAL: a kernel without it
+      // A touch per page: fresh memory (zero already) takes a write, anything else a read.
+      if (zero_fill) {
+        volatile uint8_t* v = pieces[i].p;
+        for (size_t off = 0; off < pieces[i].n; off += page) v[off] = 0;
+      } else {
+        const volatile uint8_t* v = pieces[i].p;
+        for (size_t off = 0; off < pieces[i].n; off += page) (void)v[off];
+      }
     }
   };
   std::vector<std::thread> pool;
   const size_t n = std::min(threads, pieces.size());
   try {
+    pool.reserve(n);
     for (size_t t = 1; t < n; ++t) pool.emplace_back(work);
   } catch (...) {
     // Fewer threads than asked: the ones running and this one drain the queue.
   }
   work();
   for (auto& th : pool) th.join();
+  return failed.load();
+}
+
+void HostPool::prefault_parallel(size_t threads) {
+  std::vector<std::pair<uint8_t*, size_t>> ranges;
+  for (const auto& m : maps_) ranges.emplace_back(m.ptr, m.bytes);
+  (void)populate_ranges(ranges, true, true, map_align_, threads);  // any failure touched instead
 }
 
 void HostPool::unmap_all() noexcept {
