@@ -43,10 +43,21 @@ size_t span_of(const PageLayout& l) {
 
 constexpr size_t kParallelMinBytes = size_t(1) << 20;  // below: one thread
 constexpr size_t kBytesPerTask = size_t(512) << 10;    // at least this much per task
+// A parallel copy is cut into up to this many tasks per thread, claimed one at a time, so a thread
+// the OS takes off its core (an engine's own threads share the cores) holds up one small task
+// instead of a 1/threads share of the batch.
+constexpr size_t kTasksPerThread = 8;
 // Copies of at least this many bytes in total use non-temporal stores: the destination (a slot
 // buffer bound for disk, or pool pages bound for the GPU) is not read back by this CPU soon, and
 // streaming stores skip the read-for-ownership of every destination line.
 constexpr size_t kStreamMinBytes = size_t(8) << 20;
+
+// Tasks for a parallel copy of `total` bytes made of `units` indivisible pieces.
+size_t task_count(size_t total, size_t units, size_t threads) {
+  if (total < kParallelMinBytes || threads <= 1) return 1;
+  return std::max<size_t>(1, std::min({units, threads * kTasksPerThread,
+                                       (total + kBytesPerTask - 1) / kBytesPerTask}));
+}
 
 void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool streaming) {
 #ifdef VITRIFY_STREAMING_STORES
@@ -213,8 +224,7 @@ void Copier::copy(const std::vector<Copy>& copies) {
     ends.push_back(total);
   }
   if (total == 0) return;
-  size_t tasks = std::min(threads(), (total + kBytesPerTask - 1) / kBytesPerTask);
-  if (total < kParallelMinBytes) tasks = 1;
+  const size_t tasks = task_count(total, total, threads());
   const bool streaming = streaming_ && total >= kStreamMinBytes;
   auto run_range = [&](size_t lo, size_t hi) {
     size_t i = std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin();
@@ -385,8 +395,7 @@ std::vector<uint32_t> Copier::scatter_crc_each(const std::vector<uintptr_t>& src
   const size_t per_page = layout.components.size() * layout.layers;
   const size_t slices = pages.size() * per_page;
   const size_t total = pages.size() * layout.blob_bytes();
-  size_t tasks = std::min({threads(), slices, (total + kBytesPerTask - 1) / kBytesPerTask});
-  if (total < kParallelMinBytes) tasks = 1;
+  const size_t tasks = task_count(total, slices, threads());
   const bool streaming = streaming_ && total >= kStreamMinBytes;
   struct Run {
     size_t page_index;
