@@ -394,7 +394,8 @@ def test_dry_run_runs_as_a_script():
 
 _FAKE_LAUNCH_SERVER = r'''
 """Stand-in for `python -m sglang.launch_server` (test only): the same CLI, the HTTP endpoints
-the e2e script uses, a radix cache ("device"), an L3 store that persists like the backend under
+the e2e script uses, a radix cache ("device", LRU, --max-total-tokens; what it evicts stays in
+"host", which holds every page inserted since the last flush, like write_through), an L3 store that persists like the backend under
 test (vitrify: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and, for
 vitrify, the counters file the real backend keeps at the extra config's stats_path."""
 import argparse, hashlib, json, os, sys, threading, time, http.server
@@ -402,6 +403,7 @@ import argparse, hashlib, json, os, sys, threading, time, http.server
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int)
 ap.add_argument("--page-size", type=int)
+ap.add_argument("--max-total-tokens", type=int)
 ap.add_argument("--hicache-storage-backend")
 ap.add_argument("--hicache-storage-backend-extra-config")
 a, _ = ap.parse_known_args()
@@ -418,8 +420,18 @@ else:
     fdir = os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
     os.makedirs(fdir, exist_ok=True)
     stored = {n[:-4] for n in os.listdir(fdir) if n.endswith(".bin")}
-device = set()
+from collections import OrderedDict
+device = OrderedDict()
+host = set()
 total = [0]
+
+def to_device(ks):
+    for k in ks:
+        device[k] = None
+        device.move_to_end(k)
+        host.add(k)
+    while len(device) > a.max_total_tokens // page:
+        device.popitem(last=False)
 
 def publish():  # like the backend: the whole file, renamed into place
     if backend != "dynamic":
@@ -471,7 +483,7 @@ class H(http.server.BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(n)) if n else {}
         if self.path == "/flush_cache":
-            device.clear(); return self._send(200)
+            device.clear(); host.clear(); return self._send(200)
         if self.path == "/hicache/storage-backend/clear":
             with save_lock:
                 stored.clear()
@@ -482,6 +494,9 @@ class H(http.server.BaseHTTPRequestHandler):
         suffix = "_m_0_1" if backend == "file" else ""
         if ks and all(k in device for k in ks):
             det = {"device": len(ks) * page, "host": 0, "storage": 0}
+        elif ks and all(k in device or k in host for k in ks):
+            on = sum(k in device for k in ks)
+            det = {"device": on * page, "host": (len(ks) - on) * page, "storage": 0}
         elif ks and all(k + suffix in stored for k in ks):
             det = {"device": 0, "host": 0, "storage": len(ks) * page}
         else:
@@ -498,7 +513,7 @@ class H(http.server.BaseHTTPRequestHandler):
                 "output_token_logprobs": [[-0.01 * t, t, None] for t in out[:i + 1]]}}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         # in the caches before the client hears [DONE] (a flush that follows clears them)
-        device.update(ks)
+        to_device(ks)
         store([k + suffix for k in ks])
         self.wfile.write(b"data: [DONE]\n\n")
 
@@ -532,7 +547,8 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
     s = e2e.Settings(bundle=str(bundle), site=str(tmp_path / "site"), work=str(tmp_path / "w"),
                      out=str(tmp_path / "out"), model_dir=str(tmp_path / "model"),
                      port=_free_port_base(), prompts=2, min_len=300, max_len=400,
-                     budget_s=300, first_ready_s=30, ready_s=30, second_server=second)
+                     budget_s=300, first_ready_s=30, ready_s=30, second_server=second,
+                     max_total_tokens=4096)
     res = e2e.Run(s).run()
     if second:
         assert res["ok"] is True, json.dumps(res.get("scenarios"), indent=1)[:4000]
@@ -551,11 +567,18 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
                       ("vitrify", "l3_hit_cached"),
                       ("vitrify_restart", "restart_first_request"),
                       ("vitrify_restart", "l3_restart"), ("vitrify_restart", "miss_after_clear"),
+                      ("vitrify_restart", "l2_hit"),
                       ("file", "miss"), ("file", "device_hit"), ("file", "l3_first_hit"),
                       ("file", "l3_hit"), ("file", "l3_hit_cached")]
     assert res["checks"]["vitrify.cached_pass_from_storage"] is True
     assert "file_cached_over_vitrify_restart" in res["ratios"]
     assert "restart_first_request_over_first_l3_hit" in res["ratios"]
+    restart = res["scenarios"]["vitrify_restart"]
+    assert restart["l2_all_from_host"] is True, restart
+    assert restart["l2_fillers"]["tokens"] >= 1.1 * 4096 and "write_wait_s" in restart["l2_fillers"]
+    assert res["checks"]["vitrify_restart.l2_tokens_identical"] is True
+    assert {"l2_hit_over_device_hit", "l3_restart_over_l2_hit", "miss_over_l3_restart"} <= \
+        set(res["ratios"])
     assert res["scenarios"]["vitrify_restart"]["first_request_storage_tokens"] > 0
     assert res["checks"]["vitrify_restart.first_request_from_storage"] is True
     assert res["scenarios"]["vitrify"]["pages_written"] >= res["scenarios"]["vitrify"]["pages_needed"]
@@ -594,6 +617,26 @@ def test_skip_flags_and_goals(tmp_path):
     assert s.skip_restart and s.skip_file
     assert e2e.GOALS["l3_hit_ttft_file_over_vitrify"] == 2.5
     assert e2e.GOAL_DIRECTION["l3_restart_over_l3_hit"] == "<="
+    assert e2e.goals_for(s) == (e2e.GOALS, e2e.GOAL_DIRECTION)   # no host tier
+    host, _ = e2e.parse_args(["--host-gb", "4", "--work", str(tmp_path)])
+    goals, direction = e2e.goals_for(host)
+    assert goals["l3_restart_over_device_hit"] == 1.3 and direction["l3_restart_over_device_hit"] == "<="
+    assert goals["file_cached_over_vitrify_restart"] == 4.0 and "miss_over_l3_restart" not in goals
+    long, _ = e2e.parse_args(["--host-gb", "4", "--prompt-len", "12000:16000", "--prompts", "4",
+                              "--max-total-tokens", "90000", "--work", str(tmp_path)])
+    assert e2e.goals_for(long)[0]["miss_over_l3_restart"] == 2.0
+
+
+def test_fillers_push_the_prompts_off_the_gpu_and_fit_in_the_host_pool(tmp_path):
+    s = e2e.Settings(work=str(tmp_path), prompts=6, min_len=2000, max_len=4000)
+    run = e2e.Run(s)
+    fill = run.fillers()
+    assert sum(map(len, fill)) >= 1.1 * s.max_total_tokens
+    assert all(s.min_len <= len(p) <= s.max_len for p in fill)
+    assert not set(map(tuple, fill)) & set(map(tuple, run.prompts))
+    assert sum(map(len, fill)) + sum(map(len, run.prompts)) <= s.hicache_ratio * s.max_total_tokens
+    # a host pool no larger than the device pool cannot hold both: no l2 pass
+    assert e2e.Run(e2e.Settings(work=str(tmp_path), hicache_ratio=1.0)).fillers() is None
 
 
 def test_drive_rate_without_fio_reads_only_the_written_part_of_a_slab(tmp_path, monkeypatch):
