@@ -155,6 +155,16 @@ def _check_adapter(adapter: Any) -> Any:
     return adapter
 
 
+def _check_fingerprinted(adapter: Any) -> Any:
+    """What every session needs of its adapter up front: ``fingerprint``. An engine that runs its
+    own phases (``start`` / ``reached`` / ``finish``) needs nothing else; ``run()`` checks the
+    whole protocol."""
+    if not callable(getattr(adapter, "fingerprint", None)):
+        raise _check.ArgumentTypeError(f"adapter must implement vitrify.session.EngineAdapter; "
+                                       f"{_check.got(adapter)} lacks fingerprint")
+    return adapter
+
+
 def _fingerprint(adapter: Any, device: int) -> _archive.Fingerprint:
     fp = adapter.fingerprint()
     if not isinstance(fp, dict) or set(fp) != {"engine", "engine_version", "model"} or \
@@ -211,6 +221,23 @@ class _Background:
         return self._value
 
 
+# The phase (a Timings step) that ends at each checkpoint.
+_PHASE_OF = {"built": "build", "weights": "load_weights", "state": "alloc_state",
+             "warmup": "warmup", "captured": "capture"}
+
+
+def _check_next(region: Any, checkpoint: str, side: str) -> None:
+    """An engine-driven session's checkpoints come in PHASES order, each once."""
+    if region is None or region.closed:
+        raise SessionError(f"{side}: start() the session before reporting a checkpoint")
+    if checkpoint not in PHASES:
+        raise ValueError(f"checkpoint must be one of {list(PHASES)}, got {checkpoint!r}")
+    expected = next((p for p in PHASES if p not in region.checkpoints), None)
+    if checkpoint != expected:
+        raise SessionError(f"{side}: the engine reported checkpoint {checkpoint!r} but the next "
+                           f"one is {expected!r} (the phases run in the order {list(PHASES)})")
+
+
 # ------------------------------------------------------------------------------------- FREEZE
 def run_compile(adapter: Any, region: Any, timings: Timings) -> None:
     """The adapter's optional ``compile`` phase, outside the region (P11): it must not move the
@@ -263,7 +290,7 @@ class FreezeSession:
                  base: int | None = None, device: int = 0, overwrite: bool = False,
                  record_kernels: bool = True, dump_warmup: bool = True,
                  progress: Callable[[int, int], None] | None = None):
-        self.adapter = _check_adapter(adapter)
+        self.adapter = _check_fingerprinted(adapter)
         self.dump_warmup = _check.boolean("dump_warmup", dump_warmup)
         self.path = os.path.abspath(_check.path("path", path))
         self.region_bytes = _check.integer("region_bytes", region_bytes, 1, _check.U64_MAX)
@@ -281,41 +308,91 @@ class FreezeSession:
         self.region = None
         self.timings = Timings()
 
+    # -- engine-driven FREEZE (P12): start(), reached(checkpoint) after each phase, finish(state)
+
+    def start(self) -> Any:
+        """Reserve the region (and the graph store, :attr:`graphs`) for an engine that runs its
+        own phases; returns the region. Then call :meth:`reached` after each phase and
+        :meth:`finish` at the end; any error there closes the region and leaves no archive."""
+        if self.region is not None:
+            raise SessionError("this FREEZE session was started already")
+        return self._guard(self._start)
+
+    def _start(self) -> Any:
+        from .region import Region
+
+        self._fp = _fingerprint(self.adapter, self.device)
+        self._t_start = self._t_last = time.perf_counter()
+        with self.timings.step("reserve"):
+            self.region = Region(self.region_bytes, base=self.base, device=self.device)
+        self.graphs = None
+        if self.record_kernels:
+            self.graphs = _graph_module().GraphStore(region=self.region, device=self.device)
+        return self.region
+
+    def reached(self, checkpoint: str) -> None:
+        """The engine finished the phase that ends at ``checkpoint`` (``PHASES``, in order): the
+        region's cursor is recorded. The time since the previous call is the phase's step."""
+        self._guard(lambda: self._reached(checkpoint))
+
+    def _reached(self, checkpoint: str) -> None:
+        _check_next(self.region, checkpoint, "FREEZE")
+        now = time.perf_counter()
+        self.timings.steps[_PHASE_OF[checkpoint]] = now - self._t_last
+        self._t_last = now
+        self.region.checkpoint(checkpoint)
+
+    def finish(self, engine_state: dict) -> dict:
+        """Dump the spans, save the graphs and ``engine_state`` (plain JSON, region offsets
+        instead of addresses), commit the archive; returns the summary (JSON)."""
+        return self._guard(lambda: self._finish(engine_state))
+
+    def abort(self) -> None:
+        """Close the region without writing an archive (idempotent; never raises)."""
+        if self.region is not None and not self.region.closed:
+            try:
+                self.region.close()
+            except Exception as e:  # the first error is the one that propagates
+                log.debug("closing the region after a FREEZE error: %s", e)
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except BaseException:
+            self.abort()
+            raise
+
     def run(self) -> dict:
         """Run every phase and commit the archive; returns a summary (JSON). On an error no
         archive is left (P8) and the region is closed before the error propagates."""
-        try:
-            return self._run()
-        except BaseException:
-            if self.region is not None and not self.region.closed:
-                try:
-                    self.region.close()
-                except Exception as e:  # the first error is the one that propagates
-                    log.debug("closing the region after a FREEZE error: %s", e)
-            raise
+        _check_adapter(self.adapter)
+        if self.region is not None:
+            raise SessionError("this FREEZE session was started already")
 
-    def _run(self) -> dict:
-        from .region import Region
+        def pull() -> dict:
+            region = self._start()
+            run_phases(self.adapter, region, self.graphs, self.timings)
+            with self.timings.step("state"):
+                engine_state = self.adapter.state()
+            return self._finish(engine_state)
 
-        t_start = time.perf_counter()
-        a, t = self.adapter, self.timings
-        fp = _fingerprint(a, self.device)
-        with t.step("reserve"):
-            self.region = region = Region(self.region_bytes, base=self.base, device=self.device)
-        store = None
-        if self.record_kernels:
-            store = _graph_module().GraphStore(region=region, device=self.device)
-        run_phases(a, region, store, t)
-        cps = region.checkpoints
-        with t.step("state"):
-            engine_state = a.state()
+        return self._guard(pull)
+
+    def _finish(self, engine_state: Any) -> dict:
+        region, t, store = self.region, self.timings, self.graphs
+        if region is None:
+            raise SessionError("start() the FREEZE session first")
+        missing = [p for p in PHASES if p not in region.checkpoints]
+        if missing:
+            raise SessionError(f"FREEZE cannot finish: the engine has not reached {missing}")
         if not isinstance(engine_state, dict):
             raise _check.ArgumentTypeError(f"adapter.state() must return a dict, got "
                                            f"{_check.got(engine_state)}")
+        cps = region.checkpoints
         reg = _archive.Region(base=region.base, size=region.size,
                               granularity=region.granularity, checkpoints=cps)
         spans = {}
-        with _archive.ArchiveWriter(self.path, fp, reg, overwrite=self.overwrite) as w:
+        with _archive.ArchiveWriter(self.path, self._fp, reg, overwrite=self.overwrite) as w:
             with t.step("dump_spans"):
                 for name, (lo, hi) in SPANS.items():
                     start, end = cps[lo] if lo else 0, cps[hi]
@@ -336,7 +413,7 @@ class FreezeSession:
             }, "engine": engine_state})
             with t.step("commit"):
                 w.commit()
-        t.steps["total"] = time.perf_counter() - t_start
+        t.steps["total"] = time.perf_counter() - self._t_start
         log.info("frozen into %s: %d graphs, region %d bytes at 0x%x", self.path,
                  len(graphs.get("graphs", {})), cps["captured"], region.base)
         return {"archive": self.path, "base": region.base, "checkpoints": cps,
@@ -366,7 +443,7 @@ class ThawSession:
                  verify: bool = True, graph_threads: int = 4,
                  progress: Callable[[int, int], None] | None = None,
                  exportable: bool = False):
-        self.adapter = _check_adapter(adapter)
+        self.adapter = _check_fingerprinted(adapter)
         self.path = os.path.abspath(_check.path("path", path))
         # exportable: the region's memory can be exported as file descriptors, so a trainer
         # can write the thawed engine's weights in place (a direct weight update)
@@ -386,6 +463,11 @@ class ThawSession:
         self.graphs = None
         self.timings = Timings()
         self.warmup_action = ""
+        self.summary: dict | None = None
+        self._loader: _Background | None = None
+        self._graphs_background = 0.0
+        self._engine_driven = True  # run() says otherwise
+        self._started = False
 
     def _reserve(self, frozen: _archive.Region):
         from .region import Region, RegionAddressError
@@ -430,10 +512,56 @@ class ThawSession:
         """Thaw; returns a summary (JSON). The engine serves once this returns. On any error the
         background graph build is joined and released and the region is closed before the error
         propagates (a caller may cold-start in this process)."""
-        self._loader = None
-        self._graphs_background = 0.0
+        _check_adapter(self.adapter)
+        self._once()
+        return self._guard(self._run)
+
+    # -- engine-driven THAW (P12): start(), reached(checkpoint) after each phase the engine
+    #    runs, finish() -> (engine state, graphs)
+
+    def start(self) -> Any:
+        """Open and check the archive, reserve the region, start rebuilding the graphs; returns
+        the region. The engine then builds its objects and reports each checkpoint with
+        :meth:`reached`: ``built`` (the weights span is then restored: the engine loads no
+        weights), ``weights``, ``state``, ``warmup`` (after re-running warmup when
+        :attr:`warmup_action` is ``"rerun"``; when it is ``"restore"`` the engine skips warmup and
+        the span is restored) and ``captured`` (the engine captured nothing: the graph pools are
+        restored and the graphs waited for). :meth:`finish` hands over the frozen engine state
+        and the graphs. Any error closes the region (P10)."""
+        self._once()
+        return self._guard(lambda: self._start(objectless=False))
+
+    def _once(self) -> None:
+        if self._started:
+            raise SessionError("this THAW session was started already (one session, one THAW)")
+        self._started = True
+
+    def reached(self, checkpoint: str) -> None:
+        """The engine finished the phase that ends at ``checkpoint`` (``PHASES``, in order):
+        compared with FREEZE's cursor, then what THAW does there (restore a span, wait for the
+        graphs)."""
+        self._guard(lambda: self._reached(checkpoint))
+
+    def finish(self) -> tuple[dict, Any]:
+        """After ``captured``: the frozen engine state (``state()`` at FREEZE) and the rebuilt
+        graphs (:class:`vitrify.graph.LoadedGraphs`, or None), now the caller's to close; the
+        summary is :attr:`summary`."""
+        def done() -> tuple[dict, Any]:
+            self.summary = self._finish()
+            self._loader = None  # the graphs are the caller's now
+            return self._state.get("engine", {}), self.graphs
+        return self._guard(done)
+
+    def abort(self) -> None:
+        """Release the background graph build and close the region (idempotent; never raises)."""
         try:
-            return self._run()
+            self._release()
+        except Exception as e:
+            log.debug("releasing a THAW session: %s", e)
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
         except BaseException:
             self._release()
             raise
@@ -455,10 +583,9 @@ class ThawSession:
         if self._loader is not None and self._loader.failed():
             self._loader.result()  # raises its error
 
-    def _run(self) -> dict:
-        t_start = time.perf_counter()
+    def _start(self, objectless: bool) -> Any:
+        self._t_start = time.perf_counter()
         a, t = self.adapter, self.timings
-        objectless = bool(getattr(a, "thaw_without_objects", False))
         with t.step("open"):
             archive = _archive.open_archive(self.path,
                                             expect=_fingerprint(a, self.device),
@@ -480,6 +607,7 @@ class ThawSession:
                                    f"(thaw_without_objects), so it cannot re-run warmup: freeze "
                                    f"it with its warmup span")
             self.warmup_action = plan.action
+        self._archive, self._state, self._cps = archive, st, cps
         with t.step("reserve"):
             self.region = region = self._reserve(archive.region)
             region.preallocate(cps["captured"])
@@ -492,6 +620,67 @@ class ThawSession:
                 g.unrelocatable_graphs(g.read_index(os.path.join(archive.path, f"rank{RANK}")),
                                        region.base)
                 self._loader = _Background(lambda: self._load_graphs(g, archive, region))
+        self._spans = archive.spans(RANK)
+        self._t_last = time.perf_counter()
+        return region
+
+    def _reached(self, checkpoint: str) -> None:
+        """Compare ``checkpoint``, then THAW's own work after it (the steps of run())."""
+        archive, region, cps, t = self._archive, self.region, self._cps, self.timings
+        if checkpoint == "weights" and region is not None and "weights" in region.checkpoints \
+                and "state" not in region.checkpoints:
+            # THAW restored the weights when the engine reached "built"; the engine saying so
+            # too only re-checks that it allocated nothing since
+            if region.offset != cps["weights"]:
+                raise CheckpointDrift(archive.path, "weights", cps["weights"], region.offset)
+            return
+        _check_next(region, checkpoint, "THAW")
+        if self._engine_driven and checkpoint in _PHASE_OF:  # the engine's time in the phase
+            now = time.perf_counter()
+            step = _PHASE_OF[checkpoint]
+            t.steps[step] = t.steps.get(step, 0.0) + now - self._t_last
+        if checkpoint == "warmup" and self.warmup_action == "restore":
+            with t.step("restore_warmup"):
+                self._restore(archive, region, self._spans, "warmup", cps["warmup"])
+        elif checkpoint == "captured":
+            with t.step("restore_graph_pools"):
+                self._restore(archive, region, self._spans, "graphs", cps["captured"])
+        self._compare(archive, checkpoint, region)
+        if checkpoint == "built":
+            self._check_loader()
+            with t.step("restore_weights"):
+                self._restore(archive, region, self._spans, "weights", cps["weights"])
+            self._compare(archive, "weights", region)
+        elif checkpoint == "state":
+            self._check_loader()
+        elif checkpoint == "captured" and self._loader is not None:
+            with t.step("graphs_wait"):
+                graphs = self._loader.result()
+                graphs.wait_all()
+            self.graphs = graphs
+        self._t_last = time.perf_counter()
+
+    def _finish(self) -> dict:
+        region = self.region
+        if region is None or "captured" not in region.checkpoints:
+            raise SessionError("THAW cannot finish before the engine reached 'captured'")
+        self.timings.steps["total"] = time.perf_counter() - self._t_start
+        graphs, archive = self.graphs, self._archive
+        background = {"graphs_background": self._graphs_background} if graphs is not None else {}
+        return {"archive": archive.path, "base": region.base,
+                "frozen_base": archive.region.base, "relocated": region.base != archive.region.base,
+                "checkpoints": region.checkpoints, "warmup": self.warmup_action,
+                "graphs": len(graphs) if graphs is not None else 0,
+                "graph_stats": graphs.stats() if graphs is not None else {},
+                "timings": self.timings.as_dict(), "background": background}
+
+    def _run(self) -> dict:
+        """The pull-driven THAW: the session calls the adapter's phases (see the module doc)."""
+        a, t = self.adapter, self.timings
+        objectless = bool(getattr(a, "thaw_without_objects", False))
+        self._engine_driven = False
+        region = self._start(objectless)
+        cps = self._cps
         # An adapter whose THAW needs none of its objects (it only replays graphs and reads
         # the region) is attached to the region; the session maps each phase's range itself.
         with t.step("build"):
@@ -501,48 +690,25 @@ class ThawSession:
             else:
                 with a.route(region, "build"):
                     a.build(region)
-        self._compare(archive, "built", region)
-        self._check_loader()
-        spans = archive.spans(RANK)
-        with t.step("restore_weights"):
-            self._restore(archive, region, spans, "weights", cps["weights"])
-        self._compare(archive, "weights", region)
+        self._reached("built")  # and the weights span restored
+        self._reached("weights")
         with t.step("alloc_state"):
             if objectless:
                 self._claim(region, cps["state"])
             else:
                 with a.route(region, "alloc_state"):
                     a.alloc_state()
-        self._compare(archive, "state", region)
-        self._check_loader()
-        if plan.action == "restore":
-            with t.step("restore_warmup"):
-                self._restore(archive, region, spans, "warmup", cps["warmup"])
-        else:
+        self._reached("state")
+        if self.warmup_action != "restore":
             run_compile(a, region, t)
             with t.step("warmup"), a.route(region, "warmup"):
                 a.warmup()
-        self._compare(archive, "warmup", region)
-        with t.step("restore_graph_pools"):
-            self._restore(archive, region, spans, "graphs", cps["captured"])
-        self._compare(archive, "captured", region)
-        graphs = None
-        if self._loader is not None:
-            with t.step("graphs_wait"):
-                graphs = self._loader.result()
-                graphs.wait_all()
-        self.graphs = graphs
+        self._reached("warmup")
+        self._reached("captured")
         with t.step("restore_state"):
-            a.restore_state(st.get("engine", {}), graphs)
+            a.restore_state(self._state.get("engine", {}), self.graphs)
         self._loader = None  # handed to the adapter
-        t.steps["total"] = time.perf_counter() - t_start
-        background = {"graphs_background": self._graphs_background} if graphs is not None else {}
-        return {"archive": archive.path, "base": region.base,
-                "frozen_base": archive.region.base, "relocated": region.base != archive.region.base,
-                "checkpoints": region.checkpoints, "warmup": self.warmup_action,
-                "graphs": len(graphs) if graphs is not None else 0,
-                "graph_stats": graphs.stats() if graphs is not None else {},
-                "timings": t.as_dict(), "background": background}
+        return self._finish()
 
     def _load_graphs(self, g: Any, archive: Any, region: Any) -> Any:
         """The background loader (P7): verify, load modules, build every graph; its wall time

@@ -14,7 +14,9 @@ Options: ``drift`` (build one more block at THAW), ``model`` (fingerprint), ``oc
 the frozen base first so THAW must relocate), ``relocate``, ``warmup_restore``, ``dump_warmup``,
 ``objectless`` (THAW through ``thaw_without_objects``: nothing rebuilt, the state says where),
 ``table_in_build`` (warmup writes a table build allocated: no warmup span), ``base_shift``,
-``compile_in_region`` (the optional compile phase allocates in the region: refused, P11).
+``compile_in_region`` (the optional compile phase allocates in the region: refused, P11),
+``driven`` (the engine runs its own phases and reports each checkpoint: start / reached /
+finish, P12). Mode ``misuse``: an engine-driven session used out of order.
 """
 
 from __future__ import annotations
@@ -124,6 +126,84 @@ class ObjectlessBytes(BytesEngine):
         super().restore_state(state, graphs)
 
 
+def freeze_driven(eng: BytesEngine, path: str, opts: dict) -> dict:
+    """FREEZE with the engine running its own phases and reporting each checkpoint (P12)."""
+    from vitrify import session
+
+    s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
+                              record_kernels=False, dump_warmup=opts.get("dump_warmup", True))
+    region = s.start()
+    eng.build(region)
+    s.reached("built")
+    eng.load_weights()
+    s.reached("weights")
+    eng.alloc_state()
+    s.reached("state")
+    eng.warmup()
+    s.reached("warmup")
+    s.reached("captured")
+    return s.finish(eng.state())
+
+
+def thaw_driven(eng: BytesEngine, path: str, opts: dict) -> dict:
+    """THAW with the engine running its own phases: no weights loaded, warmup as the session
+    decided, nothing captured; the state and graphs handed over by finish()."""
+    from vitrify import session
+
+    s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
+    region = s.start()
+    eng.build(region)
+    s.reached("built")  # the session restores the weights span here
+    s.reached("weights")
+    eng.alloc_state()
+    s.reached("state")
+    if s.warmup_action != "restore":
+        eng.warmup()
+    s.reached("warmup")
+    s.reached("captured")
+    state, graphs = s.finish()
+    eng.restore_state(state, graphs)
+    return {**s.summary, **eng.result}
+
+
+def driven_misuse(eng: BytesEngine, path: str, opts: dict) -> dict:
+    """Checkpoints out of order, finish too early: one-line SessionErrors, and the region of
+    the failed session is released (P10)."""
+    from vitrify import session
+
+    out = {}
+    fz = session.FreezeSession(eng, path + ".misuse", region_bytes=64 * MiB, overwrite=True,
+                               record_kernels=False)
+    fz.start()
+    try:
+        fz.reached("state")
+    except session.SessionError as e:
+        out["freeze_order"] = str(e)
+    out["freeze_region_closed"] = fz.region.closed
+    fz2 = session.FreezeSession(eng, path + ".misuse2", region_bytes=64 * MiB, overwrite=True,
+                                record_kernels=False)
+    fz2.start()
+    fz2.reached("built")
+    try:
+        fz2.finish({})
+    except session.SessionError as e:
+        out["freeze_early_finish"] = str(e)
+    import os
+    out["no_archive"] = not os.path.exists(path + ".misuse2")
+    th = session.ThawSession(eng, path)
+    th.start()
+    try:
+        th.reached("warmup")
+    except session.SessionError as e:
+        out["thaw_order"] = str(e)
+    out["thaw_region_released"] = th.region is None
+    try:
+        th.start()
+    except session.SessionError as e:
+        out["thaw_twice"] = str(e)
+    return out
+
+
 def main() -> int:
     mode, path = sys.argv[1], sys.argv[2]
     opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
@@ -135,6 +215,10 @@ def main() -> int:
         eng = kind(drift=opts.get("drift", False), model=opts.get("model", "bytes-4x3MiB"),
                    table_in_build=opts.get("table_in_build", False),
                    compile_in_region=opts.get("compile_in_region", False))
+        if mode == "misuse":
+            return driven_misuse(eng, path, opts)
+        if opts.get("driven"):
+            return (freeze_driven if mode == "freeze" else thaw_driven)(eng, path, opts)
         if mode == "freeze":
             s = session.FreezeSession(eng, path, region_bytes=256 * MiB, overwrite=True,
                                       record_kernels=False,

@@ -179,14 +179,59 @@ def test_a_warmup_that_allocates_nothing_has_nothing_to_restore(tmp_path):
     assert th["warmup"] == "restore" and th["digest"] == th["frozen_digest"]
 
 
+@needs_fake
+@pytest.mark.parametrize("warmup_restore", [None, False], ids=["restore", "rerun"])
+def test_an_engine_driving_its_own_phases_freezes_and_thaws_the_same(frozen, tmp_path,
+                                                                      warmup_restore):
+    """P12: start / reached / finish, the engine calling its own phases (SGLang's shape), give
+    the archive and the thaw that run() gives; both directions mix."""
+    path, fz = frozen
+    driven = run("freeze", tmp_path / "driven.vitrify", driven=True)
+    assert driven["ok"], driven.get("traceback")
+    assert driven["checkpoints"] == fz["checkpoints"]
+    assert driven["span_bytes"] == fz["span_bytes"]
+    assert {"build", "load_weights", "alloc_state", "warmup", "capture", "dump_spans",
+            "total"} <= set(driven["timings"])
+    for archive in (path, tmp_path / "driven.vitrify"):   # pull-frozen and engine-frozen
+        th = run("thaw", archive, driven=True, warmup_restore=warmup_restore)
+        assert th["ok"], th.get("traceback")
+        assert th["digest"] == th["frozen_digest"]
+        assert th["warmups"] == (0 if warmup_restore is None else 1)
+        assert th["checkpoints"] == fz["checkpoints"]
+        assert "restore_weights" in th["timings"] and "build" in th["timings"]
+        pulled = run("thaw", archive)
+        assert pulled["ok"] and pulled["digest"] == th["digest"]
+
+
+@needs_fake
+def test_an_engine_driven_session_refuses_checkpoints_out_of_order(frozen):
+    path, _ = frozen
+    out = run("misuse", path)
+    assert out["ok"], out.get("traceback")
+    assert "reported checkpoint 'state' but the next one is 'built'" in out["freeze_order"]
+    assert out["freeze_region_closed"]
+    assert "has not reached ['weights', 'state', 'warmup', 'captured']" in out["freeze_early_finish"]
+    assert out["no_archive"]
+    assert "reported checkpoint 'warmup' but the next one is 'built'" in out["thaw_order"]
+    assert out["thaw_region_released"]
+    assert "started already" in out["thaw_twice"]
+
+
 class _NotAnAdapter:
     def fingerprint(self):
         return {}
 
 
 def test_a_non_adapter_is_refused_naming_what_it_lacks(tmp_path):
+    # an engine that runs its own phases (start/reached/finish) needs only a fingerprint; the
+    # session that runs them (run()) needs the whole protocol
     with pytest.raises(TypeError, match="lacks route, build, load_weights"):
-        session.ThawSession(_NotAnAdapter(), tmp_path / "a")
+        session.ThawSession(_NotAnAdapter(), tmp_path / "a").run()
+    with pytest.raises(TypeError, match="lacks route, build, load_weights"):
+        session.FreezeSession(_NotAnAdapter(), tmp_path / "b", region_bytes=MiB,
+                              record_kernels=False).run()
+    with pytest.raises(TypeError, match="lacks fingerprint"):
+        session.ThawSession(object(), tmp_path / "a")
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
