@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from importlib import metadata
 from pathlib import Path
@@ -67,6 +68,10 @@ def fresh(monkeypatch):
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.delenv(plugin.CONFIG_ENV, raising=False)
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    # register() sets these in os.environ (the JIT caches, P10): restored afterwards
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     # apply_hooks() patches ServerArgs.__post_init__; put the original back after the test.
     monkeypatch.setattr(ServerArgs, "__post_init__", ServerArgs.__dict__["__post_init__"])
     return monkeypatch
@@ -119,8 +124,9 @@ def test_config_good_file(tmp_path):
         """)
     cfg = pconfig.load(path)
     assert cfg == PluginConfig(mode="load", archive=str(arch), region_bytes=64 << 30,
-                               on_mismatch="cold-start", prefill_graphs="disabled", source=path)
-    assert cfg.active
+                               on_mismatch="cold-start", prefill_graphs="disabled", source=path,
+                               jit_dir=cfg.jit_dir)
+    assert cfg.active and cfg.jit_caches and cfg.jit_dir
 
 
 def test_config_defaults_and_save_parent(tmp_path):
@@ -579,3 +585,97 @@ def test_hook_unexpected_error_is_fatal(active):
     with pytest.raises(SystemExit) as e:
         plugin.after_server_args_post_init(None, types.SimpleNamespace(tp_size=1))
     assert "ServerArgs.__post_init__ hook failed: AttributeError" in _one_line_fatal(e)
+
+
+# ------------------------------------------------------------------------------------------
+# JIT caches (P10)
+# ------------------------------------------------------------------------------------------
+
+def test_config_jit_keys(tmp_path):
+    (tmp_path / "arch").mkdir()
+    save = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": 1})
+    assert save.jit_caches and save.jit_dir == str(tmp_path / "a") + ".jit-work"
+    load = pconfig.from_mapping({"mode": "load", "archive": str(tmp_path / "arch"), "region_bytes": 1})
+    assert load.jit_dir.startswith(os.path.join(tempfile.gettempdir(), f"vitrify-jit-{os.getuid()}"))
+    assert pconfig.from_mapping({"mode": "load", "archive": str(tmp_path / "arch"), "region_bytes": 1,
+                         "jit_dir": "~/j"}).jit_dir == os.path.expanduser("~/j")
+    off = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": 1,
+                        "jit_caches": False})
+    assert not off.jit_caches and off.jit_dir is None
+    with pytest.raises(PluginConfigError, match="'jit_caches': expected true or false"):
+        pconfig.from_mapping({"mode": "off", "jit_caches": "yes"})
+    with pytest.raises(PluginConfigError, match="'jit_dir': expected a non-empty path"):
+        pconfig.from_mapping({"mode": "off", "jit_dir": ""})
+
+
+def test_save_redirects_the_jit_caches_once_for_every_process(fresh, save_config, tmp_path):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    plugin.register()
+    work = str(tmp_path / "archive") + ".jit-work"
+    assert os.environ["TRITON_CACHE_DIR"] == os.path.join(work, "triton")
+    assert os.environ["TVM_FFI_CACHE_DIR"] == os.path.join(work, "tvm-ffi")
+    assert os.environ[plugin.JIT_ROOT_ENV] == work
+    assert plugin.STATE.jit_dirs == {"triton": os.path.join(work, "triton"),
+                                     "tvm-ffi": os.path.join(work, "tvm-ffi")}
+    # a kernel compiled meanwhile, then a scheduler process (same environment) registers: the
+    # caches are not redirected again (which would refuse the non-empty directory)
+    (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
+    fresh.setattr(plugin, "STATE", plugin.PluginState())
+    plugin.register()
+    assert plugin.STATE.jit_dirs["triton"] == os.path.join(work, "triton")
+
+
+def test_save_refuses_a_jit_directory_left_by_another_run(fresh, save_config, tmp_path):
+    (tmp_path / "archive.jit-work" / "triton").mkdir(parents=True)
+    (tmp_path / "archive.jit-work" / "triton" / "old.cubin").write_bytes(b"old")
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    assert "is not empty" in _one_line_fatal(e) and "jit_caches = false" in str(e.value)
+    assert _our_hooks() == [] and "TRITON_CACHE_DIR" not in os.environ
+
+
+def _archive_with_jit(path, files: dict):
+    from vitrify import jit
+    from vitrify.archive import ArchiveWriter, Fingerprint, Region
+
+    root = Path(str(path) + ".src")
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    with ArchiveWriter(str(path), Fingerprint(gpu="g"), Region(0x7F0000000000, 1 << 30, 2 << 20)) as w:
+        jit.pack(w, {"triton": str(root / "triton"), "tvm-ffi": str(root / "tvm-ffi")})
+
+
+def test_load_unpacks_the_archives_jit_caches_before_anything_compiles(fresh, tmp_path):
+    arch = tmp_path / "engine.vitrify"
+    _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin", "tvm-ffi/m_1/m_1.so": b"so"})
+    cfg = _write(tmp_path / "load.toml", f"""
+        mode = "load"
+        archive = "{arch}"
+        region_bytes = "2GiB"
+        jit_dir = "{tmp_path / 'jit'}"
+        """)
+    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    plugin.register()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "jit" / "triton")
+    assert (tmp_path / "jit" / "triton" / "AB" / "k.cubin").read_bytes() == b"cubin"
+    assert (tmp_path / "jit" / "tvm-ffi" / "m_1" / "m_1.so").read_bytes() == b"so"
+    assert _our_hooks()  # registered after the caches were in place
+
+
+def test_load_with_a_damaged_jit_cache_is_fatal_and_registers_nothing(fresh, tmp_path):
+    arch = tmp_path / "engine.vitrify"
+    _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
+    (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
+    cfg = _write(tmp_path / "load.toml", f"""
+        mode = "load"
+        archive = "{arch}"
+        region_bytes = "2GiB"
+        """)
+    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    msg = _one_line_fatal(e)
+    assert "unpacking the archive's JIT caches" in msg and "checksum mismatch" in msg
+    assert _our_hooks() == [] and "TRITON_CACHE_DIR" not in os.environ

@@ -21,6 +21,14 @@ key                value                           meaning
 ``weight_updates`` bool (default false)            ``update_weights_from_tensor(load_format=
                                                    "vitrify")`` runs vitrify's receiver
                                                    (``weights.py``); any mode, ``off`` included
+``jit_caches``     bool (default true)             SAVE points the JIT caches (Triton, tvm-ffi)
+                                                   at ``jit_dir`` so the archive gets what the
+                                                   engine compiled; LOAD unpacks the archive's
+                                                   caches there first (``vitrify.jit``)
+``jit_dir``        path (default: SAVE             where; SAVE's must be empty or absent
+                   ``<archive>.jit-work``; LOAD
+                   ``$TMPDIR/vitrify-jit-<uid>/
+                   <hash of the archive path>``)
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -31,9 +39,11 @@ Only the standard library is imported here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +55,8 @@ PREFILL_GRAPHS = ("disabled",)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
-_KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates")
+_KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
+         "jit_caches", "jit_dir")
 
 
 class PluginConfigError(ValueError):
@@ -63,6 +74,8 @@ class PluginConfig:
     prefill_graphs: str = "disabled"
     source: str | None = None  # the TOML file it came from, for messages
     weight_updates: bool = False
+    jit_caches: bool = True
+    jit_dir: str | None = None  # None when off or jit_caches is false
 
     @property
     def active(self) -> bool:
@@ -165,9 +178,28 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
     weight_updates = data.get("weight_updates", False)
     if not isinstance(weight_updates, bool):
         raise _type_error("weight_updates", "true or false", weight_updates)
+    jit_caches = data.get("jit_caches", True)
+    if not isinstance(jit_caches, bool):
+        raise _type_error("jit_caches", "true or false", jit_caches)
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
                         on_mismatch=on_mismatch, prefill_graphs="disabled", source=source,
-                        weight_updates=weight_updates)
+                        weight_updates=weight_updates, jit_caches=jit_caches,
+                        jit_dir=_jit_dir(data, mode, archive, jit_caches))
+
+
+def _jit_dir(data: Mapping, mode: str, archive: str | None, enabled: bool) -> str | None:
+    if "jit_dir" in data:
+        value = data["jit_dir"]
+        if not isinstance(value, str) or not value:
+            raise _type_error("jit_dir", "a non-empty path string", value)
+    if mode == "off" or not enabled or archive is None:
+        return None
+    if "jit_dir" in data:
+        return os.path.abspath(os.path.expanduser(data["jit_dir"]))
+    if mode == "save":
+        return archive + ".jit-work"
+    digest = hashlib.sha256(archive.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"vitrify-jit-{os.getuid()}", digest)
 
 
 def _toml_module():

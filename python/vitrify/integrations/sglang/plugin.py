@@ -62,6 +62,7 @@ class PluginState:
     registered: bool = False  # hooks handed to HookRegistry (never twice per process)
     fingerprint: dict | None = None  # engine-shaping ServerArgs, JSON-able
     prefill_graphs_were: str | None = None  # the prefill backend before it was forced off
+    jit_dirs: dict | None = None  # JIT cache -> directory (SAVE: redirected; LOAD: unpacked)
 
 
 STATE = PluginState()
@@ -325,6 +326,34 @@ def _check_server_args_fields(version: str) -> None:
                     f"reads")
 
 
+JIT_ROOT_ENV = "VITRIFY_SGLANG_JIT_ROOT"
+
+
+def _setup_jit(cfg: Any) -> dict:
+    """P10: SAVE points the JIT caches at empty directories under ``jit_dir``; LOAD unpacks the
+    archive's caches there (verified) and points them there. Done once, in the first process
+    that registers (the launcher); the processes it starts inherit the environment, which says
+    so (``VITRIFY_SGLANG_JIT_ROOT``)."""
+    from ... import archive as _archive
+    from ... import jit
+
+    if os.environ.get(JIT_ROOT_ENV) == cfg.jit_dir:
+        return {n: os.environ[v] for n, v in jit.CACHES.items() if v in os.environ}
+    try:
+        if cfg.mode == "save":
+            dirs = jit.redirect(cfg.jit_dir)
+        else:
+            dirs = jit.unpack(_archive.open_archive(cfg.archive), cfg.jit_dir)
+    except (jit.JitCacheError, _archive.ArchiveError, OSError) as e:
+        what = "redirecting the JIT caches" if cfg.mode == "save" else \
+            "unpacking the archive's JIT caches"
+        raise fatal(f"{what} ({cfg.jit_dir}): {e} (jit_caches = false turns this off)") from None
+    os.environ[JIT_ROOT_ENV] = cfg.jit_dir
+    log.info("vitrify SGLang plugin: JIT caches %s %s", "redirected to" if cfg.mode == "save"
+             else "unpacked at", cfg.jit_dir)
+    return dirs
+
+
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert without ``VITRIFY_SGLANG_CONFIG`` (P1);
     otherwise config, version, every target, then registration (P2–P5); once per process (P9).
@@ -369,6 +398,8 @@ def _register(path: str) -> None:
                         f"classes only as REPLACE hooks")
     if cfg.active:
         _check_server_args_fields(version)
+        if cfg.jit_caches:
+            STATE.jit_dirs = _setup_jit(cfg)
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
     for hook in hooks:
