@@ -21,10 +21,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from . import _check, _native
 
@@ -324,6 +326,68 @@ class Region:
         return f"Region({self._r.describe()}, {state})"
 
 
+class WindowDrift(ValueError):
+    """THAW: the region's cursor is not where FREEZE's was when a recorded window began (the
+    allocations before it differed), so the window cannot be reproduced; names both offsets."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationWindow:
+    """What a stretch of FREEZE allocated in a region: the cursor before and after, and the
+    allocations made in it still live at its end (``(offset, size)``, ascending). THAW
+    reproduces it with :func:`replay_window` where the work that allocated it is skipped (an
+    engine's graph capture), so everything allocated afterwards lands where it did at FREEZE."""
+
+    start: int
+    end: int
+    live: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "end": self.end, "live": [list(a) for a in self.live]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> AllocationWindow:
+        try:
+            start, end = int(d["start"]), int(d["end"])
+            live = tuple((int(o), int(n)) for o, n in d["live"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not an allocation window: {d!r:.200} ({e})") from None
+        if not 0 <= start <= end or any(not (start <= o and n > 0 and o + n <= end)
+                                        for o, n in live) or list(live) != sorted(live):
+            raise ValueError(f"allocation window [{start}, {end}) with allocations {live!r:.200} "
+                             f"is inconsistent")
+        return cls(start, end, live)
+
+
+@contextlib.contextmanager
+def record_window(region: Region) -> Iterator[list[AllocationWindow]]:
+    """FREEZE: record what the block allocates in ``region``; the yielded list holds the
+    :class:`AllocationWindow` once the block has finished (nothing when it raised)."""
+    start = region.offset
+    out: list[AllocationWindow] = []
+    yield out
+    end = region.offset
+    out.append(AllocationWindow(start, end, tuple((o, n) for o, n in region.live_allocations()
+                                                   if o >= start)))
+
+
+def replay_window(region: Region, window: AllocationWindow, what: str = "window") -> list[int]:
+    """THAW: allocate what ``window`` held at FREEZE, at the same offsets, without running the
+    work that allocated it; returns the addresses. The cursor must be at ``window.start``
+    (:class:`WindowDrift` naming ``what`` and both offsets otherwise) and ends at ``window.end``."""
+    if region.offset != window.start:
+        raise WindowDrift(f"{what}: the region's cursor is at {region.offset} bytes here but was "
+                          f"at {window.start} bytes at FREEZE ({region.offset - window.start:+d}): "
+                          f"the allocations before it differ, so it cannot be reproduced")
+    addrs = [region.allocate_at(o, n) for o, n in window.live]
+    if region.offset < window.end:
+        region.set_offset(window.end)
+    if region.offset != window.end:
+        raise WindowDrift(f"{what}: reproduced, the cursor is at {region.offset} bytes but was at "
+                          f"{window.end} bytes at FREEZE (a granularity or guard difference)")
+    return addrs
+
+
 def save_allocations(region: Region, directory: str | os.PathLike) -> int:
     """Write every live allocation of ``region`` into ``directory`` (``allocations.json``: the
     offsets and sizes, ``allocations.bin``: the bytes); returns the bytes written. For tests and
@@ -348,5 +412,6 @@ def load_allocations(region: Region, directory: str | os.PathLike) -> None:
     region.restore_allocations(parts)
 
 
-__all__ = ["load_allocations", "save_allocations", "DEFAULT_PREALLOC_CHUNK", "Region", "RegionAddressError", "SEARCH_FIRST",
-           "SEARCH_LIMIT", "candidate_bases"]
+__all__ = ["AllocationWindow", "DEFAULT_PREALLOC_CHUNK", "Region", "RegionAddressError",
+           "SEARCH_FIRST", "SEARCH_LIMIT", "WindowDrift", "candidate_bases", "load_allocations",
+           "record_window", "replay_window", "save_allocations"]

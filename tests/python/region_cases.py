@@ -126,6 +126,46 @@ def case_window_guards_and_thaw_claims():  # R13, R2
             r.claim(r.offset)
 
 
+def case_allocation_window_replayed_where_work_is_skipped():  # R16
+    from vitrify.region import AllocationWindow, WindowDrift, record_window, replay_window
+
+    def freeze_like(r, skip, window=None):
+        """Three allocations, then a 'capture' (two kept, one freed), then one more."""
+        before = [r.allocate(n) for n in (3 * MiB, 2 * MiB)]
+        if skip:
+            replay_window(r, window, "decode graph bs=8")
+        else:
+            with record_window(r) as w:
+                a = r.allocate(4 * MiB)
+                t = r.allocate(2 * MiB)
+                r.allocate(6 * MiB)
+                r.free(t)
+                del a
+            window = w[0]
+        after = r.allocate(5 * MiB)
+        return [p - r.base for p in before + [after]], window
+
+    with Region(4 * GiB) as r:
+        frozen, window = freeze_like(r, skip=False)
+        live_frozen, end_frozen = r.live_allocations(), r.offset
+    assert window.end - window.start == 12 * MiB and len(window.live) == 2
+    assert AllocationWindow.from_json(json.loads(json.dumps(window.to_json()))) == window
+    with Region(4 * GiB) as r:
+        thawed, _ = freeze_like(r, skip=True, window=window)
+        # the allocation after the skipped work lands where it did; so do the window's own
+        assert thawed == frozen
+        assert r.live_allocations() == live_frozen and r.offset == end_frozen
+    with Region(4 * GiB) as r:
+        r.allocate(3 * MiB)  # one allocation fewer before the window: refused, not shifted
+        with pytest.raises(WindowDrift, match=r"decode graph bs=8: .* at 4194304 bytes here but "
+                                              r"was at 6291456 bytes at FREEZE \(-2097152\)"):
+            replay_window(r, window, "decode graph bs=8")
+    for bad in ({"start": 5, "end": 4, "live": []}, {"start": 0, "end": 8, "live": [[6, 4]]},
+                {"start": 0}, {"start": 0, "end": 9, "live": [[4, 2], [0, 2]]}):
+        with pytest.raises(ValueError):
+            AllocationWindow.from_json(bad)
+
+
 def case_preallocate_fast_path():  # R7
     with Region(4 * GiB) as r:
         assert r.preallocate(256 * MiB, chunk_bytes=64 * MiB) == 256 * MiB
