@@ -15,26 +15,32 @@ the thaw (the count that must stay 0).
 Design notes (``docs/session.md``, J1-J5):
 
 J1. Only the two caches above. Their entries are keyed by content (source, compiler version,
-    GPU architecture: the archive's fingerprint refuses another GPU, driver or torch before
-    anything is unpacked), and neither embeds the cache's absolute path, so they work in
-    another directory. torch inductor's cache is left out: its generated modules name files
-    by absolute path.
+    GPU architecture), so an entry built for another GPU or toolchain is never used, only
+    missed (and the session refuses such an archive anyway); neither embeds the cache's
+    absolute path, so they work in another directory. torch inductor's cache is left out: its
+    generated modules name files by absolute path.
 J2. Packed files: regular files only (a symlink or another type is refused, naming it);
     Triton's in-flight ``tmp.*`` directories and lock files are skipped; of a tvm-ffi build
     directory only the built ``.so`` is kept (the objects and ninja files are build leftovers;
     SGLang loads ``<build dir>/<module>.so`` directly when it exists).
 J3. Unpacking is atomic and never trusts the archive's names: paths are the archive's checked
     relative paths, written under a temporary directory with ``O_EXCL | O_NOFOLLOW`` and renamed
-    into place; a directory already unpacked from the same archive content (its marker holds
-    the index's checksum) is reused as it is.
+    into place. The parent directory must be this user's and writable by no one else (shared
+    code is loaded from there: another user's directory is refused). Processes unpacking the
+    same archive take turns under a lock in the parent; a directory already unpacked from the
+    same content (its marker holds a digest of every file's checksum) is reused as it is.
 J4. A cache that is not configured through its variable at FREEZE is still redirected (the
     JIT's default directory holds other engines' builds; the archive gets this engine's only).
+    The work directory is marked as vitrify's; an earlier run's leftovers there are cleared,
+    any other non-empty directory is refused.
 J5. Without a JIT index (an archive frozen without caches) :func:`unpack` returns ``{}`` and
     sets nothing: the engine compiles as usual.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -52,6 +58,7 @@ JIT_FORMAT = 1
 PREFIX = "jit"
 INDEX = f"{PREFIX}/index.json"
 MARKER = ".vitrify-jit"
+WORK_MARKER = ".vitrify-jit-work"
 # cache name -> the environment variable its JIT reads (at compile time, so setting it before
 # the first compile is enough)
 CACHES: dict[str, str] = {"triton": "TRITON_CACHE_DIR", "tvm-ffi": "TVM_FFI_CACHE_DIR"}
@@ -68,14 +75,20 @@ def redirect(root: str | os.PathLike, env: MutableMapping[str, str] | None = Non
     what this engine compiles, not an older run's files."""
     env = os.environ if env is None else env
     root = os.path.abspath(_check.path("root", root))
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    ours = os.path.exists(os.path.join(root, WORK_MARKER))
     out = {}
     for name, var in CACHES.items():
         d = os.path.join(root, name)
+        if ours and os.path.isdir(d) and not os.path.islink(d):
+            shutil.rmtree(d)  # an earlier FREEZE's leftovers (J4)
         os.makedirs(d, mode=0o700, exist_ok=True)
         if os.listdir(d):
-            raise JitCacheError(f"JIT cache directory {d} is not empty: remove it (a FREEZE "
-                                f"records only what its engine compiles)")
+            raise JitCacheError(f"JIT cache directory {d} is not empty and not vitrify's: remove "
+                                f"it (a FREEZE records only what its engine compiles)")
         out[name] = d
+    with open(os.path.join(root, WORK_MARKER), "w", encoding="utf-8") as f:
+        f.write("JIT caches of a vitrify FREEZE; cleared by the next one\n")
     for name, d in out.items():
         env[CACHES[name]] = d
     log.info("JIT caches redirected under %s", root)
@@ -175,33 +188,67 @@ def unpack(archive: Any, dest: str | os.PathLike,
     if index is None:
         log.info("archive %s holds no JIT caches: the engine compiles as usual", archive.path)
         return {}
-    stamp = archive.files[INDEX]["checksum"]
-    if _marker(dest) == stamp:
-        log.info("JIT caches already unpacked at %s", dest)
-    else:
-        parent = os.path.dirname(dest)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(dest) + ".tmp-", dir=parent)
-        try:
-            rels = [f"{PREFIX}/{n}/{r}" for n, c in index["caches"].items() for r in c["files"]]
-            data = archive.read_files(rels, checksum=True, threads=threads) if rels else {}
-            for name in index["caches"]:
-                os.makedirs(os.path.join(tmp, name), mode=0o700, exist_ok=True)
-            for rel, blob in data.items():
-                _write_new(os.path.join(tmp, *rel.split("/")[1:]), blob)
-            _write_new(os.path.join(tmp, MARKER), stamp.encode())
-            if os.path.lexists(dest):
-                shutil.rmtree(dest)  # an older or partial unpack (J3)
-            os.rename(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log.info("JIT caches unpacked at %s: %s", dest,
-                 {n: len(c["files"]) for n, c in index["caches"].items()})
+    rels = [f"{PREFIX}/{n}/{r}" for n, c in index["caches"].items() for r in c["files"]]
+    stamp = hashlib.sha256("\n".join([archive.files[INDEX]["checksum"]] + [
+        f"{rel} {archive.files[rel]['checksum']}" for rel in rels]).encode()).hexdigest()
+    parent = os.path.dirname(dest)
+    _own_directory(parent)
+    with _locked(os.path.join(parent, f".{os.path.basename(dest)}.lock")):
+        if _marker(dest) == stamp:
+            log.info("JIT caches already unpacked at %s", dest)
+        else:
+            _unpack_into(archive, index, rels, dest, stamp, threads)
     out = {name: os.path.join(dest, name) for name in index["caches"]}
     for name, d in out.items():
         env[CACHES[name]] = d
     return out
+
+
+def _own_directory(path: str) -> None:
+    """Create ``path`` (0700) if needed; it must be a directory of this user that no one else
+    can write (J3): code is loaded from below it."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise JitCacheError(f"{path} must be a directory owned by this user (uid {os.getuid()}) "
+                            f"and writable by no one else; it is owned by uid {st.st_uid} with "
+                            f"mode {stat.filemode(st.st_mode)}: choose another jit_dir")
+
+
+class _locked:
+    """An exclusive ``flock`` on ``path`` for the block (created 0600)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: Any) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _unpack_into(archive: Any, index: dict, rels: list[str], dest: str, stamp: str,
+                 threads: int) -> None:
+    """Every listed file verified into a fresh temporary sibling, then renamed to ``dest``."""
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(dest) + ".tmp-", dir=os.path.dirname(dest))
+    try:
+        data = archive.read_files(rels, checksum=True, threads=threads) if rels else {}
+        for name in index["caches"]:
+            os.makedirs(os.path.join(tmp, name), mode=0o700, exist_ok=True)
+        for rel, blob in data.items():
+            _write_new(os.path.join(tmp, *rel.split("/")[1:]), blob)
+        _write_new(os.path.join(tmp, MARKER), stamp.encode())
+        if os.path.lexists(dest):
+            shutil.rmtree(dest)  # an older or partial unpack (J3); the lock keeps others out
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("JIT caches unpacked at %s: %s", dest,
+             {n: len(c["files"]) for n, c in index["caches"].items()})
 
 
 def compiled_since(dirs: Mapping[str, str], index: Mapping[str, Any] | None) -> dict[str, list[str]]:

@@ -306,7 +306,9 @@ class FreezeSession:
         if self.record_kernels:
             _graph_module().record_modules()
         self.region = None
+        self.graphs = None
         self.timings = Timings()
+        self._finished = False
 
     # -- engine-driven FREEZE (P12): start(), reached(checkpoint) after each phase, finish(state)
 
@@ -318,13 +320,20 @@ class FreezeSession:
             raise SessionError("this FREEZE session was started already")
         return self._guard(self._start)
 
+    def _not_finished(self) -> None:
+        # After finish() the engine serves from the region: a late call is refused without
+        # touching it (only abort() closes it).
+        if self._finished:
+            raise SessionError("this FREEZE session has finished; the region is the engine's")
+
     def _start(self) -> Any:
         from .region import Region
 
         self._fp = _fingerprint(self.adapter, self.device)
-        self._t_start = self._t_last = time.perf_counter()
+        self._t_start = time.perf_counter()
         with self.timings.step("reserve"):
             self.region = Region(self.region_bytes, base=self.base, device=self.device)
+        self._t_last = time.perf_counter()
         self.graphs = None
         if self.record_kernels:
             self.graphs = _graph_module().GraphStore(region=self.region, device=self.device)
@@ -333,6 +342,7 @@ class FreezeSession:
     def reached(self, checkpoint: str) -> None:
         """The engine finished the phase that ends at ``checkpoint`` (``PHASES``, in order): the
         region's cursor is recorded. The time since the previous call is the phase's step."""
+        self._not_finished()
         self._guard(lambda: self._reached(checkpoint))
 
     def _reached(self, checkpoint: str) -> None:
@@ -342,10 +352,16 @@ class FreezeSession:
         self._t_last = now
         self.region.checkpoint(checkpoint)
 
-    def finish(self, engine_state: dict) -> dict:
+    def finish(self, engine_state: dict,
+               write_extra: Callable[[Any], None] | None = None) -> dict:
         """Dump the spans, save the graphs and ``engine_state`` (plain JSON, region offsets
-        instead of addresses), commit the archive; returns the summary (JSON)."""
-        return self._guard(lambda: self._finish(engine_state))
+        instead of addresses), commit the archive; returns the summary (JSON).
+        ``write_extra(writer)`` may add files of its own (e.g. :func:`vitrify.jit.pack`) before
+        the commit. The region stays the engine's (only :meth:`abort` closes it)."""
+        self._not_finished()
+        summary = self._guard(lambda: self._finish(engine_state, write_extra))
+        self._finished = True
+        return summary
 
     def abort(self) -> None:
         """Close the region without writing an archive (idempotent; never raises)."""
@@ -378,7 +394,8 @@ class FreezeSession:
 
         return self._guard(pull)
 
-    def _finish(self, engine_state: Any) -> dict:
+    def _finish(self, engine_state: Any,
+                write_extra: Callable[[Any], None] | None = None) -> dict:
         region, t, store = self.region, self.timings, self.graphs
         if region is None:
             raise SessionError("start() the FREEZE session first")
@@ -411,6 +428,9 @@ class FreezeSession:
                 "graphs": len(store) if store is not None else 0,
                 "record_kernels": self.record_kernels,
             }, "engine": engine_state})
+            if write_extra is not None:
+                with t.step("write_extra"):
+                    write_extra(w)
             with t.step("commit"):
                 w.commit()
         t.steps["total"] = time.perf_counter() - self._t_start
@@ -468,6 +488,12 @@ class ThawSession:
         self._graphs_background = 0.0
         self._engine_driven = True  # run() says otherwise
         self._started = False
+        self._finished = False
+        self._archive: Any = None
+        self._state: dict = {}
+        self._cps: dict = {}
+        self._spans: dict = {}
+        self._t_start = self._t_last = 0.0
 
     def _reserve(self, frozen: _archive.Region):
         from .region import Region, RegionAddressError
@@ -540,17 +566,32 @@ class ThawSession:
         """The engine finished the phase that ends at ``checkpoint`` (``PHASES``, in order):
         compared with FREEZE's cursor, then what THAW does there (restore a span, wait for the
         graphs)."""
+        if self._finished:
+            raise SessionError("this THAW session has finished; the region is the engine's")
         self._guard(lambda: self._reached(checkpoint))
+
+    @property
+    def frozen_state(self) -> dict:
+        """After :meth:`start`: the engine state FREEZE wrote (``state()`` / ``finish(state)``),
+        for an engine that needs it while it builds (e.g. sizes to re-apply)."""
+        if self._archive is None:
+            raise SessionError("start() the THAW session first")
+        return self._state.get("engine", {})
 
     def finish(self) -> tuple[dict, Any]:
         """After ``captured``: the frozen engine state (``state()`` at FREEZE) and the rebuilt
         graphs (:class:`vitrify.graph.LoadedGraphs`, or None), now the caller's to close; the
         summary is :attr:`summary`."""
+        if self._finished:
+            raise SessionError("this THAW session has finished already")
+
         def done() -> tuple[dict, Any]:
             self.summary = self._finish()
             self._loader = None  # the graphs are the caller's now
             return self._state.get("engine", {}), self.graphs
-        return self._guard(done)
+        result = self._guard(done)
+        self._finished = True
+        return result
 
     def abort(self) -> None:
         """Release the background graph build and close the region (idempotent; never raises)."""
@@ -627,6 +668,8 @@ class ThawSession:
     def _reached(self, checkpoint: str) -> None:
         """Compare ``checkpoint``, then THAW's own work after it (the steps of run())."""
         archive, region, cps, t = self._archive, self.region, self._cps, self.timings
+        if archive is None:
+            raise SessionError("THAW: start() the session before reporting a checkpoint")
         if checkpoint == "weights" and region is not None and "weights" in region.checkpoints \
                 and "state" not in region.checkpoints:
             # THAW restored the weights when the engine reached "built"; the engine saying so

@@ -188,8 +188,33 @@ def driven_misuse(eng: BytesEngine, path: str, opts: dict) -> dict:
         fz2.finish({})
     except session.SessionError as e:
         out["freeze_early_finish"] = str(e)
-    import os
-    out["no_archive"] = not os.path.exists(path + ".misuse2")
+    out["early_finish_region_closed"] = fz2.region.closed
+    # a late call after a good finish is refused and leaves the engine's region alone
+    fz3 = session.FreezeSession(BytesEngine(), path + ".misuse3", region_bytes=64 * MiB,
+                                overwrite=True, record_kernels=False)
+    e3 = fz3.adapter
+    region = fz3.start()
+    for call, cp in ((lambda: e3.build(region), "built"), (e3.load_weights, "weights"),
+                     (e3.alloc_state, "state"), (e3.warmup, "warmup"), (lambda: None, "captured")):
+        call()
+        fz3.reached(cp)
+    fz3.finish(e3.state())
+    for late in (lambda: fz3.reached("built"), lambda: fz3.finish({})):
+        try:
+            late()
+        except session.SessionError as e:
+            out["freeze_late"] = str(e)
+    out["late_region_open"] = not fz3.region.closed
+    fz3.abort()
+    th0 = session.ThawSession(eng, path)
+    try:
+        th0.reached("built")
+    except session.SessionError as e:
+        out["thaw_before_start"] = str(e)
+    try:
+        th0.frozen_state
+    except session.SessionError as e:
+        out["state_before_start"] = str(e)
     th = session.ThawSession(eng, path)
     th.start()
     try:

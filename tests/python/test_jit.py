@@ -52,12 +52,13 @@ def test_redirect_points_every_cache_at_an_empty_directory_of_its_own(tmp_path):
     assert env["TRITON_CACHE_DIR"] == dirs["triton"] == str(tmp_path / "w" / "triton")
     assert env["TVM_FFI_CACHE_DIR"] == dirs["tvm-ffi"]
     assert oct(os.stat(dirs["triton"]).st_mode & 0o777) == "0o700"
-    with open(os.path.join(dirs["triton"], "old"), "w") as f:
-        f.write("x")
+    foreign = tmp_path / "foreign" / "tvm-ffi"
+    foreign.mkdir(parents=True)
+    (foreign / "someone.so").write_bytes(b"x")  # not a directory vitrify made
     env2: dict = {}
-    with pytest.raises(jit.JitCacheError, match="not empty"):
-        jit.redirect(tmp_path / "w", env2)
-    assert env2 == {}  # nothing set when it refuses
+    with pytest.raises(jit.JitCacheError, match="not empty and not vitrify's"):
+        jit.redirect(tmp_path / "foreign", env2)
+    assert env2 == {} and (foreign / "someone.so").exists()  # nothing set, nothing removed
 
 
 def test_pack_keeps_the_builds_and_skips_leftovers(tmp_path):
@@ -96,7 +97,7 @@ def test_a_second_unpack_of_the_same_archive_reuses_the_directory(tmp_path):
     probe.write_bytes(b"left by the first thaw")
     jit.unpack(open_archive(path), dest, {})
     assert probe.exists()  # reused, not rewritten
-    (dest / ".vitrify-jit").write_text("crc32c:00000000")  # another archive's content
+    (dest / ".vitrify-jit").write_text("0" * 64)  # another archive's content
     jit.unpack(open_archive(path), dest, {})
     assert not probe.exists() and (dest / "triton" / "CD34" / "rmsnorm.cubin").exists()
 
@@ -145,3 +146,38 @@ def test_an_index_listing_a_file_the_manifest_lacks_is_corrupt(tmp_path):
         w.write_json(jit.INDEX, {"format": 1, "caches": {"inductor": {"files": []}}})
     with pytest.raises(ArchiveCorrupt, match="bad cache entry 'inductor'"):
         jit.read_index(open_archive(path2))
+
+
+def test_the_work_directory_is_vitrifys_and_cleared_by_the_next_freeze(tmp_path):
+    dirs = jit.redirect(tmp_path / "w", {})
+    fill(dirs)
+    again = jit.redirect(tmp_path / "w", {})  # the next FREEZE of the same archive
+    assert again == dirs and jit.listing(again) == {"triton": {}, "tvm-ffi": {}}
+
+
+def test_unpack_refuses_a_parent_other_users_can_write(tmp_path):
+    path, _ = freeze(tmp_path, {})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(jit.JitCacheError, match="writable by no one else"):
+        jit.unpack(open_archive(path), shared / "thaw", {})
+    assert not (shared / "thaw").exists()
+
+
+def test_processes_unpacking_one_archive_take_turns(tmp_path):
+    """Eight threads unpack the same archive into one place: all end with the same complete
+    directory and none fails (the lock in the parent; the marker makes the later ones reuse)."""
+    import concurrent.futures
+
+    path, index = freeze(tmp_path, {})
+    dest = tmp_path / "thaw"
+
+    def one(_):
+        d = jit.unpack(open_archive(path), dest, {})
+        return jit.compiled_since(d, index)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(one, range(8)))
+    assert all(r == {"triton": [], "tvm-ffi": []} for r in results)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("thaw.tmp-")]

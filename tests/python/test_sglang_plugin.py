@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from importlib import metadata
 from pathlib import Path
@@ -591,12 +590,13 @@ def test_hook_unexpected_error_is_fatal(active):
 # JIT caches (P10)
 # ------------------------------------------------------------------------------------------
 
-def test_config_jit_keys(tmp_path):
+def test_config_jit_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     (tmp_path / "arch").mkdir()
     save = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": 1})
     assert save.jit_caches and save.jit_dir == str(tmp_path / "a") + ".jit-work"
     load = pconfig.from_mapping({"mode": "load", "archive": str(tmp_path / "arch"), "region_bytes": 1})
-    assert load.jit_dir.startswith(os.path.join(tempfile.gettempdir(), f"vitrify-jit-{os.getuid()}"))
+    assert load.jit_dir.startswith(str(tmp_path / "xdg" / "vitrify" / "jit"))
     assert pconfig.from_mapping({"mode": "load", "archive": str(tmp_path / "arch"), "region_bytes": 1,
                          "jit_dir": "~/j"}).jit_dir == os.path.expanduser("~/j")
     off = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": 1,
@@ -625,14 +625,26 @@ def test_save_redirects_the_jit_caches_once_for_every_process(fresh, save_config
     assert plugin.STATE.jit_dirs["triton"] == os.path.join(work, "triton")
 
 
-def test_save_refuses_a_jit_directory_left_by_another_run(fresh, save_config, tmp_path):
+def test_save_refuses_a_jit_directory_that_is_not_its_own(fresh, save_config, tmp_path):
     (tmp_path / "archive.jit-work" / "triton").mkdir(parents=True)
     (tmp_path / "archive.jit-work" / "triton" / "old.cubin").write_bytes(b"old")
     fresh.setenv(plugin.CONFIG_ENV, save_config)
     with pytest.raises(SystemExit) as e:
         plugin.register()
-    assert "is not empty" in _one_line_fatal(e) and "jit_caches = false" in str(e.value)
+    assert "is not empty and not vitrify's" in _one_line_fatal(e)
+    assert "jit_caches = false" in str(e.value)
     assert _our_hooks() == [] and "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_save_clears_what_an_earlier_save_left(fresh, save_config, tmp_path):
+    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    plugin.register()
+    (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
+        fresh.delenv(var)  # a new launch of the same SAVE, e.g. after a crash
+    fresh.setattr(plugin, "STATE", plugin.PluginState())
+    plugin.register()
+    assert os.listdir(tmp_path / "archive.jit-work" / "triton") == []
 
 
 def _archive_with_jit(path, files: dict):
@@ -665,6 +677,7 @@ def test_load_unpacks_the_archives_jit_caches_before_anything_compiles(fresh, tm
 
 
 def test_load_with_a_damaged_jit_cache_is_fatal_and_registers_nothing(fresh, tmp_path):
+    fresh.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
     (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
@@ -679,3 +692,39 @@ def test_load_with_a_damaged_jit_cache_is_fatal_and_registers_nothing(fresh, tmp
     msg = _one_line_fatal(e)
     assert "unpacking the archive's JIT caches" in msg and "checksum mismatch" in msg
     assert _our_hooks() == [] and "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_load_cold_start_compiles_as_usual_when_the_caches_cannot_be_unpacked(fresh, tmp_path):
+    arch = tmp_path / "engine.vitrify"
+    _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
+    (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
+    cfg = _write(tmp_path / "load.toml", f"""
+        mode = "load"
+        archive = "{arch}"
+        region_bytes = "2GiB"
+        on_mismatch = "cold-start"
+        jit_dir = "{tmp_path / 'jit'}"
+        """)
+    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    plugin.register()
+    assert "TRITON_CACHE_DIR" not in os.environ and plugin.STATE.jit_dirs == {}
+    assert _our_hooks()
+
+
+def test_load_refuses_a_jit_parent_others_can_write(fresh, tmp_path):
+    arch = tmp_path / "engine.vitrify"
+    _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin"})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cfg = _write(tmp_path / "load.toml", f"""
+        mode = "load"
+        archive = "{arch}"
+        region_bytes = "2GiB"
+        jit_dir = "{shared / 'jit'}"
+        """)
+    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    assert "writable by no one else" in _one_line_fatal(e)
+    assert not (shared / "jit").exists()

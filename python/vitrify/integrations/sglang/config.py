@@ -25,10 +25,11 @@ key                value                           meaning
                                                    at ``jit_dir`` so the archive gets what the
                                                    engine compiled; LOAD unpacks the archive's
                                                    caches there first (``vitrify.jit``)
-``jit_dir``        path (default: SAVE             where; SAVE's must be empty or absent
-                   ``<archive>.jit-work``; LOAD
-                   ``$TMPDIR/vitrify-jit-<uid>/
-                   <hash of the archive path>``)
+``jit_dir``        path (default: SAVE             where; SAVE's must be empty, absent or an
+                   ``<archive>.jit-work``; LOAD    earlier SAVE's; LOAD's parent must be this
+                   ``$XDG_CACHE_HOME/vitrify/jit/  user's and writable by no one else
+                   <hash of the archive path>``,
+                   ``~/.cache`` without it)
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -43,7 +44,6 @@ import hashlib
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -199,7 +199,8 @@ def _jit_dir(data: Mapping, mode: str, archive: str | None, enabled: bool) -> st
     if mode == "save":
         return archive + ".jit-work"
     digest = hashlib.sha256(archive.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"vitrify-jit-{os.getuid()}", digest)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "vitrify", "jit", digest)
 
 
 def _toml_module():

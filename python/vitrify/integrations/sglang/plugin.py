@@ -337,6 +337,8 @@ def _setup_jit(cfg: Any) -> dict:
     from ... import archive as _archive
     from ... import jit
 
+    if not cfg.jit_caches or cfg.jit_dir is None:
+        return {}
     if os.environ.get(JIT_ROOT_ENV) == cfg.jit_dir:
         return {n: os.environ[v] for n, v in jit.CACHES.items() if v in os.environ}
     try:
@@ -347,6 +349,10 @@ def _setup_jit(cfg: Any) -> dict:
     except (jit.JitCacheError, _archive.ArchiveError, OSError) as e:
         what = "redirecting the JIT caches" if cfg.mode == "save" else \
             "unpacking the archive's JIT caches"
+        if cfg.mode == "load" and cfg.on_mismatch == "cold-start":
+            log.warning("vitrify SGLang plugin: %s failed (%s); on_mismatch = \"cold-start\": "
+                        "the engine compiles as usual", what, e)
+            return {}
         raise fatal(f"{what} ({cfg.jit_dir}): {e} (jit_caches = false turns this off)") from None
     os.environ[JIT_ROOT_ENV] = cfg.jit_dir
     log.info("vitrify SGLang plugin: JIT caches %s %s", "redirected to" if cfg.mode == "save"
