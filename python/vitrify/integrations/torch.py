@@ -88,6 +88,35 @@ def mem_pool(region: Region):
     return pool
 
 
+def capture_pool(region: Region):
+    """A second ``torch.cuda.MemPool`` over ``region``, for graph captures only: the capture's
+    blocks never share torch's free lists with :func:`region_allocations`' pool, so skipping a
+    capture at THAW leaves every other tensor's place inside the region's segments as it was
+    (the SGLang plugin's FREEZE/THAW plan). One per region, kept as long as it."""
+    _region(region)
+    torch = _torch()
+    pool = getattr(region, "_vitrify_capture_pool", None)
+    if pool is None:
+        pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+        region._vitrify_capture_pool = pool
+    return pool
+
+
+def tensor_at(address: int, nbytes: int, device: int = 0):
+    """A ``uint8`` CUDA tensor over ``nbytes`` at ``address`` (device memory it does not own,
+    e.g. region memory that outlives it); ``.view(dtype)`` / ``.as_strided`` shape it."""
+    torch = _torch()
+    address = _check.integer("address", address, 1, _check.U64_MAX)
+    nbytes = _check.integer("nbytes", nbytes, 1, _check.U64_MAX)
+
+    class _Memory:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (address, False), "version": 3}
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Memory(), device=f"cuda:{device}")
+
+
 def pool_id(region: Region):
     """The pool id to pass as ``torch.cuda.graph(g, pool=...)`` so a capture allocates from
     ``region`` (capture inside :func:`activated` or use :func:`graph_capture`)."""
@@ -156,5 +185,6 @@ def graph_capture(region: Region, graph, **kwargs) -> Iterator[Any]:
         yield graph
 
 
-__all__ = ["FREE_SYMBOL", "MALLOC_SYMBOL", "activated", "active_base", "graph_capture",
-           "library_path", "mem_pool", "pluggable_allocator", "pool_id", "region_allocations"]
+__all__ = ["FREE_SYMBOL", "MALLOC_SYMBOL", "activated", "active_base", "capture_pool",
+           "graph_capture", "library_path", "mem_pool", "pluggable_allocator", "pool_id",
+           "region_allocations", "tensor_at"]

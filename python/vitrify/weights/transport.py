@@ -237,14 +237,9 @@ def _release(fd: int | None, buffer: Any, what: str) -> None:
 
 def _device_tensor(ptr: int, nbytes: int, device: int) -> Any:
     """A ``uint8`` torch tensor over ``nbytes`` of device memory at ``ptr`` (not owned)."""
-    import torch
+    from ..integrations import torch as vt
 
-    class _Iface:
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                    "version": 3}
-
-    with torch.cuda.device(device):
-        return torch.as_tensor(_Iface(), device=f"cuda:{device}")
+    return vt.tensor_at(ptr, nbytes, device)
 
 
 def _staging_fd(staging: Any) -> int:

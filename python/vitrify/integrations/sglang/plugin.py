@@ -255,20 +255,41 @@ class Hook:
     scheduler: bool = False
 
 
-def _weights_hook(name: str) -> Callable:
-    """A hook function of ``weights.py``, imported when it runs (that module imports torch)."""
+def _lazy_hook(module: str, name: str) -> Callable:
+    """Hook function ``name`` of this package's ``module`` (``weights``: imports torch;
+    ``freeze``), looked up when the hook runs, so registering imports neither."""
     def hook(*args: Any, **kwargs: Any) -> Any:
-        from . import weights
+        import importlib
 
-        return getattr(weights, name)(*args, **kwargs)
-    hook.__name__ = name
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
+    hook.__name__ = hook.__qualname__ = name
     return hook
+
+
+def _weights_hook(name: str) -> Callable:
+    return _lazy_hook("weights", name)
 
 
 UPDATE_TARGET = ("sglang.srt.model_executor.model_runner_components.weight_updater."
                  "WeightUpdater.update_weights_from_tensor")
 QUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+
+
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+# The scheduler-side FREEZE/THAW (freeze.py's table), in the order they run.
+FREEZE_HOOKS: tuple[tuple[str, str, str], ...] = (
+    (f"{SCHEDULER_MODULE}.Scheduler.init_model_worker", "AROUND", "around_init_model_worker"),
+    (f"{_MR}.load_model", "AROUND", "around_load_model"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+     "_resolve_memory_pool_config", "AROUND", "around_resolve_memory_pool_config"),
+    (f"{_MR}.alloc_memory_pool", "AROUND", "around_alloc_memory_pool"),
+    ("sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph",
+     "AROUND", "around_capture_decode_graph"),
+    ("sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend", "AROUND",
+     "around_resolve_decode_backend"),
+    (f"{SCHEDULER_MODULE}.Scheduler.on_idle", "AFTER", "after_on_idle"),
+)
 
 # Every hook register() hands to SGLang (PLUGIN.md's table lists the ones still to come).
 HOOKS: tuple[Hook, ...] = (
@@ -277,7 +298,8 @@ HOOKS: tuple[Hook, ...] = (
          feature="weights", scheduler=True),
     Hook(QUEUE_TARGET, "AROUND", _weights_hook("around_add_request_to_queue"),
          feature="weights", scheduler=True),
-)
+) + tuple(Hook(target, kind, _lazy_hook("freeze", fn), scheduler=True)
+          for target, kind, fn in FREEZE_HOOKS)
 
 
 def hooks_for(cfg: Any, in_scheduler: bool) -> tuple[Hook, ...]:
@@ -324,6 +346,19 @@ def _check_server_args_fields(version: str) -> None:
     if missing:
         raise fatal(f"ServerArgs of SGLang {version} lacks the field(s) {missing} the plugin "
                     f"reads")
+
+
+def _record_kernels() -> None:
+    """SAVE, scheduler process: record kernel binaries from here on (CUPTI), as early as the
+    plugin runs there — before the model runner initialises CUDA — so the decode graphs'
+    kernels can be frozen (session P6)."""
+    from ... import graph
+
+    try:
+        graph.record_modules()
+    except Exception as e:
+        raise fatal(f"mode 'save' records the kernel binaries of the decode graphs, and CUPTI "
+                    f"could not start: {type(e).__name__}: {e}") from None
 
 
 JIT_ROOT_ENV = "VITRIFY_SGLANG_JIT_ROOT"
@@ -406,6 +441,8 @@ def _register(path: str) -> None:
         _check_server_args_fields(version)
         if cfg.jit_caches:
             STATE.jit_dirs = _setup_jit(cfg)
+        if cfg.mode == "save" and SCHEDULER_MODULE in sys.modules:
+            _record_kernels()
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
     for hook in hooks:

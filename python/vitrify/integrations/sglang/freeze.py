@@ -1,0 +1,503 @@
+"""FREEZE/THAW inside SGLang's scheduler process (PLUGIN.md, "FREEZE/THAW inside the scheduler").
+
+SGLang's ``Scheduler.init_model_worker`` runs the session's phases itself, one call each, so the
+hooks here drive an engine-driven session (``docs/session.md`` P12):
+
+====================================================  ============================================
+hook (AROUND unless said)                              session
+====================================================  ============================================
+``Scheduler.init_model_worker``                        ``start()``; the whole call routed into the
+                                                       region; LOAD: ``finish()`` at its end
+``ModelRunner.load_model``                             ``reached("built")``, ``reached("weights")``
+``KVCacheConfigurator._resolve_memory_pool_config``    SAVE records the pool config, LOAD returns it
+``ModelRunner.alloc_memory_pool``                      ``reached("state")``
+``cuda_graph_setup.capture_decode_graph``              ``reached("warmup")`` before,
+                                                       ``reached("captured")`` after
+``runner_backend.utils.resolve_decode_backend``        SGLang's full-graph backend wrapped
+                                                       (:func:`graph_backend_class`)
+``Scheduler.on_idle`` (AFTER)                          SAVE: ``finish()`` once a request completed
+====================================================  ============================================
+
+The block-placement hazard (PLUGIN.md) is met the way the plan says: captures allocate from a
+torch pool of their own over the region (:func:`vitrify.integrations.torch.capture_pool`), the
+two warm-up forwards of each shape run on both sides, each capture's region segments are
+recorded (:func:`vitrify.region.record_window`) and claimed at LOAD where the capture would have
+run (:func:`vitrify.region.replay_window`), and each graph's outputs are recorded as region
+offsets and rebuilt as views (:func:`describe`, :func:`rebuild`).
+
+Not yet run on a GPU. Only the triton attention backend and SGLang's full decode graphs are
+accepted; anything else is refused at SAVE naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import pkgutil
+import re
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("vitrify.sglang")
+
+ENGINE = "sglang"
+STATE_FORMAT = 1
+ATTENTION_BACKENDS = ("triton",)
+
+
+class FreezeRefused(RuntimeError):
+    """What this SGLang server does cannot be frozen (yet): one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the session adapter
+# ---------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """The session's adapter for an SGLang server (engine-driven: SGLang runs its own phases, so
+    only the fingerprint is needed). ``model`` carries the model path and a digest of every
+    engine-shaping server argument (plugin P8), so an archive of other arguments is refused."""
+
+    def __init__(self, args_fingerprint: dict, sglang_version: str):
+        self.args_fingerprint = dict(args_fingerprint)
+        self.sglang_version = sglang_version
+
+    def fingerprint(self) -> dict:
+        import vitrify
+
+        digest = hashlib.sha256(json.dumps(self.args_fingerprint, sort_keys=True,
+                                           default=str).encode()).hexdigest()[:16]
+        model = str(self.args_fingerprint.get("model_path") or "unknown-model")
+        return {"engine": ENGINE,
+                "engine_version": f"sglang-{self.sglang_version}/vitrify-{vitrify.__version__}",
+                "model": f"{model}#args-{digest}"}
+
+
+def graph_name(shape_key: Any) -> str:
+    """The archive name of the decode graph of ``shape_key`` (SGLang's ``ShapeKey``: size,
+    stream index, variant label): ``decode_bs<size>[_s<stream>][_<label>]``, file-name safe."""
+    size = getattr(shape_key, "size", shape_key)
+    name = f"decode_bs{int(size)}"
+    stream = getattr(shape_key, "stream_idx", None)
+    if stream is not None:
+        name += f"_s{int(stream)}"
+    label = getattr(shape_key, "variant_label", None)
+    if label:
+        name += "_" + re.sub(r"[^A-Za-z0-9_.-]", "-", str(label))
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# KV pool sizing: SAVE's, re-applied at LOAD
+# ---------------------------------------------------------------------------------------------
+
+
+def pool_config_state(config: Any) -> dict:
+    """SGLang's ``MemoryPoolConfig`` (a dataclass) as plain JSON."""
+    if not dataclasses.is_dataclass(config):
+        raise FreezeRefused(f"the KV pool config is a {type(config).__name__}, not a dataclass: "
+                            f"this SGLang is not the one the plugin was written for")
+    state = dataclasses.asdict(config)
+    json.dumps(state)  # plain values only (ints, floats, None)
+    return state
+
+
+def pool_config_from_state(cls: type, state: dict) -> Any:
+    """SAVE's pool config rebuilt as ``cls``; its fields must be exactly the class's (another
+    SGLang's config is refused naming the difference)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(state) != names:
+        raise FreezeRefused(f"the archive's KV pool config has fields {sorted(set(state) - names)} "
+                            f"this SGLang lacks and lacks {sorted(names - set(state))}")
+    return cls(**state)
+
+
+# ---------------------------------------------------------------------------------------------
+# graph outputs: region offsets at SAVE, views at LOAD
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr") and \
+        hasattr(value, "stride")
+
+
+def describe(value: Any, region: Any, path: str = "output") -> Any:
+    """A captured graph's output as plain JSON: tensors as region offset, dtype, shape and
+    stride (a tensor outside the region is refused: it would not exist at LOAD), dataclasses by
+    qualified name and fields, lists, tuples, dicts with string keys, and plain values."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    if _is_tensor(value):
+        ptr = int(value.data_ptr())
+        if value.numel() and not (region.base <= ptr < region.base + region.size):
+            raise FreezeRefused(f"{path}: a tensor at 0x{ptr:x} outside the region "
+                                f"[0x{region.base:x}, +{region.size}): it would not exist at LOAD")
+        return {"t": {"offset": ptr - region.base if value.numel() else 0,
+                      "dtype": str(value.dtype).rpartition(".")[2],
+                      "shape": list(value.shape), "stride": list(value.stride()),
+                      "device": int(value.device.index or 0)}}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        return {"dc": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: describe(getattr(value, f.name), region, f"{path}.{f.name}")
+                           for f in dataclasses.fields(value)}}
+    if isinstance(value, (list, tuple)):
+        return {"seq": type(value).__name__,
+                "items": [describe(v, region, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: describe(v, region, f"{path}[{k!r}]") for k, v in value.items()}}
+    raise FreezeRefused(f"{path}: a {type(value).__module__}.{type(value).__qualname__} in a "
+                        f"graph's output cannot be recorded")
+
+
+def _sglang_class(spec: str) -> type:
+    module, _, qualname = spec.partition(":")
+    if not (module == "sglang" or module.startswith("sglang.")):
+        raise FreezeRefused(f"the archive names output class {spec!r}; only SGLang's are rebuilt")
+    obj = pkgutil.resolve_name(f"{module}:{qualname}")
+    if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)):
+        raise FreezeRefused(f"the archive's output class {spec!r} is not a dataclass here")
+    return obj
+
+
+def rebuild(desc: Any, region: Any, tensor_at: Callable[..., Any],
+            resolve_class: Callable[[str], type] = _sglang_class) -> Any:
+    """The value :func:`describe` recorded, tensors made by ``tensor_at(address, dtype, shape,
+    stride, device)`` over the region's memory."""
+    if not isinstance(desc, dict) or len(desc) not in (1, 2):
+        raise FreezeRefused(f"not a recorded output: {desc!r:.100}")
+    if "v" in desc:
+        return desc["v"]
+    if "t" in desc:
+        t = desc["t"]
+        return tensor_at(region.base + int(t["offset"]), t["dtype"], tuple(t["shape"]),
+                         tuple(t["stride"]), int(t.get("device", 0)))
+    if "dc" in desc:
+        cls = resolve_class(desc["dc"])
+        return cls(**{k: rebuild(v, region, tensor_at, resolve_class)
+                      for k, v in desc["fields"].items()})
+    if "seq" in desc:
+        items = [rebuild(v, region, tensor_at, resolve_class) for v in desc["items"]]
+        return tuple(items) if desc["seq"] == "tuple" else items
+    if "dict" in desc:
+        return {k: rebuild(v, region, tensor_at, resolve_class) for k, v in desc["dict"].items()}
+    raise FreezeRefused(f"not a recorded output: {desc!r:.100}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the process's FREEZE/THAW
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """One scheduler process's FREEZE (mode "save") or THAW (mode "load")."""
+
+    mode: str
+    session: Any
+    region: Any
+    device: int
+    graphs: dict = dataclasses.field(default_factory=dict)  # name -> {"window", "outputs"}
+    pool_config: dict | None = None
+    loaded: Any = None  # LOAD: the rebuilt graphs (vitrify.graph.LoadedGraphs)
+    pending_finish: bool = False  # SAVE: captured; the archive is written at the first idle
+    summary: dict | None = None
+
+    def engine_state(self) -> dict:
+        return {"format": STATE_FORMAT, "pool_config": self.pool_config, "graphs": self.graphs}
+
+    def load_engine_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise FreezeRefused(f"the archive's SGLang state has format "
+                                f"{(state or {}).get('format')!r}, this vitrify reads "
+                                f"{STATE_FORMAT}")
+        self.pool_config = state.get("pool_config")
+        self.graphs = dict(state.get("graphs") or {})
+
+
+RUN: Run | None = None
+
+
+def _plugin():
+    from . import plugin
+
+    return plugin
+
+
+def _fatal(message: str) -> BaseException:
+    return _plugin().fatal(message)
+
+
+def check_supported(args: Any) -> None:
+    """SAVE and LOAD accept the triton attention backend and full decode graphs only (read for
+    the block-placement plan); anything else is refused naming the argument."""
+    problems = []
+    for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        value = getattr(args, field, None)
+        if value is not None and value not in ATTENTION_BACKENDS:
+            problems.append(f"{field}={value!r} (only {list(ATTENTION_BACKENDS)} is frozen yet)")
+    if getattr(args, "attention_backend", None) is None:
+        problems.append("attention_backend unset (pass --attention-backend triton)")
+    if getattr(args, "enable_hierarchical_cache", False):
+        problems.append("enable_hierarchical_cache (its host pool threads allocate outside the "
+                        "region)")
+    if problems:
+        raise FreezeRefused("; ".join(problems))
+
+
+def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Open the session, route the whole start-up into its region, and at LOAD finish it."""
+    global RUN
+    p = _plugin()
+    cfg = p.STATE.config
+    if cfg is None or not cfg.active:
+        return original(scheduler, *args, **kwargs)
+    from ... import archive as _archive
+    from ... import session as _session
+    from .. import torch as vt
+
+    sargs = scheduler.server_args
+    try:
+        fp = p.apply_server_args(sargs, cfg.mode)
+        check_supported(sargs)
+    except FreezeRefused as e:
+        raise _fatal(f"mode {cfg.mode!r}: {e}") from None
+    device = int(getattr(scheduler, "gpu_id", 0) or 0)
+    engine = Engine(fp, p.STATE.sglang_version or "unknown")
+    if cfg.mode == "save":
+        sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
+                                      device=device)
+    else:
+        sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False)
+    try:
+        region = sess.start()
+    except _archive.ArchiveMismatch as e:
+        if cfg.on_mismatch == "cold-start":
+            log.warning("vitrify: the archive does not match this server (%s); starting cold "
+                        "(on_mismatch = \"cold-start\")", e)
+            return original(scheduler, *args, **kwargs)
+        raise _fatal(f"the archive does not match this server: {e} (on_mismatch = "
+                     f"\"cold-start\" starts it cold instead)") from None
+    RUN = run = Run(cfg.mode, sess, region, device)
+    try:
+        if cfg.mode == "load":
+            run.load_engine_state(sess.frozen_state)
+        with vt.region_allocations(region):
+            result = original(scheduler, *args, **kwargs)
+        if "captured" not in region.checkpoints:
+            raise FreezeRefused("the scheduler's start-up ended before its decode graphs were "
+                                "set up (the capture hook never ran)")
+        if cfg.mode == "load":
+            _, run.loaded = sess.finish()
+            run.summary = sess.summary
+            log.info("vitrify: thawed %s in %.2f s (%d graphs)", cfg.archive,
+                     sess.summary["timings"].get("total", 0.0), sess.summary["graphs"])
+        else:
+            run.pending_finish = True
+        return result
+    except BaseException as e:
+        sess.abort()
+        RUN = None
+        if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
+            raise _fatal(f"mode {cfg.mode!r}: {e}") from None
+        raise
+
+
+def _active_run(runner: Any = None) -> Run | None:
+    run = RUN
+    if run is None or run.pending_finish or run.summary is not None:
+        return None
+    if runner is not None and getattr(runner, "is_draft_worker", False):
+        return None
+    return run
+
+
+def around_load_model(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(runner, *args, **kwargs)
+    run = _active_run(runner)
+    if run is not None:
+        run.session.reached("built")  # LOAD: the weights span is restored here
+        run.session.reached("weights")
+    return result
+
+
+def around_resolve_memory_pool_config(original: Callable, configurator: Any, *args: Any,
+                                      **kwargs: Any) -> Any:
+    run = _active_run()
+    if run is None:
+        return original(configurator, *args, **kwargs)
+    if run.mode == "save":
+        config = original(configurator, *args, **kwargs)
+        run.pool_config = pool_config_state(config)
+        return config
+    from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+    if run.pool_config is None:
+        raise _fatal("the archive holds no KV pool config")
+    config = pool_config_from_state(MemoryPoolConfig, run.pool_config)
+    log.info("vitrify: KV pool sized as at SAVE (%d tokens), no memory profiling",
+             config.max_total_num_tokens)
+    return config
+
+
+def around_alloc_memory_pool(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(runner, *args, **kwargs)
+    run = _active_run(runner)
+    if run is not None:
+        run.session.reached("state")
+    return result
+
+
+def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    run = _active_run(kwargs.get("model_runner"))
+    if run is None:
+        return original(*args, **kwargs)
+    run.session.reached("warmup")
+    result = original(*args, **kwargs)
+    run.session.reached("captured")  # LOAD: graph pools restored, graphs waited for
+    return result
+
+
+def around_resolve_decode_backend(original: Callable, cuda_graph_runner: Any, *args: Any,
+                                  **kwargs: Any) -> Any:
+    backend = original(cuda_graph_runner, *args, **kwargs)
+    run = _active_run(getattr(cuda_graph_runner, "model_runner", None))
+    if run is None:
+        return backend
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
+        FullCudaGraphBackend,
+    )
+
+    if type(backend) is not FullCudaGraphBackend:
+        raise _fatal(f"the decode graph backend is {type(backend).__name__}; only SGLang's "
+                     f"FullCudaGraphBackend (--cuda-graph-backend-decode full) is frozen yet")
+    return graph_backend_class()(cuda_graph_runner, enable_memory_saver=False)
+
+
+def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """SAVE: once a request has completed (the server's warm-up request compiled the prefill
+    kernels) and the scheduler is idle, write and commit the archive with the JIT caches."""
+    global RUN
+    run = RUN
+    if run is None or not run.pending_finish or getattr(scheduler, "forward_ct", 0) <= 0:
+        return result
+    p = _plugin()
+    dirs = p.STATE.jit_dirs or {}
+    run.pending_finish = False
+
+    def jit_files(writer: Any) -> None:
+        if dirs:
+            from ... import jit
+
+            jit.pack(writer, dirs)
+
+    try:
+        run.summary = run.session.finish(run.engine_state(), write_extra=jit_files)
+    except BaseException as e:
+        RUN = None
+        raise _fatal(f"writing the archive {p.STATE.config.archive} failed: "
+                     f"{type(e).__name__}: {e}") from None
+    log.info("vitrify: SAVE complete: %s (%d graphs, region %d bytes, %.1f s to write)",
+             run.summary["archive"], run.summary["graphs"], run.summary["checkpoints"]["captured"],
+             sum(v for k, v in run.summary["timings"].items() if k in ("dump_spans",
+                                                                      "save_graphs", "commit")))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# the decode graph backend
+# ---------------------------------------------------------------------------------------------
+
+_BACKEND_CLASS: type | None = None
+
+
+def cuda_tensor_at(address: int, dtype: str, shape: tuple, stride: tuple, device: int) -> Any:
+    """A torch tensor viewing ``address`` (region memory that outlives it)."""
+    import torch
+
+    from .. import torch as vt
+
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    if any(s == 0 for s in shape):
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+    span = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * item
+    raw = vt.tensor_at(address, span, device)
+    return raw.view(getattr(torch, dtype)).as_strided(shape, stride)
+
+
+def graph_backend_class() -> type:
+    """SGLang's ``FullCudaGraphBackend`` with vitrify's capture (SAVE) and replay (LOAD)."""
+    global _BACKEND_CLASS
+    if _BACKEND_CLASS is not None:
+        return _BACKEND_CLASS
+    import contextlib
+
+    import torch
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
+        FullCudaGraphBackend,
+    )
+
+    from ... import region as _region
+    from .. import torch as vt
+
+    class VitrifyGraphBackend(FullCudaGraphBackend):
+        """Captures into vitrify's graph store and the region's capture pool (SAVE), or claims
+        each capture's segments and replays the archive's graphs (LOAD)."""
+
+        @contextlib.contextmanager
+        def capture_session(self, stream):
+            run = RUN
+            self._pool = vt.capture_pool(run.region).id  # never the routed pool (the plan, 1.)
+            with super().capture_session(stream):
+                yield
+
+        def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None):
+            run = RUN
+            # the two warm-up forwards run on both sides: the routed pool sees the same requests
+            for _ in range(2):
+                self._device_module.synchronize()
+                self._tp_group.barrier()
+                forward_fn()
+                if post_warmup_hook is not None:
+                    post_warmup_hook()
+            name = graph_name(shape_key)
+            if run.mode == "save":
+                with _region.record_window(run.region) as window:
+                    with run.session.graphs.capture(name, pool=self._pool,
+                                                    stream=self._capture_stream) as cap:
+                        out = forward_fn()
+                self._graphs[shape_key] = cap.graph
+                self._outputs[shape_key] = out
+                run.graphs[name] = {"window": window[0].to_json(),
+                                    "outputs": describe(out, run.region, name)}
+                return
+            meta = run.graphs.get(name)
+            if meta is None:
+                raise _fatal(f"the archive has no decode graph {name}; SAVE captured "
+                             f"{sorted(run.graphs)[:8]}: the batch sizes differ")
+            _region.replay_window(run.region, _region.AllocationWindow.from_json(meta["window"]),
+                                  f"decode graph {name}")
+            self._graphs[shape_key] = name
+            self._outputs[shape_key] = rebuild(meta["outputs"], run.region, cuda_tensor_at)
+
+        def replay(self, shape_key, static_forward_batch, **kwargs):
+            run = RUN
+            if run is not None and run.mode == "load":
+                run.loaded.replay(self._graphs[shape_key], stream=torch.cuda.current_stream())
+                return self._outputs[shape_key]
+            return super().replay(shape_key, static_forward_batch, **kwargs)
+
+    _BACKEND_CLASS = VitrifyGraphBackend
+    return VitrifyGraphBackend
+
+
+__all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idle",
+           "around_alloc_memory_pool", "around_capture_decode_graph", "around_init_model_worker",
+           "around_load_model", "around_resolve_decode_backend",
+           "around_resolve_memory_pool_config", "check_supported", "cuda_tensor_at", "describe",
+           "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
+           "rebuild"]

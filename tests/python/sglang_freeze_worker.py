@@ -1,0 +1,120 @@
+"""Subprocess worker for tests/python/test_sglang_freeze.py: the scheduler-side hooks of the SGLang
+plugin (freeze.py) driven the way SGLang 0.5.17's ``Scheduler.init_model_worker`` calls them, on
+any driver (the fake one on CPU), without torch allocations or graph capture.
+
+    python sglang_freeze_worker.py save|load TMPDIR [options as JSON]
+
+The stand-in start-up: ``load_model`` allocates 3 "weight" blocks and fills them with bytes
+seeded per process (so LOAD's own bytes differ from SAVE's until the weights span is
+restored), ``_resolve_memory_pool_config`` "profiles" and returns a MemoryPoolConfig,
+``alloc_memory_pool`` allocates a KV block of its size, ``capture_decode_graph`` allocates a
+workspace (decode graphs off: nothing captured). Option ``drift``: LOAD's ``load_model``
+allocates one block more. The last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import types
+
+from worker_result import report
+
+MiB = 1 << 20
+
+
+def main() -> int:
+    mode, tmp = sys.argv[1], sys.argv[2]
+    opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+
+    def run() -> dict:
+        import vitrify.graph
+        import vitrify.integrations.torch as vt
+        from vitrify.integrations.sglang import freeze, plugin
+        from vitrify.integrations.sglang.config import PluginConfig
+
+        # what needs a GPU is replaced: CUPTI, torch routing, SGLang's argument handling
+        vitrify.graph.record_modules = lambda *a, **k: None
+        vt.region_allocations = lambda region: contextlib.nullcontext(region)
+        plugin.apply_server_args = lambda args, mode: {"model_path": "/m/tiny", "page_size": 64}
+        archive = os.path.join(tmp, "engine.vitrify")
+        cfg = PluginConfig(mode=mode, archive=archive, region_bytes=256 * MiB,
+                           jit_dir=os.path.join(tmp, "jit-work") if mode == "save" else
+                           os.path.join(tmp, "xdg", "vitrify", "jit", "x"))
+        plugin.STATE.config, plugin.STATE.sglang_version = cfg, "0.5.17"
+        plugin.STATE.jit_dirs = plugin._setup_jit(cfg)
+        if mode == "save":  # a kernel the engine compiled
+            os.makedirs(os.path.join(plugin.STATE.jit_dirs["triton"], "AB"))
+            with open(os.path.join(plugin.STATE.jit_dirs["triton"], "AB", "k.cubin"), "wb") as f:
+                f.write(b"cubin")
+        from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+        out: dict = {"profiled": False}
+        runner = types.SimpleNamespace(is_draft_worker=False)
+        weights: list[tuple[int, int]] = []
+
+        def load_model(r):
+            region = freeze.RUN.region
+            for i in range(3):
+                p = region.allocate(3 * MiB)
+                region.write(p, hashlib.sha256(f"{os.getpid()}-{i}".encode()).digest() * 1000)
+                weights.append((p, 32000))
+            if opts.get("drift") and mode == "load":
+                region.allocate(2 * MiB)
+
+        def resolve(configurator, pre_model_load_memory):
+            out["profiled"] = True
+            return MemoryPoolConfig(max_total_num_tokens=4096, max_running_requests=8,
+                                    mem_fraction_static=0.5)
+
+        def alloc_memory_pool(r):
+            pool = freeze.around_resolve_memory_pool_config(resolve, object(), 123)
+            out["pool_config"] = [pool.max_total_num_tokens, pool.max_running_requests]
+            freeze.RUN.region.allocate(pool.max_total_num_tokens * 1024)
+
+        def capture_decode_graph(*, model_runner):
+            freeze.RUN.region.allocate(2 * MiB)
+
+        def init_model_worker(sched):
+            freeze.around_load_model(load_model, runner)
+            freeze.around_alloc_memory_pool(alloc_memory_pool, runner)
+            freeze.around_capture_decode_graph(capture_decode_graph, model_runner=runner)
+
+        sched = types.SimpleNamespace(
+            server_args=types.SimpleNamespace(attention_backend="triton",
+                                              decode_attention_backend=None,
+                                              prefill_attention_backend=None,
+                                              enable_hierarchical_cache=False),
+            gpu_id=0, forward_ct=0)
+        try:
+            freeze.around_init_model_worker(init_model_worker, sched)
+        except SystemExit as e:
+            return {"fatal": str(e), "run_cleared": freeze.RUN is None}
+        run = freeze.RUN
+        region = run.region
+        out["weights"] = hashlib.sha256(b"".join(region.read(p, n) for p, n in weights)).hexdigest()
+        if mode == "save":
+            out["archive_after_init"] = os.path.exists(archive)
+            freeze.after_on_idle(None, sched)  # idle, but no request yet
+            out["idle_before_request_wrote"] = os.path.exists(archive)
+            sched.forward_ct = 1
+            freeze.after_on_idle(None, sched)
+            out["summary"] = {k: run.summary[k] for k in ("graphs", "checkpoints")}
+            from vitrify import archive as _archive
+
+            a = _archive.open_archive(archive, checksums=True)
+            out["jit_files"] = sorted(rel[len("jit/"):] for rel in a.files
+                                      if rel.startswith("jit/") and rel != "jit/index.json")
+        else:
+            out["checkpoints"] = region.checkpoints
+            out["triton_cache"] = os.environ.get("TRITON_CACHE_DIR", "")
+        return out
+
+    return report(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

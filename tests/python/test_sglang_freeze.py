@@ -1,0 +1,147 @@
+"""The SGLang plugin's scheduler-side FREEZE/THAW (vitrify/integrations/sglang/freeze.py) on CPU:
+the adapter's fingerprint, graph names, the KV pool config round trip with SGLang's own class,
+graph outputs recorded as region offsets and rebuilt as views (SGLang's LogitsProcessorOutput
+over CPU memory standing in for the region), the refusals, and the whole hook sequence of a
+SAVE and a LOAD (sglang_freeze_worker.py, fresh processes on the fake driver: weights restored,
+the pool sized as at SAVE without profiling, checkpoints equal, the archive written at the first
+idle loop after a request, with the JIT caches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="the pinned SGLang test environment is not installed")
+torch = pytest.importorskip("torch")
+
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
+from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig  # noqa: E402
+from sglang.srt.model_executor.runner.shape_key import ShapeKey  # noqa: E402
+
+from vitrify.integrations.sglang import freeze  # noqa: E402
+
+FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
+WORKER = Path(__file__).with_name("sglang_freeze_worker.py")
+
+
+def test_the_fingerprint_names_the_engine_and_every_shaping_argument():
+    fp = {"model_path": "/m/qwen3-8b", "dtype": "bfloat16", "page_size": 64}
+    a = freeze.Engine(fp, "0.5.17").fingerprint()
+    assert a["engine"] == "sglang" and a["engine_version"].startswith("sglang-0.5.17/vitrify-")
+    assert a["model"].startswith("/m/qwen3-8b#args-")
+    assert freeze.Engine(dict(fp, page_size=32), "0.5.17").fingerprint()["model"] != a["model"]
+    assert freeze.Engine(dict(fp), "0.5.17").fingerprint() == a
+
+
+def test_graph_names_are_file_safe_and_distinct():
+    assert freeze.graph_name(ShapeKey(8)) == "decode_bs8"
+    assert freeze.graph_name(ShapeKey(8, stream_idx=1, variant_label="a/b c")) == "decode_bs8_s1_a-b-c"
+    assert freeze.graph_name(16) == "decode_bs16"
+
+
+def test_the_kv_pool_config_round_trips_through_json_with_sglangs_class():
+    cfg = MemoryPoolConfig(max_total_num_tokens=65536, max_running_requests=48,
+                           mem_fraction_static=0.5)
+    state = json.loads(json.dumps(freeze.pool_config_state(cfg)))
+    assert freeze.pool_config_from_state(MemoryPoolConfig, state) == cfg
+    with pytest.raises(freeze.FreezeRefused, match=r"fields \['extra_pool'\] this SGLang lacks"):
+        freeze.pool_config_from_state(MemoryPoolConfig, dict(state, extra_pool=1))
+    with pytest.raises(freeze.FreezeRefused, match="not a dataclass"):
+        freeze.pool_config_state({"max_total_num_tokens": 1})
+
+
+class _Region:
+    """A CPU buffer standing in for the region (base, size; views by address)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+        self.base, self.size = self.buf.data_ptr(), nbytes
+
+    def tensor(self, offset: int, dtype, shape):
+        n = torch.empty((), dtype=dtype).element_size() * int(torch.tensor(shape).prod())
+        return self.buf[offset:offset + n].view(dtype).view(*shape)
+
+    def tensor_at(self, address, dtype, shape, stride, device):
+        item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        span = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * item
+        off = address - self.base
+        return self.buf[off:off + span].view(getattr(torch, dtype)).as_strided(shape, stride)
+
+
+def test_graph_outputs_come_back_as_views_of_the_same_region_memory():
+    r = _Region(1 << 16)
+    logits = r.tensor(4096, torch.bfloat16, (8, 100))
+    logits.copy_(torch.randn(8, 100))
+    hidden = r.tensor(8192, torch.float32, (8, 16)).t()  # a strided view
+    out = LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden,
+                                customized_info={"k": [1, 2]})
+    desc = json.loads(json.dumps(freeze.describe(out, r)))
+    assert desc["fields"]["next_token_logits"]["t"] == {
+        "offset": 4096, "dtype": "bfloat16", "shape": [8, 100], "stride": [100, 1], "device": 0}
+    back = freeze.rebuild(desc, r, r.tensor_at)
+    assert isinstance(back, LogitsProcessorOutput)
+    assert back.next_token_logits.data_ptr() == logits.data_ptr()
+    assert torch.equal(back.next_token_logits, logits)
+    assert back.hidden_states.stride() == hidden.stride() and torch.equal(back.hidden_states, hidden)
+    assert back.customized_info == {"k": [1, 2]} and back.next_token_logprobs is None
+
+
+def test_outputs_that_cannot_come_back_are_refused_at_freeze_naming_the_field():
+    r = _Region(1 << 12)
+    outside = torch.zeros(4)
+    with pytest.raises(freeze.FreezeRefused, match=r"output.next_token_logits: a tensor at .* "
+                                                   r"outside the region"):
+        freeze.describe(LogitsProcessorOutput(next_token_logits=outside), r)
+    with pytest.raises(freeze.FreezeRefused, match=r"output\[0\]: a builtins.object"):
+        freeze.describe([object()], r)
+    with pytest.raises(freeze.FreezeRefused, match="only SGLang's are rebuilt"):
+        freeze.rebuild({"dc": "os:PathLike", "fields": {}}, r, r.tensor_at)
+
+
+def test_only_what_was_read_for_the_plan_is_accepted():
+    ok = types.SimpleNamespace(attention_backend="triton", decode_attention_backend=None,
+                               prefill_attention_backend=None, enable_hierarchical_cache=False)
+    freeze.check_supported(ok)
+    bad = types.SimpleNamespace(attention_backend="flashinfer", decode_attention_backend="fa3",
+                                prefill_attention_backend=None, enable_hierarchical_cache=True)
+    with pytest.raises(freeze.FreezeRefused) as e:
+        freeze.check_supported(bad)
+    msg = str(e.value)
+    assert "attention_backend='flashinfer'" in msg and "decode_attention_backend='fa3'" in msg
+    assert "enable_hierarchical_cache" in msg
+
+
+def _worker(mode: str, tmp_path: Path, **opts) -> dict:
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE or "", FAKE_CUDA_DEVICES="1",
+               XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    p = subprocess.run([sys.executable, str(WORKER), mode, str(tmp_path), json.dumps(opts)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"{mode} printed no result (rc {p.returncode}):\n{p.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_save_then_load_through_the_hooks(tmp_path):
+    save = _worker("save", tmp_path)
+    assert save["ok"], save.get("traceback")
+    assert save["archive_after_init"] is False  # written at the first idle after a request
+    assert save["idle_before_request_wrote"] is False
+    assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
+    assert save["jit_files"] == ["triton/AB/k.cubin"]
+    load = _worker("load", tmp_path)
+    assert load["ok"], load.get("traceback")
+    assert load["weights"] == save["weights"]  # restored from the archive, not re-initialised
+    assert load["pool_config"] == save["pool_config"] and load["profiled"] is False
+    assert load["checkpoints"] == save["summary"]["checkpoints"]
+    assert load["triton_cache"].startswith(str(tmp_path / "xdg"))
+    drift = _worker("load", tmp_path, drift=True)
+    assert drift["ok"], drift.get("traceback")
+    assert "the region cursor after phase 'built'" in drift["fatal"]
+    assert drift["fatal"].startswith("vitrify SGLang plugin:") and drift["run_cleared"]
