@@ -1,0 +1,330 @@
+"""SGLang FREEZE/THAW through vitrify's plugin in a REAL SGLang 0.5.17 server, end to end.
+
+    python3 benchmarks/sglang_freeze_e2e.py --bundle .whl/sglang-site.tar.xz --shape tiny|8b
+    python3 benchmarks/sglang_freeze_e2e.py --dry-run        # the server command lines only
+
+Three launches of the same server (config-only Qwen3 from the bundle recipe, ``--load-format
+dummy``, ``--skip-tokenizer-init``, triton attention, decode CUDA graphs, prefill graphs off),
+each in its own process group, always stopped:
+
+  plain   no plugin: the reference tokens and SGLang's own start-up figures (on a fresh
+          machine: every Triton and tvm-ffi kernel compiles here)
+  save    ``VITRIFY_SGLANG_CONFIG`` mode "save": the plugin freezes the engine into the
+          archive once the server has served its warm-up request (the log says
+          "SAVE complete"); then the prompts again
+  load    mode "load" from that archive, in a fresh process: the prompts again
+
+For every launch: launch -> ready (``/health`` after SGLang's own warm-up request), the import
+floor (launch -> the scheduler's first engine log line, "Init torch distributed begin"),
+SGLang's start-up figures (``/get_server_info`` ``startup_time``: ``scheduler_e2e``,
+``load_weight``, ``cuda_graph``), the first request's and the steady requests' time to first
+token, and the prompts' output tokens and logprobs (greedy, one request at a time). For LOAD
+also the files the JIT caches gained after the thaw (``vitrify.jit.compiled_since``: 0 means
+no compile after LOAD) and the plugin's own "thawed ... in" line.
+
+Checks: save and load tokens equal the plain launch's for every prompt; load's logprobs equal
+save's bit for bit (same process kind, same kernels); the archive exists and verifies; no
+Traceback in any log; no JIT after LOAD. Writes ``sglang-freeze-e2e-<date>.json``
+(``python/vitrify/bench/resultlib.py``) and the server logs into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import sglang_hicache_e2e as e2e  # noqa: E402  (bundle, model, environment, server, requests)
+
+resultlib = e2e.resultlib
+NAME = "sglang-freeze-e2e"
+SCENARIOS = ("plain", "save", "load")
+IMPORT_FLOOR_LINE = re.compile(r"Init torch distributed begin")
+THAWED_LINE = re.compile(r"vitrify: thawed (\S+) in ([0-9.]+) s")
+SAVE_LINE = re.compile(r"vitrify: SAVE complete")
+GOALS = {"load_scheduler_e2e_s": 3.0, "load_ready_over_import_floor_s": 5.0,
+         "load_first_ttft_over_steady": 1.5}
+GOAL_DIRECTION = {k: "<=" for k in GOALS}
+
+
+@dataclass
+class Settings:
+    shape: str = "tiny"
+    bundle: str = ".whl/sglang-site.tar.xz"
+    site: str = "/tmp/sgsite"
+    out: str = "build/sglang-freeze-e2e"
+    work: str = "/tmp/vitrify-freeze-e2e"
+    python: str = sys.executable
+    port: int = 30041
+    prompts: int = 16
+    min_len: int = 64
+    max_len: int = 512
+    max_new_tokens: int = 16
+    seed: int = 11
+    max_total_tokens: int = 32768
+    cuda_graph_max_bs: int = 16
+    mem_fraction: float = 0.3
+    region_gb: int = 24
+    ready_s: float = 400.0
+    save_s: float = 240.0
+
+    @property
+    def model_dir(self) -> str:
+        return f"/tmp/qwen3-{self.shape}-freeze"
+
+    @property
+    def archive(self) -> str:
+        return os.path.join(self.work, f"{self.shape}.vitrify")
+
+    def hicache(self) -> e2e.Settings:
+        """The HiCache script's settings carrying the shared parts (bundle, site, model)."""
+        return e2e.Settings.for_shape(self.shape, bundle=self.bundle, site=self.site,
+                                      model_dir=self.model_dir, python=self.python,
+                                      max_len=max(self.max_len + self.max_new_tokens, 1024))
+
+
+SHAPE_SETTINGS = {"tiny": {}, "8b": {"region_gb": 48, "mem_fraction": 0.5, "ready_s": 500.0}}
+
+
+def plugin_config(s: Settings, mode: str) -> str:
+    """The plugin's TOML for ``mode`` (written next to the archive)."""
+    path = os.path.join(s.work, f"vitrify-{mode}.toml")
+    Path(path).write_text(f'mode = "{mode}"\narchive = "{s.archive}"\n'
+                          f'region_bytes = "{s.region_gb}GiB"\n'
+                          f'jit_dir = "{os.path.join(s.work, "jit-" + mode)}"\n')
+    return path
+
+
+def server_args(s: Settings, scenario: str) -> list[str]:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
+    return [s.python, "-m", "sglang.launch_server", "--model-path", s.model_dir,
+            "--load-format", "dummy", "--skip-tokenizer-init",
+            "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--cuda-graph-backend-prefill", "disabled",
+            "--cuda-graph-max-bs", str(s.cuda_graph_max_bs),
+            "--mem-fraction-static", str(s.mem_fraction),
+            "--max-total-tokens", str(s.max_total_tokens), "--random-seed", "1",
+            "--port", str(s.port), "--host", "127.0.0.1", "--log-level", "info"]
+
+
+def server_env(s: Settings, scenario: str, probe: bool = True) -> dict:
+    env = e2e.server_env(s.hicache(), "vitrify", probe=probe)
+    env.pop("TVM_FFI_CACHE_DIR", None)  # each launch's own (the plugin's, or SGLang's default)
+    if scenario == "plain":
+        env.pop("VITRIFY_SGLANG_CONFIG", None)
+    else:
+        env["VITRIFY_SGLANG_CONFIG"] = plugin_config(s, scenario)
+    env.pop("VITRIFY_SGLANG_JIT_ROOT", None)
+    return env
+
+
+class LogWatch:
+    """Follows a server log and notes when (monotonic) each pattern first appears."""
+
+    def __init__(self, path: str, patterns: dict[str, re.Pattern]):
+        self.path, self.patterns, self.seen, self._pos = path, patterns, {}, 0
+        self.matches: dict[str, re.Match] = {}
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, errors="replace") as f:
+                f.seek(self._pos)
+                text = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return
+        now = time.monotonic()
+        for line in text.splitlines():
+            for k, pat in self.patterns.items():
+                if k not in self.seen:
+                    m = pat.search(line)
+                    if m:
+                        self.seen[k], self.matches[k] = now, m
+
+
+def server_info(port: int) -> dict:
+    st, text = e2e.http_call(port, "GET", "/get_server_info", timeout=30.0)
+    if st != 200:
+        raise RuntimeError(f"/get_server_info: HTTP {st}: {text[:200]}")
+    return json.loads(text)
+
+
+def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict) -> list[dict]:
+    """One launch: ready, start-up figures, the prompts; stops the server."""
+    log = os.path.join(s.out, f"sglang-{scenario}.log")
+    srv = e2e.Server(server_args(s, scenario), server_env(s, scenario), log)
+    watch = LogWatch(log, {"floor": IMPORT_FLOOR_LINE, "thawed": THAWED_LINE,
+                           "saved": SAVE_LINE})
+    with srv:
+        t0 = time.monotonic()
+        deadline = t0 + s.ready_s
+        while True:
+            watch.poll()
+            st, _ = e2e.http_call(s.port, "GET", "/health", timeout=2.0) if srv.alive() else (0, "")
+            if st == 200:
+                break
+            if not srv.alive():
+                raise RuntimeError(f"the {scenario} server exited before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {scenario} server was not ready after {s.ready_s:.0f} s")
+            time.sleep(0.2)
+        info["ready_s"] = round(time.monotonic() - t0, 2)
+        watch.poll()
+        if "floor" in watch.seen:
+            info["import_floor_s"] = round(watch.seen["floor"] - t0, 2)
+        st = server_info(s.port).get("startup_time") or {}
+        info["startup_time"] = st
+        if scenario == "save":  # the archive is written at the first idle loop after warm-up
+            t = time.monotonic()
+            while "saved" not in watch.seen and time.monotonic() - t < s.save_s:
+                watch.poll()
+                time.sleep(0.5)
+            info["save_wait_s"] = round(time.monotonic() - t, 2)
+            info["saved"] = "saved" in watch.seen
+        if "thawed" in watch.matches:
+            info["thaw_s"] = float(watch.matches["thawed"].group(2))
+        res = [e2e.generate(s.port, p, s.max_new_tokens) for p in prompts]
+        info["first_ttft_ms"] = round(1e3 * res[0]["ttft_s"], 2)
+        info["steady_ttft_ms_median"] = round(1e3 * statistics.median(r["ttft_s"] for r in res[1:]), 2)
+    info["traceback_in_log"] = "Traceback" in Path(log).read_text(errors="replace")
+    return res
+
+
+def jit_after_load(s: Settings) -> dict:
+    """What the LOAD launch's JIT caches gained beyond the archive's (a compile after thaw)."""
+    from vitrify import archive as _archive
+    from vitrify import jit
+
+    a = _archive.open_archive(s.archive)
+    index = jit.read_index(a)
+    root = os.path.join(s.work, "jit-load")
+    dirs = {n: os.path.join(root, n) for n in jit.CACHES if os.path.isdir(os.path.join(root, n))}
+    new = jit.compiled_since(dirs, index)
+    return {"archived": {n: len(c["files"]) for n, c in ((index or {}).get("caches") or {}).items()},
+            "compiled_after_load": {n: len(v) for n, v in new.items()},
+            "examples": {n: v[:5] for n, v in new.items() if v}}
+
+
+def run(s: Settings) -> dict:
+    extra: dict[str, Any] = {}
+    os.makedirs(s.out, exist_ok=True)
+    shutil.rmtree(s.work, ignore_errors=True)
+    os.makedirs(s.work)
+    h = s.hicache()
+    extra["bundle"] = e2e.unpack_bundle(h)
+    extra["vitrify"] = e2e.ensure_vitrify(h)
+    e2e.write_model(h)
+    prompts = e2e.make_prompts(s.seed, s.prompts, s.min_len, s.max_len)
+    scenarios: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {}
+    for sc in SCENARIOS:
+        info: dict[str, Any] = {}
+        scenarios[sc] = info
+        try:
+            results[sc] = launch(s, sc, prompts, info)
+            info["ok"] = not info["traceback_in_log"] and (sc != "save" or info.get("saved"))
+        except Exception as e:
+            info["ok"], info["error"] = False, f"{type(e).__name__}: {e}"
+            info["log_tail"] = e2e.log_tail(os.path.join(s.out, f"sglang-{sc}.log"))
+            if sc == "save":
+                break  # nothing to load
+    checks: dict[str, Any] = {}
+    plain = results.get("plain")
+    for sc in ("save", "load"):
+        if sc in results and plain:
+            checks[f"{sc}.tokens_identical"] = e2e.tokens_identical(results[sc], plain)
+            checks[f"{sc}.prompts_identical"] = sum(
+                a["output_ids"] == b["output_ids"] for a, b in zip(results[sc], plain))
+    if "save" in results and "load" in results:
+        diff = e2e.logprob_diff(results["load"], results["save"])
+        extra["load_logprob_max_abs_diff_vs_save"] = diff
+        checks["load.logprobs_identical_vs_save"] = diff == 0.0
+    if os.path.isdir(s.archive):
+        from vitrify import archive as _archive
+
+        problems = _archive.open_archive(s.archive, checksums=True).verify()
+        checks["archive_verifies"] = not problems
+        extra["archive_bytes"] = sum(f.stat().st_size for f in Path(s.archive).rglob("*")
+                                     if f.is_file())
+    if scenarios.get("load", {}).get("ok"):
+        extra["jit"] = jit_after_load(s)
+        checks["load.no_jit_after_thaw"] = not any(extra["jit"]["compiled_after_load"].values())
+    ratios = {}
+    ld = scenarios.get("load", {})
+    if ld.get("ok"):
+        ratios["load_scheduler_e2e_s"] = (ld.get("startup_time") or {}).get("scheduler_e2e")
+        if ld.get("import_floor_s") is not None:
+            ratios["load_ready_over_import_floor_s"] = ld["ready_s"] - ld["import_floor_s"]
+        ratios["load_first_ttft_over_steady"] = e2e.ratio(ld.get("first_ttft_ms"),
+                                                          ld.get("steady_ttft_ms_median"))
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    rows = [{"scenario": sc, **{k: v for k, v in info.items()
+                                if k in ("ready_s", "import_floor_s", "first_ttft_ms",
+                                         "steady_ttft_ms_median", "thaw_s", "save_wait_s")},
+             "scheduler_e2e_s": (info.get("startup_time") or {}).get("scheduler_e2e")}
+            for sc, info in scenarios.items()]
+    ok = all(info.get("ok") for info in scenarios.values()) and len(scenarios) == 3 and \
+        all(v for v in checks.values() if isinstance(v, bool))
+    return resultlib.result(NAME, rows=rows, ratios=ratios, goals=GOALS,
+                            goal_direction=GOAL_DIRECTION, checks=checks, scenarios=scenarios,
+                            ok=ok, settings={k: getattr(s, k) for k in (
+                                "shape", "prompts", "min_len", "max_len", "max_new_tokens",
+                                "max_total_tokens", "cuda_graph_max_bs", "region_gb")},
+                            **extra)
+
+
+def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPE_SETTINGS), default="tiny")
+    ap.add_argument("--bundle", default=Settings.bundle)
+    ap.add_argument("--out", default=os.environ.get("OUT") or Settings.out)
+    ap.add_argument("--work", default=Settings.work)
+    ap.add_argument("--prompts", type=int, default=Settings.prompts)
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    if a.prompts < 2:
+        ap.error("--prompts must be >= 2 (the first request is timed apart)")
+    s = replace(Settings(**SHAPE_SETTINGS[a.shape]), shape=a.shape, bundle=a.bundle, out=a.out,
+                work=a.work, prompts=a.prompts)
+    return s, a
+
+
+def main(argv=None) -> int:
+    s, a = parse_args(argv)
+    if a.dry_run:
+        os.makedirs(s.work, exist_ok=True)
+        for sc in SCENARIOS:
+            env = server_env(s, sc, probe=False)
+            print(f"# {sc}: VITRIFY_SGLANG_CONFIG={env.get('VITRIFY_SGLANG_CONFIG', '')}")
+            print(" ".join(server_args(s, sc)))
+        return 0
+    s.out, s.bundle = os.path.abspath(s.out), os.path.abspath(s.bundle)
+    res = run(s)
+    path = resultlib.write(res, s.out)
+    resultlib.print_table(res["rows"], ["scenario", "ready_s", "import_floor_s",
+                                        "scheduler_e2e_s", "thaw_s", "first_ttft_ms",
+                                        "steady_ttft_ms_median"])
+    for k, v in sorted(res.get("checks", {}).items()):
+        print(f"  {k}: {v}")
+    for k, v in sorted(res.get("ratios", {}).items()):
+        print(f"  {k}: {v:.3f}")
+    for sc, info in res.get("scenarios", {}).items():
+        print(f"  {sc}: ok={info.get('ok')} {info.get('error', '')}")
+    print(f"ok={res.get('ok')}\nwrote {path}")
+    return 0 if res.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

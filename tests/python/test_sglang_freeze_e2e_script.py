@@ -1,0 +1,87 @@
+"""The CPU pieces of benchmarks/sglang_freeze_e2e.py (the real-server run needs a GPU): the server
+command lines through SGLang's own CLI parser, the plugin configs it writes through the plugin's
+own config loader, the log watch, the arguments and the dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+pytest.importorskip("sglang")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("sglang_freeze_e2e",
+                                               REPO / "benchmarks" / "sglang_freeze_e2e.py")
+fz = importlib.util.module_from_spec(_spec)
+sys.modules["sglang_freeze_e2e"] = fz
+_spec.loader.exec_module(fz)
+
+
+def _parse(cmd):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return p.parse_args(cmd[3:])
+
+
+@pytest.mark.parametrize("scenario", fz.SCENARIOS)
+def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
+    s = fz.Settings(work=str(tmp_path), out=str(tmp_path / "out"))
+    a = _parse(fz.server_args(s, scenario))
+    # what freeze.check_supported accepts, and what the plugin would otherwise force
+    assert a.attention_backend == "triton" and a.cuda_graph_backend_prefill == "disabled"
+    assert a.load_format == "dummy" and a.skip_tokenizer_init and a.random_seed == 1
+    assert not a.enable_hierarchical_cache and a.tp_size == 1
+    env = fz.server_env(s, scenario, probe=False)
+    assert "TVM_FFI_CACHE_DIR" not in env and "VITRIFY_SGLANG_JIT_ROOT" not in env
+    if scenario == "plain":
+        assert "VITRIFY_SGLANG_CONFIG" not in env
+        return
+    from vitrify.integrations.sglang import config
+
+    if scenario == "load":
+        os.makedirs(s.archive)  # LOAD's config needs the archive SAVE wrote
+    cfg = config.load(env["VITRIFY_SGLANG_CONFIG"])
+    assert cfg.mode == scenario and cfg.archive == s.archive and cfg.region_bytes == 24 << 30
+    assert cfg.jit_caches and cfg.jit_dir == os.path.join(str(tmp_path), f"jit-{scenario}")
+
+
+def test_the_8b_shape_gets_a_region_for_its_weights(tmp_path):
+    s, _ = fz.parse_args(["--shape", "8b", "--work", str(tmp_path)])
+    assert s.region_gb >= 40 and s.hicache().model_config["num_hidden_layers"] == 36
+    with pytest.raises(SystemExit):
+        fz.parse_args(["--prompts", "1"])
+
+
+def test_the_log_watch_notes_each_line_once(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("[TP0] Init torch distributed begin.\n")
+    w = fz.LogWatch(str(log), {"floor": fz.IMPORT_FLOOR_LINE, "thawed": fz.THAWED_LINE})
+    w.poll()
+    assert "floor" in w.seen and "thawed" not in w.seen
+    first = w.seen["floor"]
+    with open(log, "a") as f:
+        f.write("x vitrify: thawed /a/tiny.vitrify in 1.25 s (12 graphs)\n"
+                "[TP0] Init torch distributed begin.\n")
+    w.poll()
+    assert w.seen["floor"] == first and w.matches["thawed"].group(2) == "1.25"
+
+
+def test_dry_run_prints_the_three_launches(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
+                        "--dry-run", "--work", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
+        ["# plain", "# save", "# load"]
