@@ -299,10 +299,12 @@ class Region:
         """Unmap and release all memory and the reservation (idempotent). Anything still
         pointing into the region (tensors included) becomes invalid.
 
-        The torch ``MemPool`` of :mod:`vitrify.integrations.torch` for this region (if any) is
-        dropped first, so torch hands its cached segments back before the unmapping."""
-        pool = self.__dict__.pop("_vitrify_torch_pool", None)
-        del pool  # torch's MemPool destructor empties the pool's cache through vitrify_region_free
+        The torch ``MemPool`` objects of :mod:`vitrify.integrations.torch` for this region (the
+        routed pool and the capture pool, if any) are dropped first, so torch hands their cached
+        segments back before the unmapping."""
+        for key in ("_vitrify_torch_pool", "_vitrify_capture_pool"):
+            pool = self.__dict__.pop(key, None)
+            del pool  # torch's MemPool destructor empties its cache through vitrify_region_free
         r = getattr(self, "_r", None)
         if r is not None:
             r.close()

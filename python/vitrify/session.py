@@ -357,9 +357,11 @@ class FreezeSession:
         """Dump the spans, save the graphs and ``engine_state`` (plain JSON, region offsets
         instead of addresses), commit the archive; returns the summary (JSON).
         ``write_extra(writer)`` may add files of its own (e.g. :func:`vitrify.jit.pack`) before
-        the commit. The region stays the engine's (only :meth:`abort` closes it)."""
+        the commit. The region stays the engine's (only :meth:`abort` closes it), also when
+        writing fails: the archive is then not written (P8) and the engine, already built from
+        the region, may go on serving."""
         self._not_finished()
-        summary = self._guard(lambda: self._finish(engine_state, write_extra))
+        summary = self._finish(engine_state, write_extra)
         self._finished = True
         return summary
 

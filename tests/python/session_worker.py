@@ -188,7 +188,8 @@ def driven_misuse(eng: BytesEngine, path: str, opts: dict) -> dict:
         fz2.finish({})
     except session.SessionError as e:
         out["freeze_early_finish"] = str(e)
-    out["early_finish_region_closed"] = fz2.region.closed
+    out["early_finish_region_open"] = not fz2.region.closed  # the engine's until abort()
+    fz2.abort()
     # a late call after a good finish is refused and leaves the engine's region alone
     fz3 = session.FreezeSession(BytesEngine(), path + ".misuse3", region_bytes=64 * MiB,
                                 overwrite=True, record_kernels=False)

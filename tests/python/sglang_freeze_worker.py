@@ -40,6 +40,8 @@ def main() -> int:
         vitrify.graph.record_modules = lambda *a, **k: None
         vt.region_allocations = lambda region: contextlib.nullcontext(region)
         plugin.apply_server_args = lambda args, mode: {"model_path": "/m/tiny", "page_size": 64}
+        # the routed pool's block map needs torch on a GPU: the stand-in's is the cursor
+        freeze.routed_blocks = lambda region: [[0, region.offset, 1]]
         archive = os.path.join(tmp, "engine.vitrify")
         cfg = PluginConfig(mode=mode, archive=archive, region_bytes=256 * MiB,
                            jit_dir=os.path.join(tmp, "jit-work") if mode == "save" else
@@ -88,7 +90,7 @@ def main() -> int:
                                               decode_attention_backend=None,
                                               prefill_attention_backend=None,
                                               enable_hierarchical_cache=False),
-            gpu_id=0, forward_ct=0)
+            ps=types.SimpleNamespace(gpu_id=0), forward_ct=0, is_fully_idle=lambda: True)
         try:
             freeze.around_init_model_worker(init_model_worker, sched)
         except SystemExit as e:

@@ -211,7 +211,7 @@ def test_an_engine_driven_session_refuses_checkpoints_out_of_order(frozen):
     assert "reported checkpoint 'state' but the next one is 'built'" in out["freeze_order"]
     assert out["freeze_region_closed"]
     assert "has not reached ['weights', 'state', 'warmup', 'captured']" in out["freeze_early_finish"]
-    assert out["early_finish_region_closed"]
+    assert out["early_finish_region_open"]
     assert "has finished; the region is the engine's" in out["freeze_late"]
     assert out["late_region_open"]
     assert "start() the session before reporting" in out["thaw_before_start"]

@@ -104,17 +104,46 @@ def test_outputs_that_cannot_come_back_are_refused_at_freeze_naming_the_field():
         freeze.rebuild({"dc": "os:PathLike", "fields": {}}, r, r.tensor_at)
 
 
-def test_only_what_was_read_for_the_plan_is_accepted():
-    ok = types.SimpleNamespace(attention_backend="triton", decode_attention_backend=None,
-                               prefill_attention_backend=None, enable_hierarchical_cache=False)
-    freeze.check_supported(ok)
-    bad = types.SimpleNamespace(attention_backend="flashinfer", decode_attention_backend="fa3",
-                                prefill_attention_backend=None, enable_hierarchical_cache=True)
+def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
+    from sglang.srt.server_args import ServerArgs
+
+    def args(*extra):
+        import argparse
+
+        p = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(p)
+        return p.parse_args(["--model-path", str(tmp_path), "--attention-backend", "triton",
+                             *extra])
+
+    freeze.check_supported(args())
     with pytest.raises(freeze.FreezeRefused) as e:
-        freeze.check_supported(bad)
+        freeze.check_supported(args("--decode-attention-backend", "fa3", "--enable-lora",
+                                    "--enable-torch-compile", "--torchao-config", "int8wo",
+                                    "--enable-hierarchical-cache",
+                                    "--cuda-graph-backend-decode", "breakable"))
     msg = str(e.value)
-    assert "attention_backend='flashinfer'" in msg and "decode_attention_backend='fa3'" in msg
-    assert "enable_hierarchical_cache" in msg
+    for words in ("decode_attention_backend='fa3'", "enable_lora=True", "enable_torch_compile",
+                  "torchao_config='int8wo'", "enable_hierarchical_cache",
+                  "decode graph backend 'breakable'"):
+        assert words in msg, (words, msg)
+    with pytest.raises(freeze.FreezeRefused, match="attention_backend unset"):
+        freeze.check_supported(types.SimpleNamespace(attention_backend=None))
+
+
+def test_a_block_map_that_differs_from_saves_is_refused_naming_the_block():
+    frozen = [[0, 512, 1], [512, 512, 0], [2 << 20, 1024, 1]]
+    freeze._check_blocks(frozen, [list(b) for b in frozen])
+    with pytest.raises(freeze.FreezeRefused, match=r"block 1 is \[512, 512, 1\] .* was "
+                                                   r"\[512, 512, 0\] at SAVE"):
+        freeze._check_blocks(frozen, [[0, 512, 1], [512, 512, 1], [2 << 20, 1024, 1]])
+    with pytest.raises(freeze.FreezeRefused, match=r"block 3 is None .* \(3 vs 4 blocks\)"):
+        freeze._check_blocks(frozen + [[4 << 20, 64, 1]], frozen)
+
+
+def test_the_scheduler_gpu_is_read_where_sglang_keeps_it():
+    assert freeze.scheduler_gpu(types.SimpleNamespace(ps=types.SimpleNamespace(gpu_id=3))) == 3
+    with pytest.raises(freeze.FreezeRefused, match="scheduler.ps.gpu_id"):
+        freeze.scheduler_gpu(types.SimpleNamespace(gpu_id=3))
 
 
 def _worker(mode: str, tmp_path: Path, **opts) -> dict:

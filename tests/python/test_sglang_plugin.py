@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from importlib import metadata
 from pathlib import Path
 
@@ -728,3 +729,16 @@ def test_load_refuses_a_jit_parent_others_can_write(fresh, tmp_path):
         plugin.register()
     assert "writable by no one else" in _one_line_fatal(e)
     assert not (shared / "jit").exists()
+
+
+def test_config_save_refuses_an_existing_archive(tmp_path):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(PluginConfigError, match="exists \\(mode 'save' writes a new archive"):
+        pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "a"), "region_bytes": 1})
+
+
+def test_the_launcher_is_not_a_scheduler_even_with_the_scheduler_imported(monkeypatch):
+    # sglang.Engine imports the scheduler module in the launcher; only a child process that
+    # loads plugins is a scheduler
+    monkeypatch.setitem(sys.modules, plugin.SCHEDULER_MODULE, types.ModuleType("stub"))
+    assert plugin._in_scheduler() is False

@@ -143,6 +143,9 @@ def _archive_path(data: Mapping, mode: str) -> str | None:
         raise PluginConfigError(f"config key 'archive': {path!r} {what} (mode 'load' reads an "
                                 f"archive directory written by mode 'save')")
     if mode == "save":
+        if os.path.lexists(path):
+            raise PluginConfigError(f"config key 'archive': {path!r} exists (mode 'save' writes "
+                                    f"a new archive: remove it or choose another path)")
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise PluginConfigError(f"config key 'archive': the parent directory {parent!r} does "

@@ -203,12 +203,14 @@ class Run:
     device: int
     graphs: dict = dataclasses.field(default_factory=dict)  # name -> {"window", "outputs"}
     pool_config: dict | None = None
+    routed: list | None = None  # the routed pool's blocks at "captured" (routed_blocks)
     loaded: Any = None  # LOAD: the rebuilt graphs (vitrify.graph.LoadedGraphs)
     pending_finish: bool = False  # SAVE: captured; the archive is written at the first idle
     summary: dict | None = None
 
     def engine_state(self) -> dict:
-        return {"format": STATE_FORMAT, "pool_config": self.pool_config, "graphs": self.graphs}
+        return {"format": STATE_FORMAT, "pool_config": self.pool_config, "graphs": self.graphs,
+                "routed_blocks": self.routed}
 
     def load_engine_state(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -217,6 +219,9 @@ class Run:
                                 f"{STATE_FORMAT}")
         self.pool_config = state.get("pool_config")
         self.graphs = dict(state.get("graphs") or {})
+        self.routed = state.get("routed_blocks")
+        if not isinstance(self.routed, list):
+            raise FreezeRefused("the archive's SGLang state has no routed block map")
 
 
 RUN: Run | None = None
@@ -232,9 +237,33 @@ def _fatal(message: str) -> BaseException:
     return _plugin().fatal(message)
 
 
+# (field, why) refused when set (truthy): each breaks "the same objects in the same order" or
+# changes the weights after the span SAVE dumps is restored at LOAD
+_UNSUPPORTED = (
+    ("enable_hierarchical_cache", "its host pool threads allocate outside the region"),
+    ("enable_torch_compile", "what a JIT allocates depends on its caches (session P11)"),
+    ("torchao_config", "it transforms the weights after loading, and LOAD restores them "
+                       "transformed"),
+    ("enable_lora", "adapters change the weights after loading"),
+    ("enable_profile_cuda_graph", "the torch profiler is a second CUPTI subscriber"),
+    ("enable_two_batch_overlap", "not read for the plan yet"),
+    ("enable_pdmux", "not read for the plan yet"),
+)
+DECODE_BACKENDS = ("full", "disabled")
+
+
+def _decode_backend(args: Any) -> str:
+    cfg = getattr(args, "cuda_graph_config", None)
+    value = getattr(getattr(cfg, "decode", None), "backend", None)
+    if value is None:
+        value = getattr(args, "cuda_graph_backend_decode", None) or "full"
+    return str(getattr(value, "value", value))
+
+
 def check_supported(args: Any) -> None:
-    """SAVE and LOAD accept the triton attention backend and full decode graphs only (read for
-    the block-placement plan); anything else is refused naming the argument."""
+    """SAVE and LOAD accept the triton attention backend and full (or no) decode graphs only
+    (what the block-placement plan was read for); anything else is refused, all named at
+    once, before the region exists."""
     problems = []
     for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = getattr(args, field, None)
@@ -242,9 +271,12 @@ def check_supported(args: Any) -> None:
             problems.append(f"{field}={value!r} (only {list(ATTENTION_BACKENDS)} is frozen yet)")
     if getattr(args, "attention_backend", None) is None:
         problems.append("attention_backend unset (pass --attention-backend triton)")
-    if getattr(args, "enable_hierarchical_cache", False):
-        problems.append("enable_hierarchical_cache (its host pool threads allocate outside the "
-                        "region)")
+    backend = _decode_backend(args)
+    if backend not in DECODE_BACKENDS:
+        problems.append(f"decode graph backend {backend!r} (only {list(DECODE_BACKENDS)})")
+    for field, why in _UNSUPPORTED:
+        if getattr(args, field, None):
+            problems.append(f"{field}={getattr(args, field)!r} ({why})")
     if problems:
         raise FreezeRefused("; ".join(problems))
 
@@ -266,7 +298,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         check_supported(sargs)
     except FreezeRefused as e:
         raise _fatal(f"mode {cfg.mode!r}: {e}") from None
-    device = int(getattr(scheduler, "gpu_id", 0) or 0)
+    device = scheduler_gpu(scheduler)
     engine = Engine(fp, p.STATE.sglang_version or "unknown")
     if cfg.mode == "save":
         sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
@@ -282,6 +314,10 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
             return original(scheduler, *args, **kwargs)
         raise _fatal(f"the archive does not match this server: {e} (on_mismatch = "
                      f"\"cold-start\" starts it cold instead)") from None
+    except (_archive.ArchiveError, _session.SessionError, OSError, MemoryError,
+            RuntimeError, ValueError) as e:
+        raise _fatal(f"mode {cfg.mode!r}: opening the session failed: {type(e).__name__}: "
+                     f"{e}") from None
     RUN = run = Run(cfg.mode, sess, region, device)
     try:
         if cfg.mode == "load":
@@ -305,6 +341,55 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
             raise _fatal(f"mode {cfg.mode!r}: {e}") from None
         raise
+
+
+def scheduler_gpu(scheduler: Any) -> int:
+    """The GPU of a scheduler process: SGLang 0.5.17 keeps it in ``scheduler.ps.gpu_id``."""
+    ps = getattr(scheduler, "ps", None)
+    gpu = getattr(ps, "gpu_id", None)
+    if gpu is None:
+        raise FreezeRefused("cannot tell this scheduler's GPU (no scheduler.ps.gpu_id): this is "
+                            "not the SGLang the plugin was written for")
+    return int(gpu)
+
+
+def routed_blocks(region: Any) -> list[list[int]]:
+    """The routed pool's block map (region offset, size, allocated 0/1) of every block in its
+    segments, ascending: what FREEZE and THAW must agree on where a capture was skipped (the
+    block-placement hazard; the region's own checkpoints see only segments)."""
+    import torch
+
+    from .. import torch as vt
+
+    pool = vt.mem_pool(region)
+    if hasattr(pool, "snapshot"):
+        segments = pool.snapshot()
+        if isinstance(segments, dict):
+            segments = segments.get("segments", [])
+    else:  # older torch: the process snapshot, this pool's segments
+        segments = [seg for seg in torch.cuda.memory.memory_snapshot()
+                    if tuple(seg.get("segment_pool_id", ())) == tuple(pool.id)]
+    out = []
+    for seg in sorted(segments, key=lambda sg: sg["address"]):
+        addr = int(seg["address"])
+        for b in seg["blocks"]:
+            out.append([addr - region.base, int(b["size"]),
+                        int(b["state"] == "active_allocated")])
+            addr += int(b["size"])
+    return out
+
+
+def _check_blocks(frozen: list, here: list) -> None:
+    if frozen == here:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(frozen, here)) if a != b),
+                 min(len(frozen), len(here)))
+    f = frozen[first] if first < len(frozen) else None
+    h = here[first] if first < len(here) else None
+    raise FreezeRefused(f"the decode graphs' tensors are not where SAVE put them: the routed "
+                        f"pool's block {first} is {h} (offset, size, allocated) here but was {f} "
+                        f"at SAVE ({len(here)} vs {len(frozen)} blocks); refusing to replay "
+                        f"graphs that would read other addresses")
 
 
 def _active_run(runner: Any = None) -> Run | None:
@@ -358,6 +443,14 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
         return original(*args, **kwargs)
     run.session.reached("warmup")
     result = original(*args, **kwargs)
+    try:
+        blocks = routed_blocks(run.region)
+        if run.mode == "save":
+            run.routed = blocks
+        else:
+            _check_blocks(run.routed, blocks)
+    except FreezeRefused as e:
+        raise _fatal(str(e)) from None
     run.session.reached("captured")  # LOAD: graph pools restored, graphs waited for
     return result
 
@@ -385,6 +478,9 @@ def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
     run = RUN
     if run is None or not run.pending_finish or getattr(scheduler, "forward_ct", 0) <= 0:
         return result
+    idle = getattr(scheduler, "is_fully_idle", None)
+    if idle is not None and not idle():
+        return result  # requests still queued or running: the next idle loop
     p = _plugin()
     dirs = p.STATE.jit_dirs or {}
     run.pending_finish = False
@@ -397,10 +493,12 @@ def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
 
     try:
         run.summary = run.session.finish(run.engine_state(), write_extra=jit_files)
-    except BaseException as e:
-        RUN = None
-        raise _fatal(f"writing the archive {p.STATE.config.archive} failed: "
-                     f"{type(e).__name__}: {e}") from None
+    except Exception as e:
+        # the engine is built and serving from the region: it keeps serving, without an archive
+        log.error("vitrify: SAVE failed, no archive was written (%s: %s); the server keeps "
+                  "serving", type(e).__name__, e)
+        run.summary = {"error": f"{type(e).__name__}: {e}"}
+        return result
     log.info("vitrify: SAVE complete: %s (%d graphs, region %d bytes, %.1f s to write)",
              run.summary["archive"], run.summary["graphs"], run.summary["checkpoints"]["captured"],
              sum(v for k, v in run.summary["timings"].items() if k in ("dump_spans",
@@ -465,8 +563,20 @@ def graph_backend_class() -> type:
                 if post_warmup_hook is not None:
                     post_warmup_hook()
             name = graph_name(shape_key)
+            try:  # SGLang's capture rewrites a RuntimeError into advice that does not apply
+                self._capture_or_claim(run, shape_key, name, forward_fn)
+            except SystemExit:
+                raise
+            except Exception as e:
+                raise _fatal(f"decode graph {name}: {type(e).__name__}: {e}") from None
+
+        def _capture_or_claim(self, run, shape_key, name, forward_fn):
             if run.mode == "save":
-                with _region.record_window(run.region) as window:
+                # Everything the capture allocates, also outside the capturing stream (torch
+                # registers the RNG state of a process's first graph), goes to the capture
+                # pool and into the recorded window, never to the routed pool (the plan, 1.).
+                with _region.record_window(run.region) as window, \
+                        torch.cuda.use_mem_pool(vt.capture_pool(run.region)):
                     with run.session.graphs.capture(name, pool=self._pool,
                                                     stream=self._capture_stream) as cap:
                         out = forward_fn()
@@ -477,8 +587,8 @@ def graph_backend_class() -> type:
                 return
             meta = run.graphs.get(name)
             if meta is None:
-                raise _fatal(f"the archive has no decode graph {name}; SAVE captured "
-                             f"{sorted(run.graphs)[:8]}: the batch sizes differ")
+                raise FreezeRefused(f"the archive has no decode graph {name}; SAVE captured "
+                                    f"{sorted(run.graphs)[:8]}: the batch sizes differ")
             _region.replay_window(run.region, _region.AllocationWindow.from_json(meta["window"]),
                                   f"decode graph {name}")
             self._graphs[shape_key] = name

@@ -348,6 +348,16 @@ def _check_server_args_fields(version: str) -> None:
                     f"reads")
 
 
+def _in_scheduler() -> bool:
+    """Whether this process is one of SGLang's scheduler processes: a child process (the
+    launcher is the parent; the detokenizer and the DP controller never load plugins) that has
+    imported the scheduler module. The module alone is not enough: ``sglang.Engine`` imports it
+    in the launcher too."""
+    import multiprocessing
+
+    return SCHEDULER_MODULE in sys.modules and multiprocessing.parent_process() is not None
+
+
 def _record_kernels() -> None:
     """SAVE, scheduler process: record kernel binaries from here on (CUPTI), as early as the
     plugin runs there — before the model runner initialises CUDA — so the decode graphs'
@@ -428,7 +438,10 @@ def _register(path: str) -> None:
     version = _sglang_version()
     registry = _resolve(_REGISTRY_TARGET, version)
     hook_type = _resolve(_HOOK_TYPE_TARGET, version)
-    hooks = hooks_for(cfg, SCHEDULER_MODULE in sys.modules)
+    in_scheduler = _in_scheduler()
+    if cfg.mode == "save" and in_scheduler:
+        _record_kernels()  # first: resolving the targets imports the model runner
+    hooks = hooks_for(cfg, in_scheduler)
     for hook in hooks:
         _resolve(hook.target, version)
         if hook.kind not in hook_type.__members__:
@@ -441,8 +454,6 @@ def _register(path: str) -> None:
         _check_server_args_fields(version)
         if cfg.jit_caches:
             STATE.jit_dirs = _setup_jit(cfg)
-        if cfg.mode == "save" and SCHEDULER_MODULE in sys.modules:
-            _record_kernels()
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
     for hook in hooks:
