@@ -707,6 +707,32 @@ LONG_PROMPT = 12000
 LONG_GOALS = {"miss_over_l3_restart": 2.0}
 
 
+# name, measure (ttft or latency, medians), numerator (scenario, pass), denominator
+RATIOS: tuple[tuple[str, str, tuple[str, str], tuple[str, str]], ...] = (
+    ("l3_hit_ttft_file_over_vitrify", "ttft", ("file", "l3_hit"), ("vitrify", "l3_hit")),
+    ("l3_hit_latency_file_over_vitrify", "latency", ("file", "l3_hit"), ("vitrify", "l3_hit")),
+    ("vitrify_ttft_miss_over_l3_hit", "ttft", ("vitrify", "miss"), ("vitrify", "l3_hit")),
+    ("file_ttft_miss_over_l3_hit", "ttft", ("file", "miss"), ("file", "l3_hit")),
+    ("l3_restart_over_l3_hit", "ttft", ("vitrify_restart", "l3_restart"), ("vitrify", "l3_hit")),
+    # the host tier's goals: after a restart near a prefix on the GPU, and well ahead of the
+    # file backend reading from the page cache
+    ("l3_restart_over_device_hit", "ttft", ("vitrify_restart", "l3_restart"),
+     ("vitrify", "device_hit")),
+    ("file_cached_over_vitrify_restart", "ttft", ("file", "l3_hit_cached"),
+     ("vitrify_restart", "l3_restart")),
+    # long prompts: a restart's hit against recomputing the prefix
+    ("miss_over_l3_restart", "ttft", ("vitrify", "miss"), ("vitrify_restart", "l3_restart")),
+    # the floor of any storage hit in SGLang: its own host pool -> GPU (the l2_hit pass), over a
+    # prefix on the GPU; and what the host tier adds on top of it
+    ("l2_hit_over_device_hit", "ttft", ("vitrify_restart", "l2_hit"), ("vitrify", "device_hit")),
+    ("l3_restart_over_l2_hit", "ttft", ("vitrify_restart", "l3_restart"),
+     ("vitrify_restart", "l2_hit")),
+    # the same prompt as each process's first L3 hit: the restart's over the first launch's
+    ("restart_first_request_over_first_l3_hit", "ttft",
+     ("vitrify_restart", "restart_first_request"), ("vitrify", "l3_first_hit")),
+)
+
+
 def goals_for(s: Settings) -> tuple[dict, dict]:
     """The goals of a run with these settings, and the ones met from below (``<=``)."""
     goals, direction = dict(GOALS), dict(GOAL_DIRECTION)
@@ -729,39 +755,8 @@ def assemble(s: Settings, rows: list[dict], checks: dict, scenarios: dict,
         return r[key] if r else None
 
     # medians over the prompts (one slow request does not decide a ratio)
-    ratios = {
-        "l3_hit_ttft_file_over_vitrify": ratio(val("file", "l3_hit", "ttft_ms_median"),
-                                            val("vitrify", "l3_hit", "ttft_ms_median")),
-        "l3_hit_latency_file_over_vitrify": ratio(val("file", "l3_hit", "latency_ms_median"),
-                                               val("vitrify", "l3_hit", "latency_ms_median")),
-        "vitrify_ttft_miss_over_l3_hit": ratio(val("vitrify", "miss", "ttft_ms_median"),
-                                            val("vitrify", "l3_hit", "ttft_ms_median")),
-        "file_ttft_miss_over_l3_hit": ratio(val("file", "miss", "ttft_ms_median"),
-                                            val("file", "l3_hit", "ttft_ms_median")),
-        "l3_restart_over_l3_hit": ratio(val("vitrify_restart", "l3_restart", "ttft_ms_median"),
-                                        val("vitrify", "l3_hit", "ttft_ms_median")),
-        # the host tier's goals: after a restart near a prefix on the GPU, and well ahead of
-        # the file backend reading from the page cache
-        "l3_restart_over_device_hit": ratio(
-            val("vitrify_restart", "l3_restart", "ttft_ms_median"),
-            val("vitrify", "device_hit", "ttft_ms_median")),
-        "file_cached_over_vitrify_restart": ratio(
-            val("file", "l3_hit_cached", "ttft_ms_median"),
-            val("vitrify_restart", "l3_restart", "ttft_ms_median")),
-        # long prompts: a restart's hit against recomputing the prefix
-        "miss_over_l3_restart": ratio(val("vitrify", "miss", "ttft_ms_median"),
-                                      val("vitrify_restart", "l3_restart", "ttft_ms_median")),
-        # the floor of any storage hit in SGLang: its own host pool -> GPU (the l2_hit pass),
-        # over a prefix on the GPU; and what the host tier adds on top of it
-        "l2_hit_over_device_hit": ratio(val("vitrify_restart", "l2_hit", "ttft_ms_median"),
-                                        val("vitrify", "device_hit", "ttft_ms_median")),
-        "l3_restart_over_l2_hit": ratio(val("vitrify_restart", "l3_restart", "ttft_ms_median"),
-                                        val("vitrify_restart", "l2_hit", "ttft_ms_median")),
-        # the same prompt as each process's first L3 hit: the restart's over the first launch's
-        "restart_first_request_over_first_l3_hit": ratio(
-            val("vitrify_restart", "restart_first_request", "ttft_ms_median"),
-            val("vitrify", "l3_first_hit", "ttft_ms_median")),
-    }
+    ratios = {name: ratio(val(*num, f"{key}_ms_median"), val(*den, f"{key}_ms_median"))
+              for name, key, num, den in RATIOS}
     if not scenarios.get("vitrify_restart", {}).get("l2_all_from_host"):
         # the l2_hit pass did not come from the host pool alone: no floor to compare with
         ratios["l2_hit_over_device_hit"] = ratios["l3_restart_over_l2_hit"] = None

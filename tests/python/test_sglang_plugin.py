@@ -660,15 +660,18 @@ def _archive_with_jit(path, files: dict):
         jit.pack(w, {"triton": str(root / "triton"), "tvm-ffi": str(root / "tvm-ffi")})
 
 
+def _load_config(tmp_path, arch, **extra) -> str:
+    """A LOAD config for ``arch`` with ``extra`` keys (TOML values as Python literals)."""
+    lines = [f'mode = "load"', f'archive = "{arch}"', 'region_bytes = "2GiB"']
+    lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
+    (tmp_path / "load.toml").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "load.toml")
+
+
 def test_load_unpacks_the_archives_jit_caches_before_anything_compiles(fresh, tmp_path):
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin", "tvm-ffi/m_1/m_1.so": b"so"})
-    cfg = _write(tmp_path / "load.toml", f"""
-        mode = "load"
-        archive = "{arch}"
-        region_bytes = "2GiB"
-        jit_dir = "{tmp_path / 'jit'}"
-        """)
+    cfg = _load_config(tmp_path, arch, jit_dir=str(tmp_path / "jit"))
     fresh.setenv(plugin.CONFIG_ENV, cfg)
     plugin.register()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "jit" / "triton")
@@ -682,11 +685,7 @@ def test_load_with_a_damaged_jit_cache_is_fatal_and_registers_nothing(fresh, tmp
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
     (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
-    cfg = _write(tmp_path / "load.toml", f"""
-        mode = "load"
-        archive = "{arch}"
-        region_bytes = "2GiB"
-        """)
+    cfg = _load_config(tmp_path, arch)
     fresh.setenv(plugin.CONFIG_ENV, cfg)
     with pytest.raises(SystemExit) as e:
         plugin.register()
@@ -699,13 +698,7 @@ def test_load_cold_start_compiles_as_usual_when_the_caches_cannot_be_unpacked(fr
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
     (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
-    cfg = _write(tmp_path / "load.toml", f"""
-        mode = "load"
-        archive = "{arch}"
-        region_bytes = "2GiB"
-        on_mismatch = "cold-start"
-        jit_dir = "{tmp_path / 'jit'}"
-        """)
+    cfg = _load_config(tmp_path, arch, on_mismatch="cold-start", jit_dir=str(tmp_path / "jit"))
     fresh.setenv(plugin.CONFIG_ENV, cfg)
     plugin.register()
     assert "TRITON_CACHE_DIR" not in os.environ and plugin.STATE.jit_dirs == {}
@@ -718,12 +711,7 @@ def test_load_refuses_a_jit_parent_others_can_write(fresh, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    cfg = _write(tmp_path / "load.toml", f"""
-        mode = "load"
-        archive = "{arch}"
-        region_bytes = "2GiB"
-        jit_dir = "{shared / 'jit'}"
-        """)
+    cfg = _load_config(tmp_path, arch, jit_dir=str(shared / "jit"))
     fresh.setenv(plugin.CONFIG_ENV, cfg)
     with pytest.raises(SystemExit) as e:
         plugin.register()

@@ -77,15 +77,20 @@ def pluggable_allocator():
         return _allocator
 
 
-def mem_pool(region: Region):
-    """The ``torch.cuda.MemPool`` backed by ``region`` (one per region, kept as long as it)."""
+def _region_pool(region: Region, attr: str):
+    """The ``torch.cuda.MemPool`` over ``region`` kept as ``region.<attr>`` (made once)."""
     _region(region)
     torch = _torch()
-    pool = getattr(region, "_vitrify_torch_pool", None)
+    pool = getattr(region, attr, None)
     if pool is None:
         pool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        region._vitrify_torch_pool = pool
+        setattr(region, attr, pool)
     return pool
+
+
+def mem_pool(region: Region):
+    """The ``torch.cuda.MemPool`` backed by ``region`` (one per region, kept as long as it)."""
+    return _region_pool(region, "_vitrify_torch_pool")
 
 
 def capture_pool(region: Region):
@@ -93,13 +98,7 @@ def capture_pool(region: Region):
     blocks never share torch's free lists with :func:`region_allocations`' pool, so skipping a
     capture at THAW leaves every other tensor's place inside the region's segments as it was
     (the SGLang plugin's FREEZE/THAW plan). One per region, kept as long as it."""
-    _region(region)
-    torch = _torch()
-    pool = getattr(region, "_vitrify_capture_pool", None)
-    if pool is None:
-        pool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        region._vitrify_capture_pool = pool
-    return pool
+    return _region_pool(region, "_vitrify_capture_pool")
 
 
 def tensor_at(address: int, nbytes: int, device: int = 0):
