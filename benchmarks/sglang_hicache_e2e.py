@@ -850,14 +850,16 @@ class Run:
     def needed_pages(self, prompts) -> int:
         return sum(prefix_pages(len(p), self.s.page_tokens) for p in prompts)
 
-    def fillers(self) -> Optional[list[list[int]]]:
+    def fillers(self, device_tokens: Optional[int] = None) -> Optional[list[list[int]]]:
         """Prompts of the run's lengths, other tokens, 1.1 x the device pool in all: run after
         the prompts, they push every prompt's KV off the GPU (into SGLang's host pool, which
-        write_through filled). None when the prompts and fillers would not fit in the host pool
-        (hicache_ratio x the device pool) with 10 % to spare."""
+        write_through filled). ``device_tokens``: the pool the server really has (SGLang may
+        size it below ``--max-total-tokens``). None when the prompts and fillers would not fit
+        in the host pool (hicache_ratio x the device pool) with 10 % to spare."""
         s = self.s
-        need = int(1.1 * s.max_total_tokens)
-        if sum(map(len, self.prompts)) + need + s.max_len > 0.9 * s.hicache_ratio * s.max_total_tokens:
+        pool = device_tokens or s.max_total_tokens
+        need = int(1.1 * pool)
+        if sum(map(len, self.prompts)) + need + s.max_len > 0.9 * s.hicache_ratio * pool:
             return None
         rng = random.Random(s.seed + 2000)
         out: list[list[int]] = []
@@ -871,7 +873,15 @@ class Run:
         passes through that pool, so this is the floor of a storage hit's TTFT in SGLang. The
         fillers' pages reach storage before the pass is timed."""
         s = self.s
-        fill = self.fillers()
+        device_tokens = None
+        try:  # the pool SGLang really sized (min of --max-total-tokens and what memory allows)
+            st, text = http_call(port, "GET", "/get_server_info")
+            if st == 200:
+                device_tokens = int(json.loads(text).get("max_total_num_tokens") or 0) or None
+        except (OSError, ValueError):
+            pass
+        info["l2_device_tokens"] = device_tokens
+        fill = self.fillers(device_tokens)
         if fill is None:
             info["l2_skipped"] = "the prompts and fillers do not fit in the host pool"
             return

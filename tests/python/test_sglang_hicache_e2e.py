@@ -478,6 +478,8 @@ class H(http.server.BaseHTTPRequestHandler):
     def _send(self, code, text=""):
         self.send_response(code); self.end_headers(); self.wfile.write(text.encode())
     def do_GET(self):
+        if self.path == "/get_server_info":
+            return self._send(200, json.dumps({"max_total_num_tokens": a.max_total_tokens}))
         self._send(200 if self.path == "/health" else 404)
     def do_POST(self):
         n = int(self.headers.get("Content-Length") or 0)
@@ -575,6 +577,7 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
     assert "restart_first_request_over_first_l3_hit" in res["ratios"]
     restart = res["scenarios"]["vitrify_restart"]
     assert restart["l2_all_from_host"] is True, restart
+    assert restart["l2_device_tokens"] == 4096  # read from the server, not the setting
     assert restart["l2_fillers"]["tokens"] >= 1.1 * 4096 and "write_wait_s" in restart["l2_fillers"]
     assert res["checks"]["vitrify_restart.l2_tokens_identical"] is True
     assert {"l2_hit_over_device_hit", "l3_restart_over_l2_hit", "miss_over_l3_restart"} <= \
