@@ -140,6 +140,25 @@ def test_a_block_map_that_differs_from_saves_is_refused_naming_the_block():
         freeze._check_blocks(frozen + [[4 << 20, 64, 1]], frozen)
 
 
+def test_the_routed_block_map_is_read_from_torchs_pool_snapshot(monkeypatch):
+    from vitrify.integrations import torch as vt
+
+    base = 0x7F0000000000
+    snap = [{"address": base + (2 << 20), "total_size": 1 << 20, "blocks": [
+                {"address": base + (2 << 20), "size": 512, "state": "active_allocated"},
+                {"address": base + (2 << 20) + 512, "size": (1 << 20) - 512, "state": "inactive"}]},
+            {"address": base, "total_size": 2 << 20, "blocks": [
+                {"size": 4096, "state": "active_awaiting_free"},
+                {"size": (2 << 20) - 4096, "state": "active_allocated"}]}]
+    pool = types.SimpleNamespace(snapshot=lambda: snap, id=(1, 2))
+    monkeypatch.setattr(vt, "mem_pool", lambda region: pool)
+    region = types.SimpleNamespace(base=base, size=1 << 30)
+    assert freeze.routed_blocks(region) == [[0, 4096, 1], [4096, (2 << 20) - 4096, 1],
+                                            [2 << 20, 512, 1], [(2 << 20) + 512, (1 << 20) - 512, 0]]
+    pool.snapshot = lambda: {"segments": snap}  # an older torch's shape
+    assert len(freeze.routed_blocks(region)) == 4
+
+
 def test_the_scheduler_gpu_is_read_where_sglang_keeps_it():
     assert freeze.scheduler_gpu(types.SimpleNamespace(ps=types.SimpleNamespace(gpu_id=3))) == 3
     with pytest.raises(freeze.FreezeRefused, match="scheduler.ps.gpu_id"):

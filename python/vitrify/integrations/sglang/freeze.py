@@ -362,6 +362,8 @@ def routed_blocks(region: Any) -> list[list[int]]:
     from .. import torch as vt
 
     pool = vt.mem_pool(region)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # frees waiting on a stream settle first
     if hasattr(pool, "snapshot"):
         segments = pool.snapshot()
         if isinstance(segments, dict):
@@ -373,10 +375,10 @@ def routed_blocks(region: Any) -> list[list[int]]:
     for seg in sorted(segments, key=lambda sg: sg["address"]):
         addr = int(seg["address"])
         for b in seg["blocks"]:
-            out.append([addr - region.base, int(b["size"]),
-                        int(b["state"] == "active_allocated")])
+            addr = int(b.get("address", addr))
+            out.append([addr - region.base, int(b["size"]), int(b["state"] != "inactive")])
             addr += int(b["size"])
-    return out
+    return sorted(out)
 
 
 def _check_blocks(frozen: list, here: list) -> None:
