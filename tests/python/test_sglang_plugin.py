@@ -730,3 +730,15 @@ def test_the_launcher_is_not_a_scheduler_even_with_the_scheduler_imported(monkey
     # loads plugins is a scheduler
     monkeypatch.setitem(sys.modules, plugin.SCHEDULER_MODULE, types.ModuleType("stub"))
     assert plugin._in_scheduler() is False
+
+
+def test_load_reads_no_checkpoint_save_does(fresh, tmp_path, tiny_model, caplog):
+    for mode, want in (("save", "auto"), ("load", "dummy")):
+        fresh.setattr(plugin.STATE, "config", _active(mode, tmp_path / "a"))
+        args = _server_args(tiny_model)
+        assert args.load_format == "auto"
+        with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+            fp = plugin.apply_server_args(args, mode)
+        assert args.load_format == want and "load_format" not in fp
+    assert any("the checkpoint is not read (load_format was auto)" in r.getMessage()
+               for r in caplog.records)

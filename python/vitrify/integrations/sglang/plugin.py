@@ -110,7 +110,8 @@ _GRAPH_ARGS = (
     "disable_decode_cuda_graph", "disable_cuda_graph",
 )
 SERVER_ARGS_FIELDS = tuple(dict.fromkeys(
-    [name for name, *_ in REFUSED_ARGS] + list(FINGERPRINT_ARGS) + list(_GRAPH_ARGS)))
+    [name for name, *_ in REFUSED_ARGS] + list(FINGERPRINT_ARGS) + list(_GRAPH_ARGS)
+    + ["load_format"]))
 
 
 def _plain(value: Any) -> Any:
@@ -218,6 +219,13 @@ def apply_server_args(args: Any, mode: str) -> dict:
         log.info("vitrify (mode %s): prefill CUDA graphs forced off (backend was %s; vitrify does "
                  "not freeze them yet; pass --cuda-graph-backend-prefill disabled to size memory "
                  "without them)", mode, before)
+    if mode == "load" and args.load_format != "dummy":
+        # P11: LOAD restores the weights from the archive; SGLang's dummy loader builds the same
+        # parameters without reading the checkpoint (the routed block map still proves it)
+        was = args.load_format
+        _set_fields(args, {"load_format": "dummy"})
+        log.info("vitrify (mode load): the weights come from the archive, the checkpoint is not "
+                 "read (load_format was %s)", was)
     return fingerprint(args)
 
 
