@@ -878,7 +878,7 @@ class Run:
             st, text = http_call(port, "GET", "/get_server_info")
             if st == 200:
                 device_tokens = int(json.loads(text).get("max_total_num_tokens") or 0) or None
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError, TypeError):
             pass
         info["l2_device_tokens"] = device_tokens
         fill = self.fillers(device_tokens)

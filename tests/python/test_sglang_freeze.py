@@ -131,13 +131,13 @@ def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
 
 
 def test_a_block_map_that_differs_from_saves_is_refused_naming_the_block():
-    frozen = [[0, 512, 1], [512, 512, 0], [2 << 20, 1024, 1]]
+    frozen = [[0, 512], [1024, 512], [2 << 20, 1024]]
     freeze._check_blocks(frozen, [list(b) for b in frozen])
-    with pytest.raises(freeze.FreezeRefused, match=r"block 1 is \[512, 512, 1\] .* was "
-                                                   r"\[512, 512, 0\] at SAVE"):
-        freeze._check_blocks(frozen, [[0, 512, 1], [512, 512, 1], [2 << 20, 1024, 1]])
+    with pytest.raises(freeze.FreezeRefused, match=r"taken block 1 is \[1536, 512\] .* was "
+                                                   r"\[1024, 512\] at SAVE"):
+        freeze._check_blocks(frozen, [[0, 512], [1536, 512], [2 << 20, 1024]])
     with pytest.raises(freeze.FreezeRefused, match=r"block 3 is None .* \(3 vs 4 blocks\)"):
-        freeze._check_blocks(frozen + [[4 << 20, 64, 1]], frozen)
+        freeze._check_blocks(frozen + [[4 << 20, 64]], frozen)
 
 
 def test_the_routed_block_map_is_read_from_torchs_pool_snapshot(monkeypatch):
@@ -153,10 +153,10 @@ def test_the_routed_block_map_is_read_from_torchs_pool_snapshot(monkeypatch):
     pool = types.SimpleNamespace(snapshot=lambda: snap, id=(1, 2))
     monkeypatch.setattr(vt, "mem_pool", lambda region: pool)
     region = types.SimpleNamespace(base=base, size=1 << 30)
-    assert freeze.routed_blocks(region) == [[0, 4096, 1], [4096, (2 << 20) - 4096, 1],
-                                            [2 << 20, 512, 1], [(2 << 20) + 512, (1 << 20) - 512, 0]]
+    # taken blocks only (a block waiting to be freed is taken); free gaps left out
+    assert freeze.routed_blocks(region) == [[0, 4096], [4096, (2 << 20) - 4096], [2 << 20, 512]]
     pool.snapshot = lambda: {"segments": snap}  # an older torch's shape
-    assert len(freeze.routed_blocks(region)) == 4
+    assert len(freeze.routed_blocks(region)) == 3
 
 
 def test_the_scheduler_gpu_is_read_where_sglang_keeps_it():

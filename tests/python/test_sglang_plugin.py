@@ -742,3 +742,11 @@ def test_load_reads_no_checkpoint_save_does(fresh, tmp_path, tiny_model, caplog)
         assert args.load_format == want and "load_format" not in fp
     assert any("the checkpoint is not read (load_format was auto)" in r.getMessage()
                for r in caplog.records)
+    # not provably the same build: the configured loader runs, and the log says why
+    fresh.setattr(plugin.STATE, "config", _active("load", tmp_path / "a"))
+    args = _server_args(tiny_model, kv_cache_dtype="fp8_e4m3")
+    with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+        plugin.apply_server_args(args, "load")
+    assert args.load_format == "auto"
+    assert any("kv_cache_dtype='fp8_e4m3' (scales come from the weights)" in r.getMessage()
+               for r in caplog.records)

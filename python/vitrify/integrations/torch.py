@@ -116,6 +116,25 @@ def tensor_at(address: int, nbytes: int, device: int = 0):
         return torch.as_tensor(_Memory(), device=f"cuda:{device}")
 
 
+@contextlib.contextmanager
+def routing_paused(region: Region) -> Iterator[None]:
+    """Inside :func:`region_allocations`: the thread's allocations stop going to the region's
+    routed pool for the block and resume after it. torch matches a thread's active pools in the
+    order they were entered, so a capture into another pool (:func:`capture_pool`) must pause
+    the routed one first, or its allocations land in the routed pool."""
+    torch = _torch()
+    pool = mem_pool(region)
+    dev = region.device
+    torch._C._cuda_endAllocateToPool(dev, pool.id)
+    try:
+        yield
+    finally:
+        # begin counts a new use of the pool; region_allocations' exit releases one, so this
+        # resume releases the extra count at once (the pool keeps exactly one)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(dev, pool.id)
+        torch._C._cuda_releasePool(dev, pool.id)
+
+
 def pool_id(region: Region):
     """The pool id to pass as ``torch.cuda.graph(g, pool=...)`` so a capture allocates from
     ``region`` (capture inside :func:`activated` or use :func:`graph_capture`)."""
@@ -186,4 +205,4 @@ def graph_capture(region: Region, graph, **kwargs) -> Iterator[Any]:
 
 __all__ = ["FREE_SYMBOL", "MALLOC_SYMBOL", "activated", "active_base", "capture_pool",
            "graph_capture", "library_path", "mem_pool", "pluggable_allocator", "pool_id",
-           "region_allocations", "tensor_at"]
+           "region_allocations", "routing_paused", "tensor_at"]

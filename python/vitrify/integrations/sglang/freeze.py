@@ -354,16 +354,15 @@ def scheduler_gpu(scheduler: Any) -> int:
 
 
 def routed_blocks(region: Any) -> list[list[int]]:
-    """The routed pool's block map (region offset, size, allocated 0/1) of every block in its
-    segments, ascending: what FREEZE and THAW must agree on where a capture was skipped (the
-    block-placement hazard; the region's own checkpoints see only segments)."""
-    import torch
-
+    """The routed pool's taken blocks (region offset, size), ascending: where every live tensor
+    of the routed pool sits, what FREEZE and THAW must agree on where a capture was skipped
+    (the block-placement hazard; the region's own checkpoints see only segments). Free blocks
+    are left out: they are the gaps between taken ones, and a wholly free segment holds no
+    tensor. A block waiting to be freed counts as taken. Two tensors of one size that swapped
+    places would not show here: the plan keeps the order of requests equal instead."""
     from .. import torch as vt
 
     pool = vt.mem_pool(region)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # frees waiting on a stream settle first
     if hasattr(pool, "snapshot"):
         segments = pool.snapshot()
         if isinstance(segments, dict):
@@ -376,7 +375,8 @@ def routed_blocks(region: Any) -> list[list[int]]:
         addr = int(seg["address"])
         for b in seg["blocks"]:
             addr = int(b.get("address", addr))
-            out.append([addr - region.base, int(b["size"]), int(b["state"] != "inactive")])
+            if b["state"] != "inactive":
+                out.append([addr - region.base, int(b["size"])])
             addr += int(b["size"])
     return sorted(out)
 
@@ -389,9 +389,9 @@ def _check_blocks(frozen: list, here: list) -> None:
     f = frozen[first] if first < len(frozen) else None
     h = here[first] if first < len(here) else None
     raise FreezeRefused(f"the decode graphs' tensors are not where SAVE put them: the routed "
-                        f"pool's block {first} is {h} (offset, size, allocated) here but was {f} "
-                        f"at SAVE ({len(here)} vs {len(frozen)} blocks); refusing to replay "
-                        f"graphs that would read other addresses")
+                        f"pool's taken block {first} is {h} (offset, size) here but was {f} at "
+                        f"SAVE ({len(here)} vs {len(frozen)} blocks); refusing to replay graphs "
+                        f"that would read other addresses")
 
 
 def _active_run(runner: Any = None) -> Run | None:
@@ -444,7 +444,18 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
     if run is None:
         return original(*args, **kwargs)
     run.session.reached("warmup")
-    result = original(*args, **kwargs)
+    import gc
+
+    # Python's collector frees routed tensors held in cycles at moments that depend on how much
+    # Python ran; SAVE (capturing) runs more than LOAD, so it is off for the loop on both sides
+    # and runs at the same points (each shape's start, in capture_one) instead.
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        result = original(*args, **kwargs)
+    finally:
+        if was:
+            gc.enable()
     try:
         blocks = routed_blocks(run.region)
         if run.mode == "save":
@@ -573,12 +584,19 @@ def graph_backend_class() -> type:
                 raise _fatal(f"decode graph {name}: {type(e).__name__}: {e}") from None
 
         def _capture_or_claim(self, run, shape_key, name, forward_fn):
+            import gc
+
+            gc.collect()  # the same point on both sides (the loop runs with gc off)
             if run.mode == "save":
-                # Everything the capture allocates, also outside the capturing stream (torch
-                # registers the RNG state of a process's first graph), goes to the capture
-                # pool and into the recorded window, never to the routed pool (the plan, 1.).
-                with _region.record_window(run.region) as window, \
-                        torch.cuda.use_mem_pool(vt.capture_pool(run.region)):
+                # The routed pool is paused (torch matches a thread's pools in the order they
+                # were entered, so the capture pool would never win), and the capture goes to
+                # the region's capture pool (the plan, 1.). torch.cuda.graph's own entry
+                # (synchronize, empty_cache) then runs with no pool active; LOAD does the same
+                # at the same point. Non-capture allocations of the capture (torch registers the
+                # RNG state of a process's first graph) go to torch's default pool, outside
+                # the region and the routed pool; decode graphs use no RNG.
+                with vt.routing_paused(run.region), \
+                        _region.record_window(run.region) as window:
                     with run.session.graphs.capture(name, pool=self._pool,
                                                     stream=self._capture_stream) as cap:
                         out = forward_fn()
@@ -591,8 +609,12 @@ def graph_backend_class() -> type:
             if meta is None:
                 raise FreezeRefused(f"the archive has no decode graph {name}; SAVE captured "
                                     f"{sorted(run.graphs)[:8]}: the batch sizes differ")
-            _region.replay_window(run.region, _region.AllocationWindow.from_json(meta["window"]),
-                                  f"decode graph {name}")
+            with vt.routing_paused(run.region):
+                torch.cuda.synchronize()  # what torch.cuda.graph's entry did at SAVE
+                torch.cuda.empty_cache()
+                _region.replay_window(run.region,
+                                      _region.AllocationWindow.from_json(meta["window"]),
+                                      f"decode graph {name}")
             self._graphs[shape_key] = name
             self._outputs[shape_key] = rebuild(meta["outputs"], run.region, cuda_tensor_at)
 

@@ -111,7 +111,7 @@ _GRAPH_ARGS = (
 )
 SERVER_ARGS_FIELDS = tuple(dict.fromkeys(
     [name for name, *_ in REFUSED_ARGS] + list(FINGERPRINT_ARGS) + list(_GRAPH_ARGS)
-    + ["load_format"]))
+    + ["load_format", "quantization", "kv_cache_dtype", "model_loader_extra_config"]))
 
 
 def _plain(value: Any) -> Any:
@@ -220,13 +220,35 @@ def apply_server_args(args: Any, mode: str) -> dict:
                  "not freeze them yet; pass --cuda-graph-backend-prefill disabled to size memory "
                  "without them)", mode, before)
     if mode == "load" and args.load_format != "dummy":
-        # P11: LOAD restores the weights from the archive; SGLang's dummy loader builds the same
-        # parameters without reading the checkpoint (the routed block map still proves it)
-        was = args.load_format
-        _set_fields(args, {"load_format": "dummy"})
-        log.info("vitrify (mode load): the weights come from the archive, the checkpoint is not "
-                 "read (load_format was %s)", was)
+        _dummy_loader_at_load(args)
     return fingerprint(args)
+
+
+# P11: the loaders and settings for which SGLang's dummy loader builds the same parameters in
+# the same order and nothing derives values from the weights while loading
+_PLAIN_LOAD_FORMATS = ("auto", "safetensors", "pt", "npcache")
+
+
+def _dummy_loader_at_load(args: Any) -> None:
+    """LOAD restores the weights from the archive: the dummy loader, when it is provably the
+    same build; otherwise the configured loader runs (and reads the checkpoint)."""
+    why = []
+    if args.load_format not in _PLAIN_LOAD_FORMATS:
+        why.append(f"load_format={args.load_format!r}")
+    if getattr(args, "quantization", None):
+        why.append(f"quantization={args.quantization!r}")
+    if getattr(args, "kv_cache_dtype", "auto") not in (None, "auto"):
+        why.append(f"kv_cache_dtype={args.kv_cache_dtype!r} (scales come from the weights)")
+    if getattr(args, "model_loader_extra_config", None) not in (None, "", "{}", {}):
+        why.append("model_loader_extra_config set")
+    if why:
+        log.info("vitrify (mode load): the configured loader reads the checkpoint (%s); the "
+                 "archive's weights then replace what it loaded", ", ".join(why))
+        return
+    was = args.load_format
+    _set_fields(args, {"load_format": "dummy"})
+    log.info("vitrify (mode load): the weights come from the archive, the checkpoint is not "
+             "read (load_format was %s)", was)
 
 
 def after_server_args_post_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
