@@ -94,8 +94,6 @@ if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
   fi
 fi
 
-# Opt-in (VITRIFY_SGLANG_WEIGHTS_E2E=1): vitrify's weight update through a real SGLang server's
-# /update_weights_from_tensor route (two launches of the tiny Qwen3, about 3 minutes).
 # Opt-in (VITRIFY_SGLANG_FREEZE_E2E=1): plain -> SAVE -> LOAD of a real SGLang server through the
 # plugin (benchmarks/sglang_freeze_e2e.py; shape VITRIFY_SGLANG_SHAPE, default tiny). Each launch
 # compiles for a minute or two on a fresh machine: give it a call of its own.
@@ -108,6 +106,8 @@ if [ "${VITRIFY_SGLANG_FREEZE_E2E:-0}" = 1 ]; then
   fi
 fi
 
+# Opt-in (VITRIFY_SGLANG_WEIGHTS_E2E=1): vitrify's weight update through a real SGLang server's
+# /update_weights_from_tensor route (two launches of the tiny Qwen3, about 3 minutes).
 if [ "${VITRIFY_SGLANG_WEIGHTS_E2E:-0}" = 1 ]; then
   if [ -f .whl/sglang-site.tar.xz ]; then
     step sglang-weights-e2e "$PY" benchmarks/sglang_weights_e2e.py --bundle .whl/sglang-site.tar.xz \
