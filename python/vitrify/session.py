@@ -464,9 +464,13 @@ class ThawSession:
                  relocate: bool = True, device: int = 0, warmup_restore: bool | None = None,
                  verify: bool = True, graph_threads: int = 4,
                  progress: Callable[[int, int], None] | None = None,
-                 exportable: bool = False):
+                 exportable: bool = False, restore_graph_span: bool = True):
         self.adapter = _check_fingerprinted(adapter)
         self.path = os.path.abspath(_check.path("path", path))
+        # False: the graphs span is mapped at "captured" but not restored (an engine whose
+        # capture memory is scratch every replay rewrites, and whose other objects in that range
+        # it rebuilt itself: SGLang's, see freeze.py)
+        self.restore_graph_span = _check.boolean("restore_graph_span", restore_graph_span)
         # exportable: the region's memory can be exported as file descriptors, so a trainer
         # can write the thawed engine's weights in place (a direct weight update)
         self.exportable = _check.boolean("exportable", exportable)
@@ -689,7 +693,8 @@ class ThawSession:
                 self._restore(archive, region, self._spans, "warmup", cps["warmup"])
         elif checkpoint == "captured":
             with t.step("restore_graph_pools"):
-                self._restore(archive, region, self._spans, "graphs", cps["captured"])
+                spans = self._spans if self.restore_graph_span else {}
+                self._restore(archive, region, spans, "graphs", cps["captured"])
         self._compare(archive, checkpoint, region)
         if checkpoint == "built":
             self._check_loader()

@@ -46,6 +46,7 @@ class BytesEngine:
         self.kv = 0
         self.result: dict = {}
         self.warmups = 0
+        self.capture_block = 0
 
     def fingerprint(self) -> dict:
         return {"engine": "bytes-engine", "engine_version": "1", "model": self.model}
@@ -97,6 +98,9 @@ class BytesEngine:
 
     def capture(self, graphs) -> None:
         assert graphs is None  # record_kernels=False: no graph store
+        # a "graph pool" block: what the graphs span holds
+        self.capture_block = self.region.allocate(2 * MiB) - self.region.base
+        self.region.write(self.region.base + self.capture_block, b"\x5a" * (2 * MiB))
 
     def _digest(self) -> str:
         r = self.region
@@ -104,7 +108,8 @@ class BytesEngine:
         return hashlib.sha256(self._weights_digest() + r.read(r.base + off, n)).hexdigest()
 
     def state(self) -> dict:
-        return {"params": self.params, "table": list(self.table), "digest": self._digest()}
+        return {"params": self.params, "table": list(self.table), "digest": self._digest(),
+                "capture_block": self.capture_block}
 
     def restore_state(self, state: dict, graphs) -> None:
         assert [tuple(p) for p in state["params"]] == self.params
@@ -141,6 +146,7 @@ def freeze_driven(eng: BytesEngine, path: str, opts: dict) -> dict:
     s.reached("state")
     eng.warmup()
     s.reached("warmup")
+    eng.capture(None)
     s.reached("captured")
     return s.finish(eng.state())
 
@@ -150,7 +156,8 @@ def thaw_driven(eng: BytesEngine, path: str, opts: dict) -> dict:
     decided, nothing captured; the state and graphs handed over by finish()."""
     from vitrify import session
 
-    s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"))
+    s = session.ThawSession(eng, path, warmup_restore=opts.get("warmup_restore"),
+                            restore_graph_span=opts.get("restore_graph_span", True))
     region = s.start()
     eng.build(region)
     s.reached("built")  # the session restores the weights span here
@@ -163,7 +170,8 @@ def thaw_driven(eng: BytesEngine, path: str, opts: dict) -> dict:
     s.reached("captured")
     state, graphs = s.finish()
     eng.restore_state(state, graphs)
-    return {**s.summary, **eng.result}
+    block = region.read(region.base + state["capture_block"], 16)
+    return {**s.summary, **eng.result, "graph_span_restored": block == b"\x5a" * 16}
 
 
 def driven_misuse(eng: BytesEngine, path: str, opts: dict) -> dict:

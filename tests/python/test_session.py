@@ -55,7 +55,7 @@ def test_freeze_records_every_phase_and_dumps_all_but_the_kv_cache(frozen):
     # block [weights, state) is in no span.
     assert fz["span_bytes"]["weights"] == 4 * 4 * MiB
     assert fz["span_bytes"]["warmup"] == 2 * MiB
-    assert "graphs" not in fz["span_bytes"]  # nothing allocated after warmup
+    assert fz["span_bytes"]["graphs"] == 2 * MiB  # the capture's "graph pool" block
     assert set(fz["timings"]) >= {"reserve", "build", "load_weights", "compile", "warmup",
                                   "dump_spans"}
     assert fz["compiles"] == 1
@@ -199,8 +199,13 @@ def test_an_engine_driving_its_own_phases_freezes_and_thaws_the_same(frozen, tmp
         assert th["warmups"] == (0 if warmup_restore is None else 1)
         assert th["checkpoints"] == fz["checkpoints"]
         assert "restore_weights" in th["timings"] and "build" in th["timings"]
+        assert th["graph_span_restored"]
         pulled = run("thaw", archive)
         assert pulled["ok"] and pulled["digest"] == th["digest"]
+    # an engine whose graph memory is scratch has the span mapped, not restored
+    mapped = run("thaw", path, driven=True, restore_graph_span=False)
+    assert mapped["ok"], mapped.get("traceback")
+    assert not mapped["graph_span_restored"] and mapped["checkpoints"] == fz["checkpoints"]
 
 
 @needs_fake

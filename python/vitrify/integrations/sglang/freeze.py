@@ -304,7 +304,12 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
                                       device=device)
     else:
-        sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False)
+        # warmup re-runs (SGLang's warm-up also builds its objects); the graphs span is mapped,
+        # not restored: the capture windows are scratch every replay writes before it reads,
+        # and the rest of that range holds SGLang's own buffers, which LOAD's start-up has just
+        # built (SAVE's span is dumped after serving: its contents are not start-up state)
+        sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
+                                    restore_graph_span=False)
     try:
         region = sess.start()
     except _archive.ArchiveMismatch as e:
