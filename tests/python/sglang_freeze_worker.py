@@ -68,9 +68,9 @@ def main() -> int:
                 region.allocate(2 * MiB)
 
         def resolve(configurator, pre_model_load_memory):
-            out["profiled"] = True
-            return MemoryPoolConfig(max_total_num_tokens=4096, max_running_requests=8,
-                                    mem_fraction_static=0.5)
+            out["profiled"] = True  # LOAD's own profile differs: SAVE's must win
+            return MemoryPoolConfig(max_total_num_tokens=4096 if mode == "save" else 2048,
+                                    max_running_requests=8, mem_fraction_static=0.5)
 
         def alloc_memory_pool(r):
             pool = freeze.around_resolve_memory_pool_config(resolve, object(), 123)

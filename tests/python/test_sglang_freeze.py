@@ -186,7 +186,8 @@ def test_save_then_load_through_the_hooks(tmp_path):
     load = _worker("load", tmp_path)
     assert load["ok"], load.get("traceback")
     assert load["weights"] == save["weights"]  # restored from the archive, not re-initialised
-    assert load["pool_config"] == save["pool_config"] and load["profiled"] is False
+    # SAVE's size; SGLang's profiling still ran (its side effects are part of the trajectory)
+    assert load["pool_config"] == save["pool_config"] and load["profiled"] is True
     assert load["checkpoints"] == save["summary"]["checkpoints"]
     assert load["triton_cache"].startswith(str(tmp_path / "xdg"))
     drift = _worker("load", tmp_path, drift=True)

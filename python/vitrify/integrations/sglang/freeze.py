@@ -431,8 +431,15 @@ def around_resolve_memory_pool_config(original: Callable, configurator: Any, *ar
     if run.pool_config is None:
         raise _fatal("the archive holds no KV pool config")
     config = pool_config_from_state(MemoryPoolConfig, run.pool_config)
-    log.info("vitrify: KV pool sized as at SAVE (%d tokens), no memory profiling",
-             config.max_total_num_tokens)
+    # SGLang's profiling runs as at SAVE for its side effects (it empties torch's cache, which
+    # decides where later tensors go); its answer is replaced by SAVE's
+    try:
+        profiled = original(configurator, *args, **kwargs)
+        here = getattr(profiled, "max_total_num_tokens", None)
+    except Exception as e:  # e.g. less free memory here: SAVE's size is what counts
+        here = f"not computed ({type(e).__name__}: {e})"
+    log.info("vitrify: KV pool sized as at SAVE (%d tokens; this GPU's profile gives %s)",
+             config.max_total_num_tokens, here)
     return config
 
 
