@@ -812,7 +812,11 @@ def unpack_bundle(s: Settings) -> str:
 
 def ensure_vitrify(s: Settings) -> str:
     """``import vitrify`` in the server's python; else install this tree (no index) once."""
-    probe = [s.python, "-c", "import vitrify, vitrify.host, vitrify.disk; print(vitrify.__file__)"]
+    # importable and installed with its SGLang plugin entry point (a vitrify found through
+    # PYTHONPATH has none, and SGLang would start without the plugin)
+    probe = [s.python, "-c", "import importlib.metadata as md, vitrify, vitrify.host, vitrify.disk; "
+             "assert any(e.name == 'vitrify' for e in md.entry_points(group='sglang.srt.plugins'"
+             ")), 'no sglang.srt.plugins entry point'; print(vitrify.__file__)"]
     r = subprocess.run(probe, capture_output=True, text=True, cwd="/tmp")
     if r.returncode == 0:
         return f"vitrify importable: {r.stdout.strip()}"

@@ -46,8 +46,9 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
     env = fz.server_env(s, scenario, probe=False)
     assert "TVM_FFI_CACHE_DIR" not in env and "VITRIFY_SGLANG_JIT_ROOT" not in env
     if scenario == "plain":
-        assert "VITRIFY_SGLANG_CONFIG" not in env
+        assert "VITRIFY_SGLANG_CONFIG" not in env and "VITRIFY_LOG_LEVEL" not in env
         return
+    assert env["VITRIFY_LOG_LEVEL"] == "INFO"  # the plugin's lines reach the server log
     from vitrify.integrations.sglang import config
 
     if scenario == "load":
@@ -76,6 +77,16 @@ def test_the_log_watch_notes_each_line_once(tmp_path):
                 "[TP0] Init torch distributed begin.\n")
     w.poll()
     assert w.seen["floor"] == first and w.matches["thawed"].group(2) == "1.25"
+    # a line written in two pieces is seen once it ends, whole
+    w2 = fz.LogWatch(str(tmp_path / "b.log"), {"saved": fz.SAVE_LINE, "plugin": fz.PLUGIN_LINE})
+    (tmp_path / "b.log").write_text("x vitrify: SAVE comp")
+    w2.poll()
+    assert "saved" not in w2.seen
+    with open(tmp_path / "b.log", "a") as f:
+        f.write("lete: /a (3 graphs)\nvitrify SGLang plugin: mode 'save', archive /a\n")
+    w2.poll()
+    assert {"saved", "plugin"} <= set(w2.seen)
+    assert fz.SAVE_FAILED_LINE.search("[x] vitrify: SAVE failed, no archive was written (E: x)")
 
 
 def test_dry_run_prints_the_three_launches(tmp_path):

@@ -365,6 +365,8 @@ def routed_blocks(region: Any) -> list[list[int]]:
     are left out: they are the gaps between taken ones, and a wholly free segment holds no
     tensor. A block waiting to be freed counts as taken. Two tensors of one size that swapped
     places would not show here: the plan keeps the order of requests equal instead."""
+    import torch
+
     from .. import torch as vt
 
     pool = vt.mem_pool(region)
@@ -499,7 +501,6 @@ def around_resolve_decode_backend(original: Callable, cuda_graph_runner: Any, *a
 def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """SAVE: once a request has completed (the server's warm-up request compiled the prefill
     kernels) and the scheduler is idle, write and commit the archive with the JIT caches."""
-    global RUN
     run = RUN
     if run is None or not run.pending_finish or getattr(scheduler, "forward_ct", 0) <= 0:
         return result
