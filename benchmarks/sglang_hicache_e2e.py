@@ -865,10 +865,13 @@ class Run:
         need = int(1.1 * pool)
         if sum(map(len, self.prompts)) + need + s.max_len > 0.9 * s.hicache_ratio * pool:
             return None
-        rng = random.Random(s.seed + 2000)
+        # enough prompts of at least min_len tokens, then the shortest prefix that is enough
+        pool_prompts = make_prompts(s.seed + 2000, -(-need // s.min_len), s.min_len, s.max_len)
         out: list[list[int]] = []
-        while sum(map(len, out)) < need:
-            out.append([rng.randrange(3, 32000) for _ in range(rng.randint(s.min_len, s.max_len))])
+        for p in pool_prompts:
+            if sum(map(len, out)) >= need:
+                break
+            out.append(p)
         return out
 
     def l2_pass(self, port: int, sc: str, info: dict, ck: dict) -> None:

@@ -87,6 +87,20 @@ def _pages(host, idx, n):
     return [host.get_data_page(int(idx[i * PAGE])).clone() for i in range(n)]
 
 
+def _read_back(host, extra, keys, want) -> dict:
+    """A restarted server (``cold_start="load"`` on ``extra``) reads every key into fresh host
+    pages: all hits, every page as ``want``; returns its stats before it closes."""
+    b = _backend(host, dict(extra, cold_start="load"))
+    try:
+        dst = host.alloc(len(keys) * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * len(keys)
+        for i, page in enumerate(_pages(host, dst, len(keys))):
+            assert torch.equal(page, want[i])
+        return b.vitrify_stats()
+    finally:
+        b.close()
+
+
 def _keys(n, salt=0):
     tokens = list(range(salt, salt + n * PAGE))
     return tokens, get_hash_str(tokens, None, page_size=PAGE)
@@ -323,13 +337,9 @@ def test_host_tier_serves_gets_first_and_survives_a_restart(tmp_path, shm_dir):
     b2 = _backend(host, dict(extra, cold_start="load"))
     try:
         assert b2.batch_exists(keys) == 5
-        dst = host.alloc(5 * PAGE)
-        assert b2.batch_get_v1(keys, dst) == [True] * 5
-        for i, page in enumerate(_pages(host, dst, 5)):
-            assert torch.equal(page, want[i])
-        assert b2.vitrify_stats()["host"]["host_hits"] == 5
     finally:
         b2.close()
+    assert _read_back(host, extra, keys, want)["host"]["host_hits"] == 5
 
 
 def test_host_tier_write_back_acknowledges_from_memory_and_writes_the_disk_behind(
@@ -367,15 +377,7 @@ def test_host_tier_write_back_acknowledges_from_memory_and_writes_the_disk_behin
     shutil.rmtree(shm_dir)  # the host tier is gone; the disk has every page
     os.makedirs(shm_dir)
     host.kv_buffer.zero_()
-    b2 = _backend(host, dict(extra, cold_start="load"))
-    try:
-        dst = host.alloc(6 * PAGE)
-        assert b2.batch_get_v1(keys, dst) == [True] * 6
-        for i, page in enumerate(_pages(host, dst, 6)):
-            assert torch.equal(page, want[i])
-        assert b2.vitrify_stats()["store"]["reloads"] == 6
-    finally:
-        b2.close()
+    assert _read_back(host, extra, keys, want)["store"]["reloads"] == 6
 
 
 def test_host_tier_write_back_queue_is_dropped_by_clear_and_a_weight_switch(
