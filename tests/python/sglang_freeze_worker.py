@@ -45,7 +45,8 @@ def main() -> int:
         archive = os.path.join(tmp, "engine.vitrify")
         cfg = PluginConfig(mode=mode, archive=archive, region_bytes=256 * MiB,
                            jit_dir=os.path.join(tmp, "jit-work") if mode == "save" else
-                           os.path.join(tmp, "xdg", "vitrify", "jit", "x"))
+                           os.path.join(tmp, "xdg", "vitrify", "jit", "x"),
+                           save_after_requests=2)
         plugin.STATE.config, plugin.STATE.sglang_version = cfg, "0.5.17"
         plugin.STATE.jit_dirs = plugin._setup_jit(cfg)
         if mode == "save":  # a kernel the engine compiled
@@ -55,7 +56,11 @@ def main() -> int:
         from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
         out: dict = {"profiled": False}
-        runner = types.SimpleNamespace(is_draft_worker=False)
+        # the model's class, exported by a module of SGLang's model package (model_modules)
+        model_module = types.ModuleType("sglang.srt.models.vitrify_test_model")
+        model_module.EntryClass = type("TinyForCausalLM", (), {})
+        sys.modules[model_module.__name__] = model_module
+        runner = types.SimpleNamespace(is_draft_worker=False, model=model_module.EntryClass())
         weights: list[tuple[int, int]] = []
 
         def load_model(r):
@@ -102,8 +107,17 @@ def main() -> int:
             out["archive_after_init"] = os.path.exists(archive)
             freeze.after_on_idle(None, sched)  # idle, but no request yet
             out["idle_before_request_wrote"] = os.path.exists(archive)
+            health = types.SimpleNamespace(rid="HEALTH_CHECK_0f")
+            request = types.SimpleNamespace(rid="r1")
+            freeze.after_handle_generate_request(None, sched, health)  # not counted
+            freeze.after_handle_generate_request(None, sched, request)
             sched.forward_ct = 1
             freeze.after_on_idle(None, sched)
+            out["idle_after_one_request_wrote"] = os.path.exists(archive)
+            freeze.after_handle_generate_request(None, sched, request)
+            freeze.after_on_idle(None, sched)
+            out["requests"] = run.requests
+            out["model_modules"] = run.model_modules
             out["summary"] = {k: run.summary[k] for k in ("graphs", "checkpoints")}
             from vitrify import archive as _archive
 

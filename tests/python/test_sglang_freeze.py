@@ -181,6 +181,9 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["ok"], save.get("traceback")
     assert save["archive_after_init"] is False  # written at the first idle after a request
     assert save["idle_before_request_wrote"] is False
+    # save_after_requests = 2: one request (a health check does not count) is not enough
+    assert save["idle_after_one_request_wrote"] is False and save["requests"] == 2
+    assert save["model_modules"] == ["vitrify_test_model"]
     assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
     assert save["jit_files"] == ["triton/AB/k.cubin"]
     load = _worker("load", tmp_path)
@@ -194,3 +197,42 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert drift["ok"], drift.get("traceback")
     assert "the region cursor after phase 'built'" in drift["fatal"]
     assert drift["fatal"].startswith("vitrify SGLang plugin:") and drift["run_cleared"]
+
+
+def test_the_model_registry_is_narrowed_to_the_module_save_recorded():
+    env = {freeze.DISABLED_ARCHS_ENV: "deepseek_v2, mine"}
+    n = freeze.narrow_model_registry(["qwen3"], env)
+    disabled = env[freeze.DISABLED_ARCHS_ENV].split(",")
+    assert n > 100 and "qwen3" not in disabled and {"deepseek_v2", "mine", "llama"} <= set(disabled)
+    # nothing recorded, a bad record or a module this SGLang lacks: the registry is left whole
+    for modules in (None, [], ["qwen3", 7], ["no_such_model_module"]):
+        env = {}
+        assert freeze.narrow_model_registry(modules, env) == 0 and env == {}
+    # SGLang's own registry then holds the recorded module's classes only
+    code = ("import sys; from vitrify.integrations.sglang import freeze; "
+            "freeze.narrow_model_registry(['qwen3']); "
+            "from sglang.srt.models.registry import ModelRegistry; "
+            "print(sorted(ModelRegistry.models))")
+    env = {k: v for k, v in os.environ.items() if k != freeze.DISABLED_ARCHS_ENV}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "['Qwen3ForCausalLM']"
+
+
+def test_model_modules_names_the_modules_exporting_the_models_class():
+    cls = type("Tiny", (), {})
+    one = types.ModuleType("sglang.srt.models.vitrify_t1")
+    one.EntryClass = cls
+    many = types.ModuleType("sglang.srt.models.vitrify_t2")
+    many.EntryClass = [type("Other", (), {}), cls]
+    elsewhere = types.ModuleType("mypkg.models.vitrify_t3")
+    elsewhere.EntryClass = cls
+    mods = {m.__name__: m for m in (one, many, elsewhere)}
+    sys.modules.update(mods)
+    try:
+        assert freeze.model_modules(cls()) == ["vitrify_t1", "vitrify_t2"]
+        assert freeze.model_modules(object()) == [] and freeze.model_modules(None) == []
+    finally:
+        for name in mods:
+            sys.modules.pop(name, None)

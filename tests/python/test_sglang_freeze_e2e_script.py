@@ -37,7 +37,8 @@ def _parse(cmd):
 
 @pytest.mark.parametrize("scenario", fz.SCENARIOS)
 def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
-    s = fz.Settings(work=str(tmp_path), out=str(tmp_path / "out"))
+    s = fz.Settings(work=str(tmp_path), out=str(tmp_path / "out"),
+                    shm_work=str(tmp_path / "shm"))
     a = _parse(fz.server_args(s, scenario))
     # what freeze.check_supported accepts, and what the plugin would otherwise force
     assert a.attention_backend == "triton" and a.cuda_graph_backend_prefill == "disabled"
@@ -45,17 +46,19 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
     assert not a.enable_hierarchical_cache and a.tp_size == 1
     env = fz.server_env(s, scenario, probe=False)
     assert "TVM_FFI_CACHE_DIR" not in env and "VITRIFY_SGLANG_JIT_ROOT" not in env
-    if scenario == "plain":
+    if fz.mode_of(scenario) == "plain":
         assert "VITRIFY_SGLANG_CONFIG" not in env and "VITRIFY_LOG_LEVEL" not in env
         return
     assert env["VITRIFY_LOG_LEVEL"] == "INFO"  # the plugin's lines reach the server log
     from vitrify.integrations.sglang import config
 
-    if scenario == "load":
-        os.makedirs(s.archive)  # LOAD's config needs the archive SAVE wrote
+    if fz.mode_of(scenario) == "load":
+        os.makedirs(s.archive_for(scenario))  # LOAD's config needs the archive SAVE wrote
     cfg = config.load(env["VITRIFY_SGLANG_CONFIG"])
-    assert cfg.mode == scenario and cfg.archive == s.archive and cfg.region_bytes == 24 << 30
+    assert cfg.mode == fz.mode_of(scenario) and cfg.archive == s.archive_for(scenario)
+    assert cfg.region_bytes == 24 << 30 and cfg.save_after_requests == 1 + s.warm_prompts
     assert cfg.jit_caches and cfg.jit_dir == os.path.join(str(tmp_path), f"jit-{scenario}")
+    assert (scenario == "load-shm") == cfg.archive.startswith(s.shm_work)
 
 
 def test_the_8b_shape_gets_a_region_for_its_weights(tmp_path):
@@ -95,4 +98,37 @@ def test_dry_run_prints_the_three_launches(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
-        ["# plain", "# save", "# load"]
+        ["# plain", "# save", "# load", "# plain-warm", "# load-shm"]
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
+                        "--dry-run", "--work", str(tmp_path), "--scenarios", "plain,save"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--scenarios must name plain,save,load" in r.stderr
+
+
+def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
+    import datetime as dt
+
+    t0 = dt.datetime(2026, 12, 2, 2, 41, 18).timestamp()
+    log = tmp_path / "load.log"
+    log.write_text(
+        "2026-12-02 02:41:22,267 vitrify.sglang INFO: vitrify SGLang plugin: mode 'load', "
+        "archive /a, weight updates off, 1 hook(s) registered (SGLang 0.5.17)\n"
+        "2026-12-02 02:41:22,300 vitrify.sglang INFO: vitrify SGLang plugin: the model registry "
+        "imports qwen3 only (230 other model modules in SGLANG_DISABLED_MODEL_ARCHS)\n"
+        "2026-12-02 02:41:46,134 vitrify.sglang INFO: vitrify SGLang plugin: mode 'load', "
+        "archive /a, weight updates off, 9 hook(s) registered (SGLang 0.5.17)\n"
+        "[2026-12-02 02:41:46] Init torch distributed begin.\n"
+        "2026-12-02 02:41:49,448 vitrify.session INFO: restore_weights: 0.280 s\n"
+        "2026-12-02 02:41:51,100 vitrify.sglang INFO: vitrify: decode graphs, 6 shapes: warm-up "
+        "forwards 0.40 s, gc 0.51 s, claim 0.12 s\n"
+        "2026-12-02 02:41:51,273 vitrify.session INFO: total: 4.880 s\n"
+        "2026-12-02 02:41:51,274 vitrify.sglang INFO: vitrify: thawed /a in 4.88 s (6 graphs)\n"
+        "[2026-12-02 02:41:52] The server is fired up and ready to roll!\n")
+    tl = fz.timeline(str(log), t0)
+    assert tl["at_s"] == {"plugin_launcher": 4.267, "plugin_scheduler": 28.134,
+                          "torch_distributed": 28.0, "thawed": 33.274, "fired_up": 34.0}
+    assert tl["session_steps_s"] == {"restore_weights": 0.28}
+    assert tl["decode_graph_loop"] == {"shapes": 6, "warmup_forwards_s": 0.4, "gc_s": 0.51,
+                                       "claim_s": 0.12}
+    assert tl["model_registry_narrowed_to"] == "qwen3"
+    assert fz.timeline(str(tmp_path / "missing.log"), t0) == {"at_s": {}, "session_steps_s": {}}

@@ -30,6 +30,12 @@ key                value                           meaning
                    ``$XDG_CACHE_HOME/vitrify/jit/  user's and writable by no one else
                    <hash of the archive path>``,
                    ``~/.cache`` without it)
+``save_after_``    int >= 1 (default 1: SGLang's   SAVE writes the archive at the first idle
+``requests``       own warm-up request)            moment after this many generate requests
+                                                   (health checks not counted): kernels that
+                                                   only real traffic compiles (a Triton
+                                                   specialisation on a pointer's alignment)
+                                                   are then in the archive; LOAD ignores it
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -56,7 +62,7 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
 _KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
-         "jit_caches", "jit_dir")
+         "jit_caches", "jit_dir", "save_after_requests")
 
 
 class PluginConfigError(ValueError):
@@ -76,6 +82,7 @@ class PluginConfig:
     weight_updates: bool = False
     jit_caches: bool = True
     jit_dir: str | None = None  # None when off or jit_caches is false
+    save_after_requests: int = 1
 
     @property
     def active(self) -> bool:
@@ -184,10 +191,17 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
     jit_caches = data.get("jit_caches", True)
     if not isinstance(jit_caches, bool):
         raise _type_error("jit_caches", "true or false", jit_caches)
+    after = data.get("save_after_requests", 1)
+    if isinstance(after, bool) or not isinstance(after, int):
+        raise _type_error("save_after_requests", "an int >= 1", after)
+    if not 1 <= after <= 1 << 31:
+        raise PluginConfigError(f"config key 'save_after_requests': must be between 1 and 2**31, "
+                                f"got {after}")
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
                         on_mismatch=on_mismatch, prefill_graphs="disabled", source=source,
                         weight_updates=weight_updates, jit_caches=jit_caches,
-                        jit_dir=_jit_dir(data, mode, archive, jit_caches))
+                        jit_dir=_jit_dir(data, mode, archive, jit_caches),
+                        save_after_requests=after)
 
 
 def _jit_dir(data: Mapping, mode: str, archive: str | None, enabled: bool) -> str | None:

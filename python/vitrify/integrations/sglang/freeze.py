@@ -15,7 +15,12 @@ hook (AROUND unless said)                              session
                                                        ``reached("captured")`` after
 ``runner_backend.utils.resolve_decode_backend``        SGLang's full-graph backend wrapped
                                                        (:func:`graph_backend_class`)
-``Scheduler.on_idle`` (AFTER)                          SAVE: ``finish()`` once a request completed
+``Scheduler.handle_generate_request`` (AFTER)          SAVE counts the generate requests (health
+                                                       checks not counted)
+``Scheduler.on_idle`` (AFTER)                          SAVE: ``finish()`` at the first idle moment
+                                                       after ``save_after_requests`` requests; both
+                                                       modes: JIT compiles after the archive's
+                                                       caches were packed are logged
 ====================================================  ============================================
 
 The block-placement hazard (PLUGIN.md) is met the way the plan says: captures allocate from a
@@ -25,7 +30,8 @@ recorded (:func:`vitrify.region.record_window`) and claimed at LOAD where the ca
 run (:func:`vitrify.region.replay_window`), and each graph's outputs are recorded as region
 offsets and rebuilt as views (:func:`describe`, :func:`rebuild`).
 
-Not yet run on a GPU. Only the triton attention backend and SGLang's full decode graphs are
+LOAD imports only the model module SAVE's model came from (:func:`narrow_model_registry`).
+Only the triton attention backend and SGLang's full decode graphs are
 accepted; anything else is refused at SAVE naming it.
 """
 
@@ -35,8 +41,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import pkgutil
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +53,10 @@ log = logging.getLogger("vitrify.sglang")
 ENGINE = "sglang"
 STATE_FORMAT = 1
 ATTENTION_BACKENDS = ("triton",)
+MODELS_PACKAGE = "sglang.srt.models"
+DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
+JIT_WATCH_S = 30.0  # how often an idle scheduler looks for JIT compiles after the pack/thaw
 
 
 class FreezeRefused(RuntimeError):
@@ -207,10 +219,17 @@ class Run:
     loaded: Any = None  # LOAD: the rebuilt graphs (vitrify.graph.LoadedGraphs)
     pending_finish: bool = False  # SAVE: captured; the archive is written at the first idle
     summary: dict | None = None
+    model_modules: list | None = None  # SAVE: what the model registry needs (model_modules)
+    requests: int = 0  # SAVE: generate requests seen before the archive was written
+    jit_index: dict | None = None  # the archive's JIT index once packed (SAVE) / thawed (LOAD)
+    jit_dirs: dict | None = None
+    jit_seen: int = 0  # JIT files already reported as compiled after the pack/thaw
+    jit_checked: float = 0.0
+    timings: dict = dataclasses.field(default_factory=dict)  # decode-graph loop, seconds
 
     def engine_state(self) -> dict:
         return {"format": STATE_FORMAT, "pool_config": self.pool_config, "graphs": self.graphs,
-                "routed_blocks": self.routed}
+                "routed_blocks": self.routed, "model_modules": self.model_modules}
 
     def load_engine_state(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -335,6 +354,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if cfg.mode == "load":
             _, run.loaded = sess.finish()
             run.summary = sess.summary
+            run.jit_checked = time.monotonic()
             log.info("vitrify: thawed %s in %.2f s (%d graphs)", cfg.archive,
                      sess.summary["timings"].get("total", 0.0), sess.summary["graphs"])
         else:
@@ -401,6 +421,105 @@ def _check_blocks(frozen: list, here: list) -> None:
                         f"that would read other addresses")
 
 
+def model_modules(model: Any) -> list[str]:
+    """The modules of SGLang's model package whose ``EntryClass`` is ``type(model)`` (short
+    names, as ``SGLANG_DISABLED_MODEL_ARCHS`` spells them): all SGLang's model registry needs
+    to resolve this model. [] when none is found (a model from another package)."""
+    import sys
+
+    if model is None:
+        return []
+    cls, found = type(model), set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(MODELS_PACKAGE + "."):
+            continue
+        entry = getattr(module, "EntryClass", None)
+        if any(e is cls for e in (entry if isinstance(entry, (list, tuple)) else [entry])):
+            found.add(name.rpartition(".")[2])
+    return sorted(found)
+
+
+def narrow_model_registry(modules: Any, env: Any = None) -> int:
+    """LOAD: SGLang's model registry imports every module of its model package (about 2 s,
+    inside the scheduler's start-up) to find the one class SAVE's model came from. Every other
+    module is added to ``SGLANG_DISABLED_MODEL_ARCHS`` (SGLang's own switch; entries already
+    there are kept) so the registry imports only ``modules``. Returns how many were disabled;
+    0 when not narrowed (nothing recorded, or a recorded module missing here)."""
+    import importlib.util
+
+    env = os.environ if env is None else env
+    if not modules or not isinstance(modules, list) or \
+            not all(isinstance(m, str) and m for m in modules):
+        return 0
+    try:
+        spec = importlib.util.find_spec(MODELS_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return 0
+    names = {m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
+             if not m.ispkg}
+    if not set(modules) <= names:
+        log.warning("vitrify: the archive's model module(s) %s are not in this SGLang's %s; "
+                    "its model registry imports every module", sorted(set(modules) - names),
+                    MODELS_PACKAGE)
+        return 0
+    have = [x.strip() for x in env.get(DISABLED_ARCHS_ENV, "").split(",") if x.strip()]
+    disabled = names - set(modules)
+    env[DISABLED_ARCHS_ENV] = ",".join(sorted(set(have) | disabled))
+    return len(disabled)
+
+
+def _jit_watch(run: Run) -> None:
+    """Log JIT cache files written after the archive's caches were packed (SAVE) or thawed
+    (LOAD): at most every ``JIT_WATCH_S`` seconds of idle time, once per new batch."""
+    now = time.monotonic()
+    if now - run.jit_checked < JIT_WATCH_S:
+        return
+    run.jit_checked = now
+    from ... import archive as _archive
+    from ... import jit
+
+    if run.mode == "load" and run.jit_dirs is None:  # first look after the thaw
+        run.jit_dirs = dict(_plugin().STATE.jit_dirs or {})
+        try:
+            run.jit_index = jit.read_index(_archive.open_archive(_plugin().STATE.config.archive))
+        except (_archive.ArchiveError, OSError) as e:
+            log.debug("vitrify: JIT watch: %s", e)
+    if not run.jit_dirs or run.jit_index is None:
+        return
+
+    try:
+        new = jit.compiled_since(run.jit_dirs, run.jit_index)
+    except OSError as e:
+        log.debug("vitrify: JIT watch: %s", e)
+        return
+    count = sum(len(v) for v in new.values())
+    if count <= run.jit_seen:
+        return
+    run.jit_seen = count
+    example = next((f"{n}/{v[0]}" for n, v in new.items() if v), "")
+    if run.mode == "save":
+        log.warning("vitrify: %d JIT cache file(s) written after SAVE packed its caches (e.g. "
+                    "%s): they are not in the archive and LOAD compiles them again; "
+                    "save_after_requests freezes after more traffic", count, example)
+    else:
+        log.warning("vitrify: %d JIT cache file(s) written since the thaw (e.g. %s): kernels "
+                    "SAVE never compiled (save_after_requests at SAVE covers more traffic)",
+                    count, example)
+
+
+def after_handle_generate_request(result: Any, scheduler: Any, recv_req: Any = None,
+                                  *args: Any, **kwargs: Any) -> Any:
+    """SAVE: count the generate requests before the archive is written (health checks not)."""
+    run = RUN
+    if run is not None and run.mode == "save" and run.summary is None:
+        rid = getattr(recv_req, "rid", None)
+        if not (isinstance(rid, str) and rid.startswith(HEALTH_CHECK_PREFIX)):
+            run.requests += 1
+    return result
+
+
 def _active_run(runner: Any = None) -> Run | None:
     run = RUN
     if run is None or run.pending_finish or run.summary is not None:
@@ -414,6 +533,8 @@ def around_load_model(original: Callable, runner: Any, *args: Any, **kwargs: Any
     result = original(runner, *args, **kwargs)
     run = _active_run(runner)
     if run is not None:
+        if run.mode == "save":
+            run.model_modules = model_modules(getattr(runner, "model", None))
         run.session.reached("built")  # LOAD: the weights span is restored here
         run.session.reached("weights")
     return result
@@ -479,7 +600,16 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
     except FreezeRefused as e:
         raise _fatal(str(e)) from None
     run.session.reached("captured")  # LOAD: graph pools restored, graphs waited for
+    tm = run.timings
+    log.info("vitrify: decode graphs, %d shapes: warm-up forwards %.2f s, gc %.2f s, %s %.2f s",
+             tm.get("shapes", 0), tm.get("warmup_forwards_s", 0.0), tm.get("gc_s", 0.0),
+             "capture" if run.mode == "save" else "claim",
+             tm.get("capture_s" if run.mode == "save" else "claim_s", 0.0))
     return result
+
+
+def _add_time(run: Run, key: str, seconds: float) -> None:
+    run.timings[key] = run.timings.get(key, 0.0) + seconds
 
 
 def around_resolve_decode_backend(original: Callable, cuda_graph_runner: Any, *args: Any,
@@ -499,15 +629,23 @@ def around_resolve_decode_backend(original: Callable, cuda_graph_runner: Any, *a
 
 
 def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """SAVE: once a request has completed (the server's warm-up request compiled the prefill
-    kernels) and the scheduler is idle, write and commit the archive with the JIT caches."""
+    """SAVE: at the first idle moment after ``save_after_requests`` generate requests (SGLang's
+    own warm-up request is the first), write and commit the archive with the JIT caches. Both
+    modes, afterwards: report JIT compiles the archive's caches miss (:func:`_jit_watch`)."""
     run = RUN
-    if run is None or not run.pending_finish or getattr(scheduler, "forward_ct", 0) <= 0:
+    if run is None:
+        return result
+    if not run.pending_finish:
+        if run.summary is not None and "error" not in run.summary:
+            _jit_watch(run)
+        return result
+    p = _plugin()
+    if run.requests < p.STATE.config.save_after_requests or \
+            getattr(scheduler, "forward_ct", 0) <= 0:
         return result
     idle = getattr(scheduler, "is_fully_idle", None)
     if idle is not None and not idle():
         return result  # requests still queued or running: the next idle loop
-    p = _plugin()
     dirs = p.STATE.jit_dirs or {}
     run.pending_finish = False
 
@@ -515,7 +653,7 @@ def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
         if dirs:
             from ... import jit
 
-            jit.pack(writer, dirs)
+            run.jit_index, run.jit_dirs = jit.pack(writer, dirs), dict(dirs)
 
     try:
         run.summary = run.session.finish(run.engine_state(), write_extra=jit_files)
@@ -525,10 +663,13 @@ def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
                   "serving", type(e).__name__, e)
         run.summary = {"error": f"{type(e).__name__}: {e}"}
         return result
-    log.info("vitrify: SAVE complete: %s (%d graphs, region %d bytes, %.1f s to write)",
-             run.summary["archive"], run.summary["graphs"], run.summary["checkpoints"]["captured"],
+    run.jit_checked = time.monotonic()
+    log.info("vitrify: SAVE complete: %s (%d graphs, region %d bytes, %.1f s to write, after "
+             "%d request(s))", run.summary["archive"], run.summary["graphs"],
+             run.summary["checkpoints"]["captured"],
              sum(v for k, v in run.summary["timings"].items() if k in ("dump_spans",
-                                                                      "save_graphs", "commit")))
+                                                                      "save_graphs", "commit")),
+             run.requests)
     return result
 
 
@@ -581,6 +722,7 @@ def graph_backend_class() -> type:
 
         def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None):
             run = RUN
+            t0 = time.perf_counter()
             # the two warm-up forwards run on both sides: the routed pool sees the same requests
             for _ in range(2):
                 self._device_module.synchronize()
@@ -588,6 +730,9 @@ def graph_backend_class() -> type:
                 forward_fn()
                 if post_warmup_hook is not None:
                     post_warmup_hook()
+            self._device_module.synchronize()
+            t1 = time.perf_counter()
+            _add_time(run, "warmup_forwards_s", t1 - t0)
             name = graph_name(shape_key)
             try:  # SGLang's capture rewrites a RuntimeError into advice that does not apply
                 self._capture_or_claim(run, shape_key, name, forward_fn)
@@ -595,11 +740,17 @@ def graph_backend_class() -> type:
                 raise
             except Exception as e:
                 raise _fatal(f"decode graph {name}: {type(e).__name__}: {e}") from None
+            _add_time(run, "capture_s" if run.mode == "save" else "claim_s",
+                      time.perf_counter() - t1 - run.timings.pop("_gc_last", 0.0))
+            run.timings["shapes"] = run.timings.get("shapes", 0) + 1
 
         def _capture_or_claim(self, run, shape_key, name, forward_fn):
             import gc
 
+            t = time.perf_counter()
             gc.collect()  # the same point on both sides (the loop runs with gc off)
+            run.timings["_gc_last"] = time.perf_counter() - t
+            _add_time(run, "gc_s", run.timings["_gc_last"])
             if run.mode == "save":
                 # The routed pool is paused (torch matches a thread's pools in the order they
                 # were entered, so the capture pool would never win), and the capture goes to

@@ -318,6 +318,8 @@ FREEZE_HOOKS: tuple[tuple[str, str, str], ...] = (
      "AROUND", "around_capture_decode_graph"),
     ("sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend", "AROUND",
      "around_resolve_decode_backend"),
+    (f"{SCHEDULER_MODULE}.Scheduler.handle_generate_request", "AFTER",
+     "after_handle_generate_request"),
     (f"{SCHEDULER_MODULE}.Scheduler.on_idle", "AFTER", "after_on_idle"),
 )
 
@@ -435,6 +437,24 @@ def _setup_jit(cfg: Any) -> dict:
     return dirs
 
 
+def _narrow_models(cfg: Any) -> None:
+    """LOAD: SGLang's model registry imports only the model module(s) SAVE recorded
+    (``freeze.narrow_model_registry``); the processes started later inherit the setting."""
+    from ... import archive as _archive
+    from . import freeze
+
+    try:
+        state = _archive.open_archive(cfg.archive).state(0)
+    except (_archive.ArchiveError, OSError) as e:  # the session's start reports it, fatally
+        log.debug("vitrify SGLang plugin: model registry not narrowed: %s", e)
+        return
+    modules = (state.get("engine") or {}).get("model_modules")
+    n = freeze.narrow_model_registry(modules)
+    if n:
+        log.info("vitrify SGLang plugin: the model registry imports %s only (%d other model "
+                 "modules in %s)", ", ".join(modules), n, freeze.DISABLED_ARCHS_ENV)
+
+
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert without ``VITRIFY_SGLANG_CONFIG`` (P1);
     otherwise config, version, every target, then registration (P2–P5); once per process (P9).
@@ -484,6 +504,8 @@ def _register(path: str) -> None:
         _check_server_args_fields(version)
         if cfg.jit_caches:
             STATE.jit_dirs = _setup_jit(cfg)
+        if cfg.mode == "load":
+            _narrow_models(cfg)
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
     for hook in hooks:
