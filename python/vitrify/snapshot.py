@@ -318,7 +318,8 @@ def plan_restore(archive, rank: int) -> RestorePlan:
         raise _check.ArgumentTypeError(f"archive must be an opened vitrify.archive.Archive, got "
                                        f"{_check.got(archive)}")
     if not config.settings().warmup_restore:
-        plan = RestorePlan("rerun-warmup", "warmup restore is off (VITRIFY_WARMUP_RESTORE=0 or the caller's warmup_restore=False): re-running warmup")
+        plan = RestorePlan("rerun-warmup", "warmup restore is off (VITRIFY_WARMUP_RESTORE=0 or "
+                                           "the caller's warmup_restore=False): re-running warmup")
         log.info("rank %d: %s", rank, plan.reason)
         return plan
     rel = span_relpath(rank)
