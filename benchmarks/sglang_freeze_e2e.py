@@ -80,7 +80,9 @@ TIMELINE = {
 STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(\d{3}))?")
 SESSION_STEP = re.compile(r"vitrify\.session INFO: (\w+): ([0-9.]+) s$")
 GRAPH_LOOP = re.compile(r"decode graphs, (\d+) shapes: warm-up forwards ([0-9.]+) s, gc "
-                        r"([0-9.]+) s, (capture|claim) ([0-9.]+) s")
+                        r"([0-9.]+) s, (capture|claim) ([0-9.]+) s(?: \(SGLang's whole capture "
+                        r"step ([0-9.]+) s\))?")
+WARMUP_LINE = re.compile(r"LOAD warm-up: (\d+) request\(s\) of ([0-9, ]+) tokens in ([0-9.]+) s")
 REGISTRY_LINE = re.compile(r"the model registry imports (.*) only")
 GOALS = {"load_scheduler_e2e_s": 3.0, "load_ready_over_import_floor_s": 5.0,
          "load_first_ttft_over_steady": 1.5}
@@ -234,6 +236,11 @@ def timeline(log: str, t_launch: float) -> dict:
             out["decode_graph_loop"] = {"shapes": int(g.group(1)),
                                         "warmup_forwards_s": float(g.group(2)),
                                         "gc_s": float(g.group(3)), g.group(4) + "_s": float(g.group(5))}
+            if g.group(6):
+                out["decode_graph_loop"]["sglang_capture_step_s"] = float(g.group(6))
+        if w := WARMUP_LINE.search(line):
+            out["load_warmup"] = {"requests": int(w.group(1)), "seconds": float(w.group(3)),
+                                  "lengths": [int(x) for x in w.group(2).split(",")]}
         if r := REGISTRY_LINE.search(line):
             out["model_registry_narrowed_to"] = r.group(1)
     return out

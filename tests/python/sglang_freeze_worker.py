@@ -108,7 +108,7 @@ def main() -> int:
             freeze.after_on_idle(None, sched)  # idle, but no request yet
             out["idle_before_request_wrote"] = os.path.exists(archive)
             health = types.SimpleNamespace(rid="HEALTH_CHECK_0f")
-            request = types.SimpleNamespace(rid="r1")
+            request = types.SimpleNamespace(rid="r1", input_ids=[1, 2, 3])
             freeze.after_handle_generate_request(None, sched, health)  # not counted
             freeze.after_handle_generate_request(None, sched, request)
             sched.forward_ct = 1
@@ -118,6 +118,7 @@ def main() -> int:
             freeze.after_on_idle(None, sched)
             out["requests"] = run.requests
             out["model_modules"] = run.model_modules
+            out["request_lengths"] = run.request_lengths
             out["summary"] = {k: run.summary[k] for k in ("graphs", "checkpoints")}
             from vitrify import archive as _archive
 

@@ -8,6 +8,7 @@ idle loop after a request, with the JIT caches)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -183,7 +184,7 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["idle_before_request_wrote"] is False
     # save_after_requests = 2: one request (a health check does not count) is not enough
     assert save["idle_after_one_request_wrote"] is False and save["requests"] == 2
-    assert save["model_modules"] == ["vitrify_test_model"]
+    assert save["model_modules"] == ["vitrify_test_model"] and save["request_lengths"] == [3, 3]
     assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
     assert save["jit_files"] == ["triton/AB/k.cubin"]
     load = _worker("load", tmp_path)
@@ -236,3 +237,100 @@ def test_model_modules_names_the_modules_exporting_the_models_class():
     finally:
         for name in mods:
             sys.modules.pop(name, None)
+
+
+def test_the_launcher_warm_up_hook_is_registered_in_the_launcher_at_load_only(tmp_path):
+    from vitrify.integrations.sglang import plugin
+    from vitrify.integrations.sglang.config import PluginConfig
+
+    def targets(mode, in_scheduler, warmups=8):
+        cfg = PluginConfig(mode=mode, archive=str(tmp_path), region_bytes=1 << 30,
+                           warmup_requests=warmups)
+        return {h.target for h in plugin.hooks_for(cfg, in_scheduler)}
+
+    assert plugin.WARMUP_TARGET in targets("load", False)
+    assert plugin.WARMUP_TARGET not in targets("load", True)  # a scheduler never
+    assert plugin.WARMUP_TARGET not in targets("save", False)
+    assert plugin.WARMUP_TARGET not in targets("load", False, warmups=0)
+    assert f"{plugin.SCHEDULER_MODULE}.Scheduler.handle_generate_request" in \
+        targets("save", True)
+
+
+def test_spread_picks_distinct_lengths_over_the_range():
+    assert freeze.spread([300, 64, 64, 512, 100], 8) == [64, 100, 300, 512]
+    assert freeze.spread(list(range(1, 101)), 3) == [1, 51, 100]
+    assert freeze.spread(list(range(1, 101)), 1) == [100]
+    assert freeze.spread([5, 0, -3, True, "7", 9], 4) == [5, 9]
+    assert freeze.spread(None, 4) == [] and freeze.spread([64], 0) == []
+    a, b = freeze.warmup_ids(40, 0), freeze.warmup_ids(40, 1)
+    assert len(a) == 40 and a[0] != b[0] and all(10 <= t < 1000 for t in a + b)
+
+
+class _Args:
+    api_key = None
+    dp_size = 1
+
+    def __init__(self, port):
+        self.port = port
+
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def ssl_verify(self):
+        return True
+
+
+def _http_server(status=200):
+    import http.server
+    import threading
+
+    seen = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplog, status):
+    pytest.importorskip("requests")
+    from vitrify import archive as _archive
+    from vitrify.integrations.sglang import plugin
+    from vitrify.integrations.sglang.config import PluginConfig
+
+    class _Arch:
+        def state(self, rank):
+            return {"engine": {"request_lengths": [3, 300, 64, 512, 64, 100]}}
+
+    monkeypatch.setattr(_archive, "open_archive", lambda path, **k: _Arch())
+    cfg = PluginConfig(mode="load", archive=str(tmp_path), region_bytes=1 << 30,
+                       warmup_requests=3)
+    monkeypatch.setattr(plugin.STATE, "config", cfg)
+    srv, seen = _http_server(status)
+    try:
+        caplog.set_level("INFO", logger="vitrify.sglang")
+        assert freeze.after_execute_server_warmup(True, _Args(srv.server_address[1])) is True
+    finally:
+        srv.shutdown()
+    if status != 200:  # a warning, and the server still starts
+        assert len(seen) == 1 and "LOAD's warm-up requests failed" in caplog.text
+        return
+    assert [p for p, _ in seen] == ["/generate"] * 3
+    assert [len(b["input_ids"]) for _, b in seen] == [3, 100, 512]
+    assert all(b["sampling_params"] == {"temperature": 0, "max_new_tokens": 2} for _, b in seen)
+    assert "LOAD warm-up: 3 request(s) of 3, 100, 512 tokens" in caplog.text
+    # SGLang's own warm-up failed, or SAVE, or none asked for: nothing is sent
+    seen.clear()
+    assert freeze.after_execute_server_warmup(False, _Args(1)) is False
+    monkeypatch.setattr(plugin.STATE, "config", dataclasses.replace(cfg, warmup_requests=0))
+    assert freeze.after_execute_server_warmup(True, _Args(1)) is True and seen == []

@@ -137,6 +137,16 @@ def test_config_defaults_and_save_parent(tmp_path):
     assert cfg.archive == str(tmp_path / "new")
 
 
+def test_config_request_counts(tmp_path):
+    cfg = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "new"),
+                                "region_bytes": "512MiB"})
+    assert (cfg.save_after_requests, cfg.warmup_requests) == (1, 8)
+    cfg = pconfig.from_mapping({"mode": "save", "archive": str(tmp_path / "new"),
+                                "region_bytes": "512MiB", "save_after_requests": 17,
+                                "warmup_requests": 0})
+    assert (cfg.save_after_requests, cfg.warmup_requests) == (17, 0)
+
+
 def test_config_is_frozen(tmp_path):
     cfg = pconfig.from_mapping({"mode": "off"})
     with pytest.raises(Exception):
@@ -188,6 +198,12 @@ def _bad(tmp_path, **over):
     ({"prefill_graphs": "breakable"}, ["'prefill_graphs'", "'breakable'",
                                        "prefill CUDA graphs are not frozen yet"]),
     ({"prefill_graphs": 0}, ["'prefill_graphs'", "expected", "int"]),
+    ({"save_after_requests": 0}, ["'save_after_requests'", "between 1 and"]),
+    ({"save_after_requests": "3"}, ["'save_after_requests'", "expected an int", "str"]),
+    ({"save_after_requests": True}, ["'save_after_requests'", "expected an int", "bool"]),
+    ({"warmup_requests": 65}, ["'warmup_requests'", "between 0 and 64", "65"]),
+    ({"warmup_requests": -1}, ["'warmup_requests'", "between 0 and 64"]),
+    ({"warmup_requests": 2.0}, ["'warmup_requests'", "expected an int", "float"]),
 ])
 def test_config_bad_fields(tmp_path, over, words):
     with pytest.raises(PluginConfigError) as e:

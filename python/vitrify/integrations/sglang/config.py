@@ -36,6 +36,11 @@ key                value                           meaning
                                                    only real traffic compiles (a Triton
                                                    specialisation on a pointer's alignment)
                                                    are then in the archive; LOAD ignores it
+``warmup_``        int 0..64 (default 8)           LOAD: after SGLang's warm-up request and
+``requests``                                       before the server reports ready, this many
+                                                   requests of the prompt lengths SAVE served
+                                                   (spread over their range) load the kernels
+                                                   a first request would; 0: none
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -62,7 +67,7 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
 _KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
-         "jit_caches", "jit_dir", "save_after_requests")
+         "jit_caches", "jit_dir", "save_after_requests", "warmup_requests")
 
 
 class PluginConfigError(ValueError):
@@ -83,6 +88,7 @@ class PluginConfig:
     jit_caches: bool = True
     jit_dir: str | None = None  # None when off or jit_caches is false
     save_after_requests: int = 1
+    warmup_requests: int = 8
 
     @property
     def active(self) -> bool:
@@ -191,17 +197,22 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
     jit_caches = data.get("jit_caches", True)
     if not isinstance(jit_caches, bool):
         raise _type_error("jit_caches", "true or false", jit_caches)
-    after = data.get("save_after_requests", 1)
-    if isinstance(after, bool) or not isinstance(after, int):
-        raise _type_error("save_after_requests", "an int >= 1", after)
-    if not 1 <= after <= 1 << 31:
-        raise PluginConfigError(f"config key 'save_after_requests': must be between 1 and 2**31, "
-                                f"got {after}")
+    after = _int_in(data, "save_after_requests", 1, 1, 1 << 31)
+    warmups = _int_in(data, "warmup_requests", 8, 0, 64)
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
                         on_mismatch=on_mismatch, prefill_graphs="disabled", source=source,
                         weight_updates=weight_updates, jit_caches=jit_caches,
                         jit_dir=_jit_dir(data, mode, archive, jit_caches),
-                        save_after_requests=after)
+                        save_after_requests=after, warmup_requests=warmups)
+
+
+def _int_in(data: Mapping, key: str, default: int, lo: int, hi: int) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(key, f"an int between {lo} and {hi}", value)
+    if not lo <= value <= hi:
+        raise PluginConfigError(f"config key {key!r}: must be between {lo} and {hi}, got {value}")
+    return value
 
 
 def _jit_dir(data: Mapping, mode: str, archive: str | None, enabled: bool) -> str | None:

@@ -56,6 +56,7 @@ ATTENTION_BACKENDS = ("triton",)
 MODELS_PACKAGE = "sglang.srt.models"
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
+MAX_LENGTHS = 256  # SAVE records at most this many prompt lengths
 JIT_WATCH_S = 30.0  # how often an idle scheduler looks for JIT compiles after the pack/thaw
 
 
@@ -221,6 +222,7 @@ class Run:
     summary: dict | None = None
     model_modules: list | None = None  # SAVE: what the model registry needs (model_modules)
     requests: int = 0  # SAVE: generate requests seen before the archive was written
+    request_lengths: list = dataclasses.field(default_factory=list)  # SAVE: their prompt lengths
     jit_index: dict | None = None  # the archive's JIT index once packed (SAVE) / thawed (LOAD)
     jit_dirs: dict | None = None
     jit_seen: int = 0  # JIT files already reported as compiled after the pack/thaw
@@ -229,7 +231,8 @@ class Run:
 
     def engine_state(self) -> dict:
         return {"format": STATE_FORMAT, "pool_config": self.pool_config, "graphs": self.graphs,
-                "routed_blocks": self.routed, "model_modules": self.model_modules}
+                "routed_blocks": self.routed, "model_modules": self.model_modules,
+                "request_lengths": self.request_lengths}
 
     def load_engine_state(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -517,6 +520,70 @@ def after_handle_generate_request(result: Any, scheduler: Any, recv_req: Any = N
         rid = getattr(recv_req, "rid", None)
         if not (isinstance(rid, str) and rid.startswith(HEALTH_CHECK_PREFIX)):
             run.requests += 1
+            ids = getattr(recv_req, "input_ids", None)
+            if ids is not None and len(run.request_lengths) < MAX_LENGTHS:
+                run.request_lengths.append(len(ids))
+    return result
+
+
+def spread(lengths: Any, k: int) -> list[int]:
+    """Up to ``k`` of the distinct ``lengths`` (ints > 0), spread evenly over their sorted range
+    (the shortest and the longest always among them)."""
+    if not isinstance(lengths, list) or k <= 0:
+        return []
+    have = sorted({n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0})
+    if len(have) <= k:
+        return have
+    if k == 1:
+        return [have[-1]]
+    return sorted({have[round(i * (len(have) - 1) / (k - 1))] for i in range(k)})
+
+
+def warmup_ids(length: int, index: int) -> list[int]:
+    """A prompt of ``length`` token ids, its first token distinct per ``index`` (no two share a
+    cached prefix), every id in [10, 1000): below any vocabulary's size."""
+    return [10 + (index * 131 + i * 7) % 990 for i in range(length)]
+
+
+def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any,
+                                **kwargs: Any) -> Any:
+    """LOAD, launcher: after SGLang's own warm-up request (three tokens) and before the server
+    reports ready, ``warmup_requests`` requests of the prompt lengths SAVE served. They load what
+    the first real request would otherwise load on its way (kernel modules, cuBLAS's choices for
+    the prefill's shapes, the extend kernels' variants): the archive made them compiled, not
+    loaded. A failure is a warning: the server still starts."""
+    p = _plugin()
+    cfg = p.STATE.config
+    if result is False or cfg is None or cfg.mode != "load" or not cfg.warmup_requests or \
+            server_args is None:
+        return result
+    from ... import archive as _archive
+
+    try:
+        state = _archive.open_archive(cfg.archive).state(0).get("engine") or {}
+        lengths = spread(state.get("request_lengths"), cfg.warmup_requests)
+        if not lengths:
+            return result
+        import requests
+
+        headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key \
+            else {}
+        dp = max(1, int(getattr(server_args, "dp_size", 1) or 1))
+        t = time.perf_counter()
+        for i, n in enumerate(lengths):
+            ids = [warmup_ids(n, i * dp + j) for j in range(dp)]
+            body = {"input_ids": ids[0] if dp == 1 else ids,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+            r = requests.post(server_args.url() + "/generate", json=body, headers=headers,
+                              timeout=300, verify=server_args.ssl_verify())
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+    except Exception as e:
+        log.warning("vitrify: LOAD's warm-up requests failed (%s: %s); the first requests may "
+                    "be slower", type(e).__name__, e)
+        return result
+    log.info("vitrify: LOAD warm-up: %d request(s) of %s tokens in %.2f s", len(lengths),
+             ", ".join(map(str, lengths)), time.perf_counter() - t)
     return result
 
 
@@ -586,11 +653,13 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
     # and runs at the same points (each shape's start, in capture_one) instead.
     was = gc.isenabled()
     gc.disable()
+    t0 = time.perf_counter()
     try:
         result = original(*args, **kwargs)
     finally:
         if was:
             gc.enable()
+    run.timings["total_s"] = time.perf_counter() - t0
     try:
         blocks = routed_blocks(run.region)
         if run.mode == "save":
@@ -601,10 +670,11 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
         raise _fatal(str(e)) from None
     run.session.reached("captured")  # LOAD: graph pools restored, graphs waited for
     tm = run.timings
-    log.info("vitrify: decode graphs, %d shapes: warm-up forwards %.2f s, gc %.2f s, %s %.2f s",
-             tm.get("shapes", 0), tm.get("warmup_forwards_s", 0.0), tm.get("gc_s", 0.0),
+    log.info("vitrify: decode graphs, %d shapes: warm-up forwards %.2f s, gc %.2f s, %s %.2f s "
+             "(SGLang's whole capture step %.2f s)", tm.get("shapes", 0),
+             tm.get("warmup_forwards_s", 0.0), tm.get("gc_s", 0.0),
              "capture" if run.mode == "save" else "claim",
-             tm.get("capture_s" if run.mode == "save" else "claim_s", 0.0))
+             tm.get("capture_s" if run.mode == "save" else "claim_s", 0.0), tm["total_s"])
     return result
 
 

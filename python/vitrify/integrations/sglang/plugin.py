@@ -283,6 +283,8 @@ class Hook:
     fn: Callable
     feature: str = "freeze"
     scheduler: bool = False
+    launcher: bool = False  # registered only in the launcher (the process that is no scheduler)
+    modes: tuple = ("save", "load", "off")  # the config modes it is registered in
 
 
 def _lazy_hook(module: str, name: str) -> Callable:
@@ -304,6 +306,8 @@ UPDATE_TARGET = ("sglang.srt.model_executor.model_runner_components.weight_updat
                  "WeightUpdater.update_weights_from_tensor")
 QUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+# the launcher's warm-up request (the HTTP server's thread, before the server reports ready)
+WARMUP_TARGET = "sglang.srt.entrypoints.http_server._execute_server_warmup"
 
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -331,14 +335,18 @@ HOOKS: tuple[Hook, ...] = (
     Hook(QUEUE_TARGET, "AROUND", _weights_hook("around_add_request_to_queue"),
          feature="weights", scheduler=True),
 ) + tuple(Hook(target, kind, _lazy_hook("freeze", fn), scheduler=True)
-          for target, kind, fn in FREEZE_HOOKS)
+          for target, kind, fn in FREEZE_HOOKS) + (
+    Hook(WARMUP_TARGET, "AFTER", _lazy_hook("freeze", "after_execute_server_warmup"),
+         launcher=True, modes=("load",)),)
 
 
 def hooks_for(cfg: Any, in_scheduler: bool) -> tuple[Hook, ...]:
     """The hooks this process registers for ``cfg``."""
     features = ({"freeze"} if cfg.active else set()) | ({"weights"} if cfg.weight_updates
                                                         else set())
-    return tuple(h for h in HOOKS if h.feature in features and (in_scheduler or not h.scheduler))
+    return tuple(h for h in HOOKS if h.feature in features and cfg.mode in h.modes and
+                 (in_scheduler or not h.scheduler) and not (in_scheduler and h.launcher) and
+                 not (h.target == WARMUP_TARGET and not cfg.warmup_requests))
 _REGISTRY_TARGET = "sglang.srt.plugins.hook_registry.HookRegistry"
 _HOOK_TYPE_TARGET = "sglang.srt.plugins.hook_registry.HookType"
 
