@@ -65,8 +65,6 @@ SAVE_FAILED_LINE = re.compile(r"vitrify: SAVE failed|vitrify SGLang plugin:.*(fa
 PLUGIN_LINE = re.compile(r"vitrify SGLang plugin: mode '(save|load)'")
 # the start-up's milestones in a server log, for "where the seconds go" (first match each)
 TIMELINE = {
-    "plugin_launcher": re.compile(r"vitrify SGLang plugin: mode '\w+'.* 1 hook"),
-    "plugin_scheduler": re.compile(r"vitrify SGLang plugin: mode '\w+'.* ([2-9]|\d\d+) hook"),
     "torch_distributed": IMPORT_FLOOR_LINE,
     "load_weight_begin": re.compile(r"Load weight begin"),
     "load_weight_end": re.compile(r"Load weight end"),
@@ -139,7 +137,8 @@ class Settings:
                                       max_len=max(self.max_len + self.max_new_tokens, 1024))
 
 
-SHAPE_SETTINGS = {"tiny": {}, "8b": {"region_gb": 48, "mem_fraction": 0.5, "ready_s": 300.0}}
+SHAPE_SETTINGS = {"tiny": {"extra_launch_s": 90.0},
+                  "8b": {"region_gb": 48, "mem_fraction": 0.5, "ready_s": 300.0}}
 
 
 def mode_of(scenario: str) -> str:
@@ -221,12 +220,17 @@ def timeline(log: str, t_launch: float) -> dict:
         lines = Path(log).read_text(errors="replace").splitlines()
     except OSError:
         return out
+    plugin_lines = 0
     for line in lines:
         m = STAMP.match(line)
         if m is None:
             continue
         t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
             (int(m.group(2)) / 1e3 if m.group(2) else 0.0)
+        if PLUGIN_LINE.search(line) and m.group(2):  # the launcher's, then the scheduler's
+            key = ("plugin_launcher", "plugin_scheduler")[min(plugin_lines, 1)]
+            out["at_s"].setdefault(key, round(t - t_launch, 3))
+            plugin_lines += 1
         for k, pat in TIMELINE.items():
             if k not in out["at_s"] and pat.search(line):
                 out["at_s"][k] = round(t - t_launch, 3)

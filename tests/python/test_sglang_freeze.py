@@ -248,7 +248,7 @@ def test_the_launcher_warm_up_hook_is_registered_in_the_launcher_at_load_only(tm
                            warmup_requests=warmups)
         return {h.target for h in plugin.hooks_for(cfg, in_scheduler)}
 
-    assert plugin.WARMUP_TARGET in targets("load", False)
+    assert plugin.WARMUP_TARGET in targets("load", False)  # SGLang's _wait_and_warmup
     assert plugin.WARMUP_TARGET not in targets("load", True)  # a scheduler never
     assert plugin.WARMUP_TARGET not in targets("save", False)
     assert plugin.WARMUP_TARGET not in targets("load", False, warmups=0)
@@ -334,3 +334,35 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
     assert freeze.after_execute_server_warmup(False, _Args(1)) is False
     monkeypatch.setattr(plugin.STATE, "config", dataclasses.replace(cfg, warmup_requests=0))
     assert freeze.after_execute_server_warmup(True, _Args(1)) is True and seen == []
+
+
+def test_the_warm_up_wrapper_runs_after_the_warm_up_function_the_call_uses(monkeypatch):
+    calls = []
+    monkeypatch.setattr(freeze, "after_execute_server_warmup",
+                        lambda result, server_args: calls.append(("ours", result)) or result)
+
+    def default_warmup(server_args):
+        calls.append(("default", server_args))
+        return True
+
+    def wait_and_warmup(server_args, launch_callback=None, execute_warmup_func=default_warmup):
+        return ("done", execute_warmup_func(server_args))
+
+    # the default argument (where a hook on the module attribute never reaches)
+    assert freeze.around_wait_and_warmup(wait_and_warmup, "args") == ("done", True)
+    assert calls == [("default", "args"), ("ours", True)]
+    calls.clear()
+    passed = lambda sa: calls.append(("passed", sa)) or False  # noqa: E731
+    assert freeze.around_wait_and_warmup(wait_and_warmup, "a", None, passed) == ("done", False)
+    assert calls == [("passed", "a"), ("ours", False)]
+    # a signature it does not know: SGLang's function runs untouched
+    calls.clear()
+    assert freeze.around_wait_and_warmup(lambda *a: "plain", 1, 2, 3, 4) == "plain" and not calls
+    # SGLang's own function takes the wrapper (its warm-up failed: it returns before "ready")
+    from sglang.srt.entrypoints.http_server import _wait_and_warmup
+
+    sa = types.SimpleNamespace(checkpoint_engine_wait_weights_before_ready=False,
+                               is_ep_scale_joiner=False, skip_server_warmup=False)
+    assert freeze.around_wait_and_warmup(_wait_and_warmup, sa,
+                                         execute_warmup_func=lambda s: False) is None
+    assert calls == [("ours", False)]

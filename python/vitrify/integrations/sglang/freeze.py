@@ -545,6 +545,28 @@ def warmup_ids(length: int, index: int) -> list[int]:
     return [10 + (index * 131 + i * 7) % 990 for i in range(length)]
 
 
+def around_wait_and_warmup(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """LOAD, launcher: SGLang's ``_wait_and_warmup`` runs its warm-up through a function bound as
+    a default argument (a hook on that function's module attribute never runs), so the call's
+    warm-up function is wrapped here: it runs, then :func:`after_execute_server_warmup`."""
+    import inspect
+
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # not the signature this hook knows: SGLang's own
+    bound.apply_defaults()
+    inner = bound.arguments.get("execute_warmup_func")
+    if not callable(inner):
+        return original(*args, **kwargs)
+
+    def execute_warmup(server_args: Any, *a: Any, **k: Any) -> Any:
+        return after_execute_server_warmup(inner(server_args, *a, **k), server_args)
+
+    bound.arguments["execute_warmup_func"] = execute_warmup
+    return original(*bound.args, **bound.kwargs)
+
+
 def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any,
                                 **kwargs: Any) -> Any:
     """LOAD, launcher: after SGLang's own warm-up request (three tokens) and before the server

@@ -306,8 +306,8 @@ UPDATE_TARGET = ("sglang.srt.model_executor.model_runner_components.weight_updat
                  "WeightUpdater.update_weights_from_tensor")
 QUEUE_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
-# the launcher's warm-up request (the HTTP server's thread, before the server reports ready)
-WARMUP_TARGET = "sglang.srt.entrypoints.http_server._execute_server_warmup"
+# the launcher's warm-up (the HTTP server's thread, before the server reports ready)
+WARMUP_TARGET = "sglang.srt.entrypoints.http_server._wait_and_warmup"
 
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -336,7 +336,7 @@ HOOKS: tuple[Hook, ...] = (
          feature="weights", scheduler=True),
 ) + tuple(Hook(target, kind, _lazy_hook("freeze", fn), scheduler=True)
           for target, kind, fn in FREEZE_HOOKS) + (
-    Hook(WARMUP_TARGET, "AFTER", _lazy_hook("freeze", "after_execute_server_warmup"),
+    Hook(WARMUP_TARGET, "AROUND", _lazy_hook("freeze", "around_wait_and_warmup"),
          launcher=True, modes=("load",)),)
 
 
