@@ -88,6 +88,10 @@ nb::dict stats_dict(const FileStats& s) {
   d["intervals"] = to_pairs(s.intervals);
   d["direct_io"] = s.direct_io;
   d["seconds"] = s.seconds;
+  if (s.file_bytes) {  // a dump: the written file's size and whole-file CRC32C
+    d["file_bytes"] = s.file_bytes;
+    d["file_crc32c"] = s.file_crc32c;
+  }
   return d;
 }
 

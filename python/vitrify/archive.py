@@ -235,6 +235,9 @@ class _FileWriter:
 
     temp_path: str
     _rank: int | None = None
+    # rel -> (size, mtime_ns, checksum) of files whose checksum was computed while writing them
+    # (span dumps): the manifest takes it while the file is unchanged, instead of reading it back
+    _known: dict[str, tuple[int, int, str]] | None = None
 
     def _check_open(self) -> None:  # overridden by ArchiveWriter
         pass
@@ -288,8 +291,16 @@ class _FileWriter:
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) \
                 or name in (".", ".."):
             raise ValueError(f"span name {name!r}: use letters, digits, '_', '-', '.'")
-        full = self.file_path(_snapshot.span_relpath(rank, name))
-        return _snapshot.dump_to_file(full, base, start, end, **kw)
+        rel = _snapshot.span_relpath(rank, name)
+        full = self.file_path(rel)
+        out = _snapshot.dump_to_file(full, base, start, end, **kw)
+        if "file_crc32c" in out:
+            st = os.stat(full)
+            if st.st_size == out["file_bytes"]:
+                if self._known is None:
+                    self._known = {}
+                self._known[rel] = (st.st_size, st.st_mtime_ns, f"crc32c:{out['file_crc32c']:08x}")
+        return out
 
 
 class ArchiveWriter(_FileWriter):
@@ -366,8 +377,10 @@ class ArchiveWriter(_FileWriter):
                 if n in names and rel != MANIFEST:
                     if not stat.S_ISREG(st.st_mode):
                         raise ValueError(f"archive {self.path}: {rel} is not a regular file")
-                    files[check_relpath(rel)] = {"bytes": st.st_size,
-                                                 "checksum": file_checksum(full)}
+                    known = (self._known or {}).get(rel)
+                    checksum = known[2] if known is not None and \
+                        known[:2] == (st.st_size, st.st_mtime_ns) else file_checksum(full)
+                    files[check_relpath(rel)] = {"bytes": st.st_size, "checksum": checksum}
         return dict(sorted(files.items()))
 
     def commit(self) -> str:

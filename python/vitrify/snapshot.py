@@ -234,7 +234,9 @@ def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, ta
     Pipelined through two pinned staging buffers of ``chunk_bytes``; each chunk's CRC32C is
     stored. ``direct_io`` defaults to ``VITRIFY_DIRECT_IO`` (auto: O_DIRECT when the filesystem
     accepts it). ``progress(done, total)`` is called per chunk; by default large spans are logged
-    on the ``vitrify.snapshot`` logger. Returns ``bytes``, ``intervals``, ``direct_io``, ``seconds``.
+    on the ``vitrify.snapshot`` logger. Returns ``bytes``, ``intervals``, ``direct_io``,
+    ``seconds``, and ``file_bytes`` / ``file_crc32c``: the written file's size and whole-file
+    CRC32C (what :func:`vitrify.archive.file_checksum` would read back), computed on the way.
     """
     path = _check.path("path", path)
     _check_span(base, start, end)

@@ -317,6 +317,37 @@ TEST(SpanFile, FileCrcMatchesInMemoryCrc) {
   EXPECT_THROW(file_crc32c(t.file("nope.bin")), std::system_error);
 }
 
+TEST(SpanFile, DumpReportsTheWholeFilesCrcAndSize) {
+  // what the archive's manifest records without reading the file back: holes, a last chunk
+  // that is not a multiple of 4 KiB, one chunk, no data at all
+  TempDir t;
+  struct Case {
+    uint64_t size;
+    Intervals holes;
+    uint64_t chunk;
+  };
+  const std::vector<Case> cases = {
+      {12 * kG, {{0, kG / 2}, {4 * kG, 6 * kG}, {11 * kG, 12 * kG}}, 3 * kG},
+      {3 * kG + 1234, {}, 2 * kG},
+      {5000, {}, 1 << 20},
+      {2 * kG, {{0, 2 * kG}}, kG},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    HostBackend src(c.size, c.holes);
+    fill_pattern(src, 11 + i);
+    FileOptions opt;
+    opt.chunk_bytes = c.chunk;
+    opt.granularity = 4096;
+    opt.direct_io = DirectIo::kOff;
+    const std::string name = "c" + std::to_string(i++) + ".span";
+    const std::string path = t.file(name.c_str());
+    const FileStats ds = dump_to_file(src, src.base(), 0, c.size, path, opt);
+    EXPECT_EQ(ds.file_crc32c, file_crc32c(path)) << path;
+    EXPECT_EQ(ds.file_bytes, std::filesystem::file_size(path)) << path;
+  }
+}
+
 TEST(SpanFile, OptionsAreValidated) {
   HostBackend be(kG, {});
   FileOptions opt;

@@ -509,3 +509,36 @@ def test_read_files_reads_and_checks_many_files_in_one_call(arch, tmp_path):
         a.read_files(rels[2:3], checksum=False)
     with pytest.raises(ArchiveCorrupt, match="not listed"):
         a.read_files(["rank0/graphs/other.graph"], checksum=False)
+
+
+def test_commit_takes_a_spans_checksum_from_its_dump_unless_the_file_changed(tmp_path, monkeypatch):
+    real = archive.file_checksum
+    read_back = []
+
+    def counting(path):
+        read_back.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(archive, "file_checksum", counting)
+    p = tmp_path / "a.vitrify"
+    build(p, ranks=(0,), weights=True)
+    # the span files' checksums came from the dump; the small files were read back
+    assert not any(n.endswith(".span") for n in read_back) and "ab12cd.cubin" in read_back
+    a = archive.open_archive(p, checksums=True)
+    assert a.verify() == []
+    for rel, entry in a.files.items():  # the manifest holds the files' true checksums
+        assert entry["checksum"] == real(os.path.join(p, rel)), rel
+    # a span file changed after its dump: the commit reads it back
+    read_back.clear()
+    with ArchiveWriter(tmp_path / "b.vitrify", FP, REGION) as w:
+        be = HostBackend(2 * G, [])
+        be.write(0, os.urandom(2 * G))
+        w.dump_span(0, "weights", be.base, 0, 2 * G, target=be, chunk_bytes=G, granularity=G,
+                    direct_io="off")
+        full = w.file_path(snapshot.span_relpath(0, "weights"))
+        with open(full, "ab") as f:
+            f.write(b"x")
+    assert read_back == ["weights.span"]
+    b = archive.open_archive(tmp_path / "b.vitrify")
+    assert b.files["rank0/region/weights.span"]["checksum"] == real(full.replace(
+        str(w.temp_path), str(tmp_path / "b.vitrify")))

@@ -205,6 +205,8 @@ struct FileStats {
   Intervals intervals;           // dump: what was mapped; restore: what was written
   bool direct_io = false;        // O_DIRECT was used
   double seconds = 0;
+  uint64_t file_bytes = 0;       // dump: the file's size
+  uint32_t file_crc32c = 0;      // dump: CRC32C of the whole file (= file_crc32c(path))
 };
 
 // Dump the mapped parts of [base+start, base+end) into a new span file at `path` (replaced if

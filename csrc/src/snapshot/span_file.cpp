@@ -207,6 +207,7 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   Staging stage(be, std::max(kBlock, round_up(std::min(cb, end - start), kBlock)));
   uint64_t fill[2] = {0, 0};
   std::vector<uint32_t> crcs;
+  uint32_t data_crc = 0;  // CRC32C of the data area as written (padding included)
 
   // Consumer: checksum and write each full slot at its place in the data area (S6).
   detail::Handoff h(2);
@@ -220,6 +221,7 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
         crcs.push_back(crc32c(p, n));
         const uint64_t padded = round_up(n, kBlock);
         std::memset(p + n, 0, padded - n);
+        data_crc = crc32c_combine(data_crc, crc32c(p + n, padded - n, crcs.back()), padded);
         file_io::pwrite_full(fd, p, padded, kBlock + k * cb, path);
         h.release(s);
       }
@@ -283,11 +285,13 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   if (crcs.size() != chunk_count(st.bytes, cb))
     throw Error("span file " + path + ": internal error, " + std::to_string(crcs.size()) +
                 " chunk CRCs for " + std::to_string(st.bytes) + " bytes");
+  uint32_t table_block_crc = 0;  // CRC32C of the table area as written (padding included)
   if (hd.table_bytes > 0) {
     AlignedBuffer tb(round_up(hd.table_bytes, kBlock), kBlock);
     std::memcpy(tb.data(), st.intervals.data(), st.intervals.size() * 16);
     std::memcpy(tb.data() + st.intervals.size() * 16, crcs.data(), crcs.size() * 4);
     hd.table_crc = crc32c(tb.data(), hd.table_bytes);
+    table_block_crc = crc32c(tb.data(), tb.size());
     file_io::pwrite_full(fd, tb.data(), tb.size(), hd.table_offset, path);
   } else {
     hd.table_crc = crc32c(nullptr, 0);
@@ -299,6 +303,12 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
   std::memcpy(hb.data(), &hd, sizeof hd);
   file_io::pwrite_full(fd, hb.data(), kBlock, 0, path);
   VITRIFY_SYSCALL(::fdatasync(fd), path);
+  // The whole file's CRC32C from what was written (header, data, table: contiguous blocks), so
+  // an archive's manifest need not read the file back.
+  st.file_crc32c = crc32c_combine(
+      crc32c_combine(crc32c(hb.data(), kBlock), data_crc, hd.table_offset - kBlock),
+      table_block_crc, hd.file_bytes - hd.table_offset);
+  st.file_bytes = hd.file_bytes;
   st.seconds = seconds_since(t0);
   return st;
 }
