@@ -187,8 +187,9 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["model_modules"] == ["vitrify_test_model"] and save["request_lengths"] == [3, 3]
     assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
     assert save["jit_files"] == ["triton/AB/k.cubin"]
-    load = _worker("load", tmp_path)
+    load = _worker("load", tmp_path, standby=True)
     assert load["ok"], load.get("traceback")
+    assert load["init_s"] >= 0.3  # it waited for its standby file
     assert load["weights"] == save["weights"]  # restored from the archive, not re-initialised
     # SAVE's size; SGLang's profiling still ran (its side effects are part of the trajectory)
     assert load["pool_config"] == save["pool_config"] and load["profiled"] is True
@@ -280,7 +281,7 @@ class _Args:
         return True
 
 
-def _http_server(status=200):
+def _http_server(status=200, tm=None):
     import http.server
     import threading
 
@@ -288,7 +289,9 @@ def _http_server(status=200):
 
     class H(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
-            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body["status_then"] = getattr(tm, "server_status", None)
+            seen.append((self.path, body))
             self.send_response(status)
             self.end_headers()
             self.wfile.write(b"{}")
@@ -316,19 +319,30 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
     cfg = PluginConfig(mode="load", archive=str(tmp_path), region_bytes=1 << 30,
                        warmup_requests=3)
     monkeypatch.setattr(plugin.STATE, "config", cfg)
-    srv, seen = _http_server(status)
+    import enum
+
+    Status = enum.Enum("ServerStatus", "Up Starting")
+    tm = types.SimpleNamespace(server_status=Status.Up,
+                               model_config=types.SimpleNamespace(vocab_size=500))
+    monkeypatch.setattr(freeze, "_launcher_status", lambda: (tm, Status))
+    srv, seen = _http_server(status, tm)
     try:
         caplog.set_level("INFO", logger="vitrify.sglang")
         assert freeze.after_execute_server_warmup(True, _Args(srv.server_address[1])) is True
     finally:
         srv.shutdown()
-    if status != 200:  # a warning, and the server still starts
+    if status != 200:  # a warning, and the server still starts (its status as it was)
         assert len(seen) == 1 and "LOAD's warm-up requests failed" in caplog.text
+        assert tm.server_status.name == "Up"
         return
     assert [p for p, _ in seen] == ["/generate"] * 3
     assert [len(b["input_ids"]) for _, b in seen] == [3, 100, 512]
     assert all(b["sampling_params"] == {"temperature": 0, "max_new_tokens": 2} for _, b in seen)
     assert "LOAD warm-up: 3 request(s) of 3, 100, 512 tokens" in caplog.text
+    # the server was "starting" while they ran (no user request beside them), "up" again after;
+    # every token id below the model's vocabulary
+    assert {b["status_then"].name for _, b in seen} == {"Starting"} and tm.server_status.name == "Up"
+    assert max(max(b["input_ids"]) for _, b in seen) < 500
     # SGLang's own warm-up failed, or SAVE, or none asked for: nothing is sent
     seen.clear()
     assert freeze.after_execute_server_warmup(False, _Args(1)) is False
@@ -366,3 +380,68 @@ def test_the_warm_up_wrapper_runs_after_the_warm_up_function_the_call_uses(monke
     assert freeze.around_wait_and_warmup(_wait_and_warmup, sa,
                                          execute_warmup_func=lambda s: False) is None
     assert calls == [("ours", False)]
+
+
+def test_a_standby_load_waits_for_its_file(tmp_path, caplog):
+    import threading
+    import time
+
+    caplog.set_level("INFO", logger="vitrify.sglang")
+    go = tmp_path / "go"
+    threading.Timer(0.3, go.touch).start()
+    t = time.monotonic()
+    waited = freeze.wait_for_file(str(go))
+    assert 0.25 <= waited <= time.monotonic() - t and go.exists()
+    assert "waiting for" in caplog.text and "standby ended after" in caplog.text
+    assert freeze.wait_for_file(str(go)) == 0.0  # there already: no wait
+
+
+def test_cold_start_widens_the_registry_to_the_users_own_setting():
+    for before in ({}, {freeze.DISABLED_ARCHS_ENV: "mine"}):
+        env = dict(before)
+        assert freeze.narrow_model_registry(["qwen3"], env) > 100
+        assert freeze.narrow_model_registry(["qwen3"], env) > 100  # the scheduler's own call
+        assert freeze.widen_model_registry(env) is True and env == before
+        assert freeze.widen_model_registry(env) is False and env == before
+
+
+def test_model_modules_include_the_submodules_classes():
+    import sys as _sys
+
+    inner = type("Tower", (), {})
+    outer = type("Multi", (), {"modules": lambda self: iter([self, inner()])})
+    a = types.ModuleType("sglang.srt.models.vitrify_outer")
+    a.EntryClass = outer
+    b = types.ModuleType("sglang.srt.models.vitrify_tower")
+    b.EntryClass = [inner]
+    _sys.modules.update({a.__name__: a, b.__name__: b})
+    try:
+        assert freeze.model_modules(outer()) == ["vitrify_outer", "vitrify_tower"]
+    finally:
+        _sys.modules.pop(a.__name__)
+        _sys.modules.pop(b.__name__)
+
+
+def test_the_jit_watch_reports_new_files_once_and_never_raises(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="vitrify.sglang")
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    run = freeze.Run("save", None, None, 0)
+    run.jit_dirs, run.jit_index = {"triton": str(cache)}, {"caches": {"triton": {"files": []}}}
+
+    def look():
+        run.jit_checked = 0.0
+        caplog.clear()
+        freeze._jit_watch(run)
+        return caplog.text
+
+    (cache / "AB").mkdir()
+    (cache / "AB" / "k.cubin").write_bytes(b"x")
+    assert "1 JIT cache file(s) written after SAVE packed" in look()
+    assert look() == ""  # reported already
+    (cache / "AB" / "k.cubin").unlink()  # one gone, another new: still reported
+    (cache / "AB" / "j.cubin").write_bytes(b"y")
+    assert "2 JIT cache file(s)" in look()
+    os.symlink("/etc/passwd", cache / "AB" / "evil")  # the cache listing refuses it
+    assert "JIT watch off" in look() and run.jit_dirs == {}
+    assert look() == ""

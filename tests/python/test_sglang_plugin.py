@@ -766,3 +766,21 @@ def test_load_reads_no_checkpoint_save_does(fresh, tmp_path, tiny_model, caplog)
     assert args.load_format == "auto"
     assert any("kv_cache_dtype='fp8_e4m3' (scales come from the weights)" in r.getMessage()
                for r in caplog.records)
+
+
+def test_config_standby_file(tmp_path):
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    cfg = pconfig.from_mapping({"mode": "load", "archive": str(arch), "region_bytes": "1GiB",
+                                "standby_file": str(tmp_path / "go")})
+    assert cfg.standby_file == str(tmp_path / "go")
+    assert pconfig.from_mapping({"mode": "load", "archive": str(arch),
+                                 "region_bytes": "1GiB"}).standby_file is None
+    for extra, words in (({"mode": "save", "archive": str(tmp_path / "new")}, "for mode 'load'"),
+                         ({"standby_file": str(tmp_path / "no" / "go")}, "does not exist"),
+                         ({"standby_file": ""}, "non-empty path string"),
+                         ({"standby_file": 3}, "non-empty path string")):
+        data = {"mode": "load", "archive": str(arch), "region_bytes": "1GiB",
+                "standby_file": str(tmp_path / "go"), **extra}
+        with pytest.raises(PluginConfigError, match=words):
+            pconfig.from_mapping(data)

@@ -41,6 +41,12 @@ key                value                           meaning
                                                    requests of the prompt lengths SAVE served
                                                    (spread over their range) load the kernels
                                                    a first request would; 0: none
+``standby_file``   path (LOAD only; default none)  LOAD in standby: the server starts and
+                                                   imports everything, then its scheduler waits
+                                                   before the thaw (before touching GPU memory)
+                                                   until this file exists — the imports leave
+                                                   the restart's critical path (a replacement
+                                                   server waits while the old one still serves)
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -67,7 +73,7 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
 _KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
-         "jit_caches", "jit_dir", "save_after_requests", "warmup_requests")
+         "jit_caches", "jit_dir", "save_after_requests", "warmup_requests", "standby_file")
 
 
 class PluginConfigError(ValueError):
@@ -89,6 +95,7 @@ class PluginConfig:
     jit_dir: str | None = None  # None when off or jit_caches is false
     save_after_requests: int = 1
     warmup_requests: int = 8
+    standby_file: str | None = None
 
     @property
     def active(self) -> bool:
@@ -203,7 +210,25 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
                         on_mismatch=on_mismatch, prefill_graphs="disabled", source=source,
                         weight_updates=weight_updates, jit_caches=jit_caches,
                         jit_dir=_jit_dir(data, mode, archive, jit_caches),
-                        save_after_requests=after, warmup_requests=warmups)
+                        save_after_requests=after, warmup_requests=warmups,
+                        standby_file=_standby_file(data, mode))
+
+
+def _standby_file(data: Mapping, mode: str) -> str | None:
+    if "standby_file" not in data:
+        return None
+    value = data["standby_file"]
+    if not isinstance(value, str) or not value:
+        raise _type_error("standby_file", "a non-empty path string", value)
+    if mode != "load":
+        raise PluginConfigError(f"config key 'standby_file' is for mode 'load' (a thaw that "
+                                f"waits), not {mode!r}")
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isdir(os.path.dirname(path)):
+        raise PluginConfigError(f"config key 'standby_file': the directory "
+                                f"{os.path.dirname(path)!r} does not exist (the file that ends "
+                                f"the standby is created there)")
+    return path
 
 
 def _int_in(data: Mapping, key: str, default: int, lo: int, hi: int) -> int:

@@ -55,8 +55,11 @@ STATE_FORMAT = 1
 ATTENTION_BACKENDS = ("triton",)
 MODELS_PACKAGE = "sglang.srt.models"
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
+BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user's value or null
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
-MAX_LENGTHS = 256  # SAVE records at most this many prompt lengths
+STANDBY_POLL_S = 0.01  # how often a standby scheduler looks for its file
+MAX_LENGTHS = 256
+WARMUP_BUDGET_S = 120.0  # LOAD's warm-up requests, all of them  # SAVE records at most this many prompt lengths
 JIT_WATCH_S = 30.0  # how often an idle scheduler looks for JIT compiles after the pack/thaw
 
 
@@ -225,7 +228,7 @@ class Run:
     request_lengths: list = dataclasses.field(default_factory=list)  # SAVE: their prompt lengths
     jit_index: dict | None = None  # the archive's JIT index once packed (SAVE) / thawed (LOAD)
     jit_dirs: dict | None = None
-    jit_seen: int = 0  # JIT files already reported as compiled after the pack/thaw
+    jit_seen: set = dataclasses.field(default_factory=set)  # JIT files reported already
     jit_checked: float = 0.0
     timings: dict = dataclasses.field(default_factory=dict)  # decode-graph loop, seconds
 
@@ -322,6 +325,8 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         raise _fatal(f"mode {cfg.mode!r}: {e}") from None
     device = scheduler_gpu(scheduler)
     engine = Engine(fp, p.STATE.sglang_version or "unknown")
+    if cfg.mode == "load" and cfg.standby_file:
+        wait_for_file(cfg.standby_file)
     if cfg.mode == "save":
         sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
                                       device=device)
@@ -338,6 +343,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if cfg.on_mismatch == "cold-start":
             log.warning("vitrify: the archive does not match this server (%s); starting cold "
                         "(on_mismatch = \"cold-start\")", e)
+            widen_model_registry()  # the registry must know whatever model this server names
             return original(scheduler, *args, **kwargs)
         raise _fatal(f"the archive does not match this server: {e} (on_mismatch = "
                      f"\"cold-start\" starts it cold instead)") from None
@@ -369,6 +375,20 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
             raise _fatal(f"mode {cfg.mode!r}: {e}") from None
         raise
+
+
+def wait_for_file(path: str, poll_s: float = STANDBY_POLL_S) -> float:
+    """LOAD in standby: block until ``path`` exists (the operator's go); seconds waited."""
+    t0 = time.monotonic()
+    if os.path.lexists(path):
+        log.info("vitrify: standby: %s exists already, thawing at once", path)
+        return 0.0
+    log.info("vitrify: standby: imports done; waiting for %s before the thaw", path)
+    while not os.path.lexists(path):
+        time.sleep(poll_s)
+    waited = time.monotonic() - t0
+    log.info("vitrify: standby ended after %.1f s (%s appeared); thawing", waited, path)
+    return waited
 
 
 def scheduler_gpu(scheduler: Any) -> int:
@@ -432,12 +452,18 @@ def model_modules(model: Any) -> list[str]:
 
     if model is None:
         return []
-    cls, found = type(model), set()
+    # the model's class and its submodules' (a multimodal model resolves its language model and
+    # vision tower through the registry while it is built)
+    walk = getattr(model, "modules", None)
+    classes = {type(m) for m in walk()} if callable(walk) else set()
+    classes.add(type(model))
+    found = set()
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(MODELS_PACKAGE + "."):
             continue
         entry = getattr(module, "EntryClass", None)
-        if any(e is cls for e in (entry if isinstance(entry, (list, tuple)) else [entry])):
+        if any(e in classes for e in (entry if isinstance(entry, (list, tuple)) else [entry])
+               if isinstance(e, type)):
             found.add(name.rpartition(".")[2])
     return sorted(found)
 
@@ -467,10 +493,31 @@ def narrow_model_registry(modules: Any, env: Any = None) -> int:
                     "its model registry imports every module", sorted(set(modules) - names),
                     MODELS_PACKAGE)
         return 0
+    if BEFORE_NARROWING_ENV not in env:  # the user's own setting, for widen_model_registry
+        env[BEFORE_NARROWING_ENV] = json.dumps(env.get(DISABLED_ARCHS_ENV))
     have = [x.strip() for x in env.get(DISABLED_ARCHS_ENV, "").split(",") if x.strip()]
     disabled = names - set(modules)
     env[DISABLED_ARCHS_ENV] = ",".join(sorted(set(have) | disabled))
     return len(disabled)
+
+
+def widen_model_registry(env: Any = None) -> bool:
+    """Undo :func:`narrow_model_registry` (the user's own ``SGLANG_DISABLED_MODEL_ARCHS`` back):
+    LOAD starting cold builds whatever model the server names. True when something was undone;
+    it takes effect where SGLang's registry is not imported yet (the scheduler before
+    ``load_model``)."""
+    env = os.environ if env is None else env
+    if BEFORE_NARROWING_ENV not in env:
+        return False
+    try:
+        before = json.loads(env.pop(BEFORE_NARROWING_ENV))
+    except ValueError:
+        before = None
+    if isinstance(before, str):
+        env[DISABLED_ARCHS_ENV] = before
+    else:
+        env.pop(DISABLED_ARCHS_ENV, None)
+    return True
 
 
 def _jit_watch(run: Run) -> None:
@@ -483,24 +530,22 @@ def _jit_watch(run: Run) -> None:
     from ... import archive as _archive
     from ... import jit
 
-    if run.mode == "load" and run.jit_dirs is None:  # first look after the thaw
-        run.jit_dirs = dict(_plugin().STATE.jit_dirs or {})
-        try:
+    try:  # a report only: nothing here may reach SGLang's scheduler loop
+        if run.mode == "load" and run.jit_dirs is None:  # first look after the thaw
+            run.jit_dirs = dict(_plugin().STATE.jit_dirs or {})
             run.jit_index = jit.read_index(_archive.open_archive(_plugin().STATE.config.archive))
-        except (_archive.ArchiveError, OSError) as e:
-            log.debug("vitrify: JIT watch: %s", e)
-    if not run.jit_dirs or run.jit_index is None:
-        return
-
-    try:
+        if not run.jit_dirs or run.jit_index is None:
+            return
         new = jit.compiled_since(run.jit_dirs, run.jit_index)
-    except OSError as e:
-        log.debug("vitrify: JIT watch: %s", e)
+    except Exception as e:
+        log.warning("vitrify: JIT watch off: %s: %s", type(e).__name__, e)
+        run.jit_dirs = {}
         return
-    count = sum(len(v) for v in new.values())
-    if count <= run.jit_seen:
+    files = {f"{n}/{f}" for n, v in new.items() for f in v}
+    if files <= run.jit_seen:
         return
-    run.jit_seen = count
+    run.jit_seen |= files
+    count = len(run.jit_seen)
     example = next((f"{n}/{v[0]}" for n, v in new.items() if v), "")
     if run.mode == "save":
         log.warning("vitrify: %d JIT cache file(s) written after SAVE packed its caches (e.g. "
@@ -539,10 +584,24 @@ def spread(lengths: Any, k: int) -> list[int]:
     return sorted({have[round(i * (len(have) - 1) / (k - 1))] for i in range(k)})
 
 
-def warmup_ids(length: int, index: int) -> list[int]:
+def warmup_ids(length: int, index: int, vocab: int = 1000) -> list[int]:
     """A prompt of ``length`` token ids, its first token distinct per ``index`` (no two share a
-    cached prefix), every id in [10, 1000): below any vocabulary's size."""
-    return [10 + (index * 131 + i * 7) % 990 for i in range(length)]
+    cached prefix), every id in [10, min(vocab, 1000)) (past the usual special tokens)."""
+    top = max(11, min(int(vocab), 1000))
+    return [10 + (index * 131 + i * 7) % (top - 10) for i in range(length)]
+
+
+def _launcher_status() -> tuple[Any, Any]:
+    """SGLang's tokenizer manager in this (launcher) process and its ``ServerStatus`` enum, or
+    (None, None) where they are not found."""
+    import sys
+
+    mod = sys.modules.get("sglang.srt.entrypoints.http_server")
+    tm = getattr(getattr(mod, "_global_state", None), "tokenizer_manager", None)
+    status = getattr(mod, "ServerStatus", None)
+    if tm is None or status is None or not hasattr(tm, "server_status"):
+        return None, None
+    return tm, status
 
 
 def around_wait_and_warmup(original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -591,15 +650,30 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
         headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key \
             else {}
         dp = max(1, int(getattr(server_args, "dp_size", 1) or 1))
+        tm, status = _launcher_status()
+        vocab = getattr(getattr(tm, "model_config", None), "vocab_size", None) or 1000
         t = time.perf_counter()
-        for i, n in enumerate(lengths):
-            ids = [warmup_ids(n, i * dp + j) for j in range(dp)]
-            body = {"input_ids": ids[0] if dp == 1 else ids,
-                    "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
-            r = requests.post(server_args.url() + "/generate", json=body, headers=headers,
-                              timeout=300, verify=server_args.ssl_verify())
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        # SGLang's warm-up has marked the server up: it is "starting" again until these are
+        # done (/health answers 503), so no request of a user runs beside them
+        was = tm.server_status if tm is not None else None
+        if tm is not None:
+            tm.server_status = status.Starting
+        try:
+            for i, n in enumerate(lengths):
+                left = WARMUP_BUDGET_S - (time.perf_counter() - t)
+                if left <= 0:
+                    raise TimeoutError(f"{WARMUP_BUDGET_S:.0f} s spent, {len(lengths) - i} "
+                                       f"request(s) not sent")
+                ids = [warmup_ids(n, i * dp + j, vocab) for j in range(dp)]
+                body = {"input_ids": ids[0] if dp == 1 else ids,
+                        "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+                r = requests.post(server_args.url() + "/generate", json=body, headers=headers,
+                                  timeout=left, verify=server_args.ssl_verify())
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        finally:
+            if tm is not None:
+                tm.server_status = was
     except Exception as e:
         log.warning("vitrify: LOAD's warm-up requests failed (%s: %s); the first requests may "
                     "be slower", type(e).__name__, e)
