@@ -22,6 +22,7 @@ The span-file format and the invariants are in ``csrc/src/snapshot/DESIGN.md``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -256,6 +257,39 @@ def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, ta
     return out
 
 
+def page_cache_share(path: str | os.PathLike, samples: int = 64) -> float | None:
+    """About what share of ``path`` the page cache holds: ``samples`` 4 KiB reads spread over
+    the file, each with ``RWF_NOWAIT`` (it fails instead of going to the drive). None where the
+    kernel or the filesystem cannot say."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return None
+    samples = _check.integer("samples", samples, 1, 1 << 20)
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 1.0
+        buf = bytearray(4096)
+        hit = 0
+        for i in range(samples):
+            off = (size - 1) * i // max(1, samples - 1) // 4096 * 4096
+            try:
+                hit += os.preadv(fd, [buf], off, flag) > 0
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return None
+                raise
+        return hit / samples
+    finally:
+        os.close(fd)
+
+
+CACHED_SHARE = 0.9  # restore_from_file reads through the page cache above this share
+
+
 def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, target: Target = 0,
                       direct_io: str | None = None,
                       progress: Callable[[int, int], None] | None = None) -> dict:
@@ -263,13 +297,21 @@ def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, targe
 
     Every chunk's CRC32C is verified before its bytes are copied; a mismatch raises
     :class:`SpanFileError` naming the chunk (that chunk is never written; earlier ones were, so
-    fall back to re-running warmup). Returns ``bytes``, ``bytes_written``, ``bytes_dropped``,
-    ``intervals``, ``direct_io``, ``seconds``.
+    fall back to re-running warmup). With ``direct_io`` "auto" a file the page cache holds
+    (:func:`page_cache_share` at least ``CACHED_SHARE``: a restart soon after the last read)
+    is read through it rather than from the drive. Returns ``bytes``, ``bytes_written``,
+    ``bytes_dropped``, ``intervals``, ``direct_io``, ``seconds``.
     """
     path = _check.existing_file("path", path)
     _check_span(base, 0, ceiling, "ceiling")
     target = _target(target)
     direct_io = _direct_io(direct_io)
+    if direct_io == "auto":
+        share = page_cache_share(path)
+        if share is not None and share >= CACHED_SHARE:
+            log.info("restore %s: %.0f%% of it is in the page cache: read through it",
+                     os.fspath(path), 100 * share)
+            direct_io = "off"
     _check.callable_or_none("progress", progress)
     if progress is None:
         progress = progress_logger(f"restore {path}")

@@ -151,7 +151,7 @@ def test_an_engine_without_objects_at_thaw_gets_the_same_bytes(frozen):
     assert th["digest"] == th["frozen_digest"]
     # It cannot re-run warmup (no objects): a refusal saying so.
     th = run("thaw", path, objectless=True, warmup_restore=False)
-    assert not th["ok"] and th["error"].startswith("SessionError: VITRIFY_WARMUP_RESTORE=0")
+    assert not th["ok"] and th["error"].startswith("SessionError: warmup restore is off (VITRIFY_WARMUP_RESTORE=0")
     assert "cannot re-run warmup" in th["error"]
 
 

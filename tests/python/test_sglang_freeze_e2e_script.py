@@ -37,8 +37,7 @@ def _parse(cmd):
 
 @pytest.mark.parametrize("scenario", fz.SCENARIOS)
 def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
-    s = fz.Settings(work=str(tmp_path), out=str(tmp_path / "out"),
-                    shm_work=str(tmp_path / "shm"))
+    s = fz.Settings(work=str(tmp_path), out=str(tmp_path / "out"))
     a = _parse(fz.server_args(s, scenario))
     # what freeze.check_supported accepts, and what the plugin would otherwise force
     assert a.attention_backend == "triton" and a.cuda_graph_backend_prefill == "disabled"
@@ -58,7 +57,6 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
     assert cfg.mode == fz.mode_of(scenario) and cfg.archive == s.archive_for(scenario)
     assert cfg.region_bytes == 24 << 30 and cfg.save_after_requests == 1 + s.warm_prompts
     assert cfg.jit_caches and cfg.jit_dir == os.path.join(str(tmp_path), f"jit-{scenario}")
-    assert (scenario == "load-shm") == cfg.archive.startswith(s.shm_work)
     assert cfg.standby_file == (s.standby_file if scenario == "load-standby" else None)
 
 
@@ -99,7 +97,7 @@ def test_dry_run_prints_the_three_launches(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
-        ["# plain", "# save", "# load", "# load-standby", "# plain-warm", "# load-shm"]
+        ["# plain", "# save", "# load", "# load-standby", "# plain-warm", "# load-cached"]
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
                         "--dry-run", "--work", str(tmp_path), "--scenarios", "plain,save"],
                        capture_output=True, text=True, timeout=120)

@@ -261,3 +261,39 @@ def test_warmup_restore_env_parsing():
     assert config.from_environ({}).warmup_restore is True
     with pytest.raises(ValueError, match="VITRIFY_WARMUP_RESTORE"):
         config.from_environ({"VITRIFY_WARMUP_RESTORE": "maybe"})
+
+
+def test_page_cache_share_tells_a_cached_file_from_a_dropped_one(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    path.read_bytes()  # in the page cache now
+    share = snapshot.page_cache_share(path)
+    if share is None:
+        pytest.skip("RWF_NOWAIT reads are not supported here")
+    assert share == 1.0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+    finally:
+        os.close(fd)
+    assert snapshot.page_cache_share(path) <= 0.25
+    (tmp_path / "empty").write_bytes(b"")
+    assert snapshot.page_cache_share(tmp_path / "empty") == 1.0
+
+
+def test_a_cached_span_file_is_restored_through_the_page_cache(tmp_path, caplog):
+    be = snapshot.HostBackend(4 << 16, [])
+    data = os.urandom(4 << 16)
+    be.write(0, data)
+    path = tmp_path / "s.span"
+    snapshot.dump_to_file(path, be.base, 0, 4 << 16, target=be, chunk_bytes=1 << 16,
+                          granularity=1 << 16, direct_io="off")
+    path.read_bytes()
+    if snapshot.page_cache_share(path) is None:
+        pytest.skip("RWF_NOWAIT reads are not supported here")
+    caplog.set_level("INFO", logger="vitrify.snapshot")
+    dst = snapshot.HostBackend(4 << 16, [])
+    out = snapshot.restore_from_file(path, dst.base, 4 << 16, target=dst, direct_io="auto")
+    assert out["direct_io"] is False and "in the page cache: read through it" in caplog.text
+    assert dst.read(0, 4 << 16) == data
