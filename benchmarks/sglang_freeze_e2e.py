@@ -124,6 +124,7 @@ class Settings:
         return f"/tmp/qwen3-{self.shape}-freeze"
 
     standby_settle_s: float = 5.0  # a standby server idles this long before its go
+    profile: str | None = None  # a scenario whose scheduler start-up is profiled (cProfile)
 
     @property
     def standby_file(self) -> str:
@@ -186,6 +187,10 @@ def server_env(s: Settings, scenario: str, probe: bool = True) -> dict:
     env.pop("VITRIFY_SGLANG_JIT_ROOT", None)
     if mode_of(scenario) != "plain":  # the plugin's lines (register runs before SGLang's logging)
         env["VITRIFY_LOG_LEVEL"] = "INFO"
+    env.pop("VITRIFY_SGLANG_PROFILE", None)
+    if scenario == s.profile:  # its timings are then slower than the others'
+        env["VITRIFY_SGLANG_PROFILE"] = s.out
+        os.makedirs(s.out, exist_ok=True)
     return env
 
 
@@ -496,6 +501,9 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
                     help=f"comma-separated, in this order: {','.join(SCENARIOS)} (the first "
                          f"three are required)")
     ap.add_argument("--budget-s", type=float, default=Settings.budget_s)
+    ap.add_argument("--profile", choices=[sc for sc in SCENARIOS if sc.startswith(("save", "load"))],
+                    help="profile this launch's scheduler start-up (cProfile, written to --out; "
+                         "its timings are then not comparable)")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     if a.prompts < 2:
@@ -504,7 +512,7 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     if not set(CORE) <= set(chosen) or not set(chosen) <= set(SCENARIOS):
         ap.error(f"--scenarios must name {','.join(CORE)} and only these: {','.join(SCENARIOS)}")
     s = replace(Settings(**SHAPE_SETTINGS[a.shape]), shape=a.shape, bundle=a.bundle, out=a.out,
-                work=a.work, prompts=a.prompts, budget_s=a.budget_s,
+                work=a.work, prompts=a.prompts, budget_s=a.budget_s, profile=a.profile,
                 scenarios=tuple(sc for sc in SCENARIOS if sc in chosen))
     return s, a
 

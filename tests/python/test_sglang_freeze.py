@@ -445,3 +445,13 @@ def test_the_jit_watch_reports_new_files_once_and_never_raises(tmp_path, caplog)
     os.symlink("/etc/passwd", cache / "AB" / "evil")  # the cache listing refuses it
     assert "JIT watch off" in look() and run.jit_dirs == {}
     assert look() == ""
+
+
+def test_the_start_up_profile_is_written_where_asked(tmp_path, monkeypatch):
+    with freeze._profiled("nothing"):  # not asked: nothing written
+        sum(range(1000))
+    monkeypatch.setenv(freeze.PROFILE_ENV, str(tmp_path))
+    with freeze._profiled("init_model_worker-load"):
+        sorted(range(100000), key=lambda x: -x)
+    (path,) = tmp_path.glob("init_model_worker-load-*.txt")
+    assert "cumulative" in path.read_text() and "sorted" in path.read_text()

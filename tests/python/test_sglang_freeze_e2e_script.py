@@ -131,3 +131,50 @@ def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
                                        "claim_s": 0.12}
     assert tl["model_registry_narrowed_to"] == "qwen3"
     assert fz.timeline(str(tmp_path / "missing.log"), t0) == {"at_s": {}, "session_steps_s": {}}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("scenario", ["save", "load-standby"])
+def test_a_launch_against_a_stand_in_server(tmp_path, monkeypatch, scenario):
+    """launch() end to end against tests/python/fake_sglang_server.py: ready, the floor, the
+    plugin's lines, SAVE's wait after the warm prompts, the standby's go, the timeline, the
+    prompts' tokens."""
+    fake = Path(__file__).with_name("fake_sglang_server.py")
+    s = fz.Settings(work=str(tmp_path / "w"), out=str(tmp_path / "out"), site=str(tmp_path / "site"),
+                    warm_prompts=2, port=_free_port(), standby_settle_s=0.3, max_new_tokens=4,
+                    ready_s=60.0)
+    os.makedirs(s.work)
+    os.makedirs(s.out)
+    if scenario != "save":
+        os.makedirs(s.archive)  # LOAD's config needs the archive
+    real_env = fz.server_env
+    monkeypatch.setattr(fz, "server_env", lambda s_, sc, probe=True: real_env(s_, sc, probe=False))
+    monkeypatch.setattr(fz, "server_args", lambda s_, sc: [sys.executable, str(fake), "--port",
+                                                           str(s_.port)])
+    import sglang_hicache_e2e as e2e
+
+    prompts = e2e.make_prompts(1, 3, 8, 16)
+    warm = e2e.make_prompts(2, 2, 8, 16)
+    info: dict = {}
+    res = fz.launch(s, scenario, prompts, info, warm=warm if scenario == "save" else (),
+                    more=e2e.make_prompts(3, 2, 8, 16))
+    assert [r["output_ids"] for r in res] == [[(sum(p) + i) % 1000 for i in range(4)]
+                                              for p in prompts]
+    assert info["ready_s"] > 0 and info["import_floor_s"] <= info["ready_s"] + 1
+    assert info["startup_time"] == {"scheduler_e2e": 1.5} and not info["traceback_in_log"]
+    assert len(info["ttft_ms"]) == 3 and "second_sample_ttft_ms_median" in info
+    at = info["timeline"]["at_s"]
+    assert {"plugin_launcher", "plugin_scheduler", "torch_distributed", "fired_up"} <= set(at)
+    if scenario == "save":
+        assert info["saved"] and info["warm_prompts"] == 2 and "saved" in at
+    else:
+        assert info["go_to_ready_s"] < info["ready_s"] and "thawed" in at
+        assert info["standby_waiting_at_s"] + s.standby_settle_s <= info["ready_s"]
+        assert os.path.exists(s.standby_file)

@@ -37,6 +37,7 @@ accepted; anything else is refused at SAVE naming it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -57,6 +58,7 @@ MODELS_PACKAGE = "sglang.srt.models"
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user's value or null
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
+PROFILE_ENV = "VITRIFY_SGLANG_PROFILE"  # a directory: init_model_worker profiled into it
 STANDBY_POLL_S = 0.01  # how often a standby scheduler looks for its file
 MAX_LENGTHS = 256
 WARMUP_BUDGET_S = 120.0  # LOAD's warm-up requests, all of them  # SAVE records at most this many prompt lengths
@@ -355,7 +357,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
     try:
         if cfg.mode == "load":
             run.load_engine_state(sess.frozen_state)
-        with vt.region_allocations(region):
+        with vt.region_allocations(region), _profiled(f"init_model_worker-{cfg.mode}"):
             result = original(scheduler, *args, **kwargs)
         if "captured" not in region.checkpoints:
             raise FreezeRefused("the scheduler's start-up ended before its decode graphs were "
@@ -375,6 +377,36 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
             raise _fatal(f"mode {cfg.mode!r}: {e}") from None
         raise
+
+
+@contextlib.contextmanager
+def _profiled(what: str):
+    """With ``VITRIFY_SGLANG_PROFILE`` naming a directory: the block runs under cProfile and its
+    60 costliest calls (cumulative time) are written there as ``<what>-<pid>.txt``, for finding
+    where a start-up's seconds go; a diagnostic (it slows the block down)."""
+    out = os.environ.get(PROFILE_ENV)
+    if not out:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        try:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+            path = os.path.join(out, f"{what}-{os.getpid()}.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text.getvalue())
+            log.info("vitrify: profile of %s written to %s", what, path)
+        except OSError as e:
+            log.warning("vitrify: profile of %s not written: %s", what, e)
 
 
 def wait_for_file(path: str, poll_s: float = STANDBY_POLL_S) -> float:

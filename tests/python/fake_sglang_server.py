@@ -1,0 +1,102 @@
+"""A stand-in for ``python -m sglang.launch_server`` in tests of benchmarks/sglang_freeze_e2e.py:
+the log lines the harness watches for (SGLang's and vitrify's plugin's), ``/health`` (503 until
+ready), ``/get_server_info`` and a streamed ``/generate`` whose output depends only on the
+prompt. It reads the plugin's TOML (``VITRIFY_SGLANG_CONFIG``): mode "load" waits for
+``standby_file`` when one is set and logs a thaw; mode "save" logs "SAVE complete" once it has
+served ``save_after_requests`` requests."""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.server
+import json
+import os
+import sys
+import threading
+import time
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+STATE = {"ready": False, "requests": 0}
+
+
+def log(text: str, vitrify: bool = False) -> None:
+    now = dt.datetime.now()
+    if vitrify:  # vitrify's logging format (milliseconds)
+        stamp = now.strftime("%Y-%m-%d %H:%M:%S,") + f"{now.microsecond // 1000:03d}"
+        print(f"{stamp} vitrify.sglang INFO: {text}", flush=True)
+    else:
+        print(f"[{now:%Y-%m-%d %H:%M:%S}] {text}", flush=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._send(200 if STATE["ready"] else 503, b"")
+        elif self.path == "/get_server_info":
+            self._send(200, json.dumps({"startup_time": {"scheduler_e2e": 1.5}}).encode())
+        else:
+            self._send(404, b"")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids = body["input_ids"]
+        n = body["sampling_params"]["max_new_tokens"]
+        out = [(sum(ids) + i) % 1000 for i in range(n)]
+        chunk = {"output_ids": out, "meta_info": {
+            "output_token_logprobs": [[-0.5 - i / 8, t] for i, t in enumerate(out)],
+            "prompt_tokens": len(ids), "cached_tokens": 0}}
+        data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+        self._send(200, data, "text/event-stream")
+        STATE["requests"] += 1
+        cfg = STATE.get("cfg") or {}
+        # SGLang's own warm-up request is not sent here: one fewer than save_after_requests
+        if cfg.get("mode") == "save" and STATE["requests"] == cfg.get("save_after_requests", 1) - 1:
+            log(f"vitrify: SAVE complete: {cfg['archive']} (6 graphs, region 1 bytes, 0.1 s to "
+                f"write, after {STATE['requests']} request(s))", vitrify=True)
+
+
+def main() -> None:
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    cfg = {}
+    if os.environ.get("VITRIFY_SGLANG_CONFIG"):
+        with open(os.environ["VITRIFY_SGLANG_CONFIG"], "rb") as f:
+            cfg = tomllib.load(f)
+        STATE["cfg"] = cfg
+        log(f"vitrify SGLang plugin: mode '{cfg['mode']}', archive {cfg['archive']}, weight "
+            f"updates off, 2 hook(s) registered (SGLang 0.5.17)", vitrify=True)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    time.sleep(0.3)  # "imports"
+    if cfg:
+        log(f"vitrify SGLang plugin: mode '{cfg['mode']}', archive {cfg['archive']}, weight "
+            f"updates off, 9 hook(s) registered (SGLang 0.5.17)", vitrify=True)
+    if cfg.get("standby_file"):
+        log(f"vitrify: standby: imports done; waiting for {cfg['standby_file']} before the thaw",
+            vitrify=True)
+        while not os.path.exists(cfg["standby_file"]):
+            time.sleep(0.01)
+    log("Init torch distributed begin.")
+    if cfg.get("mode") == "load":
+        log(f"vitrify: thawed {cfg['archive']} in 0.20 s (6 graphs)", vitrify=True)
+    STATE["ready"] = True
+    log("The server is fired up and ready to roll!")
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()
