@@ -235,9 +235,10 @@ class _FileWriter:
 
     temp_path: str
     _rank: int | None = None
-    # rel -> (size, mtime_ns, checksum) of files whose checksum was computed while writing them
-    # (span dumps): the manifest takes it while the file is unchanged, instead of reading it back
-    _known: dict[str, tuple[int, int, str]] | None = None
+    # rel -> (size, mtime_ns, inode, checksum) of files whose checksum was computed while writing
+    # them (span dumps in this process): the manifest takes it while the file is unchanged,
+    # instead of reading it back
+    _known: dict[str, tuple[int, int, int, str]] | None = None
 
     def _check_open(self) -> None:  # overridden by ArchiveWriter
         pass
@@ -252,6 +253,8 @@ class _FileWriter:
                              f"not {rel!r}")
         full = os.path.join(self.temp_path, rel)
         os.makedirs(os.path.dirname(full), exist_ok=True)
+        if self._known:
+            self._known.pop(rel, None)  # whoever asks for the path may rewrite the file
         return full
 
     def write_bytes(self, rel: str, data: bytes) -> str:
@@ -299,7 +302,8 @@ class _FileWriter:
             if st.st_size == out["file_bytes"]:
                 if self._known is None:
                     self._known = {}
-                self._known[rel] = (st.st_size, st.st_mtime_ns, f"crc32c:{out['file_crc32c']:08x}")
+                self._known[rel] = (st.st_size, st.st_mtime_ns, st.st_ino,
+                                    f"crc32c:{out['file_crc32c']:08x}")
         return out
 
 
@@ -378,8 +382,9 @@ class ArchiveWriter(_FileWriter):
                     if not stat.S_ISREG(st.st_mode):
                         raise ValueError(f"archive {self.path}: {rel} is not a regular file")
                     known = (self._known or {}).get(rel)
-                    checksum = known[2] if known is not None and \
-                        known[:2] == (st.st_size, st.st_mtime_ns) else file_checksum(full)
+                    checksum = known[3] if known is not None and \
+                        known[:3] == (st.st_size, st.st_mtime_ns, st.st_ino) \
+                        else file_checksum(full)
                     files[check_relpath(rel)] = {"bytes": st.st_size, "checksum": checksum}
         return dict(sorted(files.items()))
 

@@ -394,6 +394,12 @@ def test_a_standby_load_waits_for_its_file(tmp_path, caplog):
     assert 0.25 <= waited <= time.monotonic() - t and go.exists()
     assert "waiting for" in caplog.text and "standby ended after" in caplog.text
     assert freeze.wait_for_file(str(go)) == 0.0  # there already: no wait
+    # a file older than this launch is a leftover: it counts once touched again
+    os.utime(go, (1000.0, 1000.0))
+    caplog.clear()
+    threading.Timer(0.3, go.touch).start()
+    assert freeze.wait_for_file(str(go), since=time.time() - 5) >= 0.25
+    assert "older than this launch" in caplog.text
 
 
 def test_cold_start_widens_the_registry_to_the_users_own_setting():

@@ -776,6 +776,9 @@ def test_config_standby_file(tmp_path):
     assert cfg.standby_file == str(tmp_path / "go")
     assert pconfig.from_mapping({"mode": "load", "archive": str(arch),
                                  "region_bytes": "1GiB"}).standby_file is None
+    # mode "off" keeps the key unused, as every other key of a mode
+    assert pconfig.from_mapping({"mode": "off", "standby_file": str(tmp_path / "no" / "go")}
+                                ).standby_file is None
     for extra, words in (({"mode": "save", "archive": str(tmp_path / "new")}, "for mode 'load'"),
                          ({"standby_file": str(tmp_path / "no" / "go")}, "does not exist"),
                          ({"standby_file": ""}, "non-empty path string"),

@@ -220,6 +220,8 @@ def _standby_file(data: Mapping, mode: str) -> str | None:
     value = data["standby_file"]
     if not isinstance(value, str) or not value:
         raise _type_error("standby_file", "a non-empty path string", value)
+    if mode == "off":
+        return None  # like every other key of a mode: kept in the file, unused
     if mode != "load":
         raise PluginConfigError(f"config key 'standby_file' is for mode 'load' (a thaw that "
                                 f"waits), not {mode!r}")

@@ -58,6 +58,7 @@ MODELS_PACKAGE = "sglang.srt.models"
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user's value or null
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
+STANDBY_SINCE_ENV = "VITRIFY_SGLANG_STANDBY_SINCE"  # the launch's time (seconds since the epoch)
 PROFILE_ENV = "VITRIFY_SGLANG_PROFILE"  # a directory: init_model_worker profiled into it
 STANDBY_POLL_S = 0.01  # how often a standby scheduler looks for its file
 MAX_LENGTHS = 256
@@ -327,8 +328,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         raise _fatal(f"mode {cfg.mode!r}: {e}") from None
     device = scheduler_gpu(scheduler)
     engine = Engine(fp, p.STATE.sglang_version or "unknown")
-    if cfg.mode == "load" and cfg.standby_file:
-        wait_for_file(cfg.standby_file)
+    standby = cfg.mode == "load" and bool(cfg.standby_file)
     if cfg.mode == "save":
         sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
                                       device=device)
@@ -340,12 +340,17 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
                                     restore_graph_span=False)
     try:
+        if standby:  # an archive that cannot thaw here is refused before the wait, not after
+            _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine, device))
+            wait_for_file(cfg.standby_file, since=standby_since())
         region = sess.start()
     except _archive.ArchiveMismatch as e:
         if cfg.on_mismatch == "cold-start":
             log.warning("vitrify: the archive does not match this server (%s); starting cold "
                         "(on_mismatch = \"cold-start\")", e)
             widen_model_registry()  # the registry must know whatever model this server names
+            if standby and not os.path.lexists(cfg.standby_file):  # cold needs the GPU too
+                wait_for_file(cfg.standby_file, since=standby_since())
             return original(scheduler, *args, **kwargs)
         raise _fatal(f"the archive does not match this server: {e} (on_mismatch = "
                      f"\"cold-start\" starts it cold instead)") from None
@@ -409,14 +414,34 @@ def _profiled(what: str):
             log.warning("vitrify: profile of %s not written: %s", what, e)
 
 
-def wait_for_file(path: str, poll_s: float = STANDBY_POLL_S) -> float:
-    """LOAD in standby: block until ``path`` exists (the operator's go); seconds waited."""
+def standby_since() -> float:
+    """When this server was launched (the launcher's plugin records it): a standby file older
+    than that is a leftover of an earlier restart and does not end the standby."""
+    try:
+        return float(os.environ.get(STANDBY_SINCE_ENV, "0"))
+    except ValueError:
+        return 0.0
+
+
+def _fresh(path: str, since: float) -> bool:
+    try:
+        return os.stat(path).st_mtime >= since
+    except OSError:
+        return False
+
+
+def wait_for_file(path: str, since: float = 0.0, poll_s: float = STANDBY_POLL_S) -> float:
+    """LOAD in standby: block until ``path`` exists with a modification time at or after
+    ``since`` (the operator's go for this launch); seconds waited."""
     t0 = time.monotonic()
-    if os.path.lexists(path):
+    if _fresh(path, since):
         log.info("vitrify: standby: %s exists already, thawing at once", path)
         return 0.0
+    if os.path.lexists(path):
+        log.warning("vitrify: standby: %s is older than this launch (a leftover): it counts once "
+                    "created again or touched", path)
     log.info("vitrify: standby: imports done; waiting for %s before the thaw", path)
-    while not os.path.lexists(path):
+    while not _fresh(path, since):
         time.sleep(poll_s)
     waited = time.monotonic() - t0
     log.info("vitrify: standby ended after %.1f s (%s appeared); thawing", waited, path)

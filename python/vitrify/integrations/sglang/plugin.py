@@ -24,6 +24,7 @@ import logging
 import os
 import pkgutil
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -514,6 +515,10 @@ def _register(path: str) -> None:
             STATE.jit_dirs = _setup_jit(cfg)
         if cfg.mode == "load":
             _narrow_models(cfg)
+            if cfg.standby_file:  # the launch's time, for the schedulers (freeze.standby_since)
+                from . import freeze
+
+                os.environ.setdefault(freeze.STANDBY_SINCE_ENV, repr(time.time()))
     # Everything resolved: from here on nothing can fail half-way (P2).
     STATE.config, STATE.sglang_version = cfg, version
     for hook in hooks:
