@@ -37,6 +37,7 @@ class Settings:
     test_dir: str | None = None
     weights_triton: bool = True
     host_dir: str = "/dev/shm"
+    sglang_profile: str | None = None
 
 
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
@@ -123,6 +124,9 @@ VARIABLES: tuple[Variable, ...] = (
              "restore the warmup gap at thaw (`0`: re-run warmup)", _bool),
     Variable("VITRIFY_SGLANG_CONFIG", "sglang_config", "path", "unset",
              "SGLang freeze/thaw hook configuration", _path),
+    Variable("VITRIFY_SGLANG_PROFILE", "sglang_profile", "path", "unset",
+             "a directory: the SGLang plugin profiles each scheduler's `init_model_worker` "
+             "(cProfile, its 60 costliest calls) into it", _path),
     Variable("VITRIFY_WEIGHTS_TRITON", "weights_triton", "`1`, `0`", "`1`",
              "weight-update checksums on a GPU by Triton kernels (`0`: by torch ops)", _bool),
     Variable("VITRIFY_CUPTI_PATH", "cupti_path", "path",

@@ -168,7 +168,8 @@ def test_bad_log_level_env_is_one_line_at_import_not_a_traceback():
 
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SCRIPT_ONLY = {"VITRIFY_SGLANG_E2E", "VITRIFY_SGLANG_WEIGHTS_E2E"}  # read by gpu-suite.sh only
+SCRIPT_ONLY = {"VITRIFY_SGLANG_E2E", "VITRIFY_SGLANG_WEIGHTS_E2E",
+               "VITRIFY_SGLANG_FREEZE_E2E"}  # read by gpu-suite.sh only
 
 
 def test_config_table_is_the_readme_table():

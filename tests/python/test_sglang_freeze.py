@@ -453,11 +453,13 @@ def test_the_jit_watch_reports_new_files_once_and_never_raises(tmp_path, caplog)
     assert look() == ""
 
 
-def test_the_start_up_profile_is_written_where_asked(tmp_path, monkeypatch):
-    with freeze._profiled("nothing"):  # not asked: nothing written
+def test_the_start_up_profile_is_written_where_asked(tmp_path):
+    from vitrify import config
+
+    with config.override(sglang_profile=None), freeze._profiled("nothing"):  # not asked
         sum(range(1000))
-    monkeypatch.setenv(freeze.PROFILE_ENV, str(tmp_path))
-    with freeze._profiled("init_model_worker-load"):
+    assert not list(tmp_path.iterdir())
+    with config.override(sglang_profile=str(tmp_path)), freeze._profiled("init_model_worker-load"):
         sorted(range(100000), key=lambda x: -x)
     (path,) = tmp_path.glob("init_model_worker-load-*.txt")
     assert "cumulative" in path.read_text() and "sorted" in path.read_text()

@@ -59,7 +59,6 @@ DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user's value or null
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
 STANDBY_SINCE_ENV = "VITRIFY_SGLANG_STANDBY_SINCE"  # the launch's time (seconds since the epoch)
-PROFILE_ENV = "VITRIFY_SGLANG_PROFILE"  # a directory: init_model_worker profiled into it
 STANDBY_POLL_S = 0.01  # how often a standby scheduler looks for its file
 MAX_LENGTHS = 256
 WARMUP_BUDGET_S = 120.0  # LOAD's warm-up requests, all of them  # SAVE records at most this many prompt lengths
@@ -386,10 +385,12 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
 
 @contextlib.contextmanager
 def _profiled(what: str):
-    """With ``VITRIFY_SGLANG_PROFILE`` naming a directory: the block runs under cProfile and its
+    """With ``VITRIFY_SGLANG_PROFILE`` (``config.settings().sglang_profile``) naming a directory: the block runs under cProfile and its
     60 costliest calls (cumulative time) are written there as ``<what>-<pid>.txt``, for finding
     where a start-up's seconds go; a diagnostic (it slows the block down)."""
-    out = os.environ.get(PROFILE_ENV)
+    from ... import config
+
+    out = config.settings().sglang_profile
     if not out:
         yield
         return
