@@ -280,7 +280,9 @@ class FreezeSession:
 
     Construct it before anything initialises CUDA in this process: it starts recording kernel
     binaries (``record_kernels=False`` skips that, for engines that capture no graphs).
-    ``dump_warmup=False`` leaves the warmup span out (a smaller archive; THAW re-runs warmup).
+    ``dump_warmup=False`` leaves the warmup span out (a smaller archive; THAW re-runs warmup);
+    ``dump_graph_span=False`` leaves the graphs span out (for an engine whose THAW maps it
+    without restoring it: ``ThawSession(restore_graph_span=False)``).
     ``region_bytes``: the region to reserve (the engine's whole footprint: weights, KV cache,
     workspaces, graph pools); ``base``: its address (None: the default search). ``progress``:
     called as ``progress(done_bytes, total_bytes)`` while spans are written.
@@ -289,9 +291,11 @@ class FreezeSession:
     def __init__(self, adapter: Any, path: str | os.PathLike, *, region_bytes: int,
                  base: int | None = None, device: int = 0, overwrite: bool = False,
                  record_kernels: bool = True, dump_warmup: bool = True,
+                 dump_graph_span: bool = True,
                  progress: Callable[[int, int], None] | None = None):
         self.adapter = _check_fingerprinted(adapter)
         self.dump_warmup = _check.boolean("dump_warmup", dump_warmup)
+        self.dump_graph_span = _check.boolean("dump_graph_span", dump_graph_span)
         self.path = os.path.abspath(_check.path("path", path))
         self.region_bytes = _check.integer("region_bytes", region_bytes, 1, _check.U64_MAX)
         self.base = _check.optional_integer("base", base, 1, _check.U64_MAX)
@@ -415,7 +419,8 @@ class FreezeSession:
             with t.step("dump_spans"):
                 for name, (lo, hi) in SPANS.items():
                     start, end = cps[lo] if lo else 0, cps[hi]
-                    if name == "warmup" and not self.dump_warmup:
+                    if (name == "warmup" and not self.dump_warmup) or \
+                            (name == "graphs" and not self.dump_graph_span):
                         continue
                     if end > start:
                         spans[name] = w.dump_span(RANK, name, region.base, start, end,

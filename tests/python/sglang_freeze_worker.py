@@ -131,6 +131,7 @@ def main() -> int:
             from vitrify import archive as _archive
 
             a = _archive.open_archive(archive, checksums=True)
+            out["span_files"] = sorted(rel for rel in a.files if rel.endswith(".span"))
             out["jit_files"] = sorted(rel[len("jit/"):] for rel in a.files
                                       if rel.startswith("jit/") and rel != "jit/index.json")
         else:

@@ -187,6 +187,8 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["model_modules"] == ["vitrify_test_model"] and save["request_lengths"] == [3, 3]
     assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
     assert save["jit_files"] == ["triton/AB/k.cubin"]
+    # LOAD re-runs warmup and maps the graphs span unrestored: SAVE writes the weights span only
+    assert save["span_files"] == ["rank0/region/weights.span"]
     load = _worker("load", tmp_path, standby=True)
     assert load["ok"], load.get("traceback")
     assert load["init_s"] >= 0.3  # it waited for its standby file

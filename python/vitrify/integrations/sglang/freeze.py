@@ -329,8 +329,10 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
     engine = Engine(fp, p.STATE.sglang_version or "unknown")
     standby = cfg.mode == "load" and bool(cfg.standby_file)
     if cfg.mode == "save":
+        # LOAD re-runs warmup and maps the graphs span without restoring it (below), so SAVE
+        # writes neither span: the archive holds the weights span
         sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
-                                      device=device)
+                                      device=device, dump_warmup=False, dump_graph_span=False)
     else:
         # warmup re-runs (SGLang's warm-up also builds its objects); the graphs span is mapped,
         # not restored: the capture windows are scratch every replay writes before it reads,
