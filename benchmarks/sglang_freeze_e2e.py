@@ -134,9 +134,6 @@ class Settings:
     def archive(self) -> str:
         return os.path.join(self.work, f"{self.shape}.vitrify")
 
-    def archive_for(self, scenario: str) -> str:
-        return self.archive
-
     def hicache(self) -> e2e.Settings:
         """The HiCache script's settings carrying the shared parts (bundle, site, model)."""
         return e2e.Settings.for_shape(self.shape, bundle=self.bundle, site=self.site,
@@ -155,7 +152,7 @@ def mode_of(scenario: str) -> str:
 def plugin_config(s: Settings, scenario: str) -> str:
     """The plugin's TOML for ``scenario`` (written into the work directory)."""
     path = os.path.join(s.work, f"vitrify-{scenario}.toml")
-    Path(path).write_text(f'mode = "{mode_of(scenario)}"\narchive = "{s.archive_for(scenario)}"\n'
+    Path(path).write_text(f'mode = "{mode_of(scenario)}"\narchive = "{s.archive}"\n'
                           f'region_bytes = "{s.region_gb}GiB"\n'
                           f'jit_dir = "{os.path.join(s.work, "jit-" + scenario)}"\n'
                           f'save_after_requests = {1 + s.warm_prompts}\n' +

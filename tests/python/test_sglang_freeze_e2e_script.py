@@ -52,9 +52,9 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
     from vitrify.integrations.sglang import config
 
     if fz.mode_of(scenario) == "load":
-        os.makedirs(s.archive_for(scenario))  # LOAD's config needs the archive SAVE wrote
+        os.makedirs(s.archive)  # LOAD's config needs the archive SAVE wrote
     cfg = config.load(env["VITRIFY_SGLANG_CONFIG"])
-    assert cfg.mode == fz.mode_of(scenario) and cfg.archive == s.archive_for(scenario)
+    assert cfg.mode == fz.mode_of(scenario) and cfg.archive == s.archive
     assert cfg.region_bytes == 24 << 30 and cfg.save_after_requests == 1 + s.warm_prompts
     assert cfg.jit_caches and cfg.jit_dir == os.path.join(str(tmp_path), f"jit-{scenario}")
     assert cfg.standby_file == (s.standby_file if scenario == "load-standby" else None)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -60,8 +61,8 @@ BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user'
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (0.5.17)
 STANDBY_SINCE_ENV = "VITRIFY_SGLANG_STANDBY_SINCE"  # the launch's time (seconds since the epoch)
 STANDBY_POLL_S = 0.01  # how often a standby scheduler looks for its file
-MAX_LENGTHS = 256
-WARMUP_BUDGET_S = 120.0  # LOAD's warm-up requests, all of them  # SAVE records at most this many prompt lengths
+MAX_LENGTHS = 256  # SAVE records at most this many prompt lengths
+WARMUP_BUDGET_S = 120.0  # LOAD's warm-up requests, all of them
 JIT_WATCH_S = 30.0  # how often an idle scheduler looks for JIT compiles after the pack/thaw
 
 
@@ -387,9 +388,10 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
 
 @contextlib.contextmanager
 def _profiled(what: str):
-    """With ``VITRIFY_SGLANG_PROFILE`` (``config.settings().sglang_profile``) naming a directory: the block runs under cProfile and its
-    60 costliest calls (cumulative time) are written there as ``<what>-<pid>.txt``, for finding
-    where a start-up's seconds go; a diagnostic (it slows the block down)."""
+    """With ``VITRIFY_SGLANG_PROFILE`` (``config.settings().sglang_profile``) naming a
+    directory: the block runs under cProfile and its 60 costliest calls (cumulative time) are
+    written there as ``<what>-<pid>.txt``, for finding where a start-up's seconds go; a
+    diagnostic (it slows the block down)."""
     from ... import config
 
     out = config.settings().sglang_profile
@@ -505,9 +507,10 @@ def _check_blocks(frozen: list, here: list) -> None:
 
 
 def model_modules(model: Any) -> list[str]:
-    """The modules of SGLang's model package whose ``EntryClass`` is ``type(model)`` (short
-    names, as ``SGLANG_DISABLED_MODEL_ARCHS`` spells them): all SGLang's model registry needs
-    to resolve this model. [] when none is found (a model from another package)."""
+    """The modules of SGLang's model package whose ``EntryClass`` is the class of ``model`` or
+    of one of its submodules (short names, as ``SGLANG_DISABLED_MODEL_ARCHS`` spells them): all
+    SGLang's model registry needs to build this model. [] when none is found (a model from
+    another package)."""
     import sys
 
     if model is None:
@@ -578,6 +581,14 @@ def widen_model_registry(env: Any = None) -> bool:
     else:
         env.pop(DISABLED_ARCHS_ENV, None)
     return True
+
+
+def archive_engine_state(path: str) -> dict:
+    """The engine state SAVE wrote into the archive at ``path`` (rank 0's), for the launcher's
+    uses of it before any session opens the archive."""
+    from ... import archive as _archive
+
+    return _archive.open_archive(path).state(0).get("engine") or {}
 
 
 def _jit_watch(run: Run) -> None:
@@ -698,11 +709,9 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
     if result is False or cfg is None or cfg.mode != "load" or not cfg.warmup_requests or \
             server_args is None:
         return result
-    from ... import archive as _archive
-
     try:
-        state = _archive.open_archive(cfg.archive).state(0).get("engine") or {}
-        lengths = spread(state.get("request_lengths"), cfg.warmup_requests)
+        lengths = spread(archive_engine_state(cfg.archive).get("request_lengths"),
+                         cfg.warmup_requests)
         if not lengths:
             return result
         import requests
@@ -802,8 +811,6 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
     if run is None:
         return original(*args, **kwargs)
     run.session.reached("warmup")
-    import gc
-
     # Python's collector frees routed tensors held in cycles at moments that depend on how much
     # Python ran; SAVE (capturing) runs more than LOAD, so it is off for the loop on both sides
     # and runs at the same points (each shape's start, in capture_one) instead.
@@ -925,8 +932,6 @@ def graph_backend_class() -> type:
     global _BACKEND_CLASS
     if _BACKEND_CLASS is not None:
         return _BACKEND_CLASS
-    import contextlib
-
     import torch
     from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import (
         FullCudaGraphBackend,
@@ -959,6 +964,9 @@ def graph_backend_class() -> type:
             self._device_module.synchronize()
             t1 = time.perf_counter()
             _add_time(run, "warmup_forwards_s", t1 - t0)
+            gc.collect()  # the same point on both sides (the loop runs with gc off)
+            t2 = time.perf_counter()
+            _add_time(run, "gc_s", t2 - t1)
             name = graph_name(shape_key)
             try:  # SGLang's capture rewrites a RuntimeError into advice that does not apply
                 self._capture_or_claim(run, shape_key, name, forward_fn)
@@ -967,16 +975,10 @@ def graph_backend_class() -> type:
             except Exception as e:
                 raise _fatal(f"decode graph {name}: {type(e).__name__}: {e}") from None
             _add_time(run, "capture_s" if run.mode == "save" else "claim_s",
-                      time.perf_counter() - t1 - run.timings.pop("_gc_last", 0.0))
+                      time.perf_counter() - t2)
             run.timings["shapes"] = run.timings.get("shapes", 0) + 1
 
         def _capture_or_claim(self, run, shape_key, name, forward_fn):
-            import gc
-
-            t = time.perf_counter()
-            gc.collect()  # the same point on both sides (the loop runs with gc off)
-            run.timings["_gc_last"] = time.perf_counter() - t
-            _add_time(run, "gc_s", run.timings["_gc_last"])
             if run.mode == "save":
                 # The routed pool is paused (torch matches a thread's pools in the order they
                 # were entered, so the capture pool would never win), and the capture goes to

@@ -285,7 +285,7 @@ class Hook:
     feature: str = "freeze"
     scheduler: bool = False
     launcher: bool = False  # registered only in the launcher (the process that is no scheduler)
-    modes: tuple = ("save", "load", "off")  # the config modes it is registered in
+    when: Callable[[Any], bool] | None = None  # the configs it is registered for (None: all)
 
 
 def _lazy_hook(module: str, name: str) -> Callable:
@@ -338,16 +338,15 @@ HOOKS: tuple[Hook, ...] = (
 ) + tuple(Hook(target, kind, _lazy_hook("freeze", fn), scheduler=True)
           for target, kind, fn in FREEZE_HOOKS) + (
     Hook(WARMUP_TARGET, "AROUND", _lazy_hook("freeze", "around_wait_and_warmup"),
-         launcher=True, modes=("load",)),)
+         launcher=True, when=lambda cfg: cfg.mode == "load" and cfg.warmup_requests > 0),)
 
 
 def hooks_for(cfg: Any, in_scheduler: bool) -> tuple[Hook, ...]:
     """The hooks this process registers for ``cfg``."""
     features = ({"freeze"} if cfg.active else set()) | ({"weights"} if cfg.weight_updates
                                                         else set())
-    return tuple(h for h in HOOKS if h.feature in features and cfg.mode in h.modes and
-                 (in_scheduler or not h.scheduler) and not (in_scheduler and h.launcher) and
-                 not (h.target == WARMUP_TARGET and not cfg.warmup_requests))
+    return tuple(h for h in HOOKS if h.feature in features and (h.when is None or h.when(cfg))
+                 and (in_scheduler or not h.scheduler) and not (in_scheduler and h.launcher))
 _REGISTRY_TARGET = "sglang.srt.plugins.hook_registry.HookRegistry"
 _HOOK_TYPE_TARGET = "sglang.srt.plugins.hook_registry.HookType"
 
@@ -453,15 +452,17 @@ def _narrow_models(cfg: Any) -> None:
     from . import freeze
 
     try:
-        state = _archive.open_archive(cfg.archive).state(0)
+        modules = freeze.archive_engine_state(cfg.archive).get("model_modules")
     except (_archive.ArchiveError, OSError) as e:  # the session's start reports it, fatally
         log.debug("vitrify SGLang plugin: model registry not narrowed: %s", e)
         return
-    modules = (state.get("engine") or {}).get("model_modules")
     n = freeze.narrow_model_registry(modules)
     if n:
         log.info("vitrify SGLang plugin: the model registry imports %s only (%d other model "
                  "modules in %s)", ", ".join(modules), n, freeze.DISABLED_ARCHS_ENV)
+    else:
+        log.info("vitrify SGLang plugin: the model registry imports every model module (the "
+                 "archive names none this SGLang has: %s)", modules)
 
 
 def register() -> None:
