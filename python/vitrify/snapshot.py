@@ -257,29 +257,42 @@ def dump_to_file(path: str | os.PathLike, base: int, start: int, end: int, *, ta
 
 
 def page_cache_share(path: str | os.PathLike, samples: int = 64) -> float | None:
-    """About what share of ``path`` the page cache holds: ``samples`` 4 KiB reads spread over
-    the file, each with ``RWF_NOWAIT`` (it fails instead of going to the drive). None where the
-    kernel or the filesystem cannot say."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or not hasattr(os, "preadv"):
-        return None
+    """About what share of ``path`` the page cache holds: ``mincore`` on ``samples`` pages
+    spread over a mapping of the file that is never touched, so nothing is read or read ahead
+    (a read with ``RWF_NOWAIT`` that misses still starts readahead, and on a fast drive the
+    next samples then hit). None where the C library or the mapping cannot say."""
+    import ctypes
+    import mmap
+
     samples = _check.integer("samples", samples, 1, 1 << 20)
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
             return 1.0
-        buf = bytearray(4096)
-        hit = 0
-        for i in range(samples):
-            off = (size - 1) * i // max(1, samples - 1) // 4096 * 4096
+        page = mmap.PAGESIZE
+        # a private copy-on-write mapping: writable for ctypes' address, never written
+        with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mm:
+            view = ctypes.c_char.from_buffer(mm)
             try:
-                hit += os.preadv(fd, [buf], off, flag) > 0
-            except BlockingIOError:
-                pass
-            except OSError:  # EOPNOTSUPP (tmpfs, NFS, FUSE), EINVAL, EIO...: cannot say
-                return None
-        return hit / samples
+                base = ctypes.addressof(view)
+                vec = ctypes.c_ubyte()
+                hit = 0
+                for i in range(samples):
+                    off = (size - 1) * i // max(1, samples - 1) // page * page
+                    if mincore(base + off, page, ctypes.byref(vec)) != 0:
+                        return None
+                    hit += vec.value & 1
+                return hit / samples
+            finally:
+                del view  # the mapping closes only without exports
+    except (OSError, ValueError):
+        return None
     finally:
         os.close(fd)
 
