@@ -15,6 +15,7 @@ allocates one block more. The last stdout line is JSON.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -85,7 +86,14 @@ def main() -> int:
             freeze.RUN.region.allocate(pool.max_total_num_tokens * 1024)
 
         def capture_decode_graph(*, model_runner):
-            freeze.RUN.region.allocate(2 * MiB)
+            # SGLang's capture enters the name its module binds, which the plugin hooks
+            from sglang.srt.model_executor.runner.base_cuda_graph_runner import freeze_gc
+
+            frozen = gc.get_freeze_count()
+            with freeze.around_freeze_gc(freeze_gc, False):
+                out["frozen_in_capture"] = gc.get_freeze_count() >= frozen
+                freeze.RUN.region.allocate(2 * MiB)
+            out["frozen_after_capture"] = gc.get_freeze_count()
 
         def init_model_worker(sched):
             freeze.around_load_model(load_model, runner)
@@ -102,6 +110,7 @@ def main() -> int:
             import threading
 
             threading.Timer(0.3, lambda: open(cfg.standby_file, "w").close()).start()
+        out["frozen_before_init"] = gc.get_freeze_count()
         t0 = time.monotonic()
         try:
             freeze.around_init_model_worker(init_model_worker, sched)

@@ -189,6 +189,11 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["jit_files"] == ["triton/AB/k.cubin"]
     # LOAD re-runs warmup and maps the graphs span unrestored: SAVE writes the weights span only
     assert save["span_files"] == ["rank0/region/weights.span"]
+    # P16: the imports' objects are frozen before the start-up, and the capture's collections
+    # never unfreeze them (SGLang's own freeze_gc would)
+    for r in (save,):
+        assert r["frozen_before_init"] == 0 and r["frozen_in_capture"]
+        assert r["frozen_after_capture"] > 10000
     load = _worker("load", tmp_path, standby=True)
     assert load["ok"], load.get("traceback")
     assert load["init_s"] >= 0.3  # it waited for its standby file
@@ -197,6 +202,7 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert load["pool_config"] == save["pool_config"] and load["profiled"] is True
     assert load["checkpoints"] == save["summary"]["checkpoints"]
     assert load["triton_cache"].startswith(str(tmp_path / "xdg"))
+    assert load["frozen_before_init"] == 0 and load["frozen_after_capture"] > 10000
     drift = _worker("load", tmp_path, drift=True)
     assert drift["ok"], drift.get("traceback")
     assert "the region cursor after phase 'built'" in drift["fatal"]
@@ -465,3 +471,29 @@ def test_the_start_up_profile_is_written_where_asked(tmp_path):
         sorted(range(100000), key=lambda x: -x)
     (path,) = tmp_path.glob("init_model_worker-load-*.txt")
     assert "cumulative" in path.read_text() and "sorted" in path.read_text()
+
+
+def test_the_capture_collections_never_unfreeze_what_the_plugin_froze(monkeypatch):
+    import gc
+
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import freeze_gc
+
+    if gc.get_freeze_count():
+        pytest.skip("this process has frozen objects already")
+    seen = []
+    monkeypatch.setattr(freeze, "RUN", None)  # no freeze or thaw here: SGLang's own
+    assert freeze.around_freeze_gc(lambda flag: seen.append(flag) or "sglang's", True) == "sglang's"
+    assert seen == [True]
+    try:
+        moved = freeze.freeze_import_heap(collect=False)
+        assert moved > 1000 and gc.get_freeze_count() == moved
+        monkeypatch.setattr(freeze, "RUN", object())
+        with freeze.around_freeze_gc(freeze_gc, False):
+            inside = gc.get_freeze_count()
+        # nothing unfrozen (a frozen object freed by its reference count leaves the count)
+        assert inside >= moved - 100 and gc.get_freeze_count() >= moved - 100
+        with freeze_gc(False):  # SGLang's own would have put them all back
+            pass
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

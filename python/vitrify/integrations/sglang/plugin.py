@@ -323,6 +323,8 @@ FREEZE_HOOKS: tuple[tuple[str, str, str], ...] = (
      "AROUND", "around_capture_decode_graph"),
     ("sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend", "AROUND",
      "around_resolve_decode_backend"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.freeze_gc", "AROUND",
+     "around_freeze_gc"),
     (f"{SCHEDULER_MODULE}.Scheduler.handle_generate_request", "AFTER",
      "after_handle_generate_request"),
     (f"{SCHEDULER_MODULE}.Scheduler.on_idle", "AFTER", "after_on_idle"),
