@@ -345,7 +345,13 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
         return
     assert [p for p, _ in seen] == ["/generate"] * 3
     assert [len(b["input_ids"]) for _, b in seen] == [3, 100, 512]
-    assert all(b["sampling_params"] == {"temperature": 0, "max_new_tokens": 2} for _, b in seen)
+    assert all(b["sampling_params"] == {"temperature": 0, "max_new_tokens": 4} for _, b in seen)
+    # each kind of answer a client asks for: streamed or whole, with logprobs or without
+    assert [(b["stream"], b["return_logprob"]) for _, b in seen] == \
+        [(True, True), (False, True), (True, False)]
+    assert [(b["stream"], b["return_logprob"]) for b in
+            (freeze.warmup_body([1], i) for i in range(4, 8))] == \
+        [(True, True), (False, True), (True, False), (False, False)]
     assert "LOAD warm-up: 3 request(s) of 3, 100, 512 tokens" in caplog.text
     # the server was "starting" while they ran (no user request beside them), "up" again after;
     # every token id below the model's vocabulary
@@ -497,3 +503,56 @@ def test_the_capture_collections_never_unfreeze_what_the_plugin_froze(monkeypatc
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_a_standby_reads_the_weights_span_until_its_go(tmp_path, caplog, monkeypatch):
+    from vitrify import snapshot
+
+    weights = tmp_path / "rank0" / "region" / "weights.span"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"w" * (3 << 20))
+    (tmp_path / "rank0" / "region" / "warmup.span").write_bytes(b"x")  # not restored: not read
+
+    class _Arch:
+        def spans(self, rank):
+            assert rank == 0
+            return {"weights": "rank0/region/weights.span", "warmup": "rank0/region/warmup.span"}
+
+        def file_path(self, rel):
+            return str(tmp_path / rel)
+
+    caplog.set_level("INFO", logger="vitrify.sglang")
+    reading = freeze.SpanPrefetch(_Arch())
+    reading.thread.join()
+    out = reading.finish()
+    assert out["bytes"] == out["size"] == 3 << 20 and out["errors"] == []
+    assert "read into the page cache" in caplog.text
+    # a read that fails is named; the thaw reads the file itself then
+    weights.unlink()
+    out = freeze.SpanPrefetch(_Arch()).finish()
+    assert out["bytes"] == 0 and "weights.span" in out["errors"][0]
+    assert "not read: weights.span" in caplog.text
+    # the go stops a read under way at its next piece
+    calls = []
+    monkeypatch.setattr(snapshot, "prefetch", lambda path, stop: calls.append(stop.wait(5)) or
+                        {"bytes": 1, "size": 2, "seconds": 0.0, "complete": False})
+    out = freeze.SpanPrefetch(_Arch()).finish()
+    assert calls == [True] and out["bytes"] == 1
+
+
+def test_triton_s_cache_key_is_computed_before_the_first_launch(monkeypatch):
+    import sys as _sys
+
+    calls = []
+    cache = types.ModuleType("triton.runtime.cache")
+    cache.triton_key = lambda: calls.append(1)
+    monkeypatch.setitem(_sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(_sys.modules, "triton.runtime", types.ModuleType("triton.runtime"))
+    monkeypatch.setitem(_sys.modules, "triton.runtime.cache", cache)
+    assert freeze.warm_triton_key(background=False) is None and calls == [1]
+    freeze.warm_triton_key(background=True).join()
+    assert calls == [1, 1]
+    cache.triton_key = lambda: 1 / 0  # a failure leaves it to the first launch
+    assert freeze.warm_triton_key(background=False) is None
+    monkeypatch.setitem(_sys.modules, "triton.runtime.cache", None)  # no Triton
+    assert freeze.warm_triton_key(background=True) is None

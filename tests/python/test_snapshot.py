@@ -297,3 +297,30 @@ def test_a_cached_span_file_is_restored_through_the_page_cache(tmp_path, caplog)
     out = snapshot.restore_from_file(path, dst.base, 4 << 16, target=dst, direct_io="auto")
     assert out["direct_io"] is False and "in the page cache: read through it" in caplog.text
     assert dst.read(0, 4 << 16) == data
+
+
+def _drop(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_prefetch_reads_the_file_into_the_page_cache_and_stops_when_asked(tmp_path):
+    import threading
+
+    path = tmp_path / "w.span"
+    path.write_bytes(os.urandom(3 * snapshot.PREFETCH_PIECE + 123))
+    _drop(path)
+    share = snapshot.page_cache_share(path)
+    if share is None or share > 0.25:
+        pytest.skip("this filesystem keeps dropped pages (or mincore cannot say)")
+    out = snapshot.prefetch(path)
+    assert out["complete"] and out["bytes"] == out["size"] == path.stat().st_size
+    assert snapshot.page_cache_share(path) == 1.0
+    stop = threading.Event()
+    stop.set()  # the go came before the read began: nothing is read
+    early = snapshot.prefetch(path, stop)
+    assert early["bytes"] == 0 and early["complete"] is False and early["size"] > 0

@@ -345,11 +345,20 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
                                     restore_graph_span=False)
     try:
         if standby:  # an archive that cannot thaw here is refused before the wait, not after
-            _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine, device))
-            freeze_import_heap(collect=True)  # the full collection before the go, not after
-            wait_for_file(cfg.standby_file, since=standby_since())
+            archive = _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine,
+                                                                                     device))
+            # what can be done before the go is done before it: the full collection, Triton's
+            # cache key, the spans the thaw restores read into the page cache (until the go)
+            freeze_import_heap(collect=True)
+            warm_triton_key(background=False)
+            reading = SpanPrefetch(archive)
+            try:
+                wait_for_file(cfg.standby_file, since=standby_since())
+            finally:
+                reading.finish()
         else:
             freeze_import_heap(collect=False)
+            warm_triton_key(background=True)  # hashes Triton's library while the engine builds
         region = sess.start()
     except _archive.ArchiveMismatch as e:
         if cfg.on_mismatch == "cold-start":
@@ -389,6 +398,81 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
             raise _fatal(f"mode {cfg.mode!r}: {e}") from None
         raise
+
+
+def warm_triton_key(background: bool) -> Any:
+    """Compute Triton's cache key (``triton.runtime.cache.triton_key``: a SHA-256 of Triton's
+    sources and its ~0.5 GB native library, 0.35 s on the H200's host, cached per process) now,
+    not inside the first kernel launch, where a thawed start met it in its capture step.
+    ``background``: on a thread (the hashing releases the GIL) that overlaps the engine's
+    build; returns the thread, or None (done, or no Triton)."""
+    try:
+        from triton.runtime.cache import triton_key
+    except Exception:  # noqa: BLE001 - no Triton (or another one): nothing to warm
+        return None
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            triton_key()
+        except Exception as e:  # noqa: BLE001 - the first launch computes it then
+            log.debug("vitrify: Triton's cache key not computed ahead: %s", e)
+            return
+        log.debug("vitrify: Triton's cache key computed in %.2f s", time.perf_counter() - t0)
+
+    if not background:
+        run()
+        return None
+    import threading
+
+    t = threading.Thread(target=run, name="vitrify-triton-key", daemon=True)
+    t.start()
+    return t
+
+
+class SpanPrefetch:
+    """A standby's read of the spans its thaw restores (the weights span) through the page
+    cache, on a thread, until :meth:`finish` (the go): the restore then reads from memory
+    instead of the drive (``vitrify.snapshot.restore_from_file`` chooses the cache when it holds
+    the file). A read that fails is logged; the thaw reads the file itself then."""
+
+    def __init__(self, archive: Any, rank: int | None = None):
+        import threading
+
+        from ... import session as _session
+        from ... import snapshot
+
+        spans = archive.spans(_session.RANK if rank is None else rank)
+        self.paths = [archive.file_path(spans[n]) for n in (snapshot.WEIGHTS_SPAN,) if n in spans]
+        self.results: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vitrify-standby-read", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from ... import snapshot
+
+        for path in self.paths:
+            if self.stop.is_set():
+                break
+            try:
+                self.results[path] = snapshot.prefetch(path, self.stop)
+            except OSError as e:
+                self.results[path] = {"error": f"{type(e).__name__}: {e}"}
+
+    def finish(self) -> dict:
+        """Stop reading (at the next piece), wait for the thread, log what was read."""
+        self.stop.set()
+        self.thread.join()
+        done = sum(r.get("bytes", 0) for r in self.results.values())
+        size = sum(r.get("size", 0) for r in self.results.values())
+        errors = [f"{os.path.basename(p)}: {r['error']}" for p, r in self.results.items()
+                  if "error" in r]
+        secs = sum(r.get("seconds", 0.0) for r in self.results.values())
+        log.info("vitrify: standby: %.2f of %.2f GiB of the spans the thaw restores read into "
+                 "the page cache in %.1f s%s", done / 2**30, size / 2**30, secs,
+                 f"; not read: {'; '.join(errors)}" if errors else "")
+        return {"bytes": done, "size": size, "seconds": secs, "errors": errors}
 
 
 def freeze_import_heap(collect: bool) -> int:
@@ -711,6 +795,16 @@ def warmup_ids(length: int, index: int, vocab: int = 1000) -> list[int]:
     return [10 + (index * 131 + i * 7) % (top - 10) for i in range(length)]
 
 
+def warmup_body(ids: Any, index: int) -> dict:
+    """The ``/generate`` body of LOAD's warm-up request ``index``: the four kinds of answer a
+    client asks for in turn (streamed with logprobs, whole with logprobs, streamed, whole), a
+    few decode steps each. SGLang's own warm-up asks for neither: on the H200 the first request
+    with logprobs after it took 3.8-4.1x a steady one, plain SGLang and LOAD alike, while SAVE,
+    warmed by such requests, showed no slow first one."""
+    return {"input_ids": ids, "stream": index % 2 == 0, "return_logprob": index % 4 < 2,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+
+
 def _launcher_status() -> tuple[Any, Any]:
     """SGLang's tokenizer manager in this (launcher) process and its ``ServerStatus`` enum, or
     (None, None) where they are not found."""
@@ -749,10 +843,10 @@ def around_wait_and_warmup(original: Callable, *args: Any, **kwargs: Any) -> Any
 def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any,
                                 **kwargs: Any) -> Any:
     """LOAD, launcher: after SGLang's own warm-up request (three tokens) and before the server
-    reports ready, ``warmup_requests`` requests of the prompt lengths SAVE served. They load what
-    the first real request would otherwise load on its way (kernel modules, cuBLAS's choices for
-    the prefill's shapes, the extend kernels' variants): the archive made them compiled, not
-    loaded. A failure is a warning: the server still starts."""
+    reports ready, ``warmup_requests`` requests of the prompt lengths SAVE served, of every kind
+    of answer (:func:`warmup_body`). They load what the first real request would otherwise load
+    on its way (kernel modules, cuBLAS's choices for the prefill's shapes, the extend kernels'
+    variants, the logprob and streaming paths): the archive made them compiled, not loaded. A failure is a warning: the server still starts."""
     p = _plugin()
     cfg = p.STATE.config
     if result is False or cfg is None or cfg.mode != "load" or not cfg.warmup_requests or \
@@ -783,12 +877,14 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
                     raise TimeoutError(f"{WARMUP_BUDGET_S:.0f} s spent, {len(lengths) - i} "
                                        f"request(s) not sent")
                 ids = [warmup_ids(n, i * dp + j, vocab) for j in range(dp)]
-                body = {"input_ids": ids[0] if dp == 1 else ids,
-                        "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
-                r = requests.post(server_args.url() + "/generate", json=body, headers=headers,
-                                  timeout=left, verify=server_args.ssl_verify())
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                body = warmup_body(ids[0] if dp == 1 else ids, i)
+                with requests.post(server_args.url() + "/generate", json=body, headers=headers,
+                                   timeout=left, verify=server_args.ssl_verify(),
+                                   stream=body["stream"]) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                    for _ in r.iter_content(chunk_size=None):  # a streamed answer, to its end
+                        pass
         finally:
             if tm is not None:
                 tm.server_status = was
@@ -1076,4 +1172,4 @@ __all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idl
            "around_resolve_memory_pool_config", "capture_collections", "check_supported",
            "cuda_tensor_at", "describe", "freeze_import_heap",
            "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
-           "rebuild"]
+           "rebuild", "SpanPrefetch", "warm_triton_key", "warmup_body"]
