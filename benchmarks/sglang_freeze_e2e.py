@@ -86,6 +86,12 @@ GRAPH_LOOP = re.compile(r"decode graphs, (\d+) shapes: warm-up forwards ([0-9.]+
                         r"step ([0-9.]+) s\))?")
 WARMUP_LINE = re.compile(r"LOAD warm-up: (\d+) request\(s\) of ([0-9, ]+) tokens in ([0-9.]+) s")
 REGISTRY_LINE = re.compile(r"the model registry imports (.*) only")
+STANDBY_READ_LINE = re.compile(r"standby: ([0-9.]+) of ([0-9.]+) GiB of the spans the thaw "
+                               r"restores read into the page cache in ([0-9.]+) s")
+RESTORE_LINE = re.compile(r"restored \S+/weights\.span: (\d+) bytes written.* ([0-9.]+) s$")
+CACHED_LINE = re.compile(r"weights\.span: (\d+)% of it is in the page cache")
+HEAP_LINE = re.compile(r"(\d+) objects of the imports moved to the collector's permanent "
+                       r"generation in ([0-9.]+) s")
 GOALS = {"load_scheduler_e2e_s": 3.0, "load_ready_over_import_floor_s": 5.0,
          "load_first_ttft_over_steady": 1.5}
 GOAL_DIRECTION = {k: "<=" for k in GOALS}
@@ -257,6 +263,15 @@ def timeline(log: str, t_launch: float) -> dict:
                                   "lengths": [int(x) for x in w.group(2).split(",")]}
         if r := REGISTRY_LINE.search(line):
             out["model_registry_narrowed_to"] = r.group(1)
+        if r := STANDBY_READ_LINE.search(line):
+            out["standby_read"] = {"gib": float(r.group(1)), "of_gib": float(r.group(2)),
+                                   "seconds": float(r.group(3))}
+        if r := CACHED_LINE.search(line):
+            out["weights_in_page_cache_pct"] = int(r.group(1))
+        if r := RESTORE_LINE.search(line):
+            out["weights_restore"] = {"bytes": int(r.group(1)), "seconds": float(r.group(2))}
+        if r := HEAP_LINE.search(line):
+            out["import_heap_frozen"] = {"objects": int(r.group(1)), "seconds": float(r.group(2))}
     return out
 
 
@@ -365,10 +380,70 @@ def tree_bytes(path: str) -> int:
         if os.path.isdir(path) else 0
 
 
+def weights_span(s: Settings) -> str:
+    return os.path.join(s.archive, "rank0", "region", "weights.span")
+
+
+def drive_ceiling(s: Settings, max_bytes: int = 4 << 30) -> dict:
+    """The drive's cold read rate, measured in this run: ``dd iflag=direct bs=64M`` over the
+    first ``max_bytes`` of the weights span file LOAD reads (the same file on the same drive;
+    O_DIRECT is never served from the page cache), and fio's O_DIRECT read (queue depth 16) of
+    a file it writes under the work directory, where fio is installed (``. scripts/use-fio-
+    bundle.sh``). The ceiling is the faster of the two."""
+    from vitrify.bench.hicache import fio_read_limit
+    from vitrify.bench.snapshot import dd_read_rate
+
+    out: dict[str, Any] = {}
+    path = weights_span(s)
+    if os.path.isfile(path):
+        count = max(1, min(os.path.getsize(path), max_bytes) >> 26)
+        try:
+            rate, cmd = dd_read_rate(path, True, count=count)
+            out["dd"] = {"bytes_per_s": rate, "bytes": count << 26, "command": cmd}
+        except Exception as e:  # reported; the run's checks do not depend on it
+            out["dd"] = {"error": f"{type(e).__name__}: {e}"}
+    if shutil.which("fio"):
+        rate = fio_read_limit(s.work, 2 << 30)
+        out["fio"] = {"bytes_per_s": rate, "bytes": 2 << 30, "command": "fio --rw=read "
+                      "--bs=1m --direct=1 --ioengine=libaio --iodepth=16"} \
+            if isinstance(rate, float) else {"error": str(rate)}
+    else:
+        out["fio"] = {"error": "fio not installed (. scripts/use-fio-bundle.sh)"}
+    rates = [v["bytes_per_s"] for v in out.values() if "bytes_per_s" in v]
+    out["bytes_per_s"] = max(rates) if rates else None
+    return out
+
+
+def weights_figures(s: Settings, scenarios: dict, ceiling: float | None) -> dict:
+    """Each LOAD's weights span restore against the drive: its rate, that rate over the
+    drive's ceiling, and the scheduler start-up without the span's read at the ceiling (what
+    a drive of any speed cannot take away)."""
+    path = weights_span(s)
+    if not os.path.isfile(path):
+        return {}
+    size = os.path.getsize(path)
+    out: dict[str, Any] = {"weights_span_bytes": size}
+    if ceiling:
+        out["weights_span_at_ceiling_s"] = round(size / ceiling, 3)
+    for sc in ("load", "load-standby", "load-cached"):
+        info = scenarios.get(sc) or {}
+        took = ((info.get("timeline") or {}).get("session_steps_s") or {}).get("restore_weights")
+        if not took:
+            continue
+        row = {"restore_s": took, "bytes_per_s": size / took}
+        if ceiling:
+            row["over_drive_ceiling"] = round(size / took / ceiling, 3)
+            e2e_s = (info.get("startup_time") or {}).get("scheduler_e2e")
+            if e2e_s is not None and sc != "load-standby":
+                row["scheduler_e2e_without_the_drive_s"] = round(e2e_s - size / ceiling, 3)
+        out[sc] = row
+    return out
+
+
 def verify_reserve_s(s: Settings, read_rate: float = 1.0e9) -> float:
     """Seconds the final archive check needs: every byte read back (CRC32C) at a cold read
     rate below this machine's drive (~1.5 GB/s), plus the JIT walks."""
-    return 10.0 + tree_bytes(s.archive) / read_rate
+    return 20.0 + tree_bytes(s.archive) / read_rate  # + the drive's ceiling (drive_ceiling)
 
 
 def jit_after_load(s: Settings, scenario: str = "load") -> dict:
@@ -462,6 +537,8 @@ def run(s: Settings) -> dict:
         problems = _archive.open_archive(s.archive, checksums=True).verify()
         checks["archive_verifies"] = not problems
         extra["archive_bytes"] = tree_bytes(s.archive)
+        extra["drive"] = drive_ceiling(s)
+        extra["weights_restore"] = weights_figures(s, scenarios, extra["drive"]["bytes_per_s"])
     ratios = {}
     for sc in ("load", "load-standby", "load-cached"):
         ld, key = scenarios.get(sc, {}), sc.replace("-", "_")

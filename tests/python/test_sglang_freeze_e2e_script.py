@@ -117,6 +117,14 @@ def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
         "2026-12-02 02:41:46,134 vitrify.sglang INFO: vitrify SGLang plugin: mode 'load', "
         "archive /a, weight updates off, 9 hook(s) registered (SGLang 0.5.17)\n"
         "[2026-12-02 02:41:46] Init torch distributed begin.\n"
+        "2026-12-02 02:41:46,200 vitrify.sglang INFO: vitrify: 716136 objects of the imports "
+        "moved to the collector's permanent generation in 0.06 s\n"
+        "2026-12-02 02:41:46,300 vitrify.sglang INFO: vitrify: standby: 15.28 of 15.28 GiB of the "
+        "spans the thaw restores read into the page cache in 10.9 s\n"
+        "2026-12-02 02:41:49,100 vitrify.snapshot INFO: restore /a/rank0/region/weights.span: 100% "
+        "of it is in the page cache: read through it\n"
+        "2026-12-02 02:41:49,440 vitrify.snapshot INFO: restored /a/rank0/region/weights.span: "
+        "343932928 bytes written, 0 dropped above the ceiling 0x14800000, 0.27 s\n"
         "2026-12-02 02:41:49,448 vitrify.session INFO: restore_weights: 0.280 s\n"
         "2026-12-02 02:41:51,100 vitrify.sglang INFO: vitrify: decode graphs, 6 shapes: warm-up "
         "forwards 0.40 s, gc 0.51 s, claim 0.12 s\n"
@@ -130,6 +138,10 @@ def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
     assert tl["decode_graph_loop"] == {"shapes": 6, "warmup_forwards_s": 0.4, "gc_s": 0.51,
                                        "claim_s": 0.12}
     assert tl["model_registry_narrowed_to"] == "qwen3"
+    assert tl["import_heap_frozen"] == {"objects": 716136, "seconds": 0.06}
+    assert tl["standby_read"] == {"gib": 15.28, "of_gib": 15.28, "seconds": 10.9}
+    assert tl["weights_in_page_cache_pct"] == 100
+    assert tl["weights_restore"] == {"bytes": 343932928, "seconds": 0.27}
     assert fz.timeline(str(tmp_path / "missing.log"), t0) == {"at_s": {}, "session_steps_s": {}}
 
 
@@ -178,3 +190,33 @@ def test_a_launch_against_a_stand_in_server(tmp_path, monkeypatch, scenario):
         assert info["go_to_ready_s"] < info["ready_s"] and "thawed" in at
         assert info["standby_waiting_at_s"] + s.standby_settle_s <= info["ready_s"]
         assert os.path.exists(s.standby_file)
+
+
+def test_the_drive_ceiling_is_read_from_the_weights_span_and_sets_the_ratios(tmp_path,
+                                                                             monkeypatch):
+    from vitrify.bench import snapshot as bench_snapshot
+
+    s = fz.Settings(work=str(tmp_path / "w"))
+    path = fz.weights_span(s)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.truncate(3 << 26)
+    seen = []
+    monkeypatch.setattr(bench_snapshot, "dd_read_rate",
+                        lambda p, direct, count: seen.append((p, direct, count)) or (1.5e9, "dd"))
+    monkeypatch.setattr(fz.shutil, "which", lambda name: None)
+    drive = fz.drive_ceiling(s)
+    assert seen == [(path, True, 3)] and drive["bytes_per_s"] == 1.5e9
+    assert "not installed" in drive["fio"]["error"]
+    scenarios = {"load": {"timeline": {"session_steps_s": {"restore_weights": 0.2}},
+                          "startup_time": {"scheduler_e2e": 1.0}},
+                 "load-standby": {"timeline": {"session_steps_s": {"restore_weights": 0.02}},
+                                  "startup_time": {"scheduler_e2e": 9.0}}}
+    w = fz.weights_figures(s, scenarios, drive["bytes_per_s"])
+    size = 3 << 26
+    assert w["weights_span_bytes"] == size and w["weights_span_at_ceiling_s"] == round(size / 1.5e9, 3)
+    assert w["load"]["over_drive_ceiling"] == round(size / 0.2 / 1.5e9, 3)
+    assert w["load"]["scheduler_e2e_without_the_drive_s"] == round(1.0 - size / 1.5e9, 3)
+    # the standby's start-up includes its wait: no figure without the drive for it
+    assert "scheduler_e2e_without_the_drive_s" not in w["load-standby"]
+    assert fz.weights_figures(fz.Settings(work=str(tmp_path / "none")), scenarios, 1e9) == {}
