@@ -65,6 +65,8 @@ IMPORT_FLOOR_LINE = re.compile(r"Init torch distributed begin")
 THAWED_LINE = re.compile(r"vitrify: thawed (\S+) in ([0-9.]+) s")
 SAVE_LINE = re.compile(r"vitrify: SAVE complete")
 STANDBY_LINE = re.compile(r"vitrify: standby: imports done")
+STANDBY_READ_DONE_LINE = re.compile(r"vitrify: standby: the spans the thaw restores are in the "
+                                    r"page cache")
 SAVE_FAILED_LINE = re.compile(r"vitrify: SAVE failed|vitrify SGLang plugin:.*(fatal|failed)")
 PLUGIN_LINE = re.compile(r"vitrify SGLang plugin: mode '(save|load)'")
 # the start-up's milestones in a server log, for "where the seconds go" (first match each)
@@ -130,6 +132,7 @@ class Settings:
         return f"/tmp/qwen3-{self.shape}-freeze"
 
     standby_settle_s: float = 5.0  # a standby server idles this long before its go
+    standby_read_s: float = 60.0  # ... and until its archive's spans are read, at most this long
     profile: str | None = None  # a scenario whose scheduler start-up is profiled (cProfile)
 
     @property
@@ -293,7 +296,8 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
     t_wall = time.time()
     watch = LogWatch(log, {"floor": IMPORT_FLOOR_LINE, "thawed": THAWED_LINE,
                            "saved": SAVE_LINE, "save_failed": SAVE_FAILED_LINE,
-                           "plugin": PLUGIN_LINE, "standby": STANDBY_LINE})
+                           "plugin": PLUGIN_LINE, "standby": STANDBY_LINE,
+                           "standby_read": STANDBY_READ_DONE_LINE})
     if scenario == "load-standby" and os.path.lexists(s.standby_file):
         os.unlink(s.standby_file)
     t_go = None
@@ -305,8 +309,12 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
         budget_limited = s.ready_s > left() - reserve
         while True:
             watch.poll()
+            # the operator's go: the standby has waited a while and read its archive (a
+            # replacement started while the old server serves), or the read takes too long
             if scenario == "load-standby" and t_go is None and "standby" in watch.seen and \
-                    time.monotonic() - watch.seen["standby"] >= s.standby_settle_s:
+                    time.monotonic() - watch.seen["standby"] >= s.standby_settle_s and \
+                    ("standby_read" in watch.seen or
+                     time.monotonic() - watch.seen["standby"] >= s.standby_read_s):
                 Path(s.standby_file).touch()  # the operator's go
                 t_go = time.monotonic()
                 info["standby_waiting_at_s"] = round(watch.seen["standby"] - t0, 2)
@@ -326,6 +334,8 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
         info["ready_s"] = round(time.monotonic() - t0, 2)
         if t_go is not None:
             info["go_to_ready_s"] = round(time.monotonic() - t_go, 2)
+            info["go_after_the_standby_read"] = "standby_read" in watch.seen and \
+                watch.seen["standby_read"] <= t_go
         watch.poll()
         if mode_of(scenario) != "plain" and "plugin" not in watch.seen:
             raise RuntimeError(f"the {scenario} server started without vitrify's plugin (no "

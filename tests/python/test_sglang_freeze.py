@@ -527,6 +527,7 @@ def test_a_standby_reads_the_weights_span_until_its_go(tmp_path, caplog, monkeyp
     out = reading.finish()
     assert out["bytes"] == out["size"] == 3 << 20 and out["errors"] == []
     assert "read into the page cache" in caplog.text
+    assert "a go now thaws without the drive" in caplog.text  # logged when the read completed
     # a read that fails is named; the thaw reads the file itself then
     weights.unlink()
     out = freeze.SpanPrefetch(_Arch()).finish()

@@ -188,6 +188,7 @@ def test_a_launch_against_a_stand_in_server(tmp_path, monkeypatch, scenario):
         assert info["saved"] and info["warm_prompts"] == 2 and "saved" in at
     else:
         assert info["go_to_ready_s"] < info["ready_s"] and "thawed" in at
+        assert info["go_after_the_standby_read"] is True
         assert info["standby_waiting_at_s"] + s.standby_settle_s <= info["ready_s"]
         assert os.path.exists(s.standby_file)
 
