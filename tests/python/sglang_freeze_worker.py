@@ -63,7 +63,10 @@ def main() -> int:
         model_module = types.ModuleType("sglang.srt.models.vitrify_test_model")
         model_module.EntryClass = type("TinyForCausalLM", (), {})
         sys.modules[model_module.__name__] = model_module
-        runner = types.SimpleNamespace(is_draft_worker=False, model=model_module.EntryClass())
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        runner = types.SimpleNamespace(is_draft_worker=False, model=model_module.EntryClass(),
+                                       attn_backend=object.__new__(TritonAttnBackend))
         weights: list[tuple[int, int]] = []
 
         def load_model(r):

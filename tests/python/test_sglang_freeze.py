@@ -117,6 +117,10 @@ def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
                              *extra])
 
     freeze.check_supported(args())
+    # FlashInfer, alone or split with triton between prefill and decode
+    freeze.check_supported(args("--attention-backend", "flashinfer"))  # the later flag wins
+    freeze.check_supported(args("--decode-attention-backend", "flashinfer",
+                                "--prefill-attention-backend", "triton"))
     with pytest.raises(freeze.FreezeRefused) as e:
         freeze.check_supported(args("--decode-attention-backend", "fa3", "--enable-lora",
                                     "--enable-torch-compile", "--torchao-config", "int8wo",
@@ -557,3 +561,79 @@ def test_triton_s_cache_key_is_computed_before_the_first_launch(monkeypatch):
     assert freeze.warm_triton_key(background=False) is None
     monkeypatch.setitem(_sys.modules, "triton.runtime.cache", None)  # no Triton
     assert freeze.warm_triton_key(background=True) is None
+
+
+
+def _attn_runner(**kw):
+    return types.SimpleNamespace(kv_cache_dtype="bfloat16", token_to_kv_pool="kv",
+                                 req_to_token_pool="req",
+                                 server_args=types.SimpleNamespace(speculative_attention_mode="prefill"),
+                                 model_config=types.SimpleNamespace(context_len=4096), **kw)
+
+
+def _leaf(cls):
+    b = object.__new__(cls)
+    b.needs_cpu_seq_lens, b.token_to_kv_pool, b.req_to_token_pool = True, "kv", "req"
+    return b
+
+
+def test_attention_backends_are_found_inside_sglangs_routing_backends():
+    """The unwrapping, against SGLang 0.5.17's own classes built by their own constructors:
+    a prefill/decode split, hybrid linear attention, two-batch overlap, nested."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
+        HybridLinearAttnBackend,
+        Mamba2AttnBackend,
+    )
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.attention.trtllm_mha_backend import TRTLLMHAAttnBackend
+
+    tri, fi = _leaf(TritonAttnBackend), _leaf(FlashInferAttnBackend)
+    assert freeze.attention_leaves(fi) == [("attn_backend", fi)]
+    assert freeze.check_attention(fi) == ["flashinfer"] and freeze.metadata_api(fi) == "current"
+    split = HybridAttnBackend(_attn_runner(), prefill_backend=tri, decode_backend=fi)
+    assert freeze.attention_leaves(split) == [("attn_backend.prefill_backend", tri),
+                                              ("attn_backend.decode_backend", fi)]
+    assert freeze.check_attention(split) == ["triton", "flashinfer"]
+    same = HybridAttnBackend(_attn_runner(), prefill_backend=fi, decode_backend=fi)
+    assert freeze.check_attention(same) == ["flashinfer"]  # one object, listed once
+    tbo = TboAttnBackend(primary=split, children=[_leaf(FlashInferAttnBackend),
+                                                  _leaf(FlashInferAttnBackend)])
+    where = [w for w, _ in freeze.attention_leaves(tbo)]
+    assert where == ["attn_backend.primary.prefill_backend", "attn_backend.primary.decode_backend",
+                     "attn_backend.children[0]", "attn_backend.children[1]"]
+    # a hybrid linear-attention model's Mamba state is not frozen: refused, named where it sits
+    linear = HybridLinearAttnBackend(fi, _leaf(Mamba2AttnBackend), full_attn_layers=[0])
+    with pytest.raises(freeze.FreezeRefused) as e:
+        freeze.check_attention(linear)
+    assert "attn_backend.linear_attn_backend is Mamba2AttnBackend" in str(e.value)
+    assert "full_attn_backend" not in str(e.value)
+    # a subclass plans differently: only the exact classes are accepted
+    with pytest.raises(freeze.FreezeRefused, match="attn_backend is TRTLLMHAAttnBackend"):
+        freeze.check_attention(_leaf(TRTLLMHAAttnBackend))
+    with pytest.raises(freeze.FreezeRefused, match="has none"):
+        freeze.check_attention(None)
+
+
+def test_a_backend_with_only_the_legacy_graph_metadata_api_is_refused(monkeypatch):
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    class Legacy(AttentionBackend):
+        def init_forward_metadata_capture_cuda_graph(self, *a):
+            pass
+
+        def init_forward_metadata_replay_cuda_graph(self, *a):
+            pass
+
+    class Neither(AttentionBackend):
+        pass
+
+    assert freeze.metadata_api(object.__new__(Legacy)) == "legacy"
+    assert freeze.metadata_api(object.__new__(Neither)) == "none"
+    monkeypatch.setitem(freeze.FROZEN_ATTENTION, f"{__name__}.{Legacy.__qualname__}", "legacy")
+    with pytest.raises(freeze.FreezeRefused) as e:
+        freeze.check_attention(object.__new__(Legacy))
+    assert "through the legacy init_forward_metadata_capture_cuda_graph" in str(e.value)
+    assert "calls init_forward_metadata_out_graph" in str(e.value)

@@ -56,7 +56,21 @@ log = logging.getLogger("vitrify.sglang")
 
 ENGINE = "sglang"
 STATE_FORMAT = 1
-ATTENTION_BACKENDS = ("triton",)
+ATTENTION_BACKENDS = ("triton", "flashinfer")
+_ATTN = "sglang.srt.layers.attention"
+# The attention backend classes whose decode graphs are frozen (exactly these: a subclass such as
+# TRT-LLM's over FlashInfer's plans differently and was not read), by the name SGLang uses.
+FROZEN_ATTENTION = {f"{_ATTN}.triton_backend.TritonAttnBackend": "triton",
+                    f"{_ATTN}.flashinfer_backend.FlashInferAttnBackend": "flashinfer"}
+# Backends that only route to others (SGLang 0.5.17): the attributes holding those others.
+ATTENTION_WRAPPERS = {
+    f"{_ATTN}.hybrid_attn_backend.HybridAttnBackend": ("prefill_backend", "decode_backend"),
+    f"{_ATTN}.hybrid_linear_attn_backend.HybridLinearAttnBackend": ("full_attn_backend",
+                                                                   "linear_attn_backend"),
+    f"{_ATTN}.tbo_backend.TboAttnBackend": ("primary", "children"),
+}
+LEGACY_METADATA = ("init_forward_metadata_capture_cuda_graph",
+                   "init_forward_metadata_replay_cuda_graph")
 MODELS_PACKAGE = "sglang.srt.models"
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 BEFORE_NARROWING_ENV = "VITRIFY_SGLANG_DISABLED_ARCHS_BEFORE"  # JSON: the user's value or null
@@ -298,9 +312,9 @@ def check_supported(args: Any) -> None:
     for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = getattr(args, field, None)
         if value is not None and value not in ATTENTION_BACKENDS:
-            problems.append(f"{field}={value!r} (only {list(ATTENTION_BACKENDS)} is frozen yet)")
+            problems.append(f"{field}={value!r} (only {list(ATTENTION_BACKENDS)} are frozen yet)")
     if getattr(args, "attention_backend", None) is None:
-        problems.append("attention_backend unset (pass --attention-backend triton)")
+        problems.append("attention_backend unset (pass --attention-backend triton or flashinfer)")
     backend = _decode_backend(args)
     if backend not in DECODE_BACKENDS:
         problems.append(f"decode graph backend {backend!r} (only {list(DECODE_BACKENDS)})")
@@ -309,6 +323,78 @@ def check_supported(args: Any) -> None:
             problems.append(f"{field}={getattr(args, field)!r} ({why})")
     if problems:
         raise FreezeRefused("; ".join(problems))
+
+
+def _class_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def attention_leaves(backend: Any, path: str = "attn_backend") -> list[tuple[str, Any]]:
+    """The attention backends that run attention under ``backend``, with where each sits: a
+    routing backend (``ATTENTION_WRAPPERS``: prefill/decode split, hybrid linear attention,
+    two-batch overlap) is looked through, nested ones too; the same object reached twice is
+    listed once."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, where: str) -> None:
+        if obj is None or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        fields = ATTENTION_WRAPPERS.get(_class_name(obj))
+        if fields is None:
+            out.append((where, obj))
+            return
+        for field in fields:
+            child = getattr(obj, field, None)
+            if isinstance(child, (list, tuple)):
+                for i, c in enumerate(child):
+                    walk(c, f"{where}.{field}[{i}]")
+            else:
+                walk(child, f"{where}.{field}")
+
+    walk(backend, path)
+    return out
+
+
+def metadata_api(backend: Any) -> str:
+    """Which graph-metadata interface ``backend``'s class implements: "current" (its own
+    ``init_forward_metadata_out_graph``, what SGLang 0.5.17's runner calls at capture and
+    replay), "legacy" (only ``init_forward_metadata_capture_cuda_graph`` /
+    ``..._replay_cuda_graph``, which that runner no longer calls), or "none"."""
+    own = [k for k in type(backend).__mro__ if k.__name__ != "AttentionBackend"
+           and k is not object]
+    if any("init_forward_metadata_out_graph" in vars(k) for k in own):
+        return "current"
+    if any(name in vars(k) for k in own for name in LEGACY_METADATA):
+        return "legacy"
+    return "none"
+
+
+def check_attention(backend: Any) -> list[str]:
+    """The kinds (``FROZEN_ATTENTION``'s values) of the attention backends under ``backend``,
+    after checking each is one whose graphs are frozen and prepares its graph metadata the way
+    the graph runner asks; anything else is a :class:`FreezeRefused` naming every one."""
+    problems, kinds = [], []
+    leaves = attention_leaves(backend)
+    if not leaves:
+        raise FreezeRefused("attention backend: the model runner has none (attn_backend unset)")
+    for where, leaf in leaves:
+        kind = FROZEN_ATTENTION.get(_class_name(leaf))
+        if kind is None:
+            problems.append(f"{where} is {type(leaf).__name__} (frozen: "
+                            f"{', '.join(n.rsplit('.', 1)[1] for n in FROZEN_ATTENTION)})")
+        elif (api := metadata_api(leaf)) != "current":
+            problems.append(f"{where} ({type(leaf).__name__}) prepares graph metadata through "
+                            f"{'the legacy ' + ' / '.join(LEGACY_METADATA) if api == 'legacy' else 'no method'}"
+                            f", which SGLang's graph runner does not call (it calls "
+                            f"init_forward_metadata_out_graph)")
+        else:
+            kinds.append(kind)
+    if problems:
+        raise FreezeRefused("attention backend: " + "; ".join(problems))
+    return kinds
 
 
 def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -958,9 +1044,18 @@ def around_alloc_memory_pool(original: Callable, runner: Any, *args: Any, **kwar
 
 
 def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -> Any:
-    run = _active_run(kwargs.get("model_runner"))
+    runner = kwargs.get("model_runner")
+    run = _active_run(runner)
     if run is None:
         return original(*args, **kwargs)
+    try:
+        kinds = check_attention(getattr(runner, "attn_backend", None))
+    except FreezeRefused as e:
+        raise _fatal(f"mode {run.mode!r}: {e}") from None
+    if "flashinfer" in kinds and run.mode == "save":
+        log.warning("vitrify: freezing FlashInfer decode graphs: SGLang re-plans them at LOAD as "
+                    "at SAVE (the plan read for triton), checked on CPU against SGLang's "
+                    "source; not yet run on a GPU under vitrify")
     run.session.reached("warmup")
     # Python's collector frees routed tensors held in cycles at moments that depend on how much
     # Python ran; SAVE (capturing) runs more than LOAD, so it is off for the loop on both sides
@@ -1178,4 +1273,5 @@ __all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idl
            "around_resolve_memory_pool_config", "capture_collections", "check_supported",
            "cuda_tensor_at", "describe", "freeze_import_heap",
            "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
-           "rebuild", "SpanPrefetch", "warm_triton_key", "warmup_body"]
+           "rebuild", "SpanPrefetch", "warm_triton_key", "warmup_body", "attention_leaves",
+           "check_attention", "metadata_api", "FROZEN_ATTENTION", "ATTENTION_WRAPPERS"]
