@@ -441,7 +441,10 @@ def weights_figures(s: Settings, scenarios: dict, ceiling: float | None) -> dict
         if not took:
             continue
         row = {"restore_s": took, "bytes_per_s": size / took}
-        if ceiling:
+        cached = ((info.get("timeline") or {}).get("weights_in_page_cache_pct") or 0) >= 90
+        if cached:  # read from memory: the drive's figures do not apply
+            row["from_the_page_cache"] = True
+        elif ceiling:
             row["over_drive_ceiling"] = round(size / took / ceiling, 3)
             e2e_s = (info.get("startup_time") or {}).get("scheduler_e2e")
             if e2e_s is not None and sc != "load-standby":

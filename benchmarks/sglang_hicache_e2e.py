@@ -811,10 +811,14 @@ def unpack_bundle(s: Settings) -> str:
     # this, once, in place (the bytecode names its source's path): every server launch would
     # otherwise compile the modules it imports (where the environment stops Python from writing
     # bytecode, every launch all of them)
-    subprocess.run([s.python, "-m", "compileall", "-q", "-j", "0", s.site], check=True,
-                   stdout=subprocess.DEVNULL)
+    # (a file that does not compile is named and left to Python: it compiles it on import)
+    r = subprocess.run([s.python, "-m", "compileall", "-q", "-j", "0", s.site],
+                       capture_output=True, text=True)
     Path(marker).write_text(str(os.path.getsize(s.bundle)))
-    return f"unpacked in {t1 - t0:.1f} s, compiled to bytecode in {time.monotonic() - t1:.1f} s"
+    note = "" if r.returncode == 0 else \
+        f" (compileall exited {r.returncode}: {(r.stdout + r.stderr).strip()[-300:]})"
+    return f"unpacked in {t1 - t0:.1f} s, compiled to bytecode in " \
+        f"{time.monotonic() - t1:.1f} s{note}"
 
 
 def ensure_vitrify(s: Settings) -> str:

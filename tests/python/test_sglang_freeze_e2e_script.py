@@ -220,4 +220,11 @@ def test_the_drive_ceiling_is_read_from_the_weights_span_and_sets_the_ratios(tmp
     assert w["load"]["scheduler_e2e_without_the_drive_s"] == round(1.0 - size / 1.5e9, 3)
     # the standby's start-up includes its wait: no figure without the drive for it
     assert "scheduler_e2e_without_the_drive_s" not in w["load-standby"]
+    # a restore the page cache served is no drive figure at all
+    scenarios["load-cached"] = {"timeline": {"session_steps_s": {"restore_weights": 0.01},
+                                             "weights_in_page_cache_pct": 100},
+                                "startup_time": {"scheduler_e2e": 0.5}}
+    w = fz.weights_figures(s, scenarios, drive["bytes_per_s"])
+    assert w["load-cached"] == {"restore_s": 0.01, "bytes_per_s": size / 0.01,
+                                "from_the_page_cache": True}
     assert fz.weights_figures(fz.Settings(work=str(tmp_path / "none")), scenarios, 1e9) == {}

@@ -305,9 +305,9 @@ def _decode_backend(args: Any) -> str:
 
 
 def check_supported(args: Any) -> None:
-    """SAVE and LOAD accept the triton attention backend and full (or no) decode graphs only
-    (what the block-placement plan was read for); anything else is refused, all named at
-    once, before the region exists."""
+    """SAVE and LOAD accept the triton and FlashInfer attention backends (P17) and full (or no)
+    decode graphs only (what the block-placement plan was read for); anything else is refused,
+    all named at once, before the region exists."""
     problems = []
     for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = getattr(args, field, None)
@@ -509,7 +509,21 @@ def warm_triton_key(background: bool) -> Any:
     if not background:
         run()
         return None
+    import pkgutil
     import threading
+
+    # triton_key walks Triton's subpackages, importing the ones not imported yet: that walk
+    # runs here, so the thread below only finds them imported (no import beside the engine's)
+    try:
+        import triton
+
+        root = os.path.dirname(os.path.abspath(triton.__file__))
+        for sub in ("compiler", "backends", "language"):
+            for _ in pkgutil.walk_packages([os.path.join(root, sub)], prefix=f"triton.{sub}."):
+                pass
+    except Exception as e:  # noqa: BLE001 - the key is then computed at the first launch
+        log.debug("vitrify: Triton's packages not walked ahead: %s", e)
+        return None
 
     t = threading.Thread(target=run, name="vitrify-triton-key", daemon=True)
     t.start()
@@ -530,6 +544,12 @@ class SpanPrefetch:
 
         spans = archive.spans(_session.RANK if rank is None else rank)
         self.paths = [archive.file_path(spans[n]) for n in (snapshot.WEIGHTS_SPAN,) if n in spans]
+        self.sizes = {}
+        for path in self.paths:
+            try:
+                self.sizes[path] = os.path.getsize(path)
+            except OSError:
+                self.sizes[path] = 0
         self.results: dict[str, dict] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="vitrify-standby-read", daemon=True)
@@ -557,7 +577,7 @@ class SpanPrefetch:
         self.stop.set()
         self.thread.join()
         done = sum(r.get("bytes", 0) for r in self.results.values())
-        size = sum(r.get("size", 0) for r in self.results.values())
+        size = sum(self.sizes.values())
         errors = [f"{os.path.basename(p)}: {r['error']}" for p, r in self.results.items()
                   if "error" in r]
         secs = sum(r.get("seconds", 0.0) for r in self.results.values())
@@ -578,6 +598,9 @@ def freeze_import_heap(collect: bool) -> int:
     before = gc.get_freeze_count()
     gc.freeze()
     moved = gc.get_freeze_count() - before
+    # every generation is empty now: this walks nothing and zeroes the collector's counters, so
+    # the start-up's automatic collections come at the same points with or without ``collect``
+    gc.collect()
     log.info("vitrify: %d objects of the imports moved to the collector's permanent generation "
              "in %.2f s%s", moved, time.perf_counter() - t0,
              f" (a full collection first freed {freed})" if collect else "")
@@ -586,8 +609,9 @@ def freeze_import_heap(collect: bool) -> int:
 
 @contextlib.contextmanager
 def capture_collections(enable_cudagraph_gc: bool):
-    """SGLang's ``freeze_gc`` for the decode capture (a collection, a freeze unless
-    ``enable_cudagraph_gc``, the capture, a collection) without its ``gc.unfreeze()``: that
+    """SGLang's ``freeze_gc`` for the decode capture (a collection; unless
+    ``enable_cudagraph_gc``, a freeze, the capture and a collection) without its
+    ``gc.unfreeze()``: that
     would put the import heap :func:`freeze_import_heap` froze back into the oldest generation,
     and its last collection would walk all of it again (~0.5 s per full collection on the
     H200's host). What the start-up built before the capture stays frozen, as SGLang's own
@@ -598,14 +622,16 @@ def capture_collections(enable_cudagraph_gc: bool):
     try:
         yield
     finally:
-        gc.collect()
+        if not enable_cudagraph_gc:
+            gc.collect()
 
 
 def around_freeze_gc(original: Callable, enable_cudagraph_gc: bool, *args: Any,
                      **kwargs: Any) -> Any:
-    """AROUND ``decode_cuda_graph_runner.freeze_gc`` (the name its ``capture`` looks up): in a
-    freezing or thawing scheduler, :func:`capture_collections` instead (both modes, so the
-    collections free the same objects at the same points); elsewhere SGLang's own."""
+    """AROUND ``decode_cuda_graph_runner.freeze_gc`` (the name its ``capture`` looks up;
+    SGLang's registry rebinds the other modules that imported the function too): in a freezing
+    or thawing scheduler, :func:`capture_collections` instead (both modes, so the collections
+    free the same objects at the same points); elsewhere SGLang's own."""
     if RUN is None:
         return original(enable_cudagraph_gc, *args, **kwargs)
     return capture_collections(enable_cudagraph_gc)
@@ -887,10 +913,31 @@ def warmup_ids(length: int, index: int, vocab: int = 1000) -> list[int]:
     return [10 + (index * 131 + i * 7) % (top - 10) for i in range(length)]
 
 
+def check_answer(lines: Any) -> None:
+    """Raise on an error inside a ``/generate`` answer of status 200: SGLang streams a failure
+    as a ``data: {"error": ...}`` event, and a whole answer may carry an ``error`` too. ``lines``:
+    the answer's lines (streamed) or its one body."""
+    for raw in lines:
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        line = line.strip()
+        if line.startswith("data:"):
+            line = line[5:].strip()
+        if not line or line == "[DONE]":
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        items = obj if isinstance(obj, list) else [obj]
+        for item in items:
+            if isinstance(item, dict) and item.get("error"):
+                raise RuntimeError(f"the answer carries an error: {str(item['error'])[:200]}")
+
+
 def warmup_body(ids: Any, index: int) -> dict:
     """The ``/generate`` body of LOAD's warm-up request ``index``: the four kinds of answer a
-    client asks for in turn (streamed with logprobs, whole with logprobs, streamed, whole), a
-    few decode steps each. SGLang's own warm-up asks for neither: on the H200 the first request
+    client asks for in turn (streamed with logprobs, whole with logprobs, streamed, whole; with
+    fewer than four requests the last kinds are left out), a few decode steps each. SGLang's own warm-up asks for neither: on the H200 the first request
     with logprobs after it took 3.8-4.1x a steady one, plain SGLang and LOAD alike, while SAVE,
     warmed by such requests, showed no slow first one."""
     return {"input_ids": ids, "stream": index % 2 == 0, "return_logprob": index % 4 < 2,
@@ -975,8 +1022,7 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
                                    stream=body["stream"]) as r:
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                    for _ in r.iter_content(chunk_size=None):  # a streamed answer, to its end
-                        pass
+                    check_answer(r.iter_lines() if body["stream"] else [r.content])
         finally:
             if tm is not None:
                 tm.server_status = was
@@ -1053,9 +1099,9 @@ def around_capture_decode_graph(original: Callable, *args: Any, **kwargs: Any) -
     except FreezeRefused as e:
         raise _fatal(f"mode {run.mode!r}: {e}") from None
     if "flashinfer" in kinds and run.mode == "save":
-        log.warning("vitrify: freezing FlashInfer decode graphs: SGLang re-plans them at LOAD as "
-                    "at SAVE (the plan read for triton), checked on CPU against SGLang's "
-                    "source; not yet run on a GPU under vitrify")
+        log.warning("vitrify: freezing FlashInfer decode graphs: SGLang plans them at LOAD as at "
+                    "SAVE, the way triton's are frozen; checked on CPU against SGLang's source, "
+                    "not yet run on a GPU under vitrify")
     run.session.reached("warmup")
     # Python's collector frees routed tensors held in cycles at moments that depend on how much
     # Python ran; SAVE (capturing) runs more than LOAD, so it is off for the loop on both sides
@@ -1273,5 +1319,5 @@ __all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idl
            "around_resolve_memory_pool_config", "capture_collections", "check_supported",
            "cuda_tensor_at", "describe", "freeze_import_heap",
            "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
-           "rebuild", "SpanPrefetch", "warm_triton_key", "warmup_body", "attention_leaves",
+           "rebuild", "SpanPrefetch", "check_answer", "warm_triton_key", "warmup_body", "attention_leaves",
            "check_attention", "metadata_api", "FROZEN_ATTENTION", "ATTENTION_WRAPPERS"]
