@@ -90,6 +90,8 @@ WARMUP_LINE = re.compile(r"LOAD warm-up: (\d+) request\(s\) of ([0-9, ]+) tokens
 REGISTRY_LINE = re.compile(r"the model registry imports (.*) only")
 STANDBY_READ_LINE = re.compile(r"standby: ([0-9.]+) of ([0-9.]+) GiB of the spans the thaw "
                                r"restores read into the page cache in ([0-9.]+) s")
+READ_AHEAD_LINE = re.compile(r"read-ahead: the spans the thaw restores are in the page cache "
+                             r"\(([0-9.]+) GiB in ([0-9.]+) s\)")
 RESTORE_LINE = re.compile(r"restored \S+/weights\.span: (\d+) bytes written.* ([0-9.]+) s$")
 CACHED_LINE = re.compile(r"weights\.span: (\d+)% of it is in the page cache")
 HEAP_LINE = re.compile(r"(\d+) objects of the imports moved to the collector's permanent "
@@ -269,6 +271,9 @@ def timeline(log: str, t_launch: float) -> dict:
         if r := STANDBY_READ_LINE.search(line):
             out["standby_read"] = {"gib": float(r.group(1)), "of_gib": float(r.group(2)),
                                    "seconds": float(r.group(3))}
+        if r := READ_AHEAD_LINE.search(line):
+            out["read_ahead"] = {"gib": float(r.group(1)), "seconds": float(r.group(2)),
+                                 "done_at_s": round(t - t_launch, 3)}
         if r := CACHED_LINE.search(line):
             out["weights_in_page_cache_pct"] = int(r.group(1))
         if r := RESTORE_LINE.search(line):

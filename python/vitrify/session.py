@@ -462,14 +462,17 @@ class ThawSession:
     warmup either way). ``verify``: check every file's CRC32C before use (spans are checked
     chunk by chunk as they are restored, whatever this says). ``exportable``: the region's
     memory is created exportable (``Region(exportable=True)``), so a trainer can write the
-    weights in place (``vitrify.weights.transport.region_exporter``).
+    weights in place (``vitrify.weights.transport.region_exporter``). ``direct_io``: how the
+    spans are read (None: ``VITRIFY_DIRECT_IO``; "off": through the page cache, for a span
+    another thread or process is reading ahead, see :func:`vitrify.snapshot.restore_from_file`).
     """
 
     def __init__(self, adapter: Any, path: str | os.PathLike, *, base: int | None = None,
                  relocate: bool = True, device: int = 0, warmup_restore: bool | None = None,
                  verify: bool = True, graph_threads: int = 4,
                  progress: Callable[[int, int], None] | None = None,
-                 exportable: bool = False, restore_graph_span: bool = True):
+                 exportable: bool = False, restore_graph_span: bool = True,
+                 direct_io: str | None = None):
         self.adapter = _check_fingerprinted(adapter)
         self.path = os.path.abspath(_check.path("path", path))
         # False: the graphs span is mapped at "captured" but not restored (an engine whose
@@ -490,6 +493,7 @@ class ThawSession:
         if progress is not None and not callable(progress):
             raise _check.ArgumentTypeError(f"progress must be callable, got {_check.got(progress)}")
         self.progress = progress
+        self.direct_io = None if direct_io is None else _snapshot._direct_io(direct_io)
         self.region = None
         self.graphs = None
         self.timings = Timings()
@@ -543,7 +547,7 @@ class ThawSession:
         self._claim(region, end)
         if name in spans:
             archive.restore_span(RANK, name, region.base, end, target=self.device,
-                                 progress=self.progress)
+                                 progress=self.progress, direct_io=self.direct_io)
 
     def run(self) -> dict:
         """Thaw; returns a summary (JSON). The engine serves once this returns. On any error the

@@ -349,6 +349,11 @@ def restore_from_file(path: str | os.PathLike, base: int, ceiling: int, *, targe
             log.info("restore %s: %.0f%% of it is in the page cache: read through it",
                      os.fspath(path), 100 * share)
             direct_io = "off"
+    elif direct_io == "off" and log.isEnabledFor(logging.INFO):
+        share = page_cache_share(path)  # what a read-ahead left (the harness reports it)
+        if share is not None:
+            log.info("restore %s: %.0f%% of it is in the page cache as the read begins, read "
+                     "through it as asked", os.fspath(path), 100 * share)
     _check.callable_or_none("progress", progress)
     if progress is None:
         progress = progress_logger(f"restore {path}")

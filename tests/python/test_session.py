@@ -255,3 +255,21 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     with pytest.raises(TypeError, match="graph_threads"):
         session.ThawSession(BytesEngine(), tmp_path / "a", graph_threads="4")
     assert isinstance(BytesEngine(), session.EngineAdapter)
+
+
+def test_a_thaw_reads_its_spans_the_way_it_was_asked():
+    from session_worker import BytesEngine
+
+    seen = []
+
+    class _Archive:
+        def restore_span(self, rank, name, base, end, **kw):
+            seen.append((name, kw["direct_io"]))
+
+    region = type("R", (), {"offset": 1 << 40, "base": 0})()
+    for asked in (None, "off", "auto"):
+        sess = session.ThawSession(BytesEngine(), "/nowhere", direct_io=asked)
+        sess._restore(_Archive(), region, {"weights": "w"}, "weights", 4096)
+    assert seen == [("weights", None), ("weights", "off"), ("weights", "auto")]
+    with pytest.raises(ValueError, match="direct_io"):
+        session.ThawSession(BytesEngine(), "/nowhere", direct_io="sometimes")

@@ -647,3 +647,50 @@ def test_an_error_inside_an_answer_of_status_200_is_found():
         freeze.check_answer([b'data: {"text": "a"}', b'data: {"error": "boom"}'])
     with pytest.raises(RuntimeError, match="carries an error"):
         freeze.check_answer([b'{"error": "out of memory"}'])
+
+
+def test_the_launcher_reads_the_weights_span_ahead_when_it_fits(tmp_path, caplog, monkeypatch):
+    from vitrify import archive as _archive
+    from vitrify import snapshot
+
+    arch = tmp_path / "engine.vitrify"
+    weights = arch / "rank0" / "region" / "weights.span"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(os.urandom(3 << 20))
+
+    class _Arch:
+        def __init__(self, spans):
+            self._spans = spans
+
+        def spans(self, rank):
+            return self._spans
+
+        def file_path(self, rel):
+            return str(arch / rel)
+
+    spans = {"weights": "rank0/region/weights.span"}
+    monkeypatch.setattr(_archive, "open_archive", lambda path, **k: _Arch(spans))
+    caplog.set_level("INFO", logger="vitrify.sglang")
+    monkeypatch.setattr(snapshot, "page_cache_share", lambda path: 0.0)  # a cold drive
+    env = {}
+    reading = freeze.start_read_ahead(str(arch), env)
+    reading.thread.join()
+    assert env == {freeze.READ_AHEAD_ENV: str(weights)}
+    assert reading.results[str(weights)]["complete"]
+    assert "reading the weights span" in caplog.text and "are in the page cache" in caplog.text
+    # the scheduler's thaw of that archive reads through the page cache; of another, as set
+    assert freeze.read_ahead_direct_io(str(arch), env) == "off"
+    assert freeze.read_ahead_direct_io(str(tmp_path / "other.vitrify"), env) is None
+    assert freeze.read_ahead_direct_io(str(arch), {}) is None
+    # cached already, too large for the memory, or no weights span: nothing read, nothing said
+    for share, room, sp, words in ((1.0, None, spans, "in the page cache already"),
+                                   (0.0, 5 << 20, spans, "more than half the memory"),
+                                   (0.0, None, {}, "")):
+        monkeypatch.setattr(snapshot, "page_cache_share", lambda path, v=share: v)
+        monkeypatch.setattr(freeze, "memory_available", lambda v=room: v)
+        monkeypatch.setattr(_archive, "open_archive", lambda path, v=sp, **k: _Arch(v))
+        caplog.clear()
+        env = {}
+        assert freeze.start_read_ahead(str(arch), env) is None and env == {}
+        assert words in caplog.text
+    assert freeze.memory_available() is None or freeze.memory_available() > 0

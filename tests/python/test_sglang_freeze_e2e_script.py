@@ -121,6 +121,8 @@ def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
         "moved to the collector's permanent generation in 0.06 s\n"
         "2026-12-02 02:41:46,300 vitrify.sglang INFO: vitrify: standby: 15.28 of 15.28 GiB of the "
         "spans the thaw restores read into the page cache in 10.9 s\n"
+        "2026-12-02 02:41:40,000 vitrify.sglang INFO: vitrify: read-ahead: the spans the thaw "
+        "restores are in the page cache (15.28 GiB in 10.7 s)\n"
         "2026-12-02 02:41:49,100 vitrify.snapshot INFO: restore /a/rank0/region/weights.span: 100% "
         "of it is in the page cache: read through it\n"
         "2026-12-02 02:41:49,440 vitrify.snapshot INFO: restored /a/rank0/region/weights.span: "
@@ -141,6 +143,7 @@ def test_the_timeline_places_each_milestone_after_the_launch(tmp_path):
     assert tl["import_heap_frozen"] == {"objects": 716136, "seconds": 0.06}
     assert tl["standby_read"] == {"gib": 15.28, "of_gib": 15.28, "seconds": 10.9}
     assert tl["weights_in_page_cache_pct"] == 100
+    assert tl["read_ahead"] == {"gib": 15.28, "seconds": 10.7, "done_at_s": 22.0}
     assert tl["weights_restore"] == {"bytes": 343932928, "seconds": 0.27}
     assert fz.timeline(str(tmp_path / "missing.log"), t0) == {"at_s": {}, "session_steps_s": {}}
 

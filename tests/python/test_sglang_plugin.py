@@ -6,6 +6,7 @@ point, registration through SGLang's own HookRegistry and loader, and the Server
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -69,7 +70,8 @@ def fresh(monkeypatch):
     monkeypatch.delenv(plugin.CONFIG_ENV, raising=False)
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     # register() sets these in os.environ (the JIT caches, P10): restored afterwards
-    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV,
+                plugin._READ_AHEAD_ENV):
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     # apply_hooks() patches ServerArgs.__post_init__; put the original back after the test.
@@ -657,7 +659,8 @@ def test_save_clears_what_an_earlier_save_left(fresh, save_config, tmp_path):
     fresh.setenv(plugin.CONFIG_ENV, save_config)
     plugin.register()
     (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
-    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV,
+                plugin._READ_AHEAD_ENV):
         fresh.delenv(var)  # a new launch of the same SAVE, e.g. after a crash
     fresh.setattr(plugin, "STATE", plugin.PluginState())
     plugin.register()
@@ -787,3 +790,35 @@ def test_config_standby_file(tmp_path):
                 "standby_file": str(tmp_path / "go"), **extra}
         with pytest.raises(PluginConfigError, match=words):
             pconfig.from_mapping(data)
+
+
+def test_config_read_ahead(tmp_path):
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    base = {"mode": "load", "archive": str(arch), "region_bytes": "1GiB"}
+    assert pconfig.from_mapping(base).read_ahead is True
+    assert pconfig.from_mapping({**base, "read_ahead": False}).read_ahead is False
+    with pytest.raises(PluginConfigError, match="read_ahead.*true or false"):
+        pconfig.from_mapping({**base, "read_ahead": "yes"})
+
+
+def test_the_launcher_reads_the_weights_ahead_and_the_scheduler_does_not(fresh, tmp_path):
+    from vitrify.integrations.sglang import freeze
+
+    arch = tmp_path / "engine.vitrify"
+    _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin"})
+    calls = []
+    fresh.setattr(freeze, "start_read_ahead", lambda path: calls.append(path) or "reading")
+    fresh.setenv(plugin.CONFIG_ENV, _load_config(tmp_path, arch, jit_dir=str(tmp_path / "jit")))
+    plugin.register()
+    assert calls == [str(arch)] and plugin.STATE.read_ahead == "reading"
+    # a scheduler, a config that says no, a process whose launcher reads already, SAVE
+    load = pconfig.from_mapping({"mode": "load", "archive": str(arch), "region_bytes": "1GiB"})
+    calls.clear()
+    assert plugin._start_read_ahead(load, in_scheduler=True) is None
+    assert plugin._start_read_ahead(dataclasses.replace(load, read_ahead=False), False) is None
+    assert plugin._start_read_ahead(dataclasses.replace(load, mode="save"), False) is None
+    fresh.setenv(plugin._READ_AHEAD_ENV, "/elsewhere/weights.span")
+    assert plugin._start_read_ahead(load, in_scheduler=False) is None and calls == []
+    fresh.delenv(plugin._READ_AHEAD_ENV)
+    assert plugin._start_read_ahead(load, in_scheduler=False) == "reading"

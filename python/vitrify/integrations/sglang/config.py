@@ -47,6 +47,10 @@ key                value                           meaning
                                                    until this file exists — the imports leave
                                                    the restart's critical path (a replacement
                                                    server waits while the old one still serves)
+``read_ahead``     bool (default true)             LOAD: the launcher reads the weights span
+                                                   through the page cache while the scheduler
+                                                   imports (when it fits in half the memory
+                                                   available), so the thaw reads it from memory
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -73,7 +77,8 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
 _KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
-         "jit_caches", "jit_dir", "save_after_requests", "warmup_requests", "standby_file")
+         "jit_caches", "jit_dir", "save_after_requests", "warmup_requests", "standby_file",
+         "read_ahead")
 
 
 class PluginConfigError(ValueError):
@@ -96,6 +101,7 @@ class PluginConfig:
     save_after_requests: int = 1
     warmup_requests: int = 8
     standby_file: str | None = None
+    read_ahead: bool = True
 
     @property
     def active(self) -> bool:
@@ -204,6 +210,9 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
     jit_caches = data.get("jit_caches", True)
     if not isinstance(jit_caches, bool):
         raise _type_error("jit_caches", "true or false", jit_caches)
+    read_ahead = data.get("read_ahead", True)
+    if not isinstance(read_ahead, bool):
+        raise _type_error("read_ahead", "true or false", read_ahead)
     after = _int_in(data, "save_after_requests", 1, 1, 1 << 31)
     warmups = _int_in(data, "warmup_requests", 8, 0, 64)
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
@@ -211,7 +220,7 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
                         weight_updates=weight_updates, jit_caches=jit_caches,
                         jit_dir=_jit_dir(data, mode, archive, jit_caches),
                         save_after_requests=after, warmup_requests=warmups,
-                        standby_file=_standby_file(data, mode))
+                        standby_file=_standby_file(data, mode), read_ahead=read_ahead)
 
 
 def _standby_file(data: Mapping, mode: str) -> str | None:

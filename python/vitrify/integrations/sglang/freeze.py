@@ -428,7 +428,8 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         # and the rest of that range holds SGLang's own buffers, which LOAD's start-up has just
         # built (SAVE's span is dumped after serving: its contents are not start-up state)
         sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
-                                    restore_graph_span=False)
+                                    restore_graph_span=False,
+                                    direct_io=read_ahead_direct_io(cfg.archive))
     try:
         if standby:  # an archive that cannot thaw here is refused before the wait, not after
             archive = _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine,
@@ -531,12 +532,12 @@ def warm_triton_key(background: bool) -> Any:
 
 
 class SpanPrefetch:
-    """A standby's read of the spans its thaw restores (the weights span) through the page
-    cache, on a thread, until :meth:`finish` (the go): the restore then reads from memory
-    instead of the drive (``vitrify.snapshot.restore_from_file`` chooses the cache when it holds
-    the file). A read that fails is logged; the thaw reads the file itself then."""
+    """A read of the spans a thaw restores (the weights span) through the page cache, on a
+    thread: a standby's until :meth:`finish` (its go), the launcher's (P18) to the end. The
+    restore then reads from memory instead of the drive. A read that fails is logged; the thaw
+    reads the file itself then. ``who`` starts the log lines."""
 
-    def __init__(self, archive: Any, rank: int | None = None):
+    def __init__(self, archive: Any, rank: int | None = None, who: str = "standby"):
         import threading
 
         from ... import session as _session
@@ -550,6 +551,7 @@ class SpanPrefetch:
                 self.sizes[path] = os.path.getsize(path)
             except OSError:
                 self.sizes[path] = 0
+        self.who = who
         self.results: dict[str, dict] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="vitrify-standby-read", daemon=True)
@@ -567,10 +569,16 @@ class SpanPrefetch:
                 self.results[path] = {"error": f"{type(e).__name__}: {e}"}
         if self.paths and all(r.get("complete") for r in self.results.values()) and \
                 len(self.results) == len(self.paths):
-            log.info("vitrify: standby: the spans the thaw restores are in the page cache "
-                     "(%.2f GiB in %.1f s); a go now thaws without the drive",
+            log.info("vitrify: %s: the spans the thaw restores are in the page cache "
+                     "(%.2f GiB in %.1f s)%s", self.who,
                      sum(r["bytes"] for r in self.results.values()) / 2**30,
-                     sum(r["seconds"] for r in self.results.values()))
+                     sum(r["seconds"] for r in self.results.values()),
+                     "; a go now thaws without the drive" if self.who == "standby" else "")
+        else:
+            errors = [f"{os.path.basename(p)}: {r['error']}" for p, r in self.results.items()
+                      if "error" in r]
+            if errors and self.who != "standby":  # a standby logs it at its go
+                log.warning("vitrify: %s: not read: %s", self.who, "; ".join(errors))
 
     def finish(self) -> dict:
         """Stop reading (at the next piece), wait for the thread, log what was read."""
@@ -581,10 +589,77 @@ class SpanPrefetch:
         errors = [f"{os.path.basename(p)}: {r['error']}" for p, r in self.results.items()
                   if "error" in r]
         secs = sum(r.get("seconds", 0.0) for r in self.results.values())
-        log.info("vitrify: standby: %.2f of %.2f GiB of the spans the thaw restores read into "
-                 "the page cache in %.1f s%s", done / 2**30, size / 2**30, secs,
+        log.info("vitrify: %s: %.2f of %.2f GiB of the spans the thaw restores read into "
+                 "the page cache in %.1f s%s", self.who, done / 2**30, size / 2**30, secs,
                  f"; not read: {'; '.join(errors)}" if errors else "")
         return {"bytes": done, "size": size, "seconds": secs, "errors": errors}
+
+
+READ_AHEAD_ENV = "VITRIFY_SGLANG_READ_AHEAD"  # the span file the launcher reads ahead
+READ_AHEAD_SHARE = 0.5  # read ahead only spans that fit in this share of the available memory
+
+
+def memory_available() -> int | None:
+    """Bytes of memory the kernel counts as available (``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def start_read_ahead(archive_path: str, env: Any = None) -> SpanPrefetch | None:
+    """P18, in the launcher: read the weights span through the page cache on a thread while the
+    scheduler starts (its imports take tens of seconds; the read, the drive's time), and tell
+    the scheduler so (``VITRIFY_SGLANG_READ_AHEAD`` names the file: its thaw reads it through
+    the cache, where pages this read has not reached yet come from the drive as it reads them
+    too). Nothing is read when the span is already
+    cached, or would take more than half the available memory (it would push itself out:
+    read twice). Returns the read, or None."""
+    from ... import archive as _archive
+    from ... import session as _session
+    from ... import snapshot
+
+    env = os.environ if env is None else env
+    try:
+        archive = _archive.open_archive(archive_path)
+        rel = archive.spans(_session.RANK).get(snapshot.WEIGHTS_SPAN)
+        if rel is None:
+            return None
+        path = archive.file_path(rel)
+        size = os.path.getsize(path)
+    except (_archive.ArchiveError, OSError) as e:  # the thaw reports it, fatally
+        log.debug("vitrify: read-ahead: not started: %s", e)
+        return None
+    room = memory_available()
+    if room is not None and size > READ_AHEAD_SHARE * room:
+        log.info("vitrify: read-ahead: off: the weights span (%.2f GiB) is more than half the "
+                 "memory available (%.2f GiB); the thaw reads it from the drive",
+                 size / 2**30, room / 2**30)
+        return None
+    share = snapshot.page_cache_share(path)
+    if share is not None and share >= snapshot.CACHED_SHARE:
+        log.info("vitrify: read-ahead: the weights span is in the page cache already")
+        return None
+    env[READ_AHEAD_ENV] = path
+    log.info("vitrify: read-ahead: reading the weights span (%.2f GiB) through the page cache "
+             "while the scheduler starts", size / 2**30)
+    return SpanPrefetch(archive, who="read-ahead")
+
+
+def read_ahead_direct_io(archive_path: str, env: Any = None) -> str | None:
+    """The thaw's ``direct_io`` for this archive: "off" (through the page cache) when the
+    launcher is reading its weights span ahead (:func:`start_read_ahead`), else None (the
+    setting, which decides by what the cache holds)."""
+    env = os.environ if env is None else env
+    ahead = env.get(READ_AHEAD_ENV)
+    if not ahead:
+        return None
+    root = os.path.abspath(archive_path)
+    return "off" if os.path.commonpath([os.path.abspath(ahead), root]) == root else None
 
 
 def freeze_import_heap(collect: bool) -> int:
@@ -1319,5 +1394,6 @@ __all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idl
            "around_resolve_memory_pool_config", "capture_collections", "check_supported",
            "cuda_tensor_at", "describe", "freeze_import_heap",
            "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
-           "rebuild", "SpanPrefetch", "check_answer", "warm_triton_key", "warmup_body", "attention_leaves",
+           "rebuild", "SpanPrefetch", "check_answer", "memory_available", "read_ahead_direct_io",
+           "start_read_ahead", "warm_triton_key", "warmup_body", "attention_leaves",
            "check_attention", "metadata_api", "FROZEN_ATTENTION", "ATTENTION_WRAPPERS"]

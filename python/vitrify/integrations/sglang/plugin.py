@@ -64,6 +64,7 @@ class PluginState:
     fingerprint: dict | None = None  # engine-shaping ServerArgs, JSON-able
     prefill_graphs_were: str | None = None  # the prefill backend before it was forced off
     jit_dirs: dict | None = None  # JIT cache -> directory (SAVE: redirected; LOAD: unpacked)
+    read_ahead: Any = None  # LOAD, launcher: the weights span's read (freeze.SpanPrefetch)
 
 
 STATE = PluginState()
@@ -414,6 +415,7 @@ def _record_kernels() -> None:
 
 
 JIT_ROOT_ENV = "VITRIFY_SGLANG_JIT_ROOT"
+_READ_AHEAD_ENV = "VITRIFY_SGLANG_READ_AHEAD"  # freeze.READ_AHEAD_ENV (freeze imports later)
 
 
 def _setup_jit(cfg: Any) -> dict:
@@ -445,6 +447,17 @@ def _setup_jit(cfg: Any) -> dict:
     log.info("vitrify SGLang plugin: JIT caches %s %s", "redirected to" if cfg.mode == "save"
              else "unpacked at", cfg.jit_dir)
     return dirs
+
+
+def _start_read_ahead(cfg: Any, in_scheduler: bool) -> Any:
+    """P18: LOAD's launcher (the first process, not a scheduler; ``read_ahead`` on) reads the
+    weights span ahead while the scheduler starts (``freeze.start_read_ahead``)."""
+    if cfg.mode != "load" or not cfg.read_ahead or in_scheduler or \
+            os.environ.get(_READ_AHEAD_ENV):
+        return None
+    from . import freeze
+
+    return freeze.start_read_ahead(cfg.archive)
 
 
 def _narrow_models(cfg: Any) -> None:
@@ -518,6 +531,7 @@ def _register(path: str) -> None:
             STATE.jit_dirs = _setup_jit(cfg)
         if cfg.mode == "load":
             _narrow_models(cfg)
+            STATE.read_ahead = _start_read_ahead(cfg, in_scheduler)
             if cfg.standby_file:  # the launch's time, for the schedulers (freeze.standby_since)
                 from . import freeze
 
