@@ -659,8 +659,7 @@ def test_save_clears_what_an_earlier_save_left(fresh, save_config, tmp_path):
     fresh.setenv(plugin.CONFIG_ENV, save_config)
     plugin.register()
     (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
-    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV,
-                plugin._READ_AHEAD_ENV):
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
         fresh.delenv(var)  # a new launch of the same SAVE, e.g. after a crash
     fresh.setattr(plugin, "STATE", plugin.PluginState())
     plugin.register()
