@@ -14,8 +14,11 @@ each in its own process group, always stopped:
           "SAVE complete"); then the prompts again
   load    mode "load" from that archive, in a fresh process: the prompts again
 
-More launches run when the budget leaves room: ``load-standby`` (LOAD waiting for a file
-after its imports: the go -> ready time), ``plain-warm`` (SGLang again, its JIT caches warm from
+LOAD's launcher reads the weights span ahead while the scheduler imports (plugin P18); every
+LOAD but ``load-cached`` starts with the archive dropped from the page cache. More launches run
+when the budget leaves room: ``load-drive`` (LOAD with ``read_ahead = false``: the thaw reads
+the drive itself), ``load-standby`` (LOAD waiting for a file after its imports: the go -> ready
+time), ``plain-warm`` (SGLang again, its JIT caches warm from
 ``plain``) and ``load-cached`` (LOAD again after the archive was read once: from the page cache,
 the thaw without the drive). SAVE first serves ``warm_prompts`` other prompts and freezes at the
 next idle moment (``save_after_requests``), so kernels only real traffic compiles are archived.
@@ -59,7 +62,7 @@ NAME = "sglang-freeze-e2e"
 # plain launch with the JIT caches the first one compiled (SGLang's warm-cache start), LOAD
 # again with the archive in the page cache (a restart soon after the archive was read: the
 # thaw without the drive; vitrify.snapshot reads a cached span file through the cache)
-SCENARIOS = ("plain", "save", "load", "load-standby", "plain-warm", "load-cached")
+SCENARIOS = ("plain", "save", "load", "load-drive", "load-standby", "plain-warm", "load-cached")
 CORE = SCENARIOS[:3]
 IMPORT_FLOOR_LINE = re.compile(r"Init torch distributed begin")
 THAWED_LINE = re.compile(r"vitrify: thawed (\S+) in ([0-9.]+) s")
@@ -168,7 +171,8 @@ def plugin_config(s: Settings, scenario: str) -> str:
                           f'jit_dir = "{os.path.join(s.work, "jit-" + scenario)}"\n'
                           f'save_after_requests = {1 + s.warm_prompts}\n' +
                           (f'standby_file = "{s.standby_file}"\n' if scenario == "load-standby"
-                           else ""))
+                           else "") +
+                          ("read_ahead = false\n" if scenario == "load-drive" else ""))
     return path
 
 
@@ -193,6 +197,7 @@ def server_env(s: Settings, scenario: str, probe: bool = True) -> dict:
     else:
         env["VITRIFY_SGLANG_CONFIG"] = plugin_config(s, scenario)
     env.pop("VITRIFY_SGLANG_JIT_ROOT", None)
+    env.pop("VITRIFY_SGLANG_READ_AHEAD", None)
     if mode_of(scenario) != "plain":  # the plugin's lines (register runs before SGLang's logging)
         env["VITRIFY_LOG_LEVEL"] = "INFO"
     env.pop("VITRIFY_SGLANG_PROFILE", None)
@@ -379,6 +384,27 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
     return res
 
 
+def drop_tree(path: str) -> float | None:
+    """Drop every file under ``path`` from the page cache (``POSIX_FADV_DONTNEED``: the clean
+    pages go), so the next launch reads from the drive; the share of the weights span still
+    cached afterwards (None where it cannot be told)."""
+    from vitrify import snapshot
+
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    w = weights_span_path(path)
+    return snapshot.page_cache_share(w) if os.path.isfile(w) else None
+
+
+def weights_span_path(archive: str) -> str:
+    return os.path.join(archive, "rank0", "region", "weights.span")
+
+
 def read_tree(path: str) -> float:
     """Read every file under ``path`` once (buffered, 8 MiB at a time); seconds taken."""
     t = time.monotonic()
@@ -396,7 +422,7 @@ def tree_bytes(path: str) -> int:
 
 
 def weights_span(s: Settings) -> str:
-    return os.path.join(s.archive, "rank0", "region", "weights.span")
+    return weights_span_path(s.archive)
 
 
 def drive_ceiling(s: Settings, max_bytes: int = 4 << 30) -> dict:
@@ -440,7 +466,7 @@ def weights_figures(s: Settings, scenarios: dict, ceiling: float | None) -> dict
     out: dict[str, Any] = {"weights_span_bytes": size}
     if ceiling:
         out["weights_span_at_ceiling_s"] = round(size / ceiling, 3)
-    for sc in ("load", "load-standby", "load-cached"):
+    for sc in ("load", "load-drive", "load-standby", "load-cached"):
         info = scenarios.get(sc) or {}
         took = ((info.get("timeline") or {}).get("session_steps_s") or {}).get("restore_weights")
         if not took:
@@ -520,6 +546,8 @@ def run(s: Settings) -> dict:
         try:
             if sc == "load-cached":  # read once: the page cache holds the archive
                 info["page_cache_warm_s"] = read_tree(s.archive)
+            elif mode_of(sc) == "load":  # the others thaw from the drive (or read it ahead)
+                info["weights_cached_share_at_launch"] = drop_tree(s.archive)
             if mode_of(sc) == "plain":  # cold (a fresh machine) or warm: what its cache held
                 cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
                 info["triton_cache_files_before"] = sum(len(f) for _, _, f in os.walk(cache))
@@ -544,7 +572,7 @@ def run(s: Settings) -> dict:
             checks[f"{sc}.tokens_identical"] = e2e.tokens_identical(results[sc], plain)
             checks[f"{sc}.prompts_identical"] = sum(
                 a["output_ids"] == b["output_ids"] for a, b in zip(results[sc], plain))
-    for sc in ("load", "load-standby", "load-cached"):
+    for sc in ("load", "load-drive", "load-standby", "load-cached"):
         if "save" in results and sc in results:
             diff = e2e.logprob_diff(results[sc], results["save"])
             extra[f"{sc}_logprob_max_abs_diff_vs_save"] = diff
@@ -558,7 +586,7 @@ def run(s: Settings) -> dict:
         extra["drive"] = drive_ceiling(s)
         extra["weights_restore"] = weights_figures(s, scenarios, extra["drive"]["bytes_per_s"])
     ratios = {}
-    for sc in ("load", "load-standby", "load-cached"):
+    for sc in ("load", "load-drive", "load-standby", "load-cached"):
         ld, key = scenarios.get(sc, {}), sc.replace("-", "_")
         if not ld.get("ok"):
             continue

@@ -97,7 +97,8 @@ def test_dry_run_prints_the_three_launches(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
-        ["# plain", "# save", "# load", "# load-standby", "# plain-warm", "# load-cached"]
+        ["# plain", "# save", "# load", "# load-drive", "# load-standby", "# plain-warm",
+         "# load-cached"]
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
                         "--dry-run", "--work", str(tmp_path), "--scenarios", "plain,save"],
                        capture_output=True, text=True, timeout=120)
@@ -231,3 +232,24 @@ def test_the_drive_ceiling_is_read_from_the_weights_span_and_sets_the_ratios(tmp
     assert w["load-cached"] == {"restore_s": 0.01, "bytes_per_s": size / 0.01,
                                 "from_the_page_cache": True}
     assert fz.weights_figures(fz.Settings(work=str(tmp_path / "none")), scenarios, 1e9) == {}
+
+
+def test_a_drive_launch_turns_the_read_ahead_off_and_the_archive_leaves_the_page_cache(tmp_path):
+    from vitrify import snapshot
+
+    s = fz.Settings(work=str(tmp_path / "w"))
+    os.makedirs(s.work)
+    os.makedirs(s.archive)
+    assert "read_ahead = false" in Path(fz.plugin_config(s, "load-drive")).read_text()
+    assert "read_ahead" not in Path(fz.plugin_config(s, "load")).read_text()
+    path = fz.weights_span(s)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(os.urandom(4 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    Path(path).read_bytes()
+    if snapshot.page_cache_share(path) is None:
+        pytest.skip("mincore cannot tell here")
+    assert fz.drop_tree(s.archive) <= 0.25
+    assert fz.drop_tree(str(tmp_path / "empty")) is None
