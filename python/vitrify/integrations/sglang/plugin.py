@@ -457,7 +457,12 @@ def _start_read_ahead(cfg: Any, in_scheduler: bool) -> Any:
         return None
     from . import freeze
 
-    return freeze.start_read_ahead(cfg.archive)
+    try:
+        return freeze.start_read_ahead(cfg.archive)
+    except Exception as e:  # noqa: BLE001 - a speed-up: it never stops a server
+        log.warning("vitrify SGLang plugin: reading the weights ahead failed (%s: %s); the thaw "
+                    "reads them itself", type(e).__name__, e)
+        return None
 
 
 def _narrow_models(cfg: Any) -> None:
