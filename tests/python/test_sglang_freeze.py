@@ -672,20 +672,28 @@ def test_the_launcher_reads_the_weights_span_ahead_when_it_fits(tmp_path, caplog
     monkeypatch.setattr(_archive, "open_archive", lambda path, **k: _Arch(spans))
     caplog.set_level("INFO", logger="vitrify.sglang")
     monkeypatch.setattr(snapshot, "page_cache_share", lambda path: 0.0)  # a cold drive
+    real_memory_available = freeze.memory_available
     env = {}
     reading = freeze.start_read_ahead(str(arch), env)
     reading.thread.join()
-    assert env == {freeze.READ_AHEAD_ENV: str(weights)}
+    assert env == {freeze.READ_AHEAD_ENV: f"{os.getpid()}:{weights}"}
     assert reading.results[str(weights)]["complete"]
     assert "reading the weights span" in caplog.text and "are in the page cache" in caplog.text
     # the scheduler's thaw of that archive reads through the page cache; of another, as set
-    assert freeze.read_ahead_direct_io(str(arch), env) == "off"
-    assert freeze.read_ahead_direct_io(str(tmp_path / "other.vitrify"), env) is None
-    assert freeze.read_ahead_direct_io(str(arch), {}) is None
+    me = os.getpid()
+    assert freeze.read_ahead_direct_io(str(arch), env, me) == "off"
+    assert freeze.read_ahead_direct_io(str(arch) + "/", env, me) == "off"
+    assert freeze.read_ahead_direct_io(os.path.relpath(arch), env, me) == "off"
+    assert freeze.read_ahead_direct_io(str(tmp_path / "other.vitrify"), env, me) is None
+    assert freeze.read_ahead_direct_io(str(arch) + "2", env, me) is None  # a sibling's prefix
+    assert freeze.read_ahead_direct_io(str(arch), {}, me) is None
+    # a value another launcher left in the environment does not count
+    assert freeze.read_ahead_direct_io(str(arch), env, me + 1) is None
     # cached already, too large for the memory, or no weights span: nothing read, nothing said
     for share, room, sp, words in ((1.0, None, spans, "in the page cache already"),
+                                   (1.0, 5 << 20, spans, "in the page cache already"),
                                    (0.0, 5 << 20, spans, "more than half the memory"),
-                                   (0.0, None, {}, "")):
+                                   (0.0, None, {}, "no weights span")):
         monkeypatch.setattr(snapshot, "page_cache_share", lambda path, v=share: v)
         monkeypatch.setattr(freeze, "memory_available", lambda v=room: v)
         monkeypatch.setattr(_archive, "open_archive", lambda path, v=sp, **k: _Arch(v))
@@ -693,4 +701,5 @@ def test_the_launcher_reads_the_weights_span_ahead_when_it_fits(tmp_path, caplog
         env = {}
         assert freeze.start_read_ahead(str(arch), env) is None and env == {}
         assert words in caplog.text
-    assert freeze.memory_available() is None or freeze.memory_available() > 0
+    if os.path.exists("/proc/meminfo"):
+        assert real_memory_available() > 0

@@ -97,8 +97,8 @@ def test_dry_run_prints_the_three_launches(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
-        ["# plain", "# save", "# load", "# load-drive", "# load-standby", "# plain-warm",
-         "# load-cached"]
+        ["# plain", "# save", "# load", "# load-standby", "# plain-warm", "# load-cached",
+         "# load-drive"]
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
                         "--dry-run", "--work", str(tmp_path), "--scenarios", "plain,save"],
                        capture_output=True, text=True, timeout=120)
@@ -224,6 +224,11 @@ def test_the_drive_ceiling_is_read_from_the_weights_span_and_sets_the_ratios(tmp
     assert w["load"]["scheduler_e2e_without_the_drive_s"] == round(1.0 - size / 1.5e9, 3)
     # the standby's start-up includes its wait: no figure without the drive for it
     assert "scheduler_e2e_without_the_drive_s" not in w["load-standby"]
+    # a LOAD that read ahead overlapped the drive with its imports: no "without the drive"
+    scenarios["load"]["timeline"]["read_ahead"] = {"gib": 1.0, "seconds": 1.0, "done_at_s": 9.0}
+    w = fz.weights_figures(s, scenarios, drive["bytes_per_s"])
+    assert "over_drive_ceiling" in w["load"]
+    assert "scheduler_e2e_without_the_drive_s" not in w["load"]
     # a restore the page cache served is no drive figure at all
     scenarios["load-cached"] = {"timeline": {"session_steps_s": {"restore_weights": 0.01},
                                              "weights_in_page_cache_pct": 100},

@@ -817,8 +817,11 @@ def test_the_launcher_reads_the_weights_ahead_and_the_scheduler_does_not(fresh, 
     assert plugin._start_read_ahead(load, in_scheduler=True) is None
     assert plugin._start_read_ahead(dataclasses.replace(load, read_ahead=False), False) is None
     assert plugin._start_read_ahead(dataclasses.replace(load, mode="save"), False) is None
-    fresh.setenv(plugin._READ_AHEAD_ENV, "/elsewhere/weights.span")
+    fresh.setenv(plugin._READ_AHEAD_ENV, f"{os.getpid()}:/elsewhere/weights.span")
     assert plugin._start_read_ahead(load, in_scheduler=False) is None and calls == []
+    # another launcher's value (this process launched one before): this launch reads its own
+    fresh.setenv(plugin._READ_AHEAD_ENV, f"{os.getpid() + 1}:/elsewhere/weights.span")
+    assert plugin._start_read_ahead(load, in_scheduler=False) == "reading"
     fresh.delenv(plugin._READ_AHEAD_ENV)
     assert plugin._start_read_ahead(load, in_scheduler=False) == "reading"
     # a speed-up never stops a server: a failure is a warning

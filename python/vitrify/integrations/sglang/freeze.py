@@ -554,7 +554,7 @@ class SpanPrefetch:
         self.who = who
         self.results: dict[str, dict] = {}
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="vitrify-standby-read", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"vitrify-{who}-read", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -628,11 +628,16 @@ def start_read_ahead(archive_path: str, env: Any = None) -> SpanPrefetch | None:
         archive = _archive.open_archive(archive_path)
         rel = archive.spans(_session.RANK).get(snapshot.WEIGHTS_SPAN)
         if rel is None:
+            log.info("vitrify: read-ahead: the archive has no weights span to read")
             return None
         path = archive.file_path(rel)
         size = os.path.getsize(path)
     except (_archive.ArchiveError, OSError) as e:  # the thaw reports it, fatally
-        log.debug("vitrify: read-ahead: not started: %s", e)
+        log.info("vitrify: read-ahead: not started: %s", e)
+        return None
+    share = snapshot.page_cache_share(path)
+    if share is not None and share >= snapshot.CACHED_SHARE:
+        log.info("vitrify: read-ahead: the weights span is in the page cache already")
         return None
     room = memory_available()
     if room is not None and size > READ_AHEAD_SHARE * room:
@@ -640,23 +645,29 @@ def start_read_ahead(archive_path: str, env: Any = None) -> SpanPrefetch | None:
                  "memory available (%.2f GiB); the thaw reads it from the drive",
                  size / 2**30, room / 2**30)
         return None
-    share = snapshot.page_cache_share(path)
-    if share is not None and share >= snapshot.CACHED_SHARE:
-        log.info("vitrify: read-ahead: the weights span is in the page cache already")
-        return None
-    env[READ_AHEAD_ENV] = path
+    env[READ_AHEAD_ENV] = f"{os.getpid()}:{path}"
     log.info("vitrify: read-ahead: reading the weights span (%.2f GiB) through the page cache "
              "while the scheduler starts", size / 2**30)
     return SpanPrefetch(archive, who="read-ahead")
 
 
-def read_ahead_direct_io(archive_path: str, env: Any = None) -> str | None:
-    """The thaw's ``direct_io`` for this archive: "off" (through the page cache) when the
-    launcher is reading its weights span ahead (:func:`start_read_ahead`), else None (the
-    setting, which decides by what the cache holds)."""
+def read_ahead_direct_io(archive_path: str, env: Any = None,
+                         launcher_pid: int | None = None) -> str | None:
+    """The thaw's ``direct_io`` for this archive: "off" (through the page cache) when this
+    process's launcher (``launcher_pid``, default the parent process) is reading its weights
+    span ahead (:func:`start_read_ahead`: ``<pid>:<path>``), else None (the setting, which
+    decides by what the cache holds). A value another launcher left in the environment (an
+    engine started inside a process that launched one before) does not count."""
     env = os.environ if env is None else env
-    ahead = env.get(READ_AHEAD_ENV)
+    pid, _, ahead = (env.get(READ_AHEAD_ENV) or "").partition(":")
     if not ahead:
+        return None
+    if launcher_pid is None:
+        import multiprocessing
+
+        parent = multiprocessing.parent_process()
+        launcher_pid = parent.pid if parent is not None else os.getppid()
+    if pid != str(launcher_pid):
         return None
     root = os.path.abspath(archive_path)
     return "off" if os.path.commonpath([os.path.abspath(ahead), root]) == root else None

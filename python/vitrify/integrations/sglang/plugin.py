@@ -453,7 +453,7 @@ def _start_read_ahead(cfg: Any, in_scheduler: bool) -> Any:
     """P18: LOAD's launcher (the first process, not a scheduler; ``read_ahead`` on) reads the
     weights span ahead while the scheduler starts (``freeze.start_read_ahead``)."""
     if cfg.mode != "load" or not cfg.read_ahead or in_scheduler or \
-            os.environ.get(_READ_AHEAD_ENV):
+            os.environ.get(_READ_AHEAD_ENV, "").startswith(f"{os.getpid()}:"):
         return None
     from . import freeze
 
