@@ -390,13 +390,7 @@ def drop_tree(path: str) -> float | None:
     cached afterwards (None where it cannot be told)."""
     from vitrify import snapshot
 
-    for f in sorted(Path(path).rglob("*")):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    resultlib.drop_page_cache(f for f in sorted(Path(path).rglob("*")) if f.is_file())
     w = weights_span_path(path)
     return snapshot.page_cache_share(w) if os.path.isfile(w) else None
 

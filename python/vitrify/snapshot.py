@@ -316,8 +316,7 @@ def prefetch(path: str | os.PathLike, stop: Any = None) -> dict:
         buf = bytearray(PREFETCH_PIECE)
         view = memoryview(buf)
         while done < size and not (stop is not None and stop.is_set()):
-            n = os.preadv(fd, [view], done) if hasattr(os, "preadv") else \
-                len(os.pread(fd, PREFETCH_PIECE, done))
+            n = os.preadv(fd, [view], done)
             if n <= 0:
                 break
             done += n

@@ -601,14 +601,12 @@ READ_AHEAD_SHARE = 0.5  # read ahead only spans that fit in this share of the av
 
 def memory_available() -> int | None:
     """Bytes of memory the kernel counts as available (``MemAvailable``), or None."""
+    from ... import doctor
+
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return doctor._read_meminfo().get("MemAvailable")
+    except OSError:
         return None
-    return None
 
 
 def start_read_ahead(archive_path: str, env: Any = None) -> SpanPrefetch | None:
@@ -697,10 +695,9 @@ def freeze_import_heap(collect: bool) -> int:
 def capture_collections(enable_cudagraph_gc: bool):
     """SGLang's ``freeze_gc`` for the decode capture (a collection; unless
     ``enable_cudagraph_gc``, a freeze, the capture and a collection) without its
-    ``gc.unfreeze()``: that
-    would put the import heap :func:`freeze_import_heap` froze back into the oldest generation,
-    and its last collection would walk all of it again (~0.5 s per full collection on the
-    H200's host). What the start-up built before the capture stays frozen, as SGLang's own
+    ``gc.unfreeze()``: that would put the import heap :func:`freeze_import_heap` froze back
+    into the oldest generation, and its last collection would walk all of it again (~0.5 s per
+    full collection on the H200's host). What the start-up built before the capture stays frozen, as SGLang's own
     ``/freeze_gc`` leaves a served process."""
     gc.collect()
     if not enable_cudagraph_gc:
@@ -1023,9 +1020,10 @@ def check_answer(lines: Any) -> None:
 def warmup_body(ids: Any, index: int) -> dict:
     """The ``/generate`` body of LOAD's warm-up request ``index``: the four kinds of answer a
     client asks for in turn (streamed with logprobs, whole with logprobs, streamed, whole; with
-    fewer than four requests the last kinds are left out), a few decode steps each. SGLang's own warm-up asks for neither: on the H200 the first request
-    with logprobs after it took 3.8-4.1x a steady one, plain SGLang and LOAD alike, while SAVE,
-    warmed by such requests, showed no slow first one."""
+    fewer than four requests the last kinds are left out), a few decode steps each. SGLang's own
+    warm-up asks for neither: on the H200 the first request with logprobs after it took
+    3.8-4.1x a steady one, plain SGLang and LOAD alike, while SAVE, warmed by such requests,
+    showed no slow first one."""
     return {"input_ids": ids, "stream": index % 2 == 0, "return_logprob": index % 4 < 2,
             "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
 
@@ -1071,7 +1069,8 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
     reports ready, ``warmup_requests`` requests of the prompt lengths SAVE served, of every kind
     of answer (:func:`warmup_body`). They load what the first real request would otherwise load
     on its way (kernel modules, cuBLAS's choices for the prefill's shapes, the extend kernels'
-    variants, the logprob and streaming paths): the archive made them compiled, not loaded. A failure is a warning: the server still starts."""
+    variants, the logprob and streaming paths): the archive made them compiled, not loaded. A
+    failure is a warning: the server still starts."""
     p = _plugin()
     cfg = p.STATE.config
     if result is False or cfg is None or cfg.mode != "load" or not cfg.warmup_requests or \
@@ -1399,12 +1398,12 @@ def graph_backend_class() -> type:
     return VitrifyGraphBackend
 
 
-__all__ = ["ATTENTION_BACKENDS", "Engine", "FreezeRefused", "Run", "after_on_idle",
-           "around_alloc_memory_pool", "around_capture_decode_graph", "around_init_model_worker",
-           "around_freeze_gc", "around_load_model", "around_resolve_decode_backend",
-           "around_resolve_memory_pool_config", "capture_collections", "check_supported",
-           "cuda_tensor_at", "describe", "freeze_import_heap",
-           "graph_backend_class", "graph_name", "pool_config_from_state", "pool_config_state",
-           "rebuild", "SpanPrefetch", "check_answer", "memory_available", "read_ahead_direct_io",
-           "start_read_ahead", "warm_triton_key", "warmup_body", "attention_leaves",
-           "check_attention", "metadata_api", "FROZEN_ATTENTION", "ATTENTION_WRAPPERS"]
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTION",
+           "FreezeRefused", "Run", "SpanPrefetch", "after_on_idle", "around_alloc_memory_pool",
+           "around_capture_decode_graph", "around_freeze_gc", "around_init_model_worker",
+           "around_load_model", "around_resolve_decode_backend",
+           "around_resolve_memory_pool_config", "attention_leaves", "capture_collections",
+           "check_answer", "check_attention", "check_supported", "cuda_tensor_at", "describe",
+           "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
+           "metadata_api", "pool_config_from_state", "pool_config_state", "read_ahead_direct_io",
+           "rebuild", "start_read_ahead", "warm_triton_key", "warmup_body"]
