@@ -51,9 +51,9 @@ def test_pieces_cover_every_destination_row_once():
     assert {p.src for p in sub} == {one} and len(sub) == 3 * 2  # q, k, v of 2 KV groups
 
 
-def _three_updates(path: str) -> list[dict]:
-    """The trainer's side of the full / delta / cast updates (run here, or in a process of its
-    own under Triton's interpreter)."""
+def _four_updates(path: str) -> list[dict]:
+    """The trainer's side of the full / in-place / delta / cast updates (run here, or in a
+    process of its own under Triton's interpreter)."""
     tx = wt.Sender(direct=True)
     try:
         assert tx.staging is None
@@ -63,8 +63,15 @@ def _three_updates(path: str) -> list[dict]:
                 megatron_reference(v1, 2, 8, 2, bias=True).items()}
         tags = {n: 1 for n in src1}
         fins = [tx.update(path, src1, versions=tags)]
+        # a trainer's next step: the same tensors, new values in place, every tag moved; the
+        # sender reuses its plan, pieces and writer (the engine's memory is mapped anew)
+        v4 = engine_tensors(bias=True, seed=4)
+        for n, t in megatron_reference(v4, 2, 8, 2, bias=True).items():
+            src1[n].copy_(t.to(torch.bfloat16))
+        tags = {n: 4 for n in src1}
+        fins.append(tx.update(path, src1, versions=tags))
         # a delta by version tags: one tensor's tag moved, only its bytes move
-        v2 = {n: t.clone() for n, t in v1.items()}
+        v2 = {n: t.clone() for n, t in v4.items()}
         v2["model.layers.1.mlp.down_proj.weight"] += 1.0
         src2 = {n: t.to(torch.bfloat16) for n, t in
                 megatron_reference(v2, 2, 8, 2, bias=True).items()}
@@ -89,20 +96,20 @@ def test_direct_full_and_delta_updates_across_processes(tmp_path, monkeypatch, k
     if kernels:
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # for the engine's process
-    eng = Engine(tmp_path, 3, direct=True, force_kernels=kernels)
+    eng = Engine(tmp_path, 4, direct=True, force_kernels=kernels)
     try:
         if kernels:  # Triton's interpreter is chosen when its kernels are defined: a new process
             code = ("import json, test_weight_direct as t, vitrify.weights.direct as d; "
                     "d.FORCE_KERNELS = True; "
-                    f"print(json.dumps(t._three_updates({eng.path!r})))")
+                    f"print(json.dumps(t._four_updates({eng.path!r})))")
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                cwd=os.path.dirname(__file__), timeout=600,
                                env={**os.environ, "TRITON_INTERPRET": "1"})
             assert p.returncode == 0, p.stderr[-3000:]
             fins = json.loads(p.stdout.strip().splitlines()[-1])
         else:
-            fins = _three_updates(eng.path)
-        results = [eng.served() for _ in range(3)]
+            fins = _four_updates(eng.path)
+        results = [eng.served() for _ in range(4)]
     finally:
         eng.close()
     assert all(r["ok"] and r["state"] == "ready" for r in results), results
@@ -111,22 +118,26 @@ def test_direct_full_and_delta_updates_across_processes(tmp_path, monkeypatch, k
     assert fins[0]["direct"] and fins[0]["bytes_moved"] == total
     assert fins[0]["pieces"] > len(megatron_reference(v1, 2, 8, 2, bias=True))  # qkv, fc1 cut
     check(results[0]["engine"], v1)
-    v2 = {n: t.clone() for n, t in v1.items()}
+    assert [f["trainer_reused_plan"] for f in fins] == [False, True, False, False]
+    v4 = engine_tensors(bias=True, seed=4)
+    assert fins[1]["tensors"] == fins[1]["tensors_total"] and fins[1]["bytes_moved"] == total
+    check(results[1]["engine"], v4)
+    v2 = {n: t.clone() for n, t in v4.items()}
     v2["model.layers.1.mlp.down_proj.weight"] += 1.0
-    assert fins[1]["tensors"] == 1 and fins[1]["bytes_moved"] == v2[
+    assert fins[2]["tensors"] == 1 and fins[2]["bytes_moved"] == v2[
         "model.layers.1.mlp.down_proj.weight"].numel() * 2
-    check(results[1]["engine"], v2)
-    assert fins[2]["tensors"] == fins[2]["tensors_total"]
-    check(results[2]["engine"], engine_tensors(bias=True, seed=3))
+    check(results[2]["engine"], v2)
+    assert fins[3]["tensors"] == fins[3]["tensors_total"]
+    check(results[3]["engine"], engine_tensors(bias=True, seed=3))
 
 
 def test_a_wrong_write_is_caught_and_a_retry_completes(tmp_path, monkeypatch):
     eng = Engine(tmp_path, 2, direct=True)
     tx = wt.Sender(direct=True)
-    real = wd.send
+    real = wd.Writer.run
 
-    def corrupt(plan, ps, sources, targets):
-        sums = real(plan, ps, sources, targets)
+    def corrupt(self, sources, targets, base=None):
+        sums = real(self, sources, targets, base)
         t = targets["model.layers.0.self_attn.k_proj.weight"]
         t.view(-1)[3] += 1  # a byte the trainer did not mean to write
         return sums
@@ -134,13 +145,14 @@ def test_a_wrong_write_is_caught_and_a_retry_completes(tmp_path, monkeypatch):
     try:
         v1 = engine_tensors(bias=True, seed=5)
         src = megatron_reference(v1, 2, 8, 2, bias=True)
-        monkeypatch.setattr(wd, "send", corrupt)
+        monkeypatch.setattr(wd.Writer, "run", corrupt)
         with pytest.raises(wt.UpdateError, match=r"k_proj.weight' rows 0\.\.8 .*engine reads"):
             tx.update(eng.path, src)
         got = eng.served()
         assert not got["ok"] and got["state"] == "incomplete"
-        monkeypatch.setattr(wd, "send", real)
+        monkeypatch.setattr(wd.Writer, "run", real)
         fin = tx.update(eng.path, src)  # every tensor again: none was known complete
+        assert fin["trainer_reused_plan"]  # the same moves: the writer of the failed update
         got = eng.served()
         assert got["ok"] and got["state"] == "ready" and fin["tensors"] == fin["tensors_total"]
         check(got["engine"], v1)
@@ -330,3 +342,22 @@ def test_finish_without_released_is_refused():
         b.close()
         hw.close()
     assert "did not release" in str(box["error"]) and rx.state == "incomplete"
+
+
+def test_the_engine_reuses_its_pieces_while_its_destinations_stay():
+    eng = {n: t.to(torch.bfloat16) for n, t in engine_tensors(bias=True).items()}
+    src = megatron_reference(engine_tensors(bias=True), 2, 8, 2, bias=True)
+    rx = wt.Receiver(eng, _mapping())
+    plan = rx._plan(_specs(src))
+    work = rx._direct_work(plan, list(src))
+    assert rx._direct_work(plan, list(src)) is work  # a trainer's next step
+    one = rx._direct_work(plan, list(src)[:1])  # a delta: other sources, other pieces
+    assert one is not work and {p.src for p in one.pieces} == set(list(src)[:1])
+    work = rx._direct_work(plan, list(src))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    eng[name] = eng[name].clone()  # the engine's tensor moved
+    moved = rx._direct_work(plan, list(src))
+    assert moved is not work and moved.addresses != work.addresses
+    assert moved.layout(min(a for a, _ in moved.ends), 1 << 40)[name][0] == \
+        eng[name].data_ptr() - min(a for a, _ in moved.ends)
+    assert rx._plan(_specs(src)) is plan  # the plan itself is kept per manifest

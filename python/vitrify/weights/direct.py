@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping as MappingABC
 from typing import Any
 
 from . import kernels, stream
-from .mapping import Copy, MappingError, Plan, _view, copy
+from .mapping import MappingError, Plan, _view, copy
 
 # Tests set this to run the Triton path on CPU tensors under Triton's interpreter.
 FORCE_KERNELS = False
@@ -100,75 +100,134 @@ def send(plan: Plan, ps: list[Piece], sources: MappingABC[str, Any],
          targets: MappingABC[str, Any]) -> list[int]:
     """Trainer: run every piece (``sources``: the trainer's tensors by source name; ``targets``:
     the engine's tensors as mapped in this process, by destination name) and return each
-    piece's checksum of the bytes written. Kernel copies, torch copies and sums are queued on
-    the current stream; the sums' synchronisation waits for all of them."""
-    sums: list[int | None] = [None] * len(ps)
-    fused: list[tuple[int, Any, tuple[int, int, int]]] = []  # copied and summed by one kernel
-    after: list[tuple[int, Any, tuple[int, int, int]]] = []  # torch-copied, summed by a kernel
-    reference: list[tuple[int, Any]] = []  # torch-copied, summed by the torch reference
-    for i, p in enumerate(ps):
-        c: Copy = plan.copies[p.copy]
-        src, dst = sources[p.src], targets[p.dst]
-        if p.kind == "view":
-            copy(c, src, dst)
-            reference.append((i, _view(dst, c.dst_dim, c.dst_rows)))
-            continue
-        if not dst.is_contiguous():
-            raise MappingError(f"{p.dst!r}: the engine's tensor is not contiguous")
-        d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
-        kern = _kernels_for(dst)
-        # the fused kernel reads the source where the destination is (not host or another GPU)
-        if (kern and src.device == dst.device and src.is_contiguous()
-                and src.dtype == dst.dtype and _row_bytes(src) == _row_bytes(dst)):
-            s_addr, _ = _span(src, p.src_row, p.rows)
-            if s_addr % 4 == 0 and d_addr % 4 == 0:
-                fused.append((i, dst.device, (s_addr, d_addr, d_bytes)))
-                continue
-        _rows_of(dst, p.dst_row, p.rows).copy_(_rows_of(src, p.src_row, p.rows))
-        if kern and d_addr % 4 == 0:
-            after.append((i, dst.device, (d_addr, d_addr, d_bytes)))
-        else:
-            reference.append((i, _rows_of(dst, p.dst_row, p.rows)))
-    _by_kernel(sums, fused, copy=True)
-    _sum_into(sums, after, reference)
-    return [int(s) for s in sums]  # type: ignore[arg-type]
+    piece's checksum of the bytes written (:class:`Writer`, built for one use)."""
+    return Writer(plan, ps, sources, targets).run(sources, targets)
 
 
 def verify(plan: Plan, ps: list[Piece], targets: MappingABC[str, Any]) -> list[int]:
-    """Engine: the checksum of every piece's bytes in its own tensors (one read of each)."""
-    sums: list[int | None] = [None] * len(ps)
-    summed: list[tuple[int, Any, tuple[int, int, int]]] = []
-    reference: list[tuple[int, Any]] = []
-    for i, p in enumerate(ps):
-        dst = targets[p.dst]
-        if p.kind == "view":
+    """Engine: the checksum of every piece's bytes in its own tensors (one read of each;
+    :class:`Verifier`, built for one use)."""
+    return Verifier(plan, ps, targets).run(targets)
+
+
+class Writer:
+    """The trainer's side of the pieces, sorted once: which pieces one Triton launch copies and
+    sums (their tables built on the device, :class:`~vitrify.weights.kernels.PieceTable`),
+    which torch copies, which the torch reference sums. A trainer sends the same pieces from
+    the same tensors every step, so the transport keeps its writer; only the address the
+    engine's memory is mapped at moves (``base``: where ``targets`` lie now; :meth:`run` with
+    another base shifts the tables' destinations).
+
+    Kernel copies, torch copies and sums are queued on the current stream; the sums'
+    synchronisation waits for all of them."""
+
+    def __init__(self, plan: Plan, ps: list[Piece], sources: MappingABC[str, Any],
+                 targets: MappingABC[str, Any], base: int = 0):
+        self.plan, self.ps, self.base = plan, ps, base
+        fused: list[tuple[int, Any, tuple[int, int, int]]] = []  # copied and summed by one kernel
+        after: list[tuple[int, Any, tuple[int, int, int]]] = []  # torch-copied, summed by a kernel
+        self.torch_copies: list[int] = []  # rows pieces torch copies (then summed either way)
+        self.views: list[int] = []  # view pieces: torch copies, the reference sums
+        self.reference: list[int] = []  # rows pieces the reference sums
+        for i, p in enumerate(ps):
+            src, dst = sources[p.src], targets[p.dst]
+            if p.kind == "view":
+                self.views.append(i)
+                continue
+            if not dst.is_contiguous():
+                raise MappingError(f"{p.dst!r}: the engine's tensor is not contiguous")
+            d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
+            kern = _kernels_for(dst)
+            # the fused kernel reads the source where the destination is (not host or another
+            # GPU)
+            if (kern and src.device == dst.device and src.is_contiguous()
+                    and src.dtype == dst.dtype and _row_bytes(src) == _row_bytes(dst)):
+                s_addr, _ = _span(src, p.src_row, p.rows)
+                if s_addr % 4 == 0 and d_addr % 4 == 0:
+                    fused.append((i, dst.device, (s_addr, d_addr, d_bytes)))
+                    continue
+            self.torch_copies.append(i)
+            if kern and d_addr % 4 == 0:
+                after.append((i, dst.device, (d_addr, d_addr, d_bytes)))
+            else:
+                self.reference.append(i)
+        self._fused = _tables(fused, copy=True)
+        self._after = _tables(after)
+
+    def run(self, sources: MappingABC[str, Any], targets: MappingABC[str, Any],
+            base: int | None = None) -> list[int]:
+        """Write every piece and return their checksums. ``targets`` is read only for the
+        pieces torch copies or sums (it may build its views on demand); ``base``: where the
+        engine's memory is mapped now (default: where it was when this writer was built)."""
+        shift = 0 if base is None else base - self.base
+        plan, ps = self.plan, self.ps
+        sums: list[int | None] = [None] * len(ps)
+        for i in self.views:
+            p = ps[i]
+            copy(plan.copies[p.copy], sources[p.src], targets[p.dst])
+        for i in self.torch_copies:
+            p = ps[i]
+            _rows_of(targets[p.dst], p.dst_row, p.rows).copy_(
+                _rows_of(sources[p.src], p.src_row, p.rows))
+        _run_tables(sums, self._fused, dst_shift=shift)
+        _run_tables(sums, self._after, src_shift=shift, dst_shift=shift)
+        for i in self.views:
+            p = ps[i]
             c = plan.copies[p.copy]
-            reference.append((i, _view(dst, c.dst_dim, c.dst_rows)))
-            continue
-        d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
-        if _kernels_for(dst) and dst.is_contiguous() and d_addr % 4 == 0:
-            summed.append((i, dst.device, (d_addr, d_addr, d_bytes)))
-        else:
-            reference.append((i, _rows_of(dst, p.dst_row, p.rows)))
-    _sum_into(sums, summed, reference)
-    return [int(s) for s in sums]  # type: ignore[arg-type]
+            sums[i] = _reference(_view(targets[p.dst], c.dst_dim, c.dst_rows))
+        for i in self.reference:
+            p = ps[i]
+            sums[i] = _reference(_rows_of(targets[p.dst], p.dst_row, p.rows))
+        return [int(s) for s in sums]  # type: ignore[arg-type]
 
 
-def _by_kernel(sums: list, items: list, *, copy: bool = False) -> None:
-    """piece_sums over ``items`` (index, device, piece), one launch group per device."""
+class Verifier:
+    """The engine's side: the checksum of every piece's bytes in its own tensors, sorted once
+    like :class:`Writer` (the engine's tensors do not move: the tables hold their addresses)."""
+
+    def __init__(self, plan: Plan, ps: list[Piece], targets: MappingABC[str, Any]):
+        self.plan, self.ps = plan, ps
+        summed: list[tuple[int, Any, tuple[int, int, int]]] = []
+        self.reference: list[int] = []
+        for i, p in enumerate(ps):
+            dst = targets[p.dst]
+            if p.kind == "rows":
+                d_addr, d_bytes = _span(dst, p.dst_row, p.rows)
+                if _kernels_for(dst) and dst.is_contiguous() and d_addr % 4 == 0:
+                    summed.append((i, dst.device, (d_addr, d_addr, d_bytes)))
+                    continue
+            self.reference.append(i)
+        self._tables = _tables(summed)
+
+    def run(self, targets: MappingABC[str, Any]) -> list[int]:
+        sums: list[int | None] = [None] * len(self.ps)
+        _run_tables(sums, self._tables)
+        for i in self.reference:
+            p = self.ps[i]
+            dst = targets[p.dst]
+            if p.kind == "view":
+                c = self.plan.copies[p.copy]
+                sums[i] = _reference(_view(dst, c.dst_dim, c.dst_rows))
+            else:
+                sums[i] = _reference(_rows_of(dst, p.dst_row, p.rows))
+        return [int(s) for s in sums]  # type: ignore[arg-type]
+
+
+def _tables(items: list, *, copy: bool = False) -> list[tuple[list[int], Any]]:
+    """One :class:`~vitrify.weights.kernels.PieceTable` per device over ``items`` (piece index,
+    device, (source, destination, bytes)), with the piece indices in its order."""
     devices: dict[Any, list] = {}
     for it in items:
         devices.setdefault(it[1], []).append(it)
-    for dev, group in devices.items():
-        for (i, _, _), s in zip(group, kernels.piece_sums([p for _, _, p in group], dev,
-                                                           copy=copy)):
+    return [([i for i, _, _ in group],
+             kernels.PieceTable([p for _, _, p in group], dev, copy=copy))
+            for dev, group in devices.items()]
+
+
+def _run_tables(sums: list, tables: list, **shifts: int) -> None:
+    for idx, table in tables:
+        for i, s in zip(idx, table.sums(**shifts)):
             sums[i] = s
-
-
-def _sum_into(sums: list, by_kernel: list, reference: list) -> None:
-    _by_kernel(sums, by_kernel)
-    for i, view in reference:
-        sums[i] = _reference(view)
 
 
 def first_difference(ps: list[Piece], got: list[int], want: list[int]) -> str | None:

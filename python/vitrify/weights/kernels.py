@@ -159,52 +159,93 @@ def piece_sums(pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = 
     boundaries take vector loads) and one synchronisation. ``copy``: the source bytes are copied
     to the destination while they are summed (one read and one write of each byte). Addresses
     must be 4-byte aligned (a ``ValueError`` names the first that is not); pieces must not
-    overlap when copying."""
-    import torch
+    overlap when copying. :class:`PieceTable` is the same, built once and run many times."""
+    return PieceTable(pieces, device, copy=copy, block=block, tile=tile).sums()
 
-    _check_shape(block, tile)
-    if block > 1 << 15:  # the weighted sum of a block of 32-bit words must stay below 2**62
-        raise ValueError(f"block={block}: piece_sums needs block <= {1 << 15}")
-    groups: dict[bool, list[int]] = {True: [], False: []}
-    for i, (src, dst, n) in enumerate(pieces):
-        if n < 0 or src % 4 or (copy and dst % 4):
-            raise ValueError(f"piece {i}: {n} bytes from 0x{src:x} to 0x{dst:x}: the sums need "
-                             f"4-byte aligned addresses and a length >= 0")
-        if -(-n // (4 * block)) > _MAX_PIECE_BLOCKS:
-            raise ValueError(f"piece {i}: {n} bytes exceed {_MAX_PIECE_BLOCKS} blocks of "
-                             f"{4 * block} bytes")
-        groups[src % 16 == 0 and (not copy or dst % 16 == 0)].append(i)
-    kernel = _kernels()[1]
-    outs = []
-    with torch.cuda.device(device) if torch.device(device).type == "cuda" else _null():
-        for aligned, idx in groups.items():
-            if not idx:
-                continue
-            # two small host-to-device copies; the block table is built on the device
-            segs = torch.tensor([pieces[i] for i in idx], dtype=torch.int64).to(device)
-            n_blocks = [max(1, -(-pieces[i][2] // (4 * block))) for i in idx]
-            counts = torch.tensor(n_blocks, dtype=torch.int64).to(device)
-            total = sum(n_blocks)
-            piece_of = torch.repeat_interleave(
-                torch.arange(len(idx), dtype=torch.int64, device=device), counts,
-                output_size=total)
-            first = torch.cumsum(counts, 0) - counts
-            blocks = torch.stack([piece_of, torch.arange(total, dtype=torch.int64, device=device)
-                                  - first[piece_of]], 1).contiguous()
-            limbs = torch.empty((total, 7), dtype=torch.int64, device=device)
-            _launch(kernel, segs, blocks, limbs, copy, aligned, block, tile)
-            out = torch.zeros((len(idx), 7), dtype=torch.int64, device=device)
-            out.index_add_(0, piece_of, limbs)  # < 2**61 each (the limbs' bounds)
-            outs.append((idx, out))
-        rows = torch.cat([o for _, o in outs]).tolist() if outs else []  # one synchronisation
-    result = [0] * len(pieces)
-    order = [i for idx, _ in outs for i in idx]
-    for i, (s_lo, s_hi, w_lo, w_hi, ks_lo, ks_hi, end) in zip(order, rows):
-        words = pieces[i][2] // 4
-        plain = s_lo + (s_hi << 23) + end
-        weighted = w_lo + (w_hi << 30) + block * (ks_lo + (ks_hi << 23)) + (words + 1) * end
-        result[i] = (plain % PRIME) << 61 | (weighted % PRIME)
-    return result
+
+class PieceTable:
+    """:func:`piece_sums` of fixed pieces, its tables built on the device once: a weight update
+    runs the same thousand pieces every step, and building their tables costs more than the
+    kernel (host lists, two host-to-device copies, the block table). :meth:`sums` runs it, the
+    addresses optionally shifted (the same pieces in memory mapped at another address)."""
+
+    def __init__(self, pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = False,
+                 block: int = PIECE_BLOCK, tile: int = PIECE_TILE):
+        import torch
+
+        _check_shape(block, tile)
+        if block > 1 << 15:  # the weighted sum of a block of 32-bit words must stay below 2**62
+            raise ValueError(f"block={block}: piece_sums needs block <= {1 << 15}")
+        groups: dict[bool, list[int]] = {True: [], False: []}
+        for i, (src, dst, n) in enumerate(pieces):
+            if n < 0 or src % 4 or (copy and dst % 4):
+                raise ValueError(f"piece {i}: {n} bytes from 0x{src:x} to 0x{dst:x}: the sums "
+                                 f"need 4-byte aligned addresses and a length >= 0")
+            if -(-n // (4 * block)) > _MAX_PIECE_BLOCKS:
+                raise ValueError(f"piece {i}: {n} bytes exceed {_MAX_PIECE_BLOCKS} blocks of "
+                                 f"{4 * block} bytes")
+            groups[src % 16 == 0 and (not copy or dst % 16 == 0)].append(i)
+        self.copy, self.block, self.tile, self.n = copy, block, tile, len(pieces)
+        self.device = device
+        self.order = [i for idx in groups.values() for i in idx]
+        self.words = [pieces[i][2] // 4 for i in self.order]
+        self._groups = []  # (aligned, segs, blocks, piece_of, rows)
+        with self._on():
+            for aligned, idx in groups.items():
+                if not idx:
+                    continue
+                # two small host-to-device copies; the block table is built on the device
+                segs = torch.tensor([pieces[i] for i in idx], dtype=torch.int64).to(device)
+                n_blocks = [max(1, -(-pieces[i][2] // (4 * block))) for i in idx]
+                counts = torch.tensor(n_blocks, dtype=torch.int64).to(device)
+                total = sum(n_blocks)
+                piece_of = torch.repeat_interleave(
+                    torch.arange(len(idx), dtype=torch.int64, device=device), counts,
+                    output_size=total)
+                first = torch.cumsum(counts, 0) - counts
+                blocks = torch.stack([piece_of, torch.arange(total, dtype=torch.int64,
+                                                             device=device)
+                                      - first[piece_of]], 1).contiguous()
+                self._groups.append((aligned, segs, blocks, piece_of, len(idx)))
+
+    def _on(self) -> Any:
+        import torch
+
+        return torch.cuda.device(self.device) if torch.device(self.device).type == "cuda" \
+            else _null()
+
+    def sums(self, *, src_shift: int = 0, dst_shift: int = 0) -> list[int]:
+        """Every piece's checksum (and copy), in the order given, with ``src_shift`` /
+        ``dst_shift`` added to the source / destination addresses (multiples of 16: the
+        vector-load variant's alignment holds)."""
+        import torch
+
+        if src_shift % 16 or dst_shift % 16:
+            raise ValueError(f"shifts {src_shift}, {dst_shift}: need multiples of 16")
+        outs = []
+        kernel = _kernels()[1]
+        with self._on():
+            for aligned, segs, blocks, piece_of, rows in self._groups:
+                if src_shift or dst_shift:
+                    segs = segs.clone()
+                    if src_shift:
+                        segs[:, 0] += src_shift
+                    if dst_shift:
+                        segs[:, 1] += dst_shift
+                limbs = torch.empty((blocks.shape[0], 7), dtype=torch.int64, device=self.device)
+                _launch(kernel, segs, blocks, limbs, self.copy, aligned, self.block, self.tile)
+                out = torch.zeros((rows, 7), dtype=torch.int64, device=self.device)
+                out.index_add_(0, piece_of, limbs)  # < 2**61 each (the limbs' bounds)
+                outs.append(out)
+            rows = torch.cat(outs).tolist() if outs else []  # one synchronisation
+        result = [0] * self.n
+        block = self.block
+        for i, words, (s_lo, s_hi, w_lo, w_hi, ks_lo, ks_hi, end) in zip(self.order, self.words,
+                                                                         rows):
+            plain = s_lo + (s_hi << 23) + end
+            weighted = w_lo + (w_hi << 30) + block * (ks_lo + (ks_hi << 23)) + (words + 1) * end
+            result[i] = (plain % PRIME) << 61 | (weighted % PRIME)
+        return result
 
 
 _UNALIGNED_ONLY = False  # set when the vector-load variant failed to compile here

@@ -354,6 +354,11 @@ class _Imported:
         except UpdateError as e:  # the first error is the one that propagates
             log.debug("releasing a partial import: %s", e)
 
+    @property
+    def address(self) -> int:
+        """Where the engine's memory is mapped in this process."""
+        return int(self.base.data_ptr())
+
     def synchronize(self) -> None:
         """Wait for the work queued on the mapped memory's device (before it is unmapped)."""
         if self.buffer is not None:
@@ -380,6 +385,29 @@ class _Imported:
         fd, self.fd = self.fd, None
         buf, self.buffer = self.buffer, None
         _release(fd, buf, "the mapping of the engine's weights")
+
+
+class _Targets(MappingABC):
+    """The engine's tensors as mapped in this process (``meta``: name -> [offset, shape,
+    dtype]), each view made at its first use: a reused :class:`~vitrify.weights.direct.Writer`
+    touches only the few that torch copies or sums."""
+
+    def __init__(self, mem: _Imported, meta: dict):
+        self._mem, self._meta, self._views = mem, meta, {}
+
+    def __getitem__(self, name: str) -> Any:
+        v = self._views.get(name)
+        if v is None:
+            off, shape, dtype = self._meta[name]
+            v = self._views[name] = self._mem.tensor(int(off), [int(d) for d in shape],
+                                                     str(dtype))
+        return v
+
+    def __iter__(self):
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
 
 
 def _copy_json(c: Copy) -> list:
@@ -442,6 +470,9 @@ class Receiver:
         self.state = "ready"
         self.applied: dict[str, str] = {}  # source name -> digest of the last completed update
         self._last_plan: tuple[tuple, Plan] | None = None
+        # the last direct update's pieces and verifier, for the next one with the same plan,
+        # needed sources and destination addresses (every step of a trainer's, normally)
+        self._last_direct: tuple[tuple, _DirectWork] | None = None
         self.last: dict = {}
 
     def serve_one(self, conn: socket.socket) -> dict:
@@ -547,6 +578,19 @@ class Receiver:
             self._last_plan = (key, self.mapping.plan(manifest, engine))
         return self._last_plan[1]
 
+    def _direct_work(self, plan: Plan, need: list[str]) -> _DirectWork:
+        """The pieces of a direct update of ``need`` and their verifier: the last update's when
+        the plan, the needed sources and the destinations' addresses are the same (the sorting
+        and the device tables cost more than the checksums' kernel), else new ones."""
+        last = self._last_direct
+        if last is not None and last[0][0] is plan and last[0][1] == tuple(need):
+            work = last[1]
+            if work.addresses == tuple(self.engine[d].data_ptr() for d in work.dsts):
+                return work
+        work = _DirectWork(plan, need, self.engine)
+        self._last_direct = ((plan, tuple(need)), work)
+        return work
+
     def _serve_direct(self, conn: socket.socket, plan: Plan,
                       manifest: dict[str, tuple[tuple[int, ...], str]], digests: dict[str, str],
                       fds: list[int]) -> dict:
@@ -559,16 +603,8 @@ class Receiver:
             raise UpdateError("this engine takes staged updates only (it exports no memory "
                               "for a direct update)")
         need = [n for n in manifest if self.applied.get(n) != digests[n]]
-        copies = [c for c in plan.copies if c.src in set(need)]
-        sub = Plan(tuple(copies))
-        ps = direct.pieces(sub, need)
-        dsts = sorted({c.dst for c in copies})
-        for d in dsts:
-            if not self.engine[d].is_contiguous():
-                raise UpdateError(f"{d!r}: the engine's tensor is not contiguous")
-        ends = [(self.engine[d].data_ptr(),
-                 self.engine[d].data_ptr() + self.engine[d].numel() * self.engine[d].element_size())
-                for d in dsts]
+        work = self._direct_work(plan, need)
+        sub, ps, ends = work.sub, work.pieces, work.ends
         t_export = time.perf_counter()
         # the engine's own queued work (a replay reading the weights) finishes before another
         # process may write them
@@ -578,14 +614,7 @@ class Receiver:
         t_export = time.perf_counter() - t_export
         out_fds = [fd for _, fd in exp["pieces"]]
         try:
-            total = sum(size for size, _ in exp["pieces"])
-            tensors = {}
-            for d in dsts:
-                t = self.engine[d]
-                off = t.data_ptr() - exp["base"]
-                if not 0 <= off <= total - t.numel() * t.element_size():
-                    raise UpdateError(f"{d!r} is not in the memory the engine exports")
-                tensors[d] = [off, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            tensors = work.layout(exp["base"], sum(size for size, _ in exp["pieces"]))
             if len(out_fds) > _MAX_FDS:
                 raise UpdateError(f"the engine's weights span {len(out_fds)} exported pieces, "
                                   f"more than {_MAX_FDS} (one message): map them in larger "
@@ -595,7 +624,7 @@ class Receiver:
                 self.applied.pop(n, None)
             _send(conn, {"type": "ready", "need": need,
                          "direct": {"kind": exp["kind"], "sizes": [sz for sz, _ in exp["pieces"]],
-                                    "tensors": tensors, "copies": [_copy_json(c) for c in copies]}},
+                                    "tensors": tensors, "copies": work.copies_json}},
                   out_fds)
         finally:
             _close_all(out_fds)  # the trainer holds its own references now
@@ -605,14 +634,14 @@ class Receiver:
         if not fin.get("released"):
             raise UpdateError("the trainer did not release its mapping of the engine's weights")
         t1 = time.perf_counter()
-        want = direct.verify(sub, ps, self.engine)  # its sums are read back: nothing queued
+        want = work.verifier().run(self.engine)  # its sums are read back: nothing queued
         bad = direct.first_difference(ps, [int(x) for x in fin.get("sums", [])], want)
         if bad is not None:
             raise UpdateError(f"the update is not what the trainer wrote: {bad}")
         total_model = sum(stream._itemsize(d) * math.prod(sh) for sh, d in manifest.values())
         last = {"bytes_moved": sum(stream._itemsize(manifest[n][1])
                                    * math.prod(manifest[n][0]) for n in need),
-                "bytes_total": total_model, "pieces": len(ps), "copies": len(copies),
+                "bytes_total": total_model, "pieces": len(ps), "copies": len(sub.copies),
                 "tensors": len(need), "tensors_total": len(manifest), "direct": True,
                 "verify_seconds": time.perf_counter() - t1, "export_seconds": t_export,
                 "seconds": time.perf_counter() - t0}
@@ -622,6 +651,48 @@ class Receiver:
         self.state = "ready"
         _send(conn, {"type": "finished", **self.last})
         return self.last
+
+
+class _DirectWork:
+    """The engine's side of a direct update of some sources under a plan: their moves
+    (``sub``), pieces, destinations (each contiguous, else :class:`UpdateError`), the bytes
+    they span, the moves as the ``ready`` frame carries them, and the verifier (built at its
+    first use, after the trainer wrote)."""
+
+    def __init__(self, plan: Plan, need: list[str], engine: MappingABC[str, Any]):
+        want = set(need)
+        self.sub = Plan(tuple(c for c in plan.copies if c.src in want))
+        self.pieces = direct.pieces(self.sub, need)
+        self.dsts = sorted({c.dst for c in self.sub.copies})
+        for d in self.dsts:
+            if not engine[d].is_contiguous():
+                raise UpdateError(f"{d!r}: the engine's tensor is not contiguous")
+        self.addresses = tuple(engine[d].data_ptr() for d in self.dsts)
+        self.ends = [(a, a + engine[d].numel() * engine[d].element_size())
+                     for a, d in zip(self.addresses, self.dsts)]
+        self.copies_json = [_copy_json(c) for c in self.sub.copies]
+        self._engine = engine
+        self._layout: tuple[tuple[int, int], dict] | None = None
+        self._verifier: direct.Verifier | None = None
+
+    def layout(self, base: int, total: int) -> dict[str, list]:
+        """Each destination's offset in the exported memory (at ``base``, ``total`` bytes),
+        shape and dtype, as the ``ready`` frame carries them."""
+        if self._layout is not None and self._layout[0] == (base, total):
+            return self._layout[1]
+        tensors = {}
+        for d, (lo, hi) in zip(self.dsts, self.ends):
+            t = self._engine[d]
+            if not 0 <= lo - base <= total - (hi - lo):
+                raise UpdateError(f"{d!r} is not in the memory the engine exports")
+            tensors[d] = [lo - base, list(t.shape), str(t.dtype).removeprefix("torch.")]
+        self._layout = ((base, total), tensors)
+        return tensors
+
+    def verifier(self) -> direct.Verifier:
+        if self._verifier is None:
+            self._verifier = direct.Verifier(self.sub, self.pieces, self._engine)
+        return self._verifier
 
 
 def _check_pieces(plan: Plan, ps: list, sources: MappingABC[str, Any],
@@ -710,6 +781,9 @@ class Sender:
         self.device = device
         self.key = (secrets.randbelow((1 << 31) - 1) + 1, secrets.randbelow((1 << 31) - 1) + 1)
         self.staging = None
+        # the last direct update's (need, sources), the engine's description, plan, pieces and
+        # writer (Writer): reused while the next update is the same moves
+        self._last_direct: tuple | None = None
         if self.direct:  # no staging at all: the trainer writes into the engine's memory
             self.chunk_bytes = self.slot_bytes = 0
             self.slots = 0
@@ -827,9 +901,21 @@ class Sender:
             if unknown:
                 raise UpdateError(f"the engine asks for tensors this update does not have: "
                                   f"{unknown[:4]}")
-            plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
-            rows = sum(int(v[1][0]) if v[1] else 1 for v in meta["tensors"].values())
-            ps = direct.pieces(plan, ready["need"], limit=rows)
+            need = list(ready["need"])
+            # the last update's plan, pieces and writer, when the engine describes the same moves
+            # into the same memory and the sources are the same tensors (a trainer's next step)
+            sources = tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                             t.device) for n in need for t in (tensors[n],))
+            last = self._last_direct
+            reuse = last is not None and last[0] == (need, sources) and last[1] == meta
+            if reuse:
+                plan, ps, writer = last[2], last[3], last[4]
+            else:
+                self._last_direct = None
+                plan = Plan(tuple(_copy_of(v) for v in meta["copies"]))
+                rows = sum(int(v[1][0]) if v[1] else 1 for v in meta["tensors"].values())
+                ps = direct.pieces(plan, need, limit=rows)
+                writer = None
         except (KeyError, TypeError, ValueError, IndexError) as e:
             _close_all(fds)
             raise UpdateError(f"a malformed ready frame from the engine: {e!r}") from None
@@ -845,17 +931,18 @@ class Sender:
             ok = False
             try:
                 t = time.perf_counter()
-                targets = {n: mem.tensor(int(v[0]), [int(d) for d in v[1]], str(v[2]))
-                           for n, v in meta["tensors"].items()}
-                _check_pieces(plan, ps, tensors, targets)
+                targets = _Targets(mem, meta["tensors"])
+                if writer is None:  # checked against both sides' tensors before a byte moves
+                    _check_pieces(plan, ps, tensors, targets)
+                    writer = direct.Writer(plan, ps, tensors, targets, base=mem.address)
                 times["check_s"] = time.perf_counter() - t
                 t = time.perf_counter()
-                sums = direct.send(plan, ps, tensors, targets)
+                sums = writer.run(tensors, targets, base=mem.address)
                 sync()
                 times["write_s"] = time.perf_counter() - t
                 ok = True
             finally:
-                targets = {}
+                targets = None
                 t = time.perf_counter()
                 if not ok:  # queued copies must finish before their memory is unmapped
                     try:
@@ -864,13 +951,15 @@ class Sender:
                         log.debug("synchronize before releasing the engine's memory: %s", e)
                 mem.close()  # released before "finish" says so
                 times["release_s"] = time.perf_counter() - t
+            self._last_direct = ((need, sources), meta, plan, ps, writer)
         else:
             _close_all(fds)
         written = time.perf_counter() - t0
         _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
         fin, extra = _expect(sock, "finished")
         _close_all(extra)
-        return {**fin, "trainer_write_seconds": written, "trainer_times": times}
+        return {**fin, "trainer_write_seconds": written, "trainer_times": times,
+                "trainer_reused_plan": bool(ps) and reuse}
 
     def close(self) -> None:
         if self.staging is not None:
