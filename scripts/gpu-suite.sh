@@ -40,7 +40,9 @@ step() {  # step NAME CMD...: run, log, record the exit code
 # GPU benchmarks (`vitrify bench NAME`, python/vitrify/bench/NAME.py): each prints a table and
 # writes <name>-<date>.json into the directory it is given with --out. Append new ones here.
 GPU_BENCHMARKS=(region snapshot host graphs weights)
-# VITRIFY_SUITE_BENCH=0: tests only (the second call of a split run).
+# VITRIFY_SUITE_BENCH=0: tests only (the second call of a split run); VITRIFY_SUITE_BENCHES:
+# these benchmarks only (space-separated names, e.g. "weights").
+[ -n "${VITRIFY_SUITE_BENCHES:-}" ] && read -r -a GPU_BENCHMARKS <<<"$VITRIFY_SUITE_BENCHES"
 [ "${VITRIFY_SUITE_BENCH:-1}" = 0 ] && GPU_BENCHMARKS=()
 
 # Result files name the commit: the GPU machine's copy of the tree may lack a usable .git,
@@ -107,7 +109,8 @@ if [ "${VITRIFY_SGLANG_FREEZE_E2E:-0}" = 1 ]; then
 fi
 
 # Opt-in (VITRIFY_SGLANG_WEIGHTS_E2E=1): vitrify's weight update through a real SGLang server's
-# /update_weights_from_tensor route (two launches of the tiny Qwen3, about 3 minutes).
+# /update_weights_from_tensor route into a thawed server (SAVE, LOAD and a W1 server: three
+# launches of the tiny Qwen3, about 5 minutes on a fresh machine).
 if [ "${VITRIFY_SGLANG_WEIGHTS_E2E:-0}" = 1 ]; then
   if [ -f .whl/sglang-site.tar.xz ]; then
     step sglang-weights-e2e "$PY" benchmarks/sglang_weights_e2e.py --bundle .whl/sglang-site.tar.xz \

@@ -220,3 +220,70 @@ def test_more_than_one_gpu_is_refused_before_anything_moves():
     ok, msg = sw.around_update_weights_from_tensor(_original, up, sw.payload("/x.sock"),
                                                    "vitrify")
     assert ok is False and "tp_size 2" in msg and sw.refusal() is None
+
+
+class _Loaded:
+    """A LOAD's rebuilt graphs, as vitrify.graph.LoadedGraphs counts them."""
+
+    names = ["decode_bs1", "decode_bs2"]
+
+    def __len__(self):
+        return len(self.names)
+
+    def stats(self):
+        return {"graphs": 2, "ready_graphs": 2, "modules_loaded": 1, "parameter_switches": 0}
+
+
+def test_a_thawed_server_takes_a_direct_update_in_place_with_its_graphs_untouched(
+        tmp_path, monkeypatch):
+    from vitrify.integrations.sglang import freeze
+
+    v = engine_tensors(seed=6)
+    eng, src = _with_qk_norms(fused_engine(v, 2), megatron_reference(v, 2, 8, 2), 2, 8)
+    hw = wt.HostWeights({n: torch.zeros_like(t) for n, t in eng.items()})  # a CPU "region"
+    model = FakeModel(eng)
+    model._named = [(n, torch.nn.Parameter(t, requires_grad=False)) for n, t in hw.tensors.items()]
+    monkeypatch.setattr(freeze, "RUN", types.SimpleNamespace(mode="load", loaded=_Loaded(),
+                                                             region=None))
+    monkeypatch.setattr(sw, "_exporter", lambda params: hw.export)  # the region's, on a GPU
+    up = FakeUpdater(model=model)
+    tx = wt.Sender(direct=True)
+    try:
+        fin = sw.update(_call(up), tx, src, str(tmp_path / "d.sock"))
+    finally:
+        tx.close()
+        hw.close()
+    rep = fin["engine_report"]
+    assert fin["direct"] and rep["direct"] and rep["tensors"] == len(src)
+    assert rep["weights_in_place"] is True
+    assert rep["graphs_before"] == rep["graphs_after"] == {
+        "graphs": 2, "names": ["decode_bs1", "decode_bs2"], "ready_graphs": 2,
+        "modules_loaded": 1, "parameter_switches": 0}
+    got = dict(model.named_parameters())
+    assert all(torch.equal(got[n], t) for n, t in eng.items() if not n.endswith("inv_freq"))
+
+
+def test_direct_updates_need_every_parameter_in_an_exportable_region(monkeypatch, caplog):
+    from vitrify.integrations.sglang import freeze
+
+    params = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    lo = min(p.data_ptr() for p in params.values())
+    hi = max(p.data_ptr() + 256 for p in params.values())
+    region = types.SimpleNamespace(base=lo, size=hi - lo, exportable=True, device=0)
+    monkeypatch.setattr(freeze, "RUN", None)
+    assert sw._exporter(params) is None  # no LOAD: staged updates
+    monkeypatch.setattr(freeze, "RUN", types.SimpleNamespace(mode="load", region=region))
+    assert callable(sw._exporter(params))
+    region.exportable = False  # a LOAD without weight_updates
+    assert sw._exporter(params) is None
+    region.exportable, region.size = True, 8  # "b" outside the region
+    with caplog.at_level("WARNING", logger="vitrify.sglang"):
+        assert sw._exporter(params) is None
+    assert "outside the thawed region" in caplog.text
+    assert freeze.thawed_graphs() is None  # no graphs rebuilt from an archive
+
+
+def test_the_report_rides_on_sglangs_message():
+    assert sw.report_of("vitrify: 3 of 3 tensors; report: {\"direct\":true}") == {"direct": True}
+    assert sw.report_of("Success") is None and sw.report_of(None) is None
+    assert sw.report_of("vitrify: x; report: {not json") is None

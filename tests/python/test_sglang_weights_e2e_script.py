@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import os
 import pickle
 from pathlib import Path
 
@@ -57,3 +58,27 @@ def test_the_payload_serializes_without_tensors():
     nt = sw.payload("/tmp/x.sock", weight_version="w1")
     back = pickle.loads(base64.b64decode(we.serialize(nt)))
     assert back == nt and back[0][1] is None and '"weight_version":"w1"' in back[0][0]
+
+
+def test_the_thawed_server_is_the_freeze_scripts_load_with_weight_updates(tmp_path):
+    import argparse
+
+    a = argparse.Namespace(shape="tiny", bundle="b.tar.xz", out=str(tmp_path / "out"),
+                           work=str(tmp_path / "work"), port=30099, prompts=4)
+    s = we.settings(a)
+    assert s.port == 30099 and s.scenarios == we.fe.CORE and s.work == str(tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    env = we.load_env(s)
+    toml = Path(env["VITRIFY_SGLANG_CONFIG"]).read_text()
+    assert 'mode = "load"' in toml and toml.rstrip().endswith("weight_updates = true")
+    from vitrify.integrations.sglang import config
+
+    os.makedirs(s.archive)  # SAVE's, in the run
+    parsed = config.from_mapping(config._toml_module().loads(toml))
+    assert parsed.mode == "load" and parsed.weight_updates
+    # the reference server: the same arguments, W1's checkpoint instead of dummy weights
+    plain, w1 = we.fe.server_args(s, "plain"), we.w1_server_args(s, "/w1")
+    assert w1[w1.index("--model-path") + 1] == "/w1"
+    assert w1[w1.index("--load-format") + 1] == "auto"
+    diff = [(x, y) for x, y in zip(plain, w1) if x != y]
+    assert len(plain) == len(w1) and len(diff) == 2

@@ -427,9 +427,12 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         # not restored: the capture windows are scratch every replay writes before it reads,
         # and the rest of that range holds SGLang's own buffers, which LOAD's start-up has just
         # built (SAVE's span is dumped after serving: its contents are not start-up state)
+        # with weight updates on, the region's memory is created exportable: a trainer then
+        # writes the thawed weights in place (a direct update, no staging buffer)
         sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
                                     restore_graph_span=False,
-                                    direct_io=read_ahead_direct_io(cfg.archive))
+                                    direct_io=read_ahead_direct_io(cfg.archive),
+                                    exportable=cfg.weight_updates)
     try:
         if standby:  # an archive that cannot thaw here is refused before the wait, not after
             archive = _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine,
@@ -1120,6 +1123,24 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
     return result
 
 
+def thawed_graphs() -> dict | None:
+    """This scheduler's decode graphs as LOAD rebuilt them from the archive (their count and
+    the graph set's counters: builds, templates, parameter switches), or None outside a LOAD.
+    Equal before and after a weight update: nothing was captured or rebuilt."""
+    run = RUN
+    if run is None or run.mode != "load" or getattr(run, "loaded", None) is None:
+        return None
+    return {"graphs": len(run.loaded), "names": sorted(run.loaded.names), **run.loaded.stats()}
+
+
+def exportable_region() -> Any:
+    """The region of this scheduler's LOAD when it was created exportable (``weight_updates``):
+    a trainer can then write the weights in place. None otherwise."""
+    run = RUN
+    region = getattr(run, "region", None)
+    return region if getattr(region, "exportable", False) else None
+
+
 def _active_run(runner: Any = None) -> Run | None:
     run = RUN
     if run is None or run.pending_finish or run.summary is not None:
@@ -1404,6 +1425,6 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTI
            "around_load_model", "around_resolve_decode_backend",
            "around_resolve_memory_pool_config", "attention_leaves", "capture_collections",
            "check_answer", "check_attention", "check_supported", "cuda_tensor_at", "describe",
-           "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
+           "exportable_region", "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
            "metadata_api", "pool_config_from_state", "pool_config_state", "read_ahead_direct_io",
-           "rebuild", "start_read_ahead", "warm_triton_key", "warmup_body"]
+           "rebuild", "start_read_ahead", "thawed_graphs", "warm_triton_key", "warmup_body"]

@@ -30,6 +30,7 @@ from typing import Any
 log = logging.getLogger("vitrify.sglang")
 
 LOAD_FORMAT = "vitrify"
+REPORT_PREFIX = "report: "  # the success message ends with it and the update's JSON report
 _PREFIX = "vitrify:"  # the payload's one tensor name: the prefix, then JSON
 
 # Receivers of this process, one per WeightUpdater (SGLang's is a frozen dataclass with slots:
@@ -96,12 +97,45 @@ def receiver_of(updater: Any) -> Any:
     if tp != 1:  # every rank would connect to the one trainer socket
         raise ValueError(f"vitrify weight updates take one GPU for now (tp_size {tp})")
     model = updater.get_model()
-    rx = Receiver(dict(model.named_parameters()), mapping_for(model),
-                  synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    params = dict(model.named_parameters())
+    rx = Receiver(params, mapping_for(model),
+                  synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None,
+                  exporter=_exporter(params))
     with _LOCK:
         _BY_UPDATER[id(updater)] = (updater, rx)
         _RECEIVERS.append(rx)
     return rx
+
+
+def _exporter(params: MappingABC[str, Any]) -> Callable[[int, int], dict] | None:
+    """Direct updates (the trainer writes in place, no staging) on a server thawed with
+    exportable weights: every parameter in the LOAD's region. Else None: staged updates."""
+    import sys
+
+    from ...weights.transport import region_exporter
+
+    freeze = sys.modules.get("vitrify.integrations.sglang.freeze")
+    region = freeze.exportable_region() if freeze is not None else None
+    if region is None:
+        return None
+    outside = [n for n, p in params.items()
+               if p.numel() and not region.base <= p.data_ptr() < region.base + region.size]
+    if outside:
+        log.warning("vitrify: %d parameter(s) lie outside the thawed region (first %r): weight "
+                    "updates are staged, not written in place", len(outside), outside[0])
+        return None
+    return region_exporter(region)
+
+
+def engine_identity(rx: Any) -> dict:
+    """What a weight update must leave as it was: the parameters' addresses (written in place,
+    never reallocated) and the thawed decode graphs (none captured or rebuilt; None outside a
+    LOAD)."""
+    import sys
+
+    freeze = sys.modules.get("vitrify.integrations.sglang.freeze")
+    return {"addresses": [int(t.data_ptr()) for t in rx.engine.values()],
+            "graphs": freeze.thawed_graphs() if freeze is not None else None}
 
 
 def around_update_weights_from_tensor(original: Callable, updater: Any, named_tensors: Any,
@@ -117,19 +151,25 @@ def around_update_weights_from_tensor(original: Callable, updater: Any, named_te
     except Exception as e:
         return False, f"vitrify: {type(e).__name__}: {e}"
     try:
+        before = engine_identity(rx)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(float(meta.get("timeout", 600.0)))
             conn.connect(meta["socket"])
             summary = rx.serve_one(conn)
+        after = engine_identity(rx)
     except Exception as e:  # the receiver's state says whether the weights are intact
         msg = f"vitrify: the weight update failed ({type(e).__name__}: {e}); engine {rx.state}"
         log.error("%s", msg)
         return False, msg
+    how = "written in place" if summary.get("direct") else "through the trainer's staging"
     msg = (f"vitrify: {summary['tensors']} of {summary['tensors_total']} tensors, "
-           f"{summary['bytes_moved']} bytes in {summary['seconds']:.3f} s")
+           f"{summary['bytes_moved']} bytes {how} in {summary['seconds']:.3f} s")
     if meta.get("weight_version") is not None:
         msg += "; " + _new_weight_version(str(meta["weight_version"]))
-    return True, msg
+    # for a caller that checks: the summary, and whether the addresses and graphs stayed
+    report = {**summary, "weights_in_place": after["addresses"] == before["addresses"],
+              "graphs_before": before["graphs"], "graphs_after": after["graphs"]}
+    return True, msg + "; " + REPORT_PREFIX + json.dumps(report, separators=(",", ":"))
 
 
 def _new_weight_version(version: str) -> str:
@@ -181,7 +221,8 @@ def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[st
     load_format)`` (e.g. ``lambda nt, lf: engine.update_weights_from_tensor(named_tensors=nt,
     load_format=lf)``), and stream ``tensors`` to the receiver that connects
     (``weight_version``: see :func:`payload`). Returns the engine's summary; raises :class:`~vitrify.weights.transport.UpdateError` when either side
-    failed (SGLang's answer included)."""
+    failed (SGLang's answer included). The summary carries the engine's report
+    (:func:`report_of`) as ``engine_report``."""
     from ...weights.transport import UpdateError, listen
 
     box: dict[str, Any] = {}
@@ -217,4 +258,18 @@ def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[st
         getattr(answer, "success", True)
     if ok is False:
         raise UpdateError(f"SGLang reported a failed update: {answer}")
-    return fin
+    message = answer[1] if isinstance(answer, (tuple, list)) and len(answer) > 1 else \
+        getattr(answer, "message", None)
+    return {**fin, "engine_report": report_of(message)}
+
+
+def report_of(message: Any) -> dict | None:
+    """The JSON report at the end of a successful vitrify update's message (the engine's
+    summary, ``weights_in_place``, ``graphs_before`` / ``graphs_after``), or None."""
+    if not isinstance(message, str) or REPORT_PREFIX not in message:
+        return None
+    try:
+        report = json.loads(message.rsplit(REPORT_PREFIX, 1)[1])
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
