@@ -361,3 +361,21 @@ def test_the_engine_reuses_its_pieces_while_its_destinations_stay():
     assert moved.layout(min(a for a, _ in moved.ends), 1 << 40)[name][0] == \
         eng[name].data_ptr() - min(a for a, _ in moved.ends)
     assert rx._plan(_specs(src)) is plan  # the plan itself is kept per manifest
+
+
+def test_a_frame_seen_before_is_not_decoded_again():
+    import socket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        frame = {"type": "ready", "need": ["x"], "direct": {"copies": [[1, 2]]}}
+        wt._send(a, wt._encode(frame))
+        first, _ = wt._expect(b, "ready", (b"", {}))
+        raw = first.pop("_raw")
+        assert first == frame
+        wt._send(a, frame)
+        again, _ = wt._expect(b, "ready", (raw, first))
+        assert again is first  # the same bytes: the earlier decoding
+        wt._send(a, {**frame, "need": ["y"]})
+        other, _ = wt._expect(b, "ready", (raw, first))
+        assert other is not first and other["need"] == ["y"]

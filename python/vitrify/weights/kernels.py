@@ -149,6 +149,7 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
 
 PIECE_BLOCK = 1 << 15  # words per program of piece_sums (128 KiB; W < 2**62 needs <= 2**15)
 PIECE_TILE = 2048
+PIECE_WARPS = 8  # tile and warps change the speed only, never the sums
 _MAX_PIECE_BLOCKS = 1 << 19  # the limbs' bounds (_triton_sums.piece_sums) hold up to here
 
 
@@ -170,7 +171,7 @@ class PieceTable:
     addresses optionally shifted (the same pieces in memory mapped at another address)."""
 
     def __init__(self, pieces: list[tuple[int, int, int]], device: Any, *, copy: bool = False,
-                 block: int = PIECE_BLOCK, tile: int = PIECE_TILE):
+                 block: int = PIECE_BLOCK, tile: int = PIECE_TILE, warps: int = PIECE_WARPS):
         import torch
 
         _check_shape(block, tile)
@@ -185,7 +186,10 @@ class PieceTable:
                 raise ValueError(f"piece {i}: {n} bytes exceed {_MAX_PIECE_BLOCKS} blocks of "
                                  f"{4 * block} bytes")
             groups[src % 16 == 0 and (not copy or dst % 16 == 0)].append(i)
+        if warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"warps={warps}: a power of two up to 32")
         self.copy, self.block, self.tile, self.n = copy, block, tile, len(pieces)
+        self.warps = warps
         self.device = device
         self.order = [i for idx in groups.values() for i in idx]
         self.words = [pieces[i][2] // 4 for i in self.order]
@@ -233,7 +237,8 @@ class PieceTable:
                     if dst_shift:
                         segs[:, 1] += dst_shift
                 limbs = torch.empty((blocks.shape[0], 7), dtype=torch.int64, device=self.device)
-                _launch(kernel, segs, blocks, limbs, self.copy, aligned, self.block, self.tile)
+                _launch(kernel, segs, blocks, limbs, self.copy, aligned, self.block, self.tile,
+                        self.warps)
                 out = torch.zeros((rows, 7), dtype=torch.int64, device=self.device)
                 out.index_add_(0, piece_of, limbs)  # < 2**61 each (the limbs' bounds)
                 outs.append(out)
@@ -252,7 +257,7 @@ _UNALIGNED_ONLY = False  # set when the vector-load variant failed to compile he
 
 
 def _launch(kernel: Any, segs: Any, blocks: Any, limbs: Any, copy: bool, aligned: bool,
-            block: int, tile: int) -> None:
+            block: int, tile: int, warps: int = 8) -> None:
     """Launch piece_sums; if the aligned variant (vector loads: pointer alignment hints) does
     not compile with this Triton, use the unhinted one from then on, with a log line."""
     global _UNALIGNED_ONLY
@@ -260,7 +265,7 @@ def _launch(kernel: Any, segs: Any, blocks: Any, limbs: Any, copy: bool, aligned
     if aligned and not _UNALIGNED_ONLY:
         try:
             kernel[grid](segs, blocks, limbs, COPY=copy, ALIGNED=True, BLOCK=block, TILE=tile,
-                         num_warps=8)
+                         num_warps=warps)
             return
         except Exception as e:  # a compile error: nothing was launched
             import logging
@@ -270,7 +275,7 @@ def _launch(kernel: Any, segs: Any, blocks: Any, limbs: Any, copy: bool, aligned
                 str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
             _UNALIGNED_ONLY = True
     kernel[grid](segs, blocks, limbs, COPY=copy, ALIGNED=False, BLOCK=block, TILE=tile,
-                 num_warps=8)
+                 num_warps=warps)
 
 
 def _null() -> Any:

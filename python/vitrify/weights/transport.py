@@ -67,8 +67,13 @@ class UpdateError(RuntimeError):
 # ---- framing ------------------------------------------------------------------------------------
 
 
-def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
-    body = json.dumps(msg, separators=(",", ":")).encode()
+def _encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def _send(sock: socket.socket, msg: dict | bytes, fds: list[int] | None = None) -> None:
+    """One frame: ``msg`` as JSON, or already encoded (:func:`_encode`)."""
+    body = msg if isinstance(msg, bytes) else _encode(msg)
     data = _LEN.pack(len(body)) + body
     if fds:
         socket.send_fds(sock, [data], fds)
@@ -89,15 +94,23 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
-    """One frame and the descriptors that came with it (closed here if the frame is bad)."""
+def _recv(sock: socket.socket, known: tuple[bytes, dict] | None = None
+          ) -> tuple[dict, list[int]]:
+    """One frame and the descriptors that came with it (closed here if the frame is bad).
+    ``known``: a frame received before and its decoding, returned as it is when this frame's
+    bytes are the same (a trainer's next step gets the engine's same large ``ready``)."""
     fds: list[int] = []
     try:
         (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds))
         if n > _MAX_FRAME:
             raise UpdateError(f"a frame of {n} bytes is larger than {_MAX_FRAME}")
+        body = _recv_exact(sock, n, fds)
+        if known is not None and known[0] == body:
+            return known[1], fds
         try:
-            msg = json.loads(_recv_exact(sock, n, fds))
+            msg = json.loads(body)
+            if isinstance(msg, dict) and known is not None:
+                msg["_raw"] = body  # for the caller's next known frame; not part of the protocol
         except ValueError as e:
             raise UpdateError(f"a frame that is not JSON: {e}") from None
         if not isinstance(msg, dict) or "type" not in msg:
@@ -117,8 +130,9 @@ def _close_all(fds: list[int]) -> None:
     fds.clear()
 
 
-def _expect(sock: socket.socket, kind: str) -> tuple[dict, list[int]]:
-    msg, fds = _recv(sock)
+def _expect(sock: socket.socket, kind: str, known: tuple[bytes, dict] | None = None
+            ) -> tuple[dict, list[int]]:
+    msg, fds = _recv(sock, known)
     if msg["type"] == "error":
         _close_all(fds)
         raise UpdateError(f"the engine refused the update: {msg.get('message')}")
@@ -622,10 +636,8 @@ class Receiver:
             self.state = "updating"
             for n in need:
                 self.applied.pop(n, None)
-            _send(conn, {"type": "ready", "need": need,
-                         "direct": {"kind": exp["kind"], "sizes": [sz for sz, _ in exp["pieces"]],
-                                    "tensors": tensors, "copies": work.copies_json}},
-                  out_fds)
+            _send(conn, work.ready_frame(need, exp["kind"], [sz for sz, _ in exp["pieces"]],
+                                         tensors), out_fds)
         finally:
             _close_all(out_fds)  # the trainer holds its own references now
         t0 = time.perf_counter()
@@ -673,6 +685,7 @@ class _DirectWork:
         self.copies_json = [_copy_json(c) for c in self.sub.copies]
         self._engine = engine
         self._layout: tuple[tuple[int, int], dict] | None = None
+        self._ready: tuple[tuple, bytes] | None = None
         self._verifier: direct.Verifier | None = None
 
     def layout(self, base: int, total: int) -> dict[str, list]:
@@ -688,6 +701,18 @@ class _DirectWork:
             tensors[d] = [lo - base, list(t.shape), str(t.dtype).removeprefix("torch.")]
         self._layout = ((base, total), tensors)
         return tensors
+
+    def ready_frame(self, need: list[str], kind: str, sizes: list[int],
+                    tensors: dict[str, list]) -> bytes:
+        """The encoded ``ready`` frame (the last one again when nothing in it changed: at the
+        8B shape it is 50 KB of JSON)."""
+        key = (tuple(need), kind, tuple(sizes), id(tensors))
+        if self._ready is None or self._ready[0] != key:
+            self._ready = (key, _encode({"type": "ready", "need": need,
+                                         "direct": {"kind": kind, "sizes": sizes,
+                                                    "tensors": tensors,
+                                                    "copies": self.copies_json}}))
+        return self._ready[1]
 
     def verifier(self) -> direct.Verifier:
         if self._verifier is None:
@@ -784,6 +809,7 @@ class Sender:
         # the last direct update's (need, sources), the engine's description, plan, pieces and
         # writer (Writer): reused while the next update is the same moves
         self._last_direct: tuple | None = None
+        self._last_ready: tuple[bytes, dict] | None = None  # the engine's last ready frame
         if self.direct:  # no staging at all: the trainer writes into the engine's memory
             self.chunk_bytes = self.slot_bytes = 0
             self.slots = 0
@@ -891,7 +917,10 @@ class Sender:
     def _direct(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
                 sync: Callable[[], None]) -> dict:
         _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest, "direct": True})
-        ready, fds = _expect(sock, "ready")
+        ready, fds = _expect(sock, "ready", self._last_ready or (b"", {}))
+        raw = ready.pop("_raw", None)
+        if raw is not None:
+            self._last_ready = (raw, ready)
         t0 = time.perf_counter()
         try:
             meta = ready.get("direct")
