@@ -17,9 +17,7 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 VARIANTS = [(t, w) for t in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
 
