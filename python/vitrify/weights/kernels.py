@@ -149,7 +149,7 @@ def _keyed(buf: Any, k1: int, k2: int, span: int, tile: int) -> int:
 
 PIECE_BLOCK = 1 << 15  # words per program of piece_sums (128 KiB; W < 2**62 needs <= 2**15)
 PIECE_TILE = 2048
-PIECE_WARPS = 8  # tile and warps change the speed only, never the sums
+PIECE_WARPS = 16  # tile and warps change the speed only, never the sums (16: the probe's best copy)
 _MAX_PIECE_BLOCKS = 1 << 19  # the limbs' bounds (_triton_sums.piece_sums) hold up to here
 
 
