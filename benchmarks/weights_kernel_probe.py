@@ -16,25 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 VARIANTS = [(t, w) for t in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
-
-
-def best_of(fn, reps: int = 5) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    out = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def pieces_of(total: int, n: int, base_src: int, base_dst: int) -> list[tuple[int, int, int]]:
@@ -58,7 +42,11 @@ def main(argv=None) -> int:
     import torch
 
     from vitrify.bench import resultlib
+    from vitrify.bench.weights import best_seconds
     from vitrify.weights import kernels
+
+    def best_of(fn):
+        return best_seconds(fn, reps=5)
 
     nbytes = a.gib << 30
     src = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")

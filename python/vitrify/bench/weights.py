@@ -192,6 +192,21 @@ def _d2d(src: dict, copies: int) -> float:
     return best
 
 
+def best_seconds(fn: Callable[[], Any], reps: int = 3) -> float:
+    """The best of ``reps`` timings of ``fn`` on the GPU (run once before: compiles, warms)."""
+    import torch
+
+    fn()
+    out = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
 def _sums(nbytes: int) -> dict[str, float]:
     """Seconds (best of 3) of the chunk checksum over ``nbytes`` of device memory: the one-pass
     Triton kernel, the torch reference, and a plain read of the same bytes (the HBM floor)."""
@@ -201,17 +216,7 @@ def _sums(nbytes: int) -> dict[str, float]:
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
 
-    def best(fn: Callable[[], Any]) -> float:
-        fn()  # compiles / warms up
-        out = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            out = min(out, time.perf_counter() - t0)
-        return out
-
+    best = best_seconds
     from .. import config
 
     with config.override(weights_triton=False):  # the torch reference
