@@ -16,9 +16,11 @@ Megatron-style layout on the GPU and updates the thawed server with ``load_forma
   sglang   SGLang's own path for the same bytes (``load_format=None``, CUDA IPC tensors under
            SGLang's names): the baseline time
 
-Each vitrify update's answer carries the engine's report: the parameters' addresses and the
-thawed decode graphs (count, builds, templates) before and after, so "written in place, graphs
-neither re-captured nor rebuilt" is checked, not assumed. A third server (tiny shape) loads W1
+Each vitrify update's answer carries the engine's report: a digest of the parameters'
+addresses as SGLang holds them (and whether they are the tensors the receiver wrote) and the
+thawed decode graphs' counters (count, captures, builds, templates), before and after; the run
+compares every update's with the first's, so "written in place, graphs neither re-captured nor
+rebuilt" is checked, not assumed. A third server (tiny shape) loads W1
 from a safetensors checkpoint cold: the updated server's tokens and logprobs must equal it.
 
     python benchmarks/sglang_weights_e2e.py --bundle .whl/sglang-site.tar.xz --out DIR
@@ -223,8 +225,11 @@ def run(s: fe.Settings, a: argparse.Namespace) -> dict:
             txd.close()
         txs = wt.Sender(a.chunk_mib << 20, device=0)  # a new sender: every tensor again
         try:
-            staging_bytes = txs.staging.nbytes
+            staging_bytes = int(txs.staging.buffer.size)  # what the driver allocated
+            base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             staged, staged_s = timed(call, txs, src, sock)
+            res["staged_trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base_mem
         finally:
             txs.close()
         after = run_prompts(s.port, prompts, s.max_new_tokens)
@@ -254,7 +259,11 @@ def run(s: fe.Settings, a: argparse.Namespace) -> dict:
 
     n = len(prompts)
     direct_reports = [reports[k] for k in reports if k not in ("staged",)]
-    graphs = [(r.get("graphs_before"), r.get("graphs_after")) for r in reports.values()]
+    # every update's before and after against the first update's before: the parameters (the
+    # same tensors at the same addresses) and the thawed graphs (count, captures, builds)
+    ids = [x for r in reports.values() for x in (r.get("identity_before"), r.get("identity_after"))]
+    graphs = [g for r in reports.values() for g in (r.get("graphs_before"), r.get("graphs_after"))]
+    chunk = a.chunk_mib << 20
     changed = src[name].numel() * src[name].element_size()
     checks = {
         "load_thawed": res["load_log_thawed"],
@@ -263,15 +272,18 @@ def run(s: fe.Settings, a: argparse.Namespace) -> dict:
         "update_changed_tokens": same(before, after, "output_ids") < n,
         "direct_written_in_place": all(r.get("direct") is True for r in direct_reports),
         "weights_addresses_unchanged": all(r.get("weights_in_place") is True
-                                           for r in reports.values()),
-        "graphs_unchanged": all(b is not None and b.get("graphs", 0) > 0 and b == g
-                                for b, g in graphs),
+                                           for r in reports.values()) and
+        all(i is not None and i["addresses"] == ids[0]["addresses"] for i in ids),
+        "graphs_unchanged": all(g is not None and g.get("graphs", 0) > 0 and g == graphs[0]
+                                for g in graphs),
         "steady_steps_reused_the_plan": all(f.get("trainer_reused_plan") for f, _ in steps),
         "delta_moved_one_tensor": delta["tensors"] == 1 and delta["bytes_moved"] == changed,
         "revert_moved_one_tensor": back["tensors"] == 1,
         "staged_update_complete": staged["tensors"] == staged["tensors_total"],
-        "staging_within_chunk_bytes": staging_bytes <= a.chunk_mib << 20,
-        "direct_has_no_staging": txd.staging is None,
+        "staging_within_chunk_bytes": staging_bytes <= chunk,
+        # the direct path has no staging: the trainer's extra memory is its tables and sums
+        "direct_trainer_memory_within_chunk_bytes":
+            res["direct_trainer_peak_extra_bytes"] <= chunk,
         "sglang_own_update_ok": ok_own,
         "sglang_own_update_same_tokens": e2e.tokens_identical(after_own, after),
         "sglang_own_update_same_logprobs": e2e.logprob_diff(after_own, after) == 0.0,

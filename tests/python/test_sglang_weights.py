@@ -244,7 +244,8 @@ def test_a_thawed_server_takes_a_direct_update_in_place_with_its_graphs_untouche
     model = FakeModel(eng)
     model._named = [(n, torch.nn.Parameter(t, requires_grad=False)) for n, t in hw.tensors.items()]
     monkeypatch.setattr(freeze, "RUN", types.SimpleNamespace(mode="load", loaded=_Loaded(),
-                                                             region=None))
+                                                             region=None,
+                                                             timings={"shapes": 2}))
     monkeypatch.setattr(sw, "_exporter", lambda params: hw.export)  # the region's, on a GPU
     up = FakeUpdater(model=model)
     tx = wt.Sender(direct=True)
@@ -258,7 +259,42 @@ def test_a_thawed_server_takes_a_direct_update_in_place_with_its_graphs_untouche
     assert rep["weights_in_place"] is True
     assert rep["graphs_before"] == rep["graphs_after"] == {
         "graphs": 2, "names": ["decode_bs1", "decode_bs2"], "ready_graphs": 2,
-        "modules_loaded": 1, "parameter_switches": 0}
+        "modules_loaded": 1, "parameter_switches": 0, "captures": 2}
+    assert rep["identity_before"]["addresses"] == rep["identity_after"]["addresses"]
+    assert rep["identity_after"]["receiver_holds_the_parameters"]
+    got = dict(model.named_parameters())
+    assert all(torch.equal(got[n], t) for n, t in eng.items() if not n.endswith("inv_freq"))
+    # SGLang's own path changes weights behind the receiver's digests: the next vitrify update
+    # from the same trainer sends everything again
+    rx = sw.receiver_of(up)
+    assert rx.applied
+    assert sw.around_update_weights_from_tensor(_original, up, named_tensors=[("x", None)],
+                                                load_format=None) == (True, "Success")
+    assert rx.applied == {} and up.own_calls == [None]
+
+
+def test_a_report_that_cannot_be_read_never_fails_a_finished_update(tmp_path, monkeypatch):
+    v = engine_tensors(seed=7)
+    eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
+    model = FakeModel(eng)
+    up = FakeUpdater(model=model)
+    calls = []
+
+    def broken(rx, updater):
+        calls.append(1)
+        if len(calls) > 1:  # after the update
+            raise RuntimeError("graphs closed")
+        return {"addresses": "x", "receiver_holds_the_parameters": True, "graphs": None}
+
+    monkeypatch.setattr(sw, "engine_identity", broken)
+    tx = wt.Sender(chunk_bytes=16 << 10)
+    try:
+        fin = sw.update(_call(up), tx, src, str(tmp_path / "r.sock"))
+    finally:
+        tx.close()
+    rep = fin["engine_report"]
+    assert fin["tensors"] == len(src) and rep["identity_after"] is None
+    assert rep["weights_in_place"] is False and sw.refusal() is None
     got = dict(model.named_parameters())
     assert all(torch.equal(got[n], t) for n, t in eng.items() if not n.endswith("inv_freq"))
 

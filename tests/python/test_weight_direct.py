@@ -152,7 +152,7 @@ def test_a_wrong_write_is_caught_and_a_retry_completes(tmp_path, monkeypatch):
         assert not got["ok"] and got["state"] == "incomplete"
         monkeypatch.setattr(wd.Writer, "run", real)
         fin = tx.update(eng.path, src)  # every tensor again: none was known complete
-        assert fin["trainer_reused_plan"]  # the same moves: the writer of the failed update
+        assert not fin["trainer_reused_plan"]  # a refused update's writer is not kept
         got = eng.served()
         assert got["ok"] and got["state"] == "ready" and fin["tensors"] == fin["tensors_total"]
         check(got["engine"], v1)
@@ -370,7 +370,7 @@ def test_a_frame_seen_before_is_not_decoded_again():
     with a, b:
         frame = {"type": "ready", "need": ["x"], "direct": {"copies": [[1, 2]]}}
         wt._send(a, wt._encode(frame))
-        first, _ = wt._expect(b, "ready", (b"", {}))
+        first, _ = wt._expect(b, "ready", None, keep_raw=True)
         raw = first.pop("_raw")
         assert first == frame
         wt._send(a, frame)
@@ -378,4 +378,13 @@ def test_a_frame_seen_before_is_not_decoded_again():
         assert again is first  # the same bytes: the earlier decoding
         wt._send(a, {**frame, "need": ["y"]})
         other, _ = wt._expect(b, "ready", (raw, first))
-        assert other is not first and other["need"] == ["y"]
+        assert other is not first and other["need"] == ["y"] and "_raw" not in other
+        # an empty frame is never "seen before": it is refused, its descriptors closed
+        r, w = os.pipe()
+        try:
+            socket.send_fds(a, [wt._LEN.pack(0)], [r])
+            with pytest.raises(wt.UpdateError, match="not JSON"):
+                wt._expect(b, "ready", (b"", {}), keep_raw=True)
+        finally:
+            os.close(r)
+            os.close(w)

@@ -69,6 +69,11 @@ table = K.PieceTable(pieces, "cpu", copy=True, block=256, tile=64)
 assert table.sums(dst_shift=dst2.data_ptr() - dst.data_ptr()) == want
 assert all(torch.equal(dst2[o:o + n], src[o:o + n]) for o, n in spans)
 assert K.PieceTable(pieces, "cpu", block=256, tile=64).sums() == want
+# a table of sums only (pieces torch copied), both addresses moved to the new place
+shift = dst2.data_ptr() - dst.data_ptr()
+at_dst = [(d, d, n) for _, d, n in pieces]
+assert K.PieceTable(at_dst, "cpu", block=256, tile=64, warps=4).sums(
+    src_shift=shift, dst_shift=shift) == want
 try:
     table.sums(dst_shift=4)
     raise AssertionError("a shift off the vector loads' alignment was taken")

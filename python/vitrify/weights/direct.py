@@ -88,6 +88,14 @@ def _kernels_for(t: Any) -> bool:
     return FORCE_KERNELS or kernels.usable(t)
 
 
+def kernels_on() -> tuple[bool, bool]:
+    """The settings that decide which pieces the kernels take (part of the transport's keys for
+    a kept :class:`Writer` / :class:`Verifier`: turning the kernels off takes effect)."""
+    from .. import config
+
+    return FORCE_KERNELS, bool(config.get("weights_triton"))
+
+
 def _reference(view: Any) -> int:
     """The torch reference checksum of a view's bytes (contiguous, 4-byte aligned copy)."""
     import torch

@@ -257,7 +257,7 @@ _UNALIGNED_ONLY = False  # set when the vector-load variant failed to compile he
 
 
 def _launch(kernel: Any, segs: Any, blocks: Any, limbs: Any, copy: bool, aligned: bool,
-            block: int, tile: int, warps: int = 8) -> None:
+            block: int, tile: int, warps: int = PIECE_WARPS) -> None:
     """Launch piece_sums; if the aligned variant (vector loads: pointer alignment hints) does
     not compile with this Triton, use the unhinted one from then on, with a log line."""
     global _UNALIGNED_ONLY

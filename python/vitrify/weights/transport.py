@@ -94,27 +94,29 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket, known: tuple[bytes, dict] | None = None
-          ) -> tuple[dict, list[int]]:
+def _recv(sock: socket.socket, known: tuple[bytes, dict] | None = None,
+          keep_raw: bool = False) -> tuple[dict, list[int]]:
     """One frame and the descriptors that came with it (closed here if the frame is bad).
     ``known``: a frame received before and its decoding, returned as it is when this frame's
-    bytes are the same (a trainer's next step gets the engine's same large ``ready``)."""
+    bytes are the same (a trainer's next step gets the engine's same large ``ready``);
+    ``keep_raw``: a newly decoded frame carries its bytes under ``_raw`` (for the next
+    ``known``)."""
     fds: list[int] = []
     try:
         (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds))
         if n > _MAX_FRAME:
             raise UpdateError(f"a frame of {n} bytes is larger than {_MAX_FRAME}")
         body = _recv_exact(sock, n, fds)
-        if known is not None and known[0] == body:
+        if known is not None and body and known[0] == body:
             return known[1], fds
         try:
             msg = json.loads(body)
-            if isinstance(msg, dict) and known is not None:
-                msg["_raw"] = body  # for the caller's next known frame; not part of the protocol
         except ValueError as e:
             raise UpdateError(f"a frame that is not JSON: {e}") from None
         if not isinstance(msg, dict) or "type" not in msg:
             raise UpdateError(f"not a protocol frame: {str(msg)[:200]}")
+        if keep_raw:
+            msg["_raw"] = body  # for the caller's next known frame; not part of the protocol
     except BaseException:
         _close_all(fds)
         raise
@@ -130,9 +132,9 @@ def _close_all(fds: list[int]) -> None:
     fds.clear()
 
 
-def _expect(sock: socket.socket, kind: str, known: tuple[bytes, dict] | None = None
-            ) -> tuple[dict, list[int]]:
-    msg, fds = _recv(sock, known)
+def _expect(sock: socket.socket, kind: str, known: tuple[bytes, dict] | None = None,
+            keep_raw: bool = False) -> tuple[dict, list[int]]:
+    msg, fds = _recv(sock, known, keep_raw)
     if msg["type"] == "error":
         _close_all(fds)
         raise UpdateError(f"the engine refused the update: {msg.get('message')}")
@@ -599,7 +601,7 @@ class Receiver:
         last = self._last_direct
         if last is not None and last[0][0] is plan and last[0][1] == tuple(need):
             work = last[1]
-            if work.addresses == tuple(self.engine[d].data_ptr() for d in work.dsts):
+            if work.addresses == _where(self.engine, work.dsts):
                 return work
         work = _DirectWork(plan, need, self.engine)
         self._last_direct = ((plan, tuple(need)), work)
@@ -665,6 +667,14 @@ class Receiver:
         return self.last
 
 
+def _where(tensors: MappingABC[str, Any], names: list[str]) -> tuple:
+    """What a kept direct update's work depends on besides the plan: each tensor's address,
+    shape and strides, and whether the checksums run as kernels (a setting that can change)."""
+    return (direct.kernels_on(),
+            *((tensors[n].data_ptr(), tuple(tensors[n].shape), tuple(tensors[n].stride()))
+              for n in names))
+
+
 class _DirectWork:
     """The engine's side of a direct update of some sources under a plan: their moves
     (``sub``), pieces, destinations (each contiguous, else :class:`UpdateError`), the bytes
@@ -679,9 +689,10 @@ class _DirectWork:
         for d in self.dsts:
             if not engine[d].is_contiguous():
                 raise UpdateError(f"{d!r}: the engine's tensor is not contiguous")
-        self.addresses = tuple(engine[d].data_ptr() for d in self.dsts)
-        self.ends = [(a, a + engine[d].numel() * engine[d].element_size())
-                     for a, d in zip(self.addresses, self.dsts)]
+        self.addresses = _where(engine, self.dsts)
+        self.ends = [(engine[d].data_ptr(),
+                      engine[d].data_ptr() + engine[d].numel() * engine[d].element_size())
+                     for d in self.dsts]
         self.copies_json = [_copy_json(c) for c in self.sub.copies]
         self._engine = engine
         self._layout: tuple[tuple[int, int], dict] | None = None
@@ -706,7 +717,10 @@ class _DirectWork:
                     tensors: dict[str, list]) -> bytes:
         """The encoded ``ready`` frame (the last one again when nothing in it changed: at the
         8B shape it is 50 KB of JSON)."""
-        key = (tuple(need), kind, tuple(sizes), id(tensors))
+        # the layout is the one layout() returned for this base and size (its own key)
+        key = (tuple(need), kind, tuple(sizes), self._layout[0] if self._layout else None)
+        if self._layout is None or self._layout[1] is not tensors:
+            raise ValueError("ready_frame takes the layout this work's layout() returned")
         if self._ready is None or self._ready[0] != key:
             self._ready = (key, _encode({"type": "ready", "need": need,
                                          "direct": {"kind": kind, "sizes": sizes,
@@ -917,7 +931,7 @@ class Sender:
     def _direct(self, sock: socket.socket, tensors: MappingABC[str, Any], manifest: list,
                 sync: Callable[[], None]) -> dict:
         _send(sock, {"type": "hello", "protocol": PROTOCOL, "manifest": manifest, "direct": True})
-        ready, fds = _expect(sock, "ready", self._last_ready or (b"", {}))
+        ready, fds = _expect(sock, "ready", self._last_ready, keep_raw=True)
         raw = ready.pop("_raw", None)
         if raw is not None:
             self._last_ready = (raw, ready)
@@ -933,8 +947,9 @@ class Sender:
             need = list(ready["need"])
             # the last update's plan, pieces and writer, when the engine describes the same moves
             # into the same memory and the sources are the same tensors (a trainer's next step)
-            sources = tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
-                             t.device) for n in need for t in (tensors[n],))
+            sources = (direct.kernels_on(),
+                       *((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                         for n in need for t in (tensors[n],)))
             last = self._last_direct
             reuse = last is not None and last[0] == (need, sources) and last[1] == meta
             if reuse:
@@ -974,6 +989,7 @@ class Sender:
                 targets = None
                 t = time.perf_counter()
                 if not ok:  # queued copies must finish before their memory is unmapped
+                    self._last_direct = None  # a failed update's writer is not kept
                     try:
                         mem.synchronize()
                     except Exception as e:  # the first error is the one that propagates
@@ -984,12 +1000,17 @@ class Sender:
         else:
             _close_all(fds)
         written = time.perf_counter() - t0
-        _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
-        fin, extra = _expect(sock, "finished")
+        try:
+            _send(sock, {"type": "finish", "released": True, "sums": [str(x) for x in sums]})
+            fin, extra = _expect(sock, "finished")
+        except BaseException:  # the engine refused what was written: plan the retry anew
+            self._last_direct = None
+            raise
         _close_all(extra)
         return {**fin, "trainer_write_seconds": written, "trainer_times": times,
                 "trainer_reused_plan": bool(ps) and reuse}
 
     def close(self) -> None:
+        self._last_direct = self._last_ready = None  # the kept device tables go with them
         if self.staging is not None:
             self.staging.close()

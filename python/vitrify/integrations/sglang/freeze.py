@@ -1124,13 +1124,17 @@ def after_execute_server_warmup(result: Any, server_args: Any = None, *args: Any
 
 
 def thawed_graphs() -> dict | None:
-    """This scheduler's decode graphs as LOAD rebuilt them from the archive (their count and
-    the graph set's counters: builds, templates, parameter switches), or None outside a LOAD.
-    Equal before and after a weight update: nothing was captured or rebuilt."""
+    """This scheduler's decode graphs as LOAD rebuilt them from the archive (their count, the
+    graph set's counters: builds, templates, parameter switches, and the captures this
+    process's backend ran), or None outside a LOAD. Equal before and after a weight update:
+    nothing was captured or rebuilt."""
     run = RUN
     if run is None or run.mode != "load" or getattr(run, "loaded", None) is None:
         return None
-    return {"graphs": len(run.loaded), "names": sorted(run.loaded.names), **run.loaded.stats()}
+    # captures: decode graphs captured or claimed in this process (SGLang capturing again would
+    # count here: the capture goes through this backend)
+    return {**run.loaded.stats(), "graphs": len(run.loaded), "names": sorted(run.loaded.names),
+            "captures": run.timings.get("shapes", 0)}
 
 
 def exportable_region() -> Any:

@@ -127,15 +127,30 @@ def _exporter(params: MappingABC[str, Any]) -> Callable[[int, int], dict] | None
     return region_exporter(region)
 
 
-def engine_identity(rx: Any) -> dict:
-    """What a weight update must leave as it was: the parameters' addresses (written in place,
-    never reallocated) and the thawed decode graphs (none captured or rebuilt; None outside a
-    LOAD)."""
+def engine_identity(rx: Any, updater: Any) -> dict:
+    """What a weight update must leave as it was: the model's parameters, read from SGLang
+    afresh (the same tensor objects the receiver writes, at the same addresses: a digest of
+    them), and the thawed decode graphs (count, captures, builds; None outside a LOAD)."""
+    import hashlib
     import sys
 
+    params = dict(updater.get_model().named_parameters())
+    same = params.keys() == rx.engine.keys() and all(params[n] is rx.engine[n] for n in params)
+    where = ",".join(f"{n}@{int(t.data_ptr()):x}" for n, t in params.items())
     freeze = sys.modules.get("vitrify.integrations.sglang.freeze")
-    return {"addresses": [int(t.data_ptr()) for t in rx.engine.values()],
+    return {"addresses": hashlib.sha256(where.encode()).hexdigest()[:16],
+            "receiver_holds_the_parameters": same,
             "graphs": freeze.thawed_graphs() if freeze is not None else None}
+
+
+def _identity_or_none(rx: Any, updater: Any) -> dict | None:
+    """:func:`engine_identity`, or None (logged) when it cannot be read: the report is for the
+    caller's checks, never a reason to call a finished update failed."""
+    try:
+        return engine_identity(rx, updater)
+    except Exception as e:
+        log.warning("vitrify: the weight update's report could not read the engine: %s", e)
+        return None
 
 
 def around_update_weights_from_tensor(original: Callable, updater: Any, named_tensors: Any,
@@ -144,19 +159,24 @@ def around_update_weights_from_tensor(original: Callable, updater: Any, named_te
     """AROUND hook: ``load_format="vitrify"`` runs vitrify's receiver and returns SGLang's
     ``(success, message)``; any other format is SGLang's own path."""
     if load_format != LOAD_FORMAT:
-        return original(updater, named_tensors, load_format, *args, **kwargs)
+        try:
+            return original(updater, named_tensors, load_format, *args, **kwargs)
+        finally:  # SGLang's own path changed weights behind the receiver's digests: a later
+            with _LOCK:  # vitrify update sends everything
+                known = _BY_UPDATER.get(id(updater))
+            if known is not None:
+                known[1].applied.clear()
     try:
         meta = _parse(named_tensors)
         rx = receiver_of(updater)
     except Exception as e:
         return False, f"vitrify: {type(e).__name__}: {e}"
     try:
-        before = engine_identity(rx)
+        before = _identity_or_none(rx, updater)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(float(meta.get("timeout", 600.0)))
             conn.connect(meta["socket"])
             summary = rx.serve_one(conn)
-        after = engine_identity(rx)
     except Exception as e:  # the receiver's state says whether the weights are intact
         msg = f"vitrify: the weight update failed ({type(e).__name__}: {e}); engine {rx.state}"
         log.error("%s", msg)
@@ -166,9 +186,14 @@ def around_update_weights_from_tensor(original: Callable, updater: Any, named_te
            f"{summary['bytes_moved']} bytes {how} in {summary['seconds']:.3f} s")
     if meta.get("weight_version") is not None:
         msg += "; " + _new_weight_version(str(meta["weight_version"]))
-    # for a caller that checks: the summary, and whether the addresses and graphs stayed
-    report = {**summary, "weights_in_place": after["addresses"] == before["addresses"],
-              "graphs_before": before["graphs"], "graphs_after": after["graphs"]}
+    # for a caller that checks: the summary, and whether the parameters and graphs stayed
+    after = _identity_or_none(rx, updater)
+    report = {**summary, "identity_before": before, "identity_after": after,
+              "weights_in_place": bool(before and after and before["addresses"] ==
+                                       after["addresses"] and
+                                       after["receiver_holds_the_parameters"]),
+              "graphs_before": (before or {}).get("graphs"),
+              "graphs_after": (after or {}).get("graphs")}
     return True, msg + "; " + REPORT_PREFIX + json.dumps(report, separators=(",", ":"))
 
 
