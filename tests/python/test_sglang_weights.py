@@ -312,6 +312,9 @@ def test_direct_updates_need_every_parameter_in_an_exportable_region(monkeypatch
     assert callable(sw._exporter(params))
     region.exportable = False  # a LOAD without weight_updates
     assert sw._exporter(params) is None
+    region.exportable, region.size = True, hi - lo - 8  # the last one's end outside
+    with caplog.at_level("WARNING", logger="vitrify.sglang"):
+        assert sw._exporter(params) is None
     region.exportable, region.size = True, 8  # "b" outside the region
     with caplog.at_level("WARNING", logger="vitrify.sglang"):
         assert sw._exporter(params) is None

@@ -118,8 +118,9 @@ def _exporter(params: MappingABC[str, Any]) -> Callable[[int, int], dict] | None
     region = freeze.exportable_region() if freeze is not None else None
     if region is None:
         return None
-    outside = [n for n, p in params.items()
-               if p.numel() and not region.base <= p.data_ptr() < region.base + region.size]
+    end = region.base + region.size
+    outside = [n for n, p in params.items() if p.numel() and not (
+        region.base <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= end)]
     if outside:
         log.warning("vitrify: %d parameter(s) lie outside the thawed region (first %r): weight "
                     "updates are staged, not written in place", len(outside), outside[0])
