@@ -8,6 +8,7 @@ the plugin registers these hooks only in scheduler processes, with weight_update
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from typing import Any
 
@@ -326,3 +327,33 @@ def test_the_report_rides_on_sglangs_message():
     assert sw.report_of("vitrify: 3 of 3 tensors; report: {\"direct\":true}") == {"direct": True}
     assert sw.report_of("Success") is None and sw.report_of(None) is None
     assert sw.report_of("vitrify: x; report: {not json") is None
+
+
+def test_a_gpu_that_cannot_export_gets_staged_updates(monkeypatch):
+    from vitrify import region
+    from vitrify.integrations.sglang import freeze
+
+    class NoExport:
+        def __init__(self, *a, **k):
+            raise RuntimeError("cuMemCreate: CUDA_ERROR_NOT_SUPPORTED (POSIX descriptors)\nmore")
+
+    monkeypatch.setattr(region, "Region", NoExport)
+    why = freeze.exportable_here(0)
+    assert why == "RuntimeError: cuMemCreate: CUDA_ERROR_NOT_SUPPORTED (POSIX descriptors)"
+
+
+@pytest.mark.skipif(not os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA"),
+                    reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_the_fake_driver_exports_unless_it_lacks_descriptors():
+    import subprocess
+    import sys
+
+    from test_shared_buffer import fake_env
+    code = ("from vitrify.integrations.sglang import freeze; "
+            "print(repr(freeze.exportable_here(0)))")
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, env=fake_env())
+    assert ok.stdout.strip() == "None", ok.stdout + ok.stderr
+    no = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, env=fake_env(FAKE_CUDA_POSIX_FD="0"))
+    assert "cannot export memory as a POSIX file descriptor" in no.stdout, no.stdout + no.stderr

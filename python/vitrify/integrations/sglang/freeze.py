@@ -428,11 +428,17 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         # and the rest of that range holds SGLang's own buffers, which LOAD's start-up has just
         # built (SAVE's span is dumped after serving: its contents are not start-up state)
         # with weight updates on, the region's memory is created exportable: a trainer then
-        # writes the thawed weights in place (a direct update, no staging buffer)
+        # writes the thawed weights in place (a direct update, no staging buffer); a GPU or
+        # driver that cannot export it gets staged updates
+        exportable = cfg.weight_updates
+        if exportable and (why := exportable_here(device)) is not None:
+            log.warning("vitrify: this GPU cannot export the thawed weights (%s): weight "
+                        "updates go through the trainer's staging buffer", why)
+            exportable = False
         sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
                                     restore_graph_span=False,
                                     direct_io=read_ahead_direct_io(cfg.archive),
-                                    exportable=cfg.weight_updates)
+                                    exportable=exportable)
     try:
         if standby:  # an archive that cannot thaw here is refused before the wait, not after
             archive = _archive.open_archive(cfg.archive, expect=_session._fingerprint(engine,
@@ -1137,6 +1143,18 @@ def thawed_graphs() -> dict | None:
             "captures": run.timings.get("shapes", 0)}
 
 
+def exportable_here(device: int) -> str | None:
+    """None when ``device`` and the driver can create an exportable region (a range reserved
+    and freed: no memory is created), else why not, in one line."""
+    from ... import region as _region
+
+    try:
+        _region.Region(2 << 20, device=device, exportable=True).close()
+    except (RuntimeError, OSError, ValueError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def exportable_region() -> Any:
     """The region of this scheduler's LOAD when it was created exportable (``weight_updates``):
     a trainer can then write the weights in place. None otherwise."""
@@ -1429,6 +1447,6 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTI
            "around_load_model", "around_resolve_decode_backend",
            "around_resolve_memory_pool_config", "attention_leaves", "capture_collections",
            "check_answer", "check_attention", "check_supported", "cuda_tensor_at", "describe",
-           "exportable_region", "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
+           "exportable_here", "exportable_region", "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
            "metadata_api", "pool_config_from_state", "pool_config_state", "read_ahead_direct_io",
            "rebuild", "start_read_ahead", "thawed_graphs", "warm_triton_key", "warmup_body"]
