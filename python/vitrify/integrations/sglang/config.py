@@ -20,7 +20,9 @@ key                value                           meaning
                    only accepted value)            the plugin turns them off
 ``weight_updates`` bool (default false)            ``update_weights_from_tensor(load_format=
                                                    "vitrify")`` runs vitrify's receiver
-                                                   (``weights.py``); any mode, ``off`` included
+                                                   (``weights.py``); any mode, ``off`` included;
+                                                   mode "load" thaws into an exportable region
+                                                   (updates written in place)
 ``jit_caches``     bool (default true)             SAVE points the JIT caches (Triton, tvm-ffi)
                                                    at ``jit_dir`` so the archive gets what the
                                                    engine compiled; LOAD unpacks the archive's
