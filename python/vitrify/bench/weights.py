@@ -28,8 +28,8 @@ import math
 import os
 import pickle
 import subprocess
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -216,16 +216,15 @@ def _sums(nbytes: int) -> dict[str, float]:
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
 
-    best = best_seconds
     from .. import config
 
     with config.override(weights_triton=False):  # the torch reference
-        ref = best(lambda: stream.checksum(buf))
+        ref = best_seconds(lambda: stream.checksum(buf))
         want = stream.checksum(buf)
-    one = best(lambda: kernels.checksum(buf))
+    one = best_seconds(lambda: kernels.checksum(buf))
     if kernels.checksum(buf) != want:
         raise RuntimeError("the Triton checksum differs from the torch reference on the GPU")
-    read = best(lambda: buf.view(torch.int32).sum())
+    read = best_seconds(lambda: buf.view(torch.int32).sum())
     return {"triton": one, "torch": ref, "read": read}
 
 

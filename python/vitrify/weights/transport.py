@@ -630,7 +630,7 @@ class Receiver:
         t_export = time.perf_counter() - t_export
         out_fds = [fd for _, fd in exp["pieces"]]
         try:
-            tensors = work.layout(exp["base"], sum(size for size, _ in exp["pieces"]))
+            frame = work.ready_frame(need, exp)  # names a destination outside the export
             if len(out_fds) > _MAX_FDS:
                 raise UpdateError(f"the engine's weights span {len(out_fds)} exported pieces, "
                                   f"more than {_MAX_FDS} (one message): map them in larger "
@@ -638,8 +638,7 @@ class Receiver:
             self.state = "updating"
             for n in need:
                 self.applied.pop(n, None)
-            _send(conn, work.ready_frame(need, exp["kind"], [sz for sz, _ in exp["pieces"]],
-                                         tensors), out_fds)
+            _send(conn, frame, out_fds)
         finally:
             _close_all(out_fds)  # the trainer holds its own references now
         t0 = time.perf_counter()
@@ -678,8 +677,8 @@ def _where(tensors: MappingABC[str, Any], names: list[str]) -> tuple:
 class _DirectWork:
     """The engine's side of a direct update of some sources under a plan: their moves
     (``sub``), pieces, destinations (each contiguous, else :class:`UpdateError`), the bytes
-    they span, the moves as the ``ready`` frame carries them, and the verifier (built at its
-    first use, after the trainer wrote)."""
+    they span, the encoded ``ready`` frame, and the verifier (built at its first use, after the
+    trainer wrote)."""
 
     def __init__(self, plan: Plan, need: list[str], engine: MappingABC[str, Any]):
         want = set(need)
@@ -695,35 +694,29 @@ class _DirectWork:
                      for d in self.dsts]
         self.copies_json = [_copy_json(c) for c in self.sub.copies]
         self._engine = engine
-        self._layout: tuple[tuple[int, int], dict] | None = None
         self._ready: tuple[tuple, bytes] | None = None
         self._verifier: direct.Verifier | None = None
 
     def layout(self, base: int, total: int) -> dict[str, list]:
         """Each destination's offset in the exported memory (at ``base``, ``total`` bytes),
         shape and dtype, as the ``ready`` frame carries them."""
-        if self._layout is not None and self._layout[0] == (base, total):
-            return self._layout[1]
         tensors = {}
         for d, (lo, hi) in zip(self.dsts, self.ends):
             t = self._engine[d]
             if not 0 <= lo - base <= total - (hi - lo):
                 raise UpdateError(f"{d!r} is not in the memory the engine exports")
             tensors[d] = [lo - base, list(t.shape), str(t.dtype).removeprefix("torch.")]
-        self._layout = ((base, total), tensors)
         return tensors
 
-    def ready_frame(self, need: list[str], kind: str, sizes: list[int],
-                    tensors: dict[str, list]) -> bytes:
-        """The encoded ``ready`` frame (the last one again when nothing in it changed: at the
-        8B shape it is 50 KB of JSON)."""
-        # the layout is the one layout() returned for this base and size (its own key)
-        key = (tuple(need), kind, tuple(sizes), self._layout[0] if self._layout else None)
-        if self._layout is None or self._layout[1] is not tensors:
-            raise ValueError("ready_frame takes the layout this work's layout() returned")
+    def ready_frame(self, need: list[str], exp: dict) -> bytes:
+        """The encoded ``ready`` frame for the memory ``exp`` the exporter described (the last
+        one again when nothing in it changed: at the 8B shape it is 50 KB of JSON)."""
+        sizes = [size for size, _ in exp["pieces"]]
+        key = (tuple(need), exp["kind"], exp["base"], tuple(sizes))
         if self._ready is None or self._ready[0] != key:
+            tensors = self.layout(exp["base"], sum(sizes))
             self._ready = (key, _encode({"type": "ready", "need": need,
-                                         "direct": {"kind": kind, "sizes": sizes,
+                                         "direct": {"kind": exp["kind"], "sizes": sizes,
                                                     "tensors": tensors,
                                                     "copies": self.copies_json}}))
         return self._ready[1]

@@ -1447,6 +1447,7 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTI
            "around_load_model", "around_resolve_decode_backend",
            "around_resolve_memory_pool_config", "attention_leaves", "capture_collections",
            "check_answer", "check_attention", "check_supported", "cuda_tensor_at", "describe",
-           "exportable_here", "exportable_region", "freeze_import_heap", "graph_backend_class", "graph_name", "memory_available",
-           "metadata_api", "pool_config_from_state", "pool_config_state", "read_ahead_direct_io",
-           "rebuild", "start_read_ahead", "thawed_graphs", "warm_triton_key", "warmup_body"]
+           "exportable_here", "exportable_region", "freeze_import_heap", "graph_backend_class",
+           "graph_name", "memory_available", "metadata_api", "pool_config_from_state",
+           "pool_config_state", "read_ahead_direct_io", "rebuild", "start_read_ahead",
+           "thawed_graphs", "warm_triton_key", "warmup_body"]

@@ -246,9 +246,10 @@ def update(call: Callable[[list, str], Any], sender: Any, tensors: MappingABC[st
     """The trainer's side: listen at ``path``, ask SGLang to update through ``call(named_tensors,
     load_format)`` (e.g. ``lambda nt, lf: engine.update_weights_from_tensor(named_tensors=nt,
     load_format=lf)``), and stream ``tensors`` to the receiver that connects
-    (``weight_version``: see :func:`payload`). Returns the engine's summary; raises :class:`~vitrify.weights.transport.UpdateError` when either side
-    failed (SGLang's answer included). The summary carries the engine's report
-    (:func:`report_of`) as ``engine_report``."""
+    (``weight_version``: see :func:`payload`). Returns the engine's summary, with the engine's
+    report (:func:`report_of`) as ``engine_report``; raises
+    :class:`~vitrify.weights.transport.UpdateError` when either side failed (SGLang's answer
+    included)."""
     from ...weights.transport import UpdateError, listen
 
     box: dict[str, Any] = {}
