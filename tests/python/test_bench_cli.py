@@ -80,10 +80,21 @@ def test_disk_small_run_writes_the_result_and_prints_the_table(tmp_path, capsys)
     assert res["goals"]["write_1MiB_qd1_vs_naive"] == 3.0
     assert set(res["load"]) == {"64KiB_slots", "4KiB_slots"}
     assert all(v["slots"] == 64 for v in res["load"].values())
+    write = next(r for r in res["rows"] if r["op"] == "write")
+    assert write["vitrify_rewrite_MBps"] > 0  # the steady state: slots written before
     if shutil.which("fio"):
         assert res["skipped"] == {}
         assert res["goals"]["read_1MiB_qd1_vs_fio"] == 0.9
         assert all(r["fio_MBps"] > 0 and r["drive_ceiling_MBps"] > 0 for r in res["rows"])
+        best = {b["op"]: b for b in res["best_configuration"]}
+        assert best["write"]["store"] == "vitrify_rewrite" and best["read"]["store"] == "vitrify"
+        assert best["write"]["store_MBps"] == pytest.approx(write["vitrify_rewrite_MBps"])
+        for op in ("write", "read"):
+            assert res["ratios"][f"{op}_1MiB_best_vs_ceiling"] == pytest.approx(
+                best[op]["store_MBps"] / best[op]["ceiling_MBps"])
+            assert res["goals"][f"{op}_1MiB_best_vs_ceiling"] == 0.9
+        assert res["ratios"]["write_1MiB_first_fill_vs_first_pass"] == pytest.approx(
+            write["vitrify_MBps"] / best["write"]["fio_first_pass_MBps"])
     assert not list(scratch.iterdir())  # its scratch files are gone
     o = capsys.readouterr()
     lines = o.out.splitlines()
@@ -174,14 +185,26 @@ def test_hicache_small_run_on_the_cpu(tmp_path):
     scratch.mkdir()
     r = bench_in_subprocess(["hicache", "--dir", str(scratch), "--out", str(out),
                              "--geometry", "16x8x8x128", "--bytes-per-rep", str(8 << 20),
-                             "--reps", "1"], timeout=300)
+                             "--reps", "2", "--read-threads", "2,4"], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = only_result(out, "hicache")
     assert CONVENTION <= set(res)
     assert {(x["backend"], x["op"]) for x in res["rows"]} >= {
-        ("vitrify", "set"), ("vitrify", "get"), ("file", "set"), ("file", "get")}
+        ("vitrify", "set"), ("vitrify", "set (first fill)"), ("vitrify", "get"),
+        ("vitrify", "get, read_threads 2"), ("vitrify", "get, read_threads 4"),
+        ("file", "set"), ("file", "get")}
+    rows = {(x["backend"], x["op"]): x for x in res["rows"]}
+    # the reported get is the faster of the two thread counts, each verified byte for byte
+    assert rows["vitrify", "get"]["best_s"] == min(
+        rows["vitrify", f"get, read_threads {t}"]["best_s"] for t in (2, 4))
+    geo = res["config"]["geometries"][0]
+    assert geo["vitrify_read_threads"] == [2, 4] and geo["vitrify_best_read_threads"] in (2, 4)
     assert res["ratios"]["get_vitrify_vs_file@512KiB"] > 0
-    assert res["goals"] == {"get_vitrify_vs_file@512KiB": 3.0}
+    assert res["ratios"]["set_first_fill_vs_file_durable@512KiB"] > 0
+    goals = {"get_vitrify_vs_file@512KiB": 3.0, "set_vitrify_vs_file_durable@512KiB": 2.0}
+    if shutil.which("fio"):
+        goals["get_vitrify_vs_drive@512KiB"] = 0.9
+    assert res["goals"] == goals
     assert "[hicache +" in r.stderr and "backend" in r.stdout
     if shutil.which("fio"):  # the drive's ceilings, both directions, and what they allow
         assert {("drive (fio)", "read"), ("drive (fio)", "write")} <= {

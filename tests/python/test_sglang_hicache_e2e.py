@@ -568,13 +568,18 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
                       ("vitrify", "l3_first_hit"), ("vitrify", "l3_hit"),
                       ("vitrify", "l3_hit_cached"),
                       ("vitrify_restart", "restart_first_request"),
-                      ("vitrify_restart", "l3_restart"), ("vitrify_restart", "miss_after_clear"),
+                      ("vitrify_restart", "l3_restart"), ("vitrify_restart", "l3_restart_again"),
+                      ("vitrify_restart", "miss_after_clear"),
                       ("vitrify_restart", "l2_hit"),
                       ("file", "miss"), ("file", "device_hit"), ("file", "l3_first_hit"),
                       ("file", "l3_hit"), ("file", "l3_hit_cached")]
     assert res["checks"]["vitrify.cached_pass_from_storage"] is True
     assert "file_cached_over_vitrify_restart" in res["ratios"]
     assert "restart_first_request_over_first_l3_hit" in res["ratios"]
+    assert {"l3_restart_again_over_l3_hit", "file_cached_over_vitrify_restart_again"} <= \
+        set(res["ratios"])
+    assert res["checks"]["vitrify_restart.again_from_storage"] is True
+    assert res["checks"]["vitrify_restart.again_tokens_identical"] is True
     restart = res["scenarios"]["vitrify_restart"]
     assert restart["l2_all_from_host"] is True, restart
     assert restart["l2_device_tokens"] == 4096  # read from the server, not the setting
