@@ -645,17 +645,12 @@ def break_even(rows: list[dict], cfg: dict, drive_bytes_per_s: Optional[float]) 
     miss, hit = row("vitrify", "miss"), row("vitrify", "l3_hit")
     if miss is None:
         return {"error": "no miss pass of the vitrify launch"}
+    from vitrify.bench.breakeven import verdict
+
     kv = kv_bytes_per_token(cfg)
     tps = miss["prompt_tokens"] / (miss["ttft_ms_mean"] / 1e3 * miss["prompts"])
-    out: dict[str, Any] = {"prefill_tokens_per_s": tps, "kv_bytes_per_token": kv,
-                           "break_even_read_bytes_per_s": tps * kv}
+    out: dict[str, Any] = verdict(tps, kv, {"drive": drive_bytes_per_s})
     if drive_bytes_per_s:
-        out["drive_read_bytes_per_s"] = drive_bytes_per_s
-        out["l3_pays"] = drive_bytes_per_s > tps * kv
-        out["verdict"] = (
-            f"an L3 hit {'beats' if out['l3_pays'] else 'loses to'} recomputing the prefix here: "
-            f"the drive reads {drive_bytes_per_s / 1e9:.2f} GB/s, recompute equals "
-            f"{tps * kv / 1e9:.2f} GB/s ({tps:,.0f} tokens/s x {kv:,} B/token)")
         if hit is not None:
             floor = (hit["cached_storage"] * kv / drive_bytes_per_s
                      + (hit["prompt_tokens"] - hit["cached_tokens"]) / tps) / hit["prompts"]

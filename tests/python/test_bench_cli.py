@@ -93,6 +93,11 @@ def test_disk_small_run_writes_the_result_and_prints_the_table(tmp_path, capsys)
             assert res["ratios"][f"{op}_1MiB_best_vs_ceiling"] == pytest.approx(
                 best[op]["store_MBps"] / best[op]["ceiling_MBps"])
             assert res["goals"][f"{op}_1MiB_best_vs_ceiling"] == 0.9
+            # medians: the store's best depth against the best of any fio variant and depth
+            assert best[op]["store_median_MBps"] <= best[op]["store_MBps"]
+            assert 0 < best[op]["ceiling_median_MBps"] <= best[op]["ceiling_MBps"]
+            assert res["ratios"][f"{op}_1MiB_median_vs_ceiling_median"] == pytest.approx(
+                best[op]["store_median_MBps"] / best[op]["ceiling_median_MBps"])
         assert res["ratios"]["write_1MiB_first_fill_vs_first_pass"] == pytest.approx(
             write["vitrify_MBps"] / best["write"]["fio_first_pass_MBps"])
     assert not list(scratch.iterdir())  # its scratch files are gone
@@ -213,6 +218,52 @@ def test_hicache_small_run_on_the_cpu(tmp_path):
                   "set_vitrify_vs_drive@512KiB"):
             assert res["ratios"][k] > 0, k
         assert res["config"]["geometries"][0]["drive_write_limit"] > 0
+
+
+@pytest.mark.sglang
+def test_hicache_model_pages_and_break_even(tmp_path):
+    """--model: the pages are 64 tokens of the model's KV, and the result puts its break-even
+    read rate (a given prefill rate x KV bytes per token) beside the reads measured in the run."""
+    cfg = {"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 1024}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    r = bench_in_subprocess(["hicache", "--dir", str(scratch), "--out", str(out), "--model",
+                             str(tmp_path / "m"), "--prefill-tokens-per-s", "1000",
+                             "--bytes-per-rep", str(4 << 20), "--reps", "1"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = only_result(out, "hicache")
+    geo = res["config"]["geometries"][0]
+    kv = 2 * 2 * 2 * 128 * 2  # K and V, 2 layers, 2 KV heads of 128, bf16
+    assert (geo["page_tokens"], geo["layers"], geo["kv_heads"], geo["head_dim"]) == (64, 2, 2, 128)
+    assert geo["page_bytes"] == 64 * kv
+    be = res["break_even"]
+    assert be["kv_bytes_per_token"] == kv and be["prefill"]["how"].startswith("given")
+    assert be["break_even_read_bytes_per_s"] == pytest.approx(1000 * kv)
+    get = next(x for x in res["rows"] if x["backend"] == "vitrify" and x["op"] == "get")
+    assert be["vitrify_get_read_bytes_per_s"] == pytest.approx(get["GB/s"] * 1e9)
+    assert be["l3_pays"] is True  # 2 MB/s: any drive reads faster
+    assert be["verdict"] in r.stdout
+
+
+def test_hicache_model_options_that_clash_are_one_line(tmp_path):
+    mla = tmp_path / "mla.json"
+    mla.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 8,
+                               "hidden_size": 1024, "kv_lora_rank": 512,
+                               "qk_rope_head_dim": 64}))
+    for argv, words in (
+            (["--prefill-tokens-per-s", "5"], "need --model"),
+            (["--model", str(mla)], "MLA KV has no MHA page geometry"),
+            (["--model", str(tmp_path / "none.json")], "no such file"),
+            (["--model", str(mla), "--prefill-tokens-per-s", "0"], "expected a positive")):
+        r = bench_in_subprocess(["hicache", "--out", str(tmp_path / "o"), *argv])
+        assert r.returncode == 2, (argv, r.stdout, r.stderr)
+        err = r.stderr.strip()
+        assert err.startswith("vitrify bench hicache: error:") and words in err, (argv, err)
+        assert len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
 
 
 # ---- --plot ---------------------------------------------------------------------------------

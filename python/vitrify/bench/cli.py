@@ -179,6 +179,10 @@ def main_from_args(args: argparse.Namespace) -> int:
                   f"install it (pip install matplotlib) or leave out --plot", file=sys.stderr)
             return EXIT_USAGE
     mod = importlib.import_module(f"{__package__}.{name}")
+    wrong = mod.check(args) if hasattr(mod, "check") else None  # options that clash
+    if wrong:
+        print(f"{prog}: error: {wrong}", file=sys.stderr)
+        return EXIT_USAGE
     reason = mod.unavailable(args)
     if reason:
         print(f"{prog}: skipped: {reason}")

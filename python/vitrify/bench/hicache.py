@@ -27,7 +27,13 @@ get, the most any backend reading from this drive could beat the file backend by
 do the same for durable sets against fio's O_DIRECT write + fsync (``drive (fio)`` write row):
 ``set_durable_file_headroom`` = drive write / file set + sync, and ``set_vitrify_vs_drive``.
 
-  vitrify bench hicache [--out DIR] [--dir SCRATCH] [--quick]
+  vitrify bench hicache [--out DIR] [--dir SCRATCH] [--quick] [--read-threads 8,16,32]
+  vitrify bench hicache --model /path/to/config.json [--prefill-tokens-per-s RATE]
+
+With ``--model`` the pages are 64 tokens of that model's KV (unless ``--geometry`` is given) and
+the result's ``break_even`` puts the model's break-even read rate (:mod:`vitrify.bench.breakeven`:
+its prefill tokens/s, measured with random weights on the GPU or given, times its KV bytes per
+token) beside the drive's cold read and vitrify's cold get, with a one-line verdict.
 
 Needs SGLang (and its torch) importable; runs on CPU (the controller's streams fall back to the
 CPU when torch sees no GPU). Without fio the drive row and the two drive ratios are left out.
@@ -50,7 +56,8 @@ from collections.abc import Callable
 from vitrify import config
 from vitrify._units import GiB, KiB, MiB
 from . import resultlib
-from .cli import existing_dir, positive_int, positive_int_list
+from . import breakeven
+from .cli import existing_dir, positive_float, positive_int, positive_int_list
 
 
 def fio_limits(scratch, nbytes):
@@ -107,6 +114,15 @@ def geometry(text: str) -> tuple[int, int, int, int]:
     return t, l, h, d
 
 
+def model_arg(text: str) -> dict:
+    """A model config (config.json or its directory), checked: ``{"path", "config", "kv"}``."""
+    try:
+        cfg = breakeven.load_model_config(text)
+        return {"path": text, "config": cfg, "kv": breakeven.kv_geometry(cfg)}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dir", type=existing_dir, default=None,
                     help="scratch directory on the drive to test (default: a temporary "
@@ -123,10 +139,34 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=positive_int, default=3, metavar="N",
                     help="repetitions per backend and operation, best of N (default: 3)")
     ap.add_argument("--quick", action="store_true", help="one small geometry, 64 MiB, 2 reps")
+    ap.add_argument("--model", type=model_arg, default=None, metavar="CONFIG",
+                    help="a model's config.json (or its directory): its pages (64 tokens of its "
+                    "KV) unless --geometry is given, and its break-even read bandwidth (prefill "
+                    "tokens/s x KV bytes per token) beside the measured read rates, with a "
+                    "one-line verdict whether an L3 hit pays on this machine")
+    ap.add_argument("--prefill-tokens-per-s", type=positive_float, default=None, metavar="RATE",
+                    help="with --model: the model's prefill rate measured elsewhere (default: "
+                    "measured here, see --prefill-device)")
+    ap.add_argument("--prefill-device", default="auto", choices=["auto", "cuda", "cpu"],
+                    help="with --model: where to measure prefill with random weights "
+                    "(transformers); auto: the GPU if torch sees one, else not measured")
+    ap.add_argument("--prefill-tokens", type=positive_int, default=4096, metavar="N",
+                    help="with --model: tokens per measured prefill (default 4096)")
     ap.add_argument("--read-threads", type=positive_int_list, default=None, metavar="LIST",
                     help="vitrify backend's read_threads, comma-separated: the cold get is "
                     "measured at each (the store reopened with cold_start=load) and the best is "
                     "the ratios' figure (default: the backend's own default only)")
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Options that do not go together, in one line (before anything runs)."""
+    m = args.model
+    if m is None and (args.prefill_tokens_per_s or args.prefill_device != "auto"):
+        return "--prefill-tokens-per-s and --prefill-device need --model"
+    if m is not None and m["kv"]["kind"] != "mha" and not args.geometry and not args.quick:
+        return (f"--model {m['path']}: its {m['kv']['kind'].upper()} KV has no MHA page "
+                "geometry to measure; give --geometry for the pages")
+    return None
 
 
 def unavailable(args: argparse.Namespace) -> str | None:
@@ -137,10 +177,60 @@ def unavailable(args: argparse.Namespace) -> str | None:
     return None
 
 
+MODEL_PAGE_TOKENS = 64  # --model's page: 64 tokens, as the end-to-end run and SGLang servers use
+
+
+def model_prefill(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    """--model's prefill rate: given, or measured here (transformers, random weights)."""
+    if args.prefill_tokens_per_s:
+        return {"prefill_tokens_per_s": args.prefill_tokens_per_s, "how": "given "
+                "(--prefill-tokens-per-s)"}
+    device = args.prefill_device
+    if device == "auto":
+        try:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else None
+        except ImportError:
+            device = None
+    if device is None:
+        return {"error": "prefill not measured: no GPU here (--prefill-device cpu measures on "
+                         "the CPU; --prefill-tokens-per-s takes a rate measured elsewhere)"}
+    progress(f"prefill of {args.prefill_tokens} tokens on {device} (random weights)")
+    try:
+        return breakeven.measure_prefill(args.model["config"], args.prefill_tokens, device)
+    except (RuntimeError, ValueError, MemoryError) as e:  # e.g. torch's out of memory (a
+        # RuntimeError): reported in the result, the storage part still runs
+        return {"error": f"prefill not measured on {device}: {type(e).__name__}: {e}"}
+
+
+def model_break_even(args, prefill: dict, rows: list[dict], configs: list[dict]) -> dict:
+    """The model's break-even read rate beside the first geometry's measured reads: the drive
+    (fio, cold) and vitrify's cold get."""
+    kv = args.model["kv"]
+    out: dict = {"model": args.model["path"], "kv": kv, "prefill": prefill}
+    if "prefill_tokens_per_s" not in prefill:
+        out["verdict"] = prefill["error"]
+        return out
+    page = configs[0]["page"] if configs else None
+    get = next((r for r in rows if r["page"] == page and r["backend"] == "vitrify"
+                and r["op"] == "get"), None)
+    rates = {"drive": configs[0]["drive_read_limit"] if configs else None,
+             "vitrify_get": get["GB/s"] * 1e9 if get else None}
+    out.update(breakeven.verdict(prefill["prefill_tokens_per_s"], kv["bytes_per_token"], rates))
+    out["page"] = page
+    return out
+
+
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     if args.quick:
         args.geometry, args.bytes_per_rep, args.reps = [geometry("16x8x8x128")], 64 * MiB, 2
+    model = args.model
+    if model and not args.geometry:  # check() refused other kinds without --geometry
+        kv = model["kv"]
+        args.geometry = [(MODEL_PAGE_TOKENS, kv["layers"], kv["kv_heads"], kv["head_dim"])]
     geoms = args.geometry or [geometry(g) for g in ("64x32x8x128", "16x32x4x128", "16x32x1x128")]
+    # before SGLang's pools take memory: the model's prefill (its weights freed afterwards)
+    prefill = model_prefill(args, progress) if model else None
 
     import torch
 
@@ -181,13 +271,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                     "_generic_page_set/_generic_page_get), batches of STORAGE_BATCH_SIZE pages. "
                     "Before each timed get every file of both backends is os.sync'ed and dropped "
                     "from the page cache with posix_fadvise(DONTNEED), so both read from the "
-                    "drive; set reps use fresh keys; gets verified byte for byte; best of reps."))
+                    "drive; set reps use fresh keys; gets verified byte for byte; best of reps."),
+            **({"break_even": model_break_even(args, prefill, rows, configs)} if model else {}))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     resultlib.print_table(rows, ["page", "backend", "op", "pages", "GB/s", "pages/s", "best_s",
                                  "median_s", "note"])
     print("ratios:", ratios)
     print("goals:", goals)
+    if model:
+        print(res["break_even"]["verdict"])
     return res
 
 
