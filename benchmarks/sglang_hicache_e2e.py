@@ -1106,7 +1106,8 @@ class Run:
             else:
                 info["l2_skipped"] = f"time: {self.left():.0f} s left"
             self._backend_counters(sc, info, ck)
-            self._host_tier_check(info, ck, storage_pages(first, page) + storage_pages(l3, page))
+            self._host_tier_check(info, ck, storage_pages(first, page) + storage_pages(l3, page)
+                                  + storage_pages(again, page))
             self._record_checks(sc, info, ck)
 
         self._serve(sc, passes)

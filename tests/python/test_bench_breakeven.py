@@ -33,6 +33,20 @@ def test_kv_bytes_per_token_of_real_shapes():
     assert g["kind"] == "mla" and g["bytes_per_token"] == 61 * (512 + 64) * 2
     assert breakeven.kv_geometry({**QWEN3_8B, "torch_dtype": "float32"})["bytes_per_token"] == \
         2 * 147456
+    # the other names of the KV head count: Falcon-7B's multi_query flag (one KV head),
+    # Falcon-40B's num_kv_heads, ChatGLM's multi_query_group_num
+    falcon7 = {"num_hidden_layers": 32, "num_attention_heads": 71, "hidden_size": 4544,
+               "multi_query": True}
+    assert breakeven.kv_geometry(falcon7)["bytes_per_token"] == 2 * 32 * 1 * 64 * 2
+    falcon40 = {"num_hidden_layers": 60, "num_attention_heads": 128, "hidden_size": 8192,
+                "num_kv_heads": 8}
+    assert breakeven.kv_geometry(falcon40)["kv_heads"] == 8
+    glm = {"num_layers": 28, "num_hidden_layers": 28, "num_attention_heads": 32,
+           "hidden_size": 4096, "multi_query_attention": True, "multi_query_group_num": 2}
+    assert breakeven.kv_geometry(glm)["kv_heads"] == 2
+    # an explicit null is "not given", as transformers writes it
+    assert breakeven.kv_geometry({**QWEN3_8B, "num_key_value_heads": None, "head_dim": None}
+                                 )["bytes_per_token"] == 2 * 36 * 32 * 128 * 2
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -40,6 +54,8 @@ def test_kv_bytes_per_token_of_real_shapes():
     ({**QWEN3_8B, "num_hidden_layers": 0}, "got 0"),
     ({**QWEN3_8B, "torch_dtype": "int3"}, "dtype 'int3'"),
     ({"num_hidden_layers": 2, "kv_lora_rank": 512}, "'qk_rope_head_dim'"),
+    ({**QWEN3_8B, "num_key_value_heads": 0}, "'num_key_value_heads' must be a positive"),
+    ({**QWEN3_8B, "head_dim": -1}, "'head_dim' must be a positive"),
 ])
 def test_a_config_without_what_kv_needs_is_one_clear_error(bad, words):
     with pytest.raises(ValueError, match="model config: ") as e:
@@ -63,17 +79,21 @@ def test_load_model_config_file_or_directory(tmp_path):
 
 def test_verdict_is_the_prefill_rate_times_the_kv_bytes():
     # the 8B shape measured on the H200: 32.5 k tokens/s x 147,456 B = 4.79 GB/s
-    v = breakeven.verdict(32500, 147456, {"drive": 1.5e9, "vitrify_get": 1.4e9})
+    v = breakeven.verdict(32500, 147456, {"vitrify_get": 1.4e9, "drive": 1.5e9})
     assert v["break_even_read_bytes_per_s"] == pytest.approx(32500 * 147456)
     assert v["l3_pays"] is False and v["l3_pays_at_drive"] is False
-    assert v["verdict"].startswith("an L3 hit loses to recomputing") and "drive 1.50 GB/s" in \
-        v["verdict"] and "\n" not in v["verdict"]
+    assert v["verdict"].startswith("an L3 hit loses to recomputing the prefix here: vitrify_get "
+                                   "reads 1.40 GB/s, recompute equals 4.79 GB/s")
+    assert v["verdict"].endswith(", drive 1.50 GB/s") and "\n" not in v["verdict"]
     # the MQA shape on the same drive: 0.6 GB/s needed, the drive reads 1.5
-    v = breakeven.verdict(32500, 18432, {"drive": 1.5e9, "vitrify_get": None})
-    assert v["l3_pays"] is True and "vitrify_get_read_bytes_per_s" not in v
-    # the verdict follows the fastest measured read
-    v = breakeven.verdict(1000, 1000, {"drive": 0.5e6, "vitrify_get": 2e6})
-    assert v["l3_pays"] is True and v["l3_pays_at_drive"] is False
+    v = breakeven.verdict(32500, 18432, {"vitrify_get": None, "drive": 1.5e9})
+    assert v["l3_pays"] is True and v["l3_pays_by"] == "drive"
+    assert "vitrify_get_read_bytes_per_s" not in v
+    # the verdict goes by the first measured rate (the store's own reads), not the fastest:
+    # the raw drive is only the ceiling of what a store could read
+    v = breakeven.verdict(1000, 1000, {"vitrify_get": 0.5e6, "drive": 2e6})
+    assert v["l3_pays"] is False and v["l3_pays_by"] == "vitrify_get"
+    assert v["l3_pays_at_drive"] is True
     v = breakeven.verdict(1000, 1000, {"drive": None})
     assert "l3_pays" not in v and "no read rate measured" in v["verdict"]
 

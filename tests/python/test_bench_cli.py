@@ -243,9 +243,11 @@ def test_hicache_model_pages_and_break_even(tmp_path):
     assert be["kv_bytes_per_token"] == kv and be["prefill"]["how"].startswith("given")
     assert be["break_even_read_bytes_per_s"] == pytest.approx(1000 * kv)
     get = next(x for x in res["rows"] if x["backend"] == "vitrify" and x["op"] == "get")
-    assert be["vitrify_get_read_bytes_per_s"] == pytest.approx(get["GB/s"] * 1e9)
+    # the verdict goes by vitrify's own cold get of the model's pages, measured in this run
+    assert be["vitrify_get_read_bytes_per_s"] == pytest.approx(get["GB/s"] * 1e9, rel=0.01)
+    assert be["l3_pays_by"] == "vitrify_get"
     assert be["l3_pays"] is True  # 2 MB/s: any drive reads faster
-    assert be["verdict"] in r.stdout
+    assert be["verdict"] in r.stdout and "vitrify_get reads" in be["verdict"]
 
 
 def test_hicache_model_options_that_clash_are_one_line(tmp_path):
@@ -255,6 +257,11 @@ def test_hicache_model_options_that_clash_are_one_line(tmp_path):
                                "qk_rope_head_dim": 64}))
     for argv, words in (
             (["--prefill-tokens-per-s", "5"], "need --model"),
+            (["--prefill-tokens", "64"], "need --model"),
+            (["--model", str(mla), "--geometry", "16x2x1x64", "--prefill-tokens-per-s", "5",
+              "--prefill-device", "cpu"], "one of them"),
+            (["--read-threads", "8,8"], "distinct counts from 1 to 256"),
+            (["--read-threads", "300"], "distinct counts from 1 to 256"),
             (["--model", str(mla)], "MLA KV has no MHA page geometry"),
             (["--model", str(tmp_path / "none.json")], "no such file"),
             (["--model", str(mla), "--prefill-tokens-per-s", "0"], "expected a positive")):

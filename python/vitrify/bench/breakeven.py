@@ -56,9 +56,24 @@ def kv_geometry(cfg: dict) -> dict:
         return {"kind": "mla", "layers": layers, "kv_lora_rank": rank, "qk_rope_head_dim": rope,
                 "dtype": dtype, "bytes_per_token": layers * (rank + rope) * el}
     heads = _need(cfg, "num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or _need(cfg, "hidden_size") // heads
-    kv_heads, head_dim = _need({"k": kv_heads}, "k"), _need({"d": head_dim}, "d")
+    # the KV head count under the names configs use for it (Llama/Qwen, Falcon, ChatGLM, and
+    # Falcon-7B's multi_query flag); none of them: every query head has its own (MHA)
+    if cfg.get("num_key_value_heads") is not None:
+        kv_heads = _need(cfg, "num_key_value_heads")
+    elif cfg.get("num_kv_heads") is not None:
+        kv_heads = _need(cfg, "num_kv_heads")
+    elif cfg.get("multi_query_attention") and cfg.get("multi_query_group_num") is not None:
+        kv_heads = _need(cfg, "multi_query_group_num")
+    elif cfg.get("multi_query"):
+        kv_heads = 1
+    else:
+        kv_heads = heads
+    if cfg.get("head_dim") is not None:
+        head_dim = _need(cfg, "head_dim")
+    else:
+        head_dim = _need(cfg, "hidden_size") // heads
+        if head_dim <= 0:
+            raise ValueError(f"model config: hidden_size / num_attention_heads is {head_dim}")
     return {"kind": "mha", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
             "dtype": dtype, "bytes_per_token": 2 * layers * kv_heads * head_dim * el}
 
@@ -66,7 +81,9 @@ def kv_geometry(cfg: dict) -> dict:
 def verdict(tokens_per_s: float, kv_bytes_per_token: int,
             rates: dict[str, float | None]) -> dict:
     """The break-even read rate and, for each measured ``rates[name]`` (bytes/s; None: not
-    measured), whether an L3 hit read at that rate beats recomputing; ``verdict`` is one line."""
+    measured), whether an L3 hit read at that rate beats recomputing. ``l3_pays`` and the
+    one-line ``verdict`` go by the first measured rate in ``rates``' order (callers put the
+    store's own reads before the raw drive's, which is only its ceiling)."""
     be = tokens_per_s * kv_bytes_per_token
     out: dict[str, Any] = {"prefill_tokens_per_s": tokens_per_s,
                            "kv_bytes_per_token": kv_bytes_per_token,
@@ -76,13 +93,14 @@ def verdict(tokens_per_s: float, kv_bytes_per_token: int,
         out[f"{name}_read_bytes_per_s"] = rate
         out[f"l3_pays_at_{name}"] = rate > be
     if known:
-        name, rate = max(known.items(), key=lambda kv: kv[1])
+        name, rate = next(iter(known.items()))
         out["l3_pays"] = rate > be
-        parts = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in known.items())
+        out["l3_pays_by"] = name
+        others = "".join(f", {k} {v / 1e9:.2f} GB/s" for k, v in known.items() if k != name)
         out["verdict"] = (
             f"an L3 hit {'beats' if rate > be else 'loses to'} recomputing the prefix here: "
-            f"recompute equals {be / 1e9:.2f} GB/s ({tokens_per_s:,.0f} tokens/s x "
-            f"{kv_bytes_per_token:,} B/token); measured reads: {parts}")
+            f"{name} reads {rate / 1e9:.2f} GB/s, recompute equals {be / 1e9:.2f} GB/s "
+            f"({tokens_per_s:,.0f} tokens/s x {kv_bytes_per_token:,} B/token){others}")
     else:
         out["verdict"] = (f"break-even read rate {be / 1e9:.2f} GB/s ({tokens_per_s:,.0f} "
                           f"tokens/s x {kv_bytes_per_token:,} B/token); no read rate measured")
@@ -91,9 +109,9 @@ def verdict(tokens_per_s: float, kv_bytes_per_token: int,
 
 def measure_prefill(cfg: dict, tokens: int, device: str, reps: int = 3) -> dict:
     """Prefill tokens/s of a model built from ``cfg`` with random weights (transformers, the
-    model's dtype, eager attention off where available): one forward of ``tokens`` random ids,
-    after one untimed warm-up, best of ``reps``. Raises RuntimeError with the reason when it
-    cannot run here (no torch/transformers, no such device, too little memory)."""
+    model's dtype, transformers' default attention): one forward of ``tokens`` random ids,
+    after one untimed warm-up, best of ``reps``. Raises RuntimeError when torch, transformers
+    or the device is missing; building or running the model may raise what they raise."""
     try:
         import torch
         import transformers

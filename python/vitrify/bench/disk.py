@@ -441,7 +441,8 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         print("the store at its best configuration against the drive's ceiling:")
         resultlib.print_table(best_rows, list(best_rows[0]))
     for k in sorted(ratios):
-        if "geomean" in k or k.startswith("load_") or "ceiling" in k or "first_fill" in k:
+        if ("geomean" in k or k.startswith("load_") or "_best_" in k or "median_vs_ceiling" in k
+                or "first_fill" in k):
             print(f"{k}: {ratios[k]:.3f} (goal {goals.get(k, '-')})")
     for label, l in load.items():
         print(f"load {label}: {l['slots']} slots of {l['slot_bytes']} B, serial {l['serial_s']:.2f} s "
