@@ -248,6 +248,9 @@ def test_hicache_model_pages_and_break_even(tmp_path):
     assert be["l3_pays_by"] == "vitrify_get"
     assert be["l3_pays"] is True  # 2 MB/s: any drive reads faster
     assert be["verdict"] in r.stdout and "vitrify_get reads" in be["verdict"]
+    # one repetition has no steady-state set: the row says its sample is the first fill
+    vset = next(x for x in res["rows"] if x["backend"] == "vitrify" and x["op"] == "set")
+    assert "no steady-state sample" in vset["note"]
 
 
 def test_hicache_model_options_that_clash_are_one_line(tmp_path):
