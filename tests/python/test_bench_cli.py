@@ -199,11 +199,14 @@ def test_hicache_small_run_on_the_cpu(tmp_path):
         ("vitrify", "get, read_threads 2"), ("vitrify", "get, read_threads 4"),
         ("file", "set"), ("file", "get")}
     rows = {(x["backend"], x["op"]): x for x in res["rows"]}
-    # the reported get is the faster of the two thread counts, each verified byte for byte
-    assert rows["vitrify", "get"]["best_s"] == min(
-        rows["vitrify", f"get, read_threads {t}"]["best_s"] for t in (2, 4))
+    # the reported get is the thread count with the better median (each verified byte for
+    # byte), with its best of the repetitions
     geo = res["config"]["geometries"][0]
-    assert geo["vitrify_read_threads"] == [2, 4] and geo["vitrify_best_read_threads"] in (2, 4)
+    chosen = geo["vitrify_best_read_threads"]
+    assert geo["vitrify_read_threads"] == [2, 4] and chosen in (2, 4)
+    per = {t: rows["vitrify", f"get, read_threads {t}"] for t in (2, 4)}
+    assert rows["vitrify", "get"]["best_s"] == per[chosen]["best_s"]
+    assert per[chosen]["median_s"] == min(x["median_s"] for x in per.values())
     assert res["ratios"]["get_vitrify_vs_file@512KiB"] > 0
     assert res["ratios"]["set_first_fill_vs_file_durable@512KiB"] > 0
     goals = {"get_vitrify_vs_file@512KiB": 3.0, "set_vitrify_vs_file_durable@512KiB": 2.0}
