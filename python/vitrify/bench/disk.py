@@ -68,7 +68,8 @@ from .cli import existing_dir, nonnegative_int, positive_int, positive_int_list
 MAX_BATCH = 32  # DiskStore's default group commit: writes per fdatasync per write thread
 
 
-def bench_vitrify(d: str, page: int, depth: int, total: int) -> tuple[float, float, dict]:
+def bench_vitrify(d: str, page: int, depth: int, total: int,
+                  rewrite: bool = True) -> tuple[float, float, dict]:
     n = max(4 * depth, total // page)
     budget = 4096 + int(n * 1.2 + 8 * depth) * disk.slot_bytes_for(page)
     with disk.DiskStore(d, budget, page, name="bench", write_threads=depth, read_threads=depth,
@@ -104,6 +105,8 @@ def bench_vitrify(d: str, page: int, depth: int, total: int) -> tuple[float, flo
         if hits != n:
             raise RuntimeError(f"vitrify store read back {hits} of {n} pages")
         st = s.stats()
+        if not rewrite:
+            return n * page / tw, n * page / tr, {"pages": n, "direct_io": st["direct_io"]}
         # steady state: a store in service writes into slots it wrote before (after GC or a
         # clear), as fio's second pass over its file does; `clear` frees every slot, lowest
         # first, so the same blocks are written again
@@ -338,7 +341,7 @@ def run(a: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                 # the store's own ceiling (no disk): the same run on tmpfs, for diagnosis
                 sw = sr = float("nan")
                 if shm:
-                    sw, sr, _ = bench_vitrify(shm, page, depth, min(total, 256 * MiB))
+                    sw, sr, _ = bench_vitrify(shm, page, depth, min(total, 256 * MiB), rewrite=False)
                 tmpfs[page, depth] = (sw, sr)
         if a.load_slots > 0:
             # 60 KiB pages: 64 KiB slots, one 4 KiB header read per slot (large-page stores);
@@ -547,7 +550,8 @@ METHOD = {
     "best_configuration": "per (op, page size): the store at the depth where it was fastest "
                           "(writes: its steady state) over the drive's ceiling - the goal "
                           "(>= 0.9); the first fill beside fio's first pass (psync or libaio, "
-                          "any depth), the same state of the file; median_vs_ceiling_median: "
+                          "any depth), the same state of the file (fio's first pass does not sync, the "
+                          "store's fill does); median_vs_ceiling_median: "
                           "the store's best median over depths against the best median of any "
                           "fio variant and depth (the drive's bursts set neither)",
     "repeat": "each config: every contender measured `repeat` times, "

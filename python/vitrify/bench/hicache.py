@@ -154,8 +154,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="with --model: tokens per measured prefill (default 4096)")
     ap.add_argument("--read-threads", type=positive_int_list, default=None, metavar="LIST",
                     help="vitrify backend's read_threads, comma-separated: the cold get is "
-                    "measured at each (the store reopened with cold_start=load) and the best is "
-                    "the ratios' figure (default: the backend's own default only)")
+                    "measured at each (the store reopened with cold_start=load); the count with "
+                    "the best median gives the ratios' figure (default: the backend's own default only)")
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -210,7 +210,7 @@ def model_prefill(args: argparse.Namespace, progress: Callable[[str], None]) -> 
         return {"error": f"prefill not measured on {device}: {type(e).__name__}: {first}"}
 
 
-def model_break_even(args, prefill: dict, rows: list[dict], configs: list[dict]) -> dict:
+def model_break_even(args, prefill: dict, configs: list[dict]) -> dict:
     """The model's break-even read rate beside the first geometry's measured reads: the drive
     (fio, cold) and vitrify's cold get."""
     kv = args.model["kv"]
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                     "Before each timed get every file of both backends is os.sync'ed and dropped "
                     "from the page cache with posix_fadvise(DONTNEED), so both read from the "
                     "drive; set reps use fresh keys; gets verified byte for byte; best of reps."),
-            **({"break_even": model_break_even(args, prefill, rows, configs)} if model else {}))
+            **({"break_even": model_break_even(args, prefill, configs)} if model else {}))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     resultlib.print_table(rows, ["page", "backend", "op", "pages", "GB/s", "pages/s", "best_s",
@@ -449,7 +449,7 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
         for t, secs in gets.items():
             add("vitrify", f"get, read_threads {t}", secs, how)
     r["vitrify_get"] = add("vitrify", "get", results["vitrify"]["get"],
-                           how + (f", best read_threads ({best_t})" if len(gets) > 1 else ""))
+                           how + (f", read_threads {best_t} (best median)" if len(gets) > 1 else ""))
     r["file_get"] = add("file", "get", results["file"]["get"], "cold: page cache dropped")
     if isinstance(drive, float):
         rows.append({"page": page, "backend": "drive (fio)", "op": "read", "pages": "",
