@@ -396,3 +396,60 @@ TEST(GraphFake, ModulesLoadOnceEachAndABadOneFailsOnlyItsGraphs) {
   }
   expect_nothing_alive();
 }
+
+// Issue 33 item 16: an edited module image (a mutated archive's) made the fake throw out of
+// cuModuleLoadData, leaving a null module that cuModuleGetFunction then dereferenced. Like the
+// driver, the fake answers every image it cannot parse with CUDA_ERROR_INVALID_IMAGE and a null
+// module or name with an error code; THAW then fails naming the load, for every graph using it.
+TEST(GraphFake, AnEditedModuleImageIsTheDriversErrorNeverACrash) {
+  ASSERT_TRUE(vitrify::driver::available()) << vitrify::driver::unavailable_reason();
+  const auto& cu = vitrify::driver::cu();
+  const std::vector<std::string> edited = {
+      ".entry vitrify_axpy ( // params 0:x 8:8\n",          // a size that is no number
+      ".entry vitrify_axpy ( // params 12\n",               // an offset without a size
+      ".entry vitrify_axpy ( // params 0:4 8:\n",           // a size cut off
+      ".entry vitrify_axpy ( // params 0:99999999999999999999\n",  // out of any range
+      ".entry ( // params 0:4\n",                           // no kernel name
+      "\x7f" "ELF\x02\x01\x01 cubin bytes\n",               // not text: refused by its magic
+  };
+  {
+    vitrify::driver::ContextGuard ctx(0);
+    for (const std::string& img : edited) {
+      CUmodule m = nullptr;
+      EXPECT_EQ(cu.cuModuleLoadData(&m, img.c_str()), CUDA_ERROR_INVALID_IMAGE) << img;
+      EXPECT_EQ(m, nullptr) << img;
+    }
+    CUfunction f = nullptr;
+    EXPECT_EQ(cu.cuModuleGetFunction(&f, nullptr, "vitrify_axpy"), CUDA_ERROR_INVALID_HANDLE);
+    CUmodule good = nullptr;
+    ASSERT_EQ(cu.cuModuleLoadData(&good, kImageA.c_str()), CUDA_SUCCESS);
+    EXPECT_EQ(cu.cuModuleGetFunction(&f, good, nullptr), CUDA_ERROR_INVALID_VALUE);
+    EXPECT_EQ(cu.cuModuleGetFunction(&f, good, "edited_away"), CUDA_ERROR_NOT_FOUND);
+    EXPECT_EQ(cu.cuModuleGetFunction(&f, good, "vitrify_axpy"), CUDA_SUCCESS);
+    EXPECT_EQ(cu.cuModuleUnload(good), CUDA_SUCCESS);
+  }
+  // Two graphs on one edited module: both fail naming the load (the second used to find a null
+  // module and crash in cuModuleGetFunction).
+  const std::string bad = edited[0];
+  Graph g1 = pipeline(kBase, 256), g2 = pipeline(kBase, 512);
+  g1.nodes[3].kernel.module = hash_of(bad);
+  g2.nodes[3].kernel.module = hash_of(bad);
+  {
+    GraphSet set(0);
+    set.add_module(kImageA.data(), kImageA.size());
+    set.add_module(bad.data(), bad.size());
+    const size_t a = set.add(g1), b = set.add(g2);
+    set.start(2);
+    for (size_t x : {a, b}) {
+      try {
+        set.wait(x);
+        ADD_FAILURE() << "a graph whose module image was edited was built";
+      } catch (const vitrify::CudaError& e) {
+        EXPECT_NE(std::string(e.what()).find("cuModuleLoadData(module " + to_hex(hash_of(bad))),
+                  std::string::npos) << e.what();
+        EXPECT_EQ(e.code(), CUDA_ERROR_INVALID_IMAGE);
+      }
+    }
+  }
+  expect_nothing_alive();
+}

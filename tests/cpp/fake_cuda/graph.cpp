@@ -144,10 +144,22 @@ CUresult pointer_get_attribute(void* out, CUpointer_attribute a, CUdeviceptr) {
 }
 
 // ------------------------------------------------------------------------ modules, functions
-CUresult module_load_data(CUmodule* out, const void* image) {
-  if (need_context() != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
-  std::istringstream in(static_cast<const char*>(image));
-  auto m = std::make_unique<Module>();
+// Like the driver, the fake never trusts an image: anything it cannot parse is
+// CUDA_ERROR_INVALID_IMAGE (never an exception or a read past the image), and a null module or
+// name is an error code, never a dereference. ELF (cubin) and fatbin images are not
+// NUL-terminated text, so the fake refuses them by their magic without scanning them.
+bool parse_size(const std::string& text, size_t& out) {
+  if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
+    return false;
+  out = static_cast<size_t>(std::stoull(text));
+  return true;
+}
+
+CUresult parse_image(const char* image, Module& m) {
+  const unsigned char* u = reinterpret_cast<const unsigned char*>(image);
+  if (u[0] == 0x7F && u[1] == 'E' && u[2] == 'L' && u[3] == 'F') return CUDA_ERROR_INVALID_IMAGE;
+  if (u[0] == 0x50 && u[1] == 0xED && u[2] == 0x55 && u[3] == 0xBA) return CUDA_ERROR_INVALID_IMAGE;
+  std::istringstream in(image);
   std::string line;
   while (std::getline(in, line)) {
     const size_t e = line.find(".entry ");
@@ -155,31 +167,53 @@ CUresult module_load_data(CUmodule* out, const void* image) {
     auto f = std::make_unique<Func>();
     std::istringstream ls(line.substr(e + 7));
     ls >> f->name;
+    if (f->name.empty() || f->name == "(" || f->name == "//") return CUDA_ERROR_INVALID_IMAGE;
     const size_t p = line.find("// params");
     if (p != std::string::npos) {
       std::istringstream ps(line.substr(p + 9));
       std::string tok;
       while (ps >> tok) {
         const size_t c = tok.find(':');
-        f->params.push_back({std::stoul(tok.substr(0, c)), std::stoul(tok.substr(c + 1))});
+        size_t off = 0, size = 0;
+        if (c == std::string::npos || !parse_size(tok.substr(0, c), off) ||
+            !parse_size(tok.substr(c + 1), size) || size == 0 || off > (size_t{1} << 20) ||
+            size > (size_t{1} << 20))
+          return CUDA_ERROR_INVALID_IMAGE;
+        f->params.push_back({off, size});
       }
     }
-    f->module = m.get();
-    m->funcs.push_back(std::move(f));
+    f->module = &m;
+    m.funcs.push_back(std::move(f));
   }
-  if (m->funcs.empty()) return CUDA_ERROR_INVALID_IMAGE;
+  return m.funcs.empty() ? CUDA_ERROR_INVALID_IMAGE : CUDA_SUCCESS;
+}
+
+CUresult module_load_data(CUmodule* out, const void* image) {
+  if (out == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (need_context() != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
+  auto m = std::make_unique<Module>();
+  CUresult r;
+  try {
+    r = parse_image(static_cast<const char*>(image), *m);
+  } catch (...) {  // out of memory while parsing: what the driver would say
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (r != CUDA_SUCCESS) return r;
   std::lock_guard<std::mutex> l(mu);
   ++live_modules;
   *out = reinterpret_cast<CUmodule>(m.release());
   return CUDA_SUCCESS;
 }
 CUresult module_unload(CUmodule m) {
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   std::lock_guard<std::mutex> l(mu);
   delete reinterpret_cast<Module*>(m);
   --live_modules;
   return CUDA_SUCCESS;
 }
 CUresult module_get_function(CUfunction* f, CUmodule m, const char* name) {
+  if (f == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   for (auto& fn : reinterpret_cast<Module*>(m)->funcs)
     if (fn->name == name) {
       *f = reinterpret_cast<CUfunction>(fn.get());
@@ -188,10 +222,14 @@ CUresult module_get_function(CUfunction* f, CUmodule m, const char* name) {
   return CUDA_ERROR_NOT_FOUND;
 }
 CUresult module_get_function_count(unsigned* n, CUmodule m) {
+  if (n == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   *n = unsigned(reinterpret_cast<Module*>(m)->funcs.size());
   return CUDA_SUCCESS;
 }
 CUresult module_enumerate_functions(CUfunction* fs, unsigned n, CUmodule m) {
+  if (fs == nullptr && n != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (m == nullptr) return CUDA_ERROR_INVALID_HANDLE;
   auto& v = reinterpret_cast<Module*>(m)->funcs;
   for (unsigned i = 0; i < n && i < v.size(); ++i) fs[i] = reinterpret_cast<CUfunction>(v[i].get());
   return CUDA_SUCCESS;
