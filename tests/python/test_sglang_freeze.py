@@ -211,6 +211,26 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert drift["fatal"].startswith("vitrify SGLang plugin:") and drift["run_cleared"]
 
 
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
+def test_a_damaged_weights_span_stops_load_with_the_plugins_one_line(tmp_path):
+    """Issue 32: the restore's SpanFileError came out as a traceback through SGLang's start-up;
+    it is the plugin's one-line fatal, and the run is cleared."""
+    save = _worker("save", tmp_path)
+    assert save["ok"], save.get("traceback")
+    span = tmp_path / "engine.vitrify" / "rank0" / "region" / "weights.span"
+    data = bytearray(span.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a byte inside a chunk's data: only its CRC32C can tell
+    span.write_bytes(bytes(data))
+    load = _worker("load", tmp_path)
+    assert load["ok"], load.get("traceback")  # ended by the plugin's SystemExit, not an error
+    fatal = load["fatal"]
+    assert fatal.startswith("vitrify SGLang plugin: mode 'load': SpanFileError: ") and \
+        "\n" not in fatal, fatal
+    assert "CRC32C mismatch" in fatal and "weights.span" in fatal
+    assert f"vitrify verify {tmp_path / 'engine.vitrify'}" in fatal
+    assert load["run_cleared"]
+
+
 def test_the_model_registry_is_narrowed_to_the_module_save_recorded():
     env = {freeze.DISABLED_ARCHS_ENV: "deepseek_v2, mine"}
     n = freeze.narrow_model_registry(["qwen3"], env)

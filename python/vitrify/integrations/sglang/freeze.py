@@ -493,7 +493,24 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
         RUN = None
         if isinstance(e, (FreezeRefused, _archive.ArchiveError, _session.SessionError)):
             raise _fatal(f"mode {cfg.mode!r}: {e}") from None
+        if isinstance(e, own_errors()):  # a damaged span file, a graph or region refused, ...
+            raise _fatal(f"mode {cfg.mode!r}: {type(e).__name__}: {e}"
+                         + (f" (vitrify verify {cfg.archive} checks every file of the archive)"
+                            if cfg.mode == "load" else "")) from None
         raise
+
+
+def own_errors() -> tuple[type, ...]:
+    """The exceptions vitrify's own FREEZE/THAW steps raise inside SGLang's start-up (a
+    damaged span file met by the restore, a graph that cannot be frozen or rebuilt, a region
+    window or address the driver refused, a JIT cache, a CUDA call of vitrify's): each stops the
+    scheduler with the plugin's one-line fatal, not a traceback through SGLang's code. SGLang's
+    own exceptions pass through untouched."""
+    from ... import _native, graph, jit, region, snapshot
+
+    return (snapshot.SpanFileError, graph.GraphFreezeError, graph.GraphNotRelocatable,
+            region.WindowDrift, region.RegionAddressError, jit.JitCacheError,
+            _native.CudaError, _native.CudaUnavailableError)
 
 
 def warm_triton_key(background: bool) -> Any:
@@ -1448,6 +1465,6 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTI
            "around_resolve_memory_pool_config", "attention_leaves", "capture_collections",
            "check_answer", "check_attention", "check_supported", "cuda_tensor_at", "describe",
            "exportable_here", "exportable_region", "freeze_import_heap", "graph_backend_class",
-           "graph_name", "memory_available", "metadata_api", "pool_config_from_state",
-           "pool_config_state", "read_ahead_direct_io", "rebuild", "start_read_ahead",
-           "thawed_graphs", "warm_triton_key", "warmup_body"]
+           "graph_name", "memory_available", "metadata_api", "own_errors",
+           "pool_config_from_state", "pool_config_state", "read_ahead_direct_io", "rebuild",
+           "start_read_ahead", "thawed_graphs", "warm_triton_key", "warmup_body"]
