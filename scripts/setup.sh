@@ -46,7 +46,8 @@ if [ -z "$cuda_h" ] && command -v nvcc >/dev/null; then
   [ -f "$d/include/cudaTypedefs.h" ] && cuda_h="$d/include"
 fi
 if [ -z "$cuda_h" ]; then
-  echo "setup: the CUDA driver API headers (cuda.h, cudaTypedefs.h) are needed to build vitrify;" >&2
+  echo "setup: CUDA headers are needed to build vitrify (cuda.h, cudaTypedefs.h, CUPTI's" >&2
+  echo "       cupti_callbacks.h and the runtime type headers they include, crt/ among them);" >&2
   echo "       install a CUDA toolkit >= 12.4 (no GPU needed) or set CUDA_HOME" >&2
   exit 1
 fi

@@ -74,12 +74,13 @@ def main() -> int:
         except json.JSONDecodeError as e:
             doctor = {"error": str(e)}
     steps = json.loads(Path(args.steps).read_text()) if args.steps and Path(args.steps).exists() else {}
+    failed_steps = [k for k, v in steps.items() if v != 0]
     res = resultlib.result("gpu-suite", tests={**counts, "outcomes": outcomes},
+                           ok=not counts["failed"] and not failed_steps,
                            benchmarks=benches, doctor=doctor, steps=steps)
     path = resultlib.write(res, args.out)
     print(f"summary: {path}: {counts['passed']} passed, {counts['failed']} failed, "
           f"{counts['skipped']} skipped; {len(benches)} benchmark(s)")
-    failed_steps = [k for k, v in steps.items() if v != 0]
     return 1 if counts["failed"] or failed_steps else 0
 
 

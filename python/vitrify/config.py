@@ -1,7 +1,7 @@
 """Configuration from the environment: every ``VITRIFY_*`` variable the package reads, read once
 and validated here.
 
-:data:`VARIABLES` is the one table (name, values, default, meaning, parser); README's
+:data:`VARIABLES` is the one table (name, values, default, meaning, parser); docs/REFERENCE.md's
 Configuration section shows the same rows (``tests/python/test_foundation.py`` checks). The native
 core reads no variable itself: :func:`configure_native` hands it the driver library, the log
 level and the libcupti path when ``vitrify`` is imported, before anything loads the driver.
@@ -96,8 +96,8 @@ def _bool(name: str, text: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Variable:
-    """One row of the table. ``values`` and ``default`` are README's cells, word for word; the
-    parser returns None for "not set" (the :class:`Settings` default stays) and raises a
+    """One row of the table. ``values`` and ``default`` are docs/REFERENCE.md's cells, word for
+    word; the parser returns None for "not set" (the :class:`Settings` default stays) and raises a
     ``ValueError`` naming the variable."""
 
     name: str

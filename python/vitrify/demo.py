@@ -16,9 +16,11 @@ tiers
 archive
     Random bytes in a :class:`vitrify.snapshot.HostBackend` (host memory posing as a GPU region)
     are frozen into an archive (a span file with per-chunk CRC32C, engine state, a checksummed
-    manifest, atomic commit), the archive is verified, the span is thawed into a second region at
-    another base and compared byte for byte. Then one byte of the span file is flipped: both
-    ``verify`` and the thaw must refuse, naming the file.
+    manifest, atomic commit), the archive is verified, and the CLI's ``vitrify inspect`` and
+    ``vitrify verify`` run on it with their output shown (``vitrify demo --keep DIR`` leaves a
+    copy of the intact archive in DIR to try them on). The span is thawed into a second region
+    at another base and compared byte for byte. Then one byte of the span file is flipped: both
+    ``vitrify verify`` and the thaw must refuse, naming the file.
 
 gpu
     A toy decoder engine (an embedding, residual RMSNorm + MLP blocks, a tied LM head; random
@@ -54,10 +56,13 @@ failed. ``python -m vitrify.demo`` with no arguments is ``vitrify demo``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,7 +254,27 @@ def _flip_byte(path: str, offset: int) -> None:
         os.fsync(f.fileno())
 
 
-def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int = 11) -> None:
+def _run_cli(p: Printer, argv: list[str], expect_rc: int) -> None:
+    """Run ``vitrify ARGV`` as a user would type it (the CLI's own code, in this process) and
+    print what it printed, indented under one step; its exit status must be ``expect_rc``."""
+    from . import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    dt = time.perf_counter() - t0
+    shown = " ".join(os.path.basename(a) if os.sep in a else a for a in argv)
+    if rc != expect_rc:
+        raise DemoFailure(f"`vitrify {shown}` exited {rc}, {expect_rc} expected: "
+                          f"{(err.getvalue() or out.getvalue()).strip()[:200]}")
+    p.step("ok", f"vitrify {argv[0]}", f"`vitrify {shown}` exited {rc}; it printed:", dt)
+    for line in (out.getvalue() + err.getvalue()).rstrip().splitlines():
+        p.head(f"      | {line}")
+
+
+def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int = 11,
+                 keep: str | None = None) -> None:
     from . import archive, snapshot
 
     gran = 2 * MiB
@@ -278,6 +303,13 @@ def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int 
     if problems:
         raise DemoFailure(f"verify found problems in a fresh archive: {problems[0]}")
     p.step("ok", "verify", "intact: every file's size and CRC32C match the manifest", dt)
+    for command in (["inspect", path], ["verify", path]):
+        _run_cli(p, command, expect_rc=0)
+    if keep is not None:
+        kept = os.path.join(keep, "demo.vitrify")
+        shutil.copytree(path, kept)
+        p.step("ok", "kept", f"a copy of the intact archive in {kept}: try `vitrify inspect "
+               f"{kept}` and `vitrify verify {kept}`")
 
     def thaw(dst) -> None:
         a = archive.open_archive(path)
@@ -302,6 +334,7 @@ def demo_archive(scratch: str, p: Printer, span_bytes: int = 8 * MiB, seed: int 
         raise DemoFailure(f"verify did not refuse the damaged {rel}"
                           + (f" (it reported: {problems[0]})" if problems else ""))
     p.step("ok", "verify refuses", named[0].replace(f"archive {path}: ", "", 1), dt)
+    _run_cli(p, ["verify", path], expect_rc=1)
 
     dst2 = snapshot.HostBackend(span_bytes, alignment=gran)
     t0 = time.perf_counter()
@@ -585,8 +618,16 @@ PARTS: list[Part] = [
 ]
 
 
-def main(out=sys.stdout) -> int:
-    """Run every part; return 0 when all that ran succeeded, 1 otherwise."""
+def main(out=sys.stdout, keep: str | None = None) -> int:
+    """Run every part; return 0 when all that ran succeeded, 1 otherwise. ``keep``: an existing
+    directory where the archive part leaves a copy of its intact archive (``demo.vitrify``), for
+    trying ``vitrify inspect`` and ``vitrify verify`` on it afterwards."""
+    if keep is not None:
+        if not os.path.isdir(keep):
+            raise DemoFailure(f"--keep {keep}: not an existing directory")
+        if os.path.lexists(os.path.join(keep, "demo.vitrify")):
+            raise DemoFailure(f"--keep {keep}: demo.vitrify is already there (remove it or "
+                              f"name another directory)")
     p = Printer(out)
     gpu = vitrify.cuda_available()
     failed = 0
@@ -601,7 +642,10 @@ def main(out=sys.stdout) -> int:
             p.head(f"{part.name}: {what}")
         with tempfile.TemporaryDirectory(prefix=f"vitrify-demo-{part.name}-") as scratch:
             try:
-                part.run(scratch, p)
+                if part.name == "archive":
+                    part.run(scratch, p, keep=keep)
+                else:
+                    part.run(scratch, p)
             except Exception as e:  # a failed part is reported and the next one still runs
                 failed += 1
                 p.step("failed", part.name, f"{type(e).__name__}: {e}")

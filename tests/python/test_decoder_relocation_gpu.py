@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from artifacts import write_artifact
 
 pytestmark = pytest.mark.gpu
 
@@ -78,10 +79,9 @@ def test_llama_8b_shape_thaws_relocated_with_identical_tokens_and_logits(scratch
                            capture_output=True, text=True, timeout=300)
     result = {"case": case, "freeze": frozen, "thaw": thaws, "audit": audit.stdout,
               "non_relocatable": not_movable}
-    art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
-    if art:
-        Path(art).mkdir(parents=True, exist_ok=True)
-        (Path(art) / f"decoder-relocation-{case}.json").write_text(json.dumps(result, indent=1))
+    write_artifact(f"decoder-relocation-{case}", result,
+                   ok=audit.returncode == 0 and all(t.get("ok") and t.get("identical")
+                                                   for t in thaws.values()))
     shutil.rmtree(archive, ignore_errors=True)  # 16 GB: the next case needs the room
     assert audit.returncode == 0, audit.stderr
     if BASES[case] is None:

@@ -148,3 +148,34 @@ def test_engine_part_thaws_and_cold_starts_to_the_same_tokens(tmp_path):
     for step in ("freeze", "cold", "thaw", "compare"):
         assert f"[ok] {step}" in text, text
     assert "identical (logits bit for bit)" in text
+
+
+def test_demo_shows_inspect_and_verify_and_keeps_an_archive_to_try_them_on(monkeypatch, tmp_path):
+    """A user without a GPU sees `vitrify inspect` and `vitrify verify` run on the archive the
+    demo wrote, and `--keep DIR` leaves an intact copy that those commands accept."""
+    from vitrify import cli
+
+    monkeypatch.setattr(vitrify, "cuda_available", lambda: False)
+    monkeypatch.setattr(vitrify, "cuda_unavailable_reason", lambda: "test: no GPU")
+    out = io.StringIO()
+    assert demo.main(out=out, keep=str(tmp_path)) == 0
+    text = out.getvalue()
+    assert "`vitrify inspect demo.vitrify` exited 0; it printed:" in text
+    assert "      | fingerprint" in text and "engine          vitrify-demo" in text
+    assert "`vitrify verify demo.vitrify` exited 0; it printed:" in text
+    assert "`vitrify verify demo.vitrify` exited 1; it printed:" in text  # after the damage
+    assert "      | FAIL archive " in text and "warmup.span: checksum mismatch" in text
+    kept = tmp_path / "demo.vitrify"
+    assert f"a copy of the intact archive in {kept}" in text
+    assert cli.main(["verify", str(kept)]) == 0
+    assert cli.main(["inspect", "--json", str(kept)]) == 0
+
+
+def test_demo_keep_refuses_a_missing_directory_or_an_archive_already_there(tmp_path):
+    with pytest.raises(demo.DemoFailure, match=r"--keep .*nope: not an existing directory"):
+        demo.main(out=io.StringIO(), keep=str(tmp_path / "nope"))
+    (tmp_path / "demo.vitrify").mkdir()
+    (tmp_path / "demo.vitrify" / "mine").write_text("a user's file")
+    with pytest.raises(demo.DemoFailure, match=r"demo.vitrify is already there"):
+        demo.main(out=io.StringIO(), keep=str(tmp_path))
+    assert (tmp_path / "demo.vitrify" / "mine").read_text() == "a user's file"

@@ -5,12 +5,12 @@ FREEZE errors for a missing binary and an unsupported copy."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from artifacts import write_artifact
 
 pytestmark = pytest.mark.gpu
 
@@ -192,20 +192,12 @@ def test_at_a_window_aligned_base_ambiguous_graphs_are_refused_never_wrong(tmp_p
 
 
 # ------------------------------------------------ kernels of one name in several binaries
-def _artifact(name: str, result: dict) -> None:
-    """Into the GPU suite's JSON (scripts/gpu-suite.sh sets VITRIFY_TEST_ARTIFACTS)."""
-    art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
-    if art:
-        Path(art).mkdir(parents=True, exist_ok=True)
-        (Path(art) / f"{name}.json").write_text(json.dumps({"name": name, **result}, indent=1))
-
-
 @pytest.fixture(scope="module")
 def frozen_samename(tmp_path_factory):
     d = tmp_path_factory.mktemp("samename")
     fz = run_worker("freeze", "samename", str(d), hex(BASE_A), timeout=600)
-    _artifact("graph-same-name-freeze", {k: fz.get(k) for k in (
-        "kernels", "recorder", "skipped", "capture_seconds")})
+    write_artifact("graph-same-name-freeze", {k: fz.get(k) for k in (
+        "kernels", "recorder", "skipped", "capture_seconds")}, ok=not fz.get("skipped"))
     return d, fz
 
 
@@ -246,9 +238,11 @@ def test_same_named_kernels_thaw_with_identical_outputs(frozen_samename):
     d, _ = frozen_samename
     thaws = {hex(base): run_worker("thaw", "samename", str(d), hex(base))
              for base in (BASE_A, BASE_B)}
-    _artifact("graph-same-name-thaw", {b: {k: r.get(k) for k in (
+    write_artifact("graph-same-name-thaw", {"thaws": {b: {k: r.get(k) for k in (
         "equal", "equal_after_back_to_back", "refused", "stats", "rebuild_seconds")}
-        for b, r in thaws.items()})
+        for b, r in thaws.items()}}, ok=all(
+            not r["refused"] and all(r["equal"].values())
+            and all(r["equal_after_back_to_back"].values()) for r in thaws.values()))
     for r in thaws.values():
         assert not r["refused"], r["refused"]
         for prefix in ("triton_", "compiled_bs", "library_", "module_"):

@@ -8,13 +8,13 @@ Marker gpu; the results go into the GPU suite's JSON (VITRIFY_TEST_ARTIFACTS).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from artifacts import write_artifact
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +35,6 @@ def run(mode: str, archive: Path, variant: str, timeout: int = 560, **opts) -> d
     from vitrify.integrations.transformers import result_of
 
     return result_of(mode, p.stdout, p.stderr, p.returncode)
-
-
-def _artifact(name: str, result: dict) -> None:
-    art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
-    if art:
-        Path(art).mkdir(parents=True, exist_ok=True)
-        (Path(art) / f"{name}.json").write_text(json.dumps({"name": name, **result}, indent=1))
 
 
 def _summary(r: dict) -> dict:
@@ -73,10 +66,12 @@ def engine_runs(request, tmp_path_factory):
     if variant == "eager":  # the compiled cold start is `vitrify bench coldstart`'s
         runs["cold"] = run("cold", Path("-"), variant)
     ref = runs["freeze"]
-    _artifact(f"transformers-engine-{variant}", {
+    comparison = {k: _compare(ref, v) for k, v in runs.items() if k != "freeze"}
+    write_artifact(f"transformers-engine-{variant}", {
         "config": config(variant), "prompts": PROMPTS, "steps": STEPS,
-        "runs": {k: _summary(v) for k, v in runs.items()},
-        "comparison": {k: _compare(ref, v) for k, v in runs.items() if k != "freeze"}})
+        "runs": {k: _summary(v) for k, v in runs.items()}, "comparison": comparison},
+        ok=all(c["prompts_identical"] == PROMPTS and c["logit_steps_identical"] == STEPS
+               for c in comparison.values()))
     return variant, runs
 
 

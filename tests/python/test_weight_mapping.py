@@ -235,3 +235,29 @@ def test_qwen3_qk_norms_map_both_ways():
     dst, _ = apply(m, src, fused_engine(t, 2))
     want = fused_engine(t, 2)
     assert all(torch.equal(dst[n], want[n]) for n in want if not n.endswith("inv_freq"))
+
+
+@pytest.mark.parametrize("src, message", [
+    ({"a": (4,)}, r"src\['a'\] must be a pair \(shape, dtype\), got tuple \(4,\)"),
+    ({"a": 5}, r"src\['a'\] must be a pair \(shape, dtype\), got int 5"),
+    ({"a": None}, r"src\['a'\] must be a pair \(shape, dtype\), got NoneType None"),
+    ({"a": ("4x4", "bf16")}, r"src\['a'\]: the shape must be a sequence of ints, got str"),
+    ({"a": ((4, -1), "bf16")}, r"src\['a'\]: a dimension must be an int in \[0, \d+\], got -1"),
+    ({"a": ((4, 2.0), "bf16")}, r"src\['a'\]: a dimension must be an int .*got float 2.0"),
+    ({"a": ((4,), None)}, r"src\['a'\]: the dtype must be a name such as 'bfloat16'"),
+    ({3: ((4,), "bf16")}, r"src: tensor names must be str, got int 3"),
+    ([("a", ((4,), "bf16"))], r"src must be a mapping of tensor name to \(shape, dtype\), got list"),
+])
+def test_a_malformed_spec_is_one_line_naming_the_argument(src, message):
+    """issue 32: "too many values to unpack" / AttributeError became one line naming the
+    argument, the tensor and what was received."""
+    m = wm.Mapping((Rule("a", (Move("b"),)),))
+    with pytest.raises(ValueError, match=message) as e:
+        m.plan(src, {"b": ((4,), "bf16")})
+    assert "\n" not in str(e.value)
+
+
+def test_a_malformed_destination_spec_names_dst():
+    m = wm.Mapping((Rule("a", (Move("b"),)),))
+    with pytest.raises(ValueError, match=r"dst\['b'\] must be a pair"):
+        m.plan({"a": ((4,), "bf16")}, {"b": "oops"})

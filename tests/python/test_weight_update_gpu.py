@@ -10,13 +10,12 @@ graphs neither re-captured nor moved. Marker gpu; results into the GPU suite's J
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from artifacts import write_artifact
 
 pytestmark = pytest.mark.gpu
 
@@ -62,19 +61,15 @@ def updated(request, frozen):
         if thaw.poll() is None:
             thaw.kill()
     thawed = result_of(f"thaw with a {mode} update", out, err, thaw.returncode)
-    art = os.environ.get("VITRIFY_TEST_ARTIFACTS")
-    if art:
-        same = sum(a == b for a, b in zip(cold["tokens"], thawed["tokens"]))
-        same_logits = sum(a == b for a, b in zip(cold["logits_sha256"], thawed["logits_sha256"]))
-        Path(art).mkdir(parents=True, exist_ok=True)
-        (Path(art) / f"weight-update-{mode}.json").write_text(json.dumps({
-            "name": f"weight-update-{mode}", "config": _cfg(0),
-            "chunk_bytes": 0 if direct else CHUNK,
-            "update": thawed["update"], "trainer": {k: v for k, v in trainer.items()
-                                                    if k not in ("tokens",)},
-            "prompts_identical": same, "prompts": len(cold["tokens"]),
-            "logit_steps_identical": same_logits, "logit_steps": len(cold["logits_sha256"])},
-            indent=1))
+    same = sum(a == b for a, b in zip(cold["tokens"], thawed["tokens"]))
+    same_logits = sum(a == b for a, b in zip(cold["logits_sha256"], thawed["logits_sha256"]))
+    write_artifact(f"weight-update-{mode}", {
+        "config": _cfg(0), "chunk_bytes": 0 if direct else CHUNK,
+        "update": thawed["update"], "trainer": {k: v for k, v in trainer.items()
+                                                if k not in ("tokens",)},
+        "prompts_identical": same, "prompts": len(cold["tokens"]),
+        "logit_steps_identical": same_logits, "logit_steps": len(cold["logits_sha256"])},
+        ok=same == len(cold["tokens"]) and same_logits == len(cold["logits_sha256"]))
     return mode, cold, thawed, trainer
 
 

@@ -18,7 +18,12 @@ LoadResult load_table(const std::string& path) {
   if (h == nullptr) {
     const char* e = ::dlerror();
     out.reason = "dlopen(\"" + path + "\") failed: " + (e ? e : "unknown error") +
-                 " (no NVIDIA driver on this machine? set VITRIFY_LIBCUDA_PATH to libcuda.so.1)";
+                 (path == "libcuda.so.1"
+                      ? " (no NVIDIA driver here? if it is installed outside the loader's path,"
+                        " set VITRIFY_LIBCUDA_PATH to its full path, e.g."
+                        " /usr/lib/x86_64-linux-gnu/libcuda.so.1)"
+                      : " (VITRIFY_LIBCUDA_PATH names this library: point it at an existing"
+                        " libcuda.so.1)");
     return out;
   }
   out.handle = h;

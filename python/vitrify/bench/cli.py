@@ -144,7 +144,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              parser_class=OneLineParser)
     for name, help_line in BENCHMARKS.items():
         mod = importlib.import_module(f"{__package__}.{name}")
-        p = names.add_parser(name, help=help_line, description=(mod.__doc__ or "").strip(),
+        # argparse %-formats help texts: a literal "%" ("a 1 % delta") must reach it as "%%"
+        p = names.add_parser(name, help=help_line.replace("%", "%%"),
+                             description=(mod.__doc__ or "").strip(),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         common = p.add_argument_group("common options")

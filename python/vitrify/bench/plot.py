@@ -8,27 +8,20 @@ grey where there is no goal. A ratio's goal is a lower bound unless the result's
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
+
+from . import resultlib
+from .resultlib import finite
 
 
 MET, MISSED, NO_GOAL = "#2e7d32", "#c62828", "#9e9e9e"
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def goal_met(res: dict[str, Any], key: str) -> bool | None:
-    """Whether ratio `key` meets its goal (None: no goal)."""
-    goal = res.get("goals", {}).get(key)
-    value = res.get("ratios", {}).get(key)
-    if not _finite(goal) or not _finite(value):
-        return None
-    if res.get("goal_direction", {}).get(key) == "<=":
-        return value <= goal
-    return value >= goal
+    """Whether ratio `key` meets its goal (None: no goal); :func:`resultlib.goal_met`."""
+    return resultlib.goal_met(res.get("ratios", {}), res.get("goals", {}),
+                              res.get("goal_direction", {}), key)
 
 
 def plot_ratios(res: dict[str, Any], path: str | Path) -> Path:
@@ -39,7 +32,7 @@ def plot_ratios(res: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ratios = {k: v for k, v in sorted(res.get("ratios", {}).items()) if _finite(v)}
+    ratios = {k: v for k, v in sorted(res.get("ratios", {}).items()) if finite(v)}
     path = Path(path)
     title = (f"vitrify bench {res.get('name', '?')}: ratios vs the same run's baselines\n"
              f"{res.get('date', '')}  {str(res.get('git_sha', ''))[:12]}")
@@ -59,7 +52,7 @@ def plot_ratios(res: dict[str, Any], path: str | Path) -> Path:
             ys = range(len(names))
             ax.barh(ys, values, color=colors)
             goals = [(y, res["goals"][k]) for y, k in zip(ys, names)
-                     if _finite(res.get("goals", {}).get(k))]
+                     if finite(res.get("goals", {}).get(k))]
             if goals:
                 ax.scatter([g for _, g in goals], [y for y, _ in goals], marker="|", s=200,
                            color="black", zorder=3, label="goal")

@@ -1,6 +1,15 @@
 """vitrify's result-file convention (benchmarks/README.md in the repository), shared by every
-benchmark and the GPU suite: one JSON object with date, git_sha, machine, and tests and/or
-rows/ratios/goals, written as ``<name>-<YYYY-MM-DD>.json``.
+benchmark, every end-to-end run and the GPU suite.
+
+A result is one JSON object that always carries ``name``, ``date``, ``git_sha``, ``machine``,
+``ok``, ``goals``, ``goal_direction`` and ``ratios`` (plus ``tests`` and/or ``rows`` and whatever
+the run adds). ``goal_direction`` names, for every goal, whether its ratio must be ``">="`` (the
+default) or ``"<="`` the goal. ``ok`` is the caller's verdict when it gives one, else: every
+test passed (``tests["failed"] == 0``) and every goal is met by a finite ratio.
+
+Results are records: :func:`write` names each ``<name>-<YYYY-MM-DD>-<commit>.json`` (the first
+7 hex digits of ``git_sha``) and never replaces a file; a second result of the same name, day and
+commit gets ``-2``, ``-3``, ... before ``.json``.
 
 This module imports vitrify only inside :func:`machine`, so ``scripts/summarize_suite.py`` can
 load it by path where the package failed to build."""
@@ -9,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -93,39 +103,100 @@ def machine(directory: str | None = None) -> dict[str, Any]:
     return m
 
 
+GOAL_DIRECTIONS = (">=", "<=")
+
+
+def goal_met(ratios: dict[str, Any], goals: dict[str, Any], direction: dict[str, str],
+             key: str) -> bool | None:
+    """Whether ratio ``key`` meets its goal: None when there is no goal, False when the ratio is
+    missing or not a finite number."""
+    goal = goals.get(key)
+    if not finite(goal):
+        return None
+    value = ratios.get(key)
+    if not finite(value):
+        return False
+    return value <= goal if direction.get(key) == "<=" else value >= goal
+
+
+def finite(v: Any) -> bool:
+    """A real number (not a bool) that is neither infinite nor NaN."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def result(name: str, *, rows: list[dict] | None = None, ratios: dict[str, float] | None = None,
-           goals: dict[str, float] | None = None, tests: dict | None = None,
-           directory: str | None = None, **extra: Any) -> dict[str, Any]:
+           goals: dict[str, float] | None = None, goal_direction: dict[str, str] | None = None,
+           tests: dict | None = None, ok: bool | None = None, directory: str | None = None,
+           **extra: Any) -> dict[str, Any]:
+    """One result object (see the module docstring). ``goal_direction`` defaults to ``">="`` for
+    every goal; a direction for a key that is not a goal, or one other than ``">="``/``"<="``, is
+    a ValueError."""
+    ratios = dict(ratios or {})
+    goals = dict(goals or {})
+    given = dict(goal_direction or {})
+    bad = {k: v for k, v in given.items() if v not in GOAL_DIRECTIONS}
+    if bad:
+        raise ValueError(f"goal_direction values must be one of {GOAL_DIRECTIONS}, got {bad}")
+    stray = sorted(set(given) - set(goals))
+    if stray:
+        raise ValueError(f"goal_direction names keys that are not goals: {stray}")
+    direction = {k: given.get(k, ">=") for k in goals}
+    if ok is None:
+        tests_ok = tests is None or not tests.get("failed")
+        ok = tests_ok and all(goal_met(ratios, goals, direction, k) for k in goals)
     out: dict[str, Any] = {
         "name": name,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
         "machine": machine(directory),
+        "ok": bool(ok),
+        "goals": goals,
+        "goal_direction": direction,
+        "ratios": ratios,
     }
     if tests is not None:
         out["tests"] = tests
     if rows is not None:
         out["rows"] = rows
-        out["ratios"] = ratios or {}
-        out["goals"] = goals or {}
     out.update(extra)
     return out
 
 
+REQUIRED_KEYS = ("date", "git_sha", "ok", "goals", "goal_direction", "ratios")
+
+
 def result_path(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
-    """<out_dir>/<name>-<YYYY-MM-DD>.json: where :func:`write` puts `res`."""
-    return Path(out_dir) / f"{res['name']}-{res['date'][:10]}.json"
+    """<out_dir>/<name>-<YYYY-MM-DD>-<commit>.json: the first name :func:`write` tries for
+    `res` (``unknown`` stands for the commit where it is not known)."""
+    sha = str(res.get("git_sha") or "unknown")
+    short = sha[:7] if sha != "unknown" else sha
+    return Path(out_dir) / f"{res['name']}-{res['date'][:10]}-{short}.json"
 
 
 def write(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
-    """Write `res` as <out_dir>/<name>-<YYYY-MM-DD>.json and return the path."""
+    """Write `res` under a name no file has yet (:func:`result_path`, then ``-2``, ``-3``, ...)
+    and return the path. A result lacking one of :data:`REQUIRED_KEYS` is a ValueError: build
+    it with :func:`result`."""
+    missing = [k for k in REQUIRED_KEYS if k not in res]
+    if missing:
+        raise ValueError(f"result {res.get('name')!r} lacks {missing}: build it with "
+                         f"resultlib.result()")
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    path = result_path(res, d)
-    tmp = path.with_suffix(".json.tmp")
+    first = result_path(res, d)
+    tmp = d / f".{first.name}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    try:
+        for n in range(1, 10_000):
+            path = first if n == 1 else first.with_name(f"{first.stem}-{n}.json")
+            try:
+                os.link(tmp, path)  # fails if the name exists: a record is never replaced
+            except FileExistsError:
+                continue
+            return path
+        raise FileExistsError(f"{first}: 9,999 results of that name already exist")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def print_table(rows: list[dict], columns: list[str] | None = None) -> None:

@@ -153,15 +153,15 @@ class Mapping:
     def plan(self, src: MappingABC[str, Spec], dst: MappingABC[str, Spec]) -> Plan:
         """Resolve the rules against the sources' and destinations' (shape, dtype) and check
         them (see the module docstring). Raises :class:`MappingError` naming the tensor."""
+        src = _specs("src", src)
         kept = [re.compile(p) for p in self.keep]
-        dst = {n: (tuple(int(d) for d in s), str(t)) for n, (s, t) in dst.items()
+        dst = {n: spec for n, spec in _specs("dst", dst).items()
                if not any(rx.fullmatch(n) for rx in kept)}
         compiled = [(re.compile(r.pattern), r) for r in self.rules]
         ignored = [re.compile(p) for p in self.ignore]
         copies: list[Copy] = []
         partial: set[str] = set()
         for name, (shape, _dtype) in src.items():
-            shape = tuple(int(d) for d in shape)
             hits = [(m, r) for rx, r in compiled if (m := rx.fullmatch(name))]
             if not hits:
                 if any(rx.fullmatch(name) for rx in ignored):
@@ -178,6 +178,37 @@ class Mapping:
         _check_coverage(copies, dst)
         _check_consumed([c for c in copies if c.src not in partial], src)
         return Plan(tuple(copies))
+
+
+def _specs(what: str, specs: Any) -> dict[str, Spec]:
+    """``specs`` (``src`` or ``dst`` of :meth:`Mapping.plan`) checked and normalised: a mapping
+    of tensor name to ``(shape, dtype)``, the shape a sequence of ints in [0, 2**63 - 1] and the
+    dtype a name (a str, or anything whose ``str()`` is one, e.g. ``torch.bfloat16``). Anything
+    else is one line naming the argument, the tensor and what was received."""
+    if not isinstance(specs, MappingABC):
+        raise _check.ArgumentTypeError(
+            f"{what} must be a mapping of tensor name to (shape, dtype), got {_check.got(specs)}")
+    out: dict[str, Spec] = {}
+    for name, spec in specs.items():
+        if not isinstance(name, str):
+            raise _check.ArgumentTypeError(f"{what}: tensor names must be str, got "
+                                           f"{_check.got(name)}")
+        where = f"{what}[{name!r}]"
+        if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)) \
+                or len(spec) != 2:
+            raise _check.ArgumentTypeError(f"{where} must be a pair (shape, dtype), got "
+                                           f"{_check.got(spec)}")
+        shape, dtype = spec
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise _check.ArgumentTypeError(f"{where}: the shape must be a sequence of ints, got "
+                                           f"{_check.got(shape)}")
+        dims = tuple(_check.integer(f"{where}: a dimension", d, 0, _check.I64_MAX)
+                     for d in shape)
+        if dtype is None or (isinstance(dtype, str) and not dtype):
+            raise _check.ArgumentTypeError(f"{where}: the dtype must be a name such as "
+                                           f"'bfloat16', got {_check.got(dtype)}")
+        out[name] = (dims, str(dtype))
+    return out
 
 
 def _resolve(name: str, shape: tuple[int, ...], fields: dict, mv: Move,
