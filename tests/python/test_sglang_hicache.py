@@ -480,6 +480,22 @@ def test_host_write_setting_is_checked(tmp_path):
     assert VitrifyStorageSettings.from_extra_config(_extra(tmp_path)).host_write == "through"
 
 
+def test_a_mistyped_key_is_refused_naming_it_and_the_valid_keys(tmp_path):
+    """Issue 32: ``cold_strat`` was accepted with a warning hidden by default, and the backend
+    ran with ``cold_start`` at its default: the opposite of what was asked."""
+    with pytest.raises(ValueError) as e:
+        VitrifyStorageSettings.from_extra_config(_extra(tmp_path, cold_strat="clear"))
+    msg = str(e.value)
+    assert msg.startswith("vitrify HiCache backend: unknown extra-config key(s) ['cold_strat']")
+    assert "'cold_start'" in msg and "'module_path'" in msg and "\n" not in msg
+    # several at once, all named; SGLang's own keys and vitrify's are accepted
+    with pytest.raises(ValueError, match=r"key\(s\) \['budget', 'dir'\]"):
+        VitrifyStorageSettings.from_extra_config(_extra(tmp_path, dir="x", budget=1))
+    s = VitrifyStorageSettings.from_extra_config(_extra(tmp_path, cold_start="clear",
+                                                        prefetch_threshold=256))
+    assert s.cold_start == "clear"
+
+
 def test_host_tier_promotes_disk_hits_and_clear_drops_both(tmp_path, shm_dir):
     _, host = _mha_host("layer_first")
     _fill_random(host, 17)

@@ -72,10 +72,12 @@ class VitrifyStorageSettings:
             raise ValueError(f"vitrify HiCache backend: the extra config must be a JSON object "
                              f"(dict), got {type(extra).__name__} {extra!r:.60}")
         extra = dict(extra or {})
-        unknown = sorted(k for k in extra if k not in _SGLANG_KEYS and k not in _VITRIFY_KEYS)
-        if unknown:
-            logger.warning("vitrify HiCache backend: ignoring unknown extra-config keys %s "
-                           "(vitrify reads %s)", unknown, sorted(_VITRIFY_KEYS))
+        unknown = sorted(str(k) for k in extra
+                         if k not in _SGLANG_KEYS and k not in _VITRIFY_KEYS)
+        if unknown:  # a mistyped key would silently leave its setting at the default
+            raise ValueError(f"vitrify HiCache backend: unknown extra-config key(s) {unknown} "
+                             f"(vitrify reads {sorted(_VITRIFY_KEYS)}; SGLang reads "
+                             f"{sorted(_SGLANG_KEYS)})")
         dirs = extra.get("dirs")
         if isinstance(dirs, str):
             dirs = [dirs]
