@@ -75,6 +75,7 @@ wrong bytes. Puts, deletes and ``clear()`` on a reader raise ``OSError`` (errno 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -227,17 +228,67 @@ def _slot_buffers(keys: list, buffers: Sequence[SlotBuffer], kind_name: str) -> 
     return keys, buffers
 
 
+#: The most slots one slab file holds (a slot header's index field is 32-bit).
+_MAX_SLOTS_PER_SLAB = 0xFFFFFFFF
+
+
+def budget_range(drives: int, pages: Sequence[int], shares: Sequence[float]) -> tuple[int, int]:
+    """The valid ``budget_bytes`` of a store with these kinds (page sizes and shares) on
+    ``drives`` directories: every kind must get at least one slot plus its file header per
+    drive, and at most ``2**32 - 1`` slots (what one slab file indexes). The split is the
+    native one (``budget * share / sum(shares) / drives``, in doubles)."""
+    total = sum(shares)
+    lo, hi = 1, _check.I64_MAX
+    for page, share in zip(pages, shares):
+        slot = slot_bytes_for(page)
+        scale = drives * total / share
+        lo = max(lo, math.ceil((_FILE_HEADER_BYTES + slot) * scale))
+        hi = min(hi, math.ceil((_FILE_HEADER_BYTES + (_MAX_SLOTS_PER_SLAB + 1) * slot) * scale) - 1)
+    return lo, hi
+
+
 def _check_budget(budget_bytes: int, drives: int, names: list[str], pages: list[int],
                   shares: list[float]) -> None:
-    """Every kind must get at least one slot (plus its file header) on every drive."""
+    """Every kind must get at least one slot (plus its file header), and at most 2**32 - 1
+    slots, on every drive: one line naming budget_bytes, its value and the valid range."""
     total = sum(shares)
+    lo, hi = budget_range(drives, pages, shares)
+    where = (f"budget_bytes must be in [{lo}, {hi}] for these kinds and {drives} "
+             f"{'drive' if drives == 1 else 'drives'}")
     for name, page, share in zip(names, pages, shares):
         per_drive = int(budget_bytes * share / total / drives)
         slot = slot_bytes_for(page)
         if per_drive < _FILE_HEADER_BYTES + slot:
             raise ValueError(f"budget_bytes={budget_bytes} leaves kind {name!r} {per_drive} bytes "
                              f"per drive, less than one {slot}-byte slot plus a "
-                             f"{_FILE_HEADER_BYTES}-byte header")
+                             f"{_FILE_HEADER_BYTES}-byte header: {where}")
+        slots = (per_drive - _FILE_HEADER_BYTES) // slot
+        if slots > _MAX_SLOTS_PER_SLAB:
+            raise ValueError(f"budget_bytes={budget_bytes} gives kind {name!r} {slots} slots of "
+                             f"{slot} bytes per drive, more than the {_MAX_SLOTS_PER_SLAB} one "
+                             f"slab file holds: {where}")
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, outermost first."""
+    out = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out[::-1]
+
+
+def _remove_empty_dirs(made: Sequence[str]) -> None:
+    """Undo the directories a failed open made (innermost first), where they are still empty."""
+    for p in reversed(made):
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
 
 
 def _nbytes(data: Any) -> int:
@@ -278,7 +329,13 @@ class DiskStore:
     Raises:
         SlabLockedError: another open store (this process or another) holds one of the slab
             files ``<dir>/<name>.kind<i>.slab``; nothing was read, written or left locked.
-        OSError: any other failing system call (naming the call, the file and errno).
+        OSError: a symbolic link (``ELOOP``) or anything but a regular file (``EINVAL``) at a
+            slab path, one line naming it (links are never followed: their targets stay
+            untouched); any other failing system call, naming the call, the file and errno
+            (``ENOSPC`` when the drive cannot hold the slabs). A failed open removes the slab
+            files and directories it created and gives back the space it took (DESIGN.md D22).
+        ValueError: ``budget_bytes`` out of range for the kinds and drives (one line naming
+            the valid range, :func:`budget_range`).
     """
 
     def __init__(self, dirs: str | os.PathLike | Sequence[str | os.PathLike], budget_bytes: int,
@@ -333,19 +390,27 @@ class DiskStore:
         self.kind_names, pages, shares = _parse_kinds(kinds)
         _check_budget(budget_bytes, len(dirs), self.kind_names, pages, shares)
         self._kind_index = {n: i for i, n in enumerate(self.kind_names)}
+        made: list[str] = []  # directories this open creates (removed again if it fails)
         if mode == "write":
             for i, d in enumerate(dirs):
+                missing = _missing_dirs(d)
                 _check.directory_to_create(f"dirs[{i}]", d)
+                made += missing
         self.name = name
         self.dirs = dirs
         self.mode = mode
         self.tier = tier
-        self._s = _native.DiskStore(
-            dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
-            threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
-            threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read",
-            host=tier == "host", register_device=-1 if register_device is None else register_device,
-            register_threads=register_threads)
+        try:
+            self._s = _native.DiskStore(
+                dirs, budget_bytes, pages, shares, name, cold_start, direct_io,
+                threads["write_threads"], threads["read_threads"], threads["queue_capacity"],
+                threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read",
+                host=tier == "host",
+                register_device=-1 if register_device is None else register_device,
+                register_threads=register_threads)
+        except BaseException:
+            _remove_empty_dirs(made)  # the native open removed the files it made (D22)
+            raise
         self._last_refresh = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------

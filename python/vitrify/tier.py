@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _check, _native, config
+from . import disk as _disk
 from .disk import DiskStore, make_key
 
 WRITE_POLICIES = ("back", "through")
@@ -99,10 +100,15 @@ class HostStore(DiskStore):
         self._s = None
         d = default_dir() if dir is None else _check.path("dir", dir)
         mode = _check.choice("mode", mode, ("write", "read"))
+        made = _disk._missing_dirs(d) if mode == "write" else []
         _own_directory(d, create=mode == "write")
         kw.setdefault("direct_io", "off")
-        super().__init__(d, budget_bytes, kinds, name=name, cold_start=cold_start, mode=mode,
-                         tier="host", **kw)
+        try:
+            super().__init__(d, budget_bytes, kinds, name=name, cold_start=cold_start, mode=mode,
+                             tier="host", **kw)
+        except BaseException:
+            _disk._remove_empty_dirs(made)  # a failed open leaves nothing it made (D22)
+            raise
 
     def __repr__(self) -> str:
         state = "closed" if self._s is None else f"kinds={self.kind_names}"

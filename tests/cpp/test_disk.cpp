@@ -604,6 +604,22 @@ TEST(Store, BadConfigIsAnErrorNamingTheValue) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("1000"), std::string::npos) << e.what();
   }
+  // A budget whose slots one slab file cannot index (issue 32): one line naming budget_bytes,
+  // its value and the valid range; nothing is created.
+  c = store_cfg({d.path}, 4000, 4);
+  c.budget_bytes = uint64_t{1} << 62;
+  try {
+    Store s(c);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("budget_bytes=4611686018427387904 gives kind 0 1125899906842623 slots of "
+                     "4096 bytes per drive, more than the 4294967295 one slab file holds: "
+                     "budget_bytes must be in [8192, 17592186048511] for these kinds and 1 drive"),
+              std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_FALSE(std::filesystem::exists(d.path + "/unit.kind0.slab"));
+  }
   c = store_cfg({d.path}, 4000, 4);
   c.gc_low = 0.95;
   EXPECT_THROW(Store{c}, std::invalid_argument);

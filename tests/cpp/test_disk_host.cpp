@@ -193,7 +193,16 @@ TEST(HostTier, TooLittleSpaceIsOneLineNamingMountNeedAndFree) {
     EXPECT_NE(m.find(" bytes free"), std::string::npos) << m;
     EXPECT_EQ(m.find('\n'), std::string::npos) << m;
   }
+  // D22: the slab file this failed open created is gone; one that existed stays as it was.
   struct stat sst{};
+  EXPECT_NE(::stat((d.path + "/host.kind0.slab").c_str(), &sst), 0) << "left behind";
+  EXPECT_EQ(errno, ENOENT);
+  {
+    const int fd = ::open((d.path + "/host.kind0.slab").c_str(), O_CREAT | O_WRONLY, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  EXPECT_THROW(Store{c}, std::system_error);
   ASSERT_EQ(::stat((d.path + "/host.kind0.slab").c_str(), &sst), 0);
   EXPECT_EQ(sst.st_size, 0) << "the slab grew before the space check";
 

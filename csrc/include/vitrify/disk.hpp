@@ -40,6 +40,7 @@ constexpr size_t kKeyBytes = 32;
 constexpr uint32_t kSlotMagic = 0x4C535456;  // "VTSL" little-endian
 constexpr uint32_t kFileMagic = 0x46535456;  // "VTSF"
 constexpr uint16_t kFormatVersion = 1;
+constexpr uint64_t kMaxSlotsPerSlab = 0xFFFFFFFFull;  // a slot header's index is 32-bit
 
 using Key = std::array<uint8_t, kKeyBytes>;
 
@@ -185,9 +186,14 @@ struct LockedSlab {
   std::string path;
   file_io::OpenedFile file;
   SlabLock lock;
+  bool created = false;  // this open created the file (a failed store open removes it)
+  dev_t dev = 0;         // the file's identity when opened: removed only if the path still
+  ino_t ino = 0;         // names it
+  uint64_t size = 0;     // its size when opened (a failed open restores a grown file's size)
 };
 // Opens (creating it empty if missing) and locks `path`; throws as SlabLock does, or as
-// file_io::open_file when the open fails. `host` (a host-tier slab, DESIGN.md H2): the file is
+// file_io::open_regular_file when the open fails (a link or any non-regular file at `path` is
+// refused naming it, before anything is written). `host` (a host-tier slab, DESIGN.md H2): the file is
 // created 0600 and buffered; one of another user is refused (std::system_error EACCES naming
 // the file and both uids) before it is locked, and an own file with wider permissions is
 // chmod-ed to 0600.
@@ -814,6 +820,15 @@ class Store {
   const KindState& kind_state(unsigned kind) const;
 
   void register_mappings();
+  // A slab file as a writer's open found it, for undoing a failed open (D22).
+  struct OpenedSlab {
+    std::string path;
+    dev_t dev;
+    ino_t ino;
+    bool created;   // this open created it: removed
+    uint64_t size;  // its size before: a disk slab grown since is cut back to it
+  };
+  static void undo_failed_open(const std::vector<OpenedSlab>& opened, bool host) noexcept;
 
   StoreConfig cfg_;
   std::vector<KindState> kinds_;

@@ -7,6 +7,7 @@
 // error` (see VITRIFY_SYSCALL in error.hpp).
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -64,6 +65,7 @@ struct OpenedFile {
   Fd fd;
   bool direct = false;          // opened with O_DIRECT
   std::string buffered_reason;  // why not O_DIRECT ("" when direct)
+  bool created = false;         // open_regular_file: this open created the file (O_EXCL)
 };
 
 // Opens `path` with `flags | O_CLOEXEC` (`perm` applies when O_CREAT creates it).
@@ -73,6 +75,20 @@ struct OpenedFile {
 //   kOn  : O_DIRECT; open refusing it is an OSError, never a fallback.
 // Any other open failure is an OSError naming open and the path.
 OpenedFile open_file(const std::string& path, int flags, DirectIo mode, mode_t perm = 0644);
+
+// open_file for a file vitrify writes in place (the KV stores' slab files): never follows a
+// symbolic link (O_NOFOLLOW) and opens only a regular file or nothing (O_NONBLOCK for the open,
+// so a FIFO never blocks it; cleared afterwards), so a link or a device planted at `path` is
+// never written through. With O_CREAT the file is created O_EXCL when absent, and `created`
+// says so (an existing one is opened as it is). A link at `path` is std::system_error ELOOP,
+// anything else that is not a regular file EINVAL, one line each naming `what` and the path
+// ("slab file \"/d/x.kind0.slab\" is a symbolic link; ..."); other failures as open_file.
+OpenedFile open_regular_file(const std::string& path, int flags, DirectIo mode, mode_t perm,
+                             const std::string& what);
+// The refusal open_regular_file gives when `st` (an lstat or fstat of `path`) is not a regular
+// file: std::system_error ELOOP for a link, EISDIR for a directory, EINVAL for anything else.
+[[noreturn]] void refuse_not_regular(const struct ::stat& st, const std::string& path,
+                                     const std::string& what);
 
 // Reads [off, off + n) of the file into `buf`, repeating on EINTR and short reads. Returns the
 // bytes read: n, or fewer only where the file ends first (the caller says what a short file

@@ -71,6 +71,61 @@ OpenedFile open_file(const std::string& path, int flags, DirectIo mode, mode_t p
   return detail::open_file(kSystemCalls, path, flags, mode, perm);
 }
 
+void refuse_not_regular(const struct ::stat& st, const std::string& path, const std::string& what) {
+  const char* kind = S_ISLNK(st.st_mode)    ? "a symbolic link"
+                     : S_ISDIR(st.st_mode)  ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "not a regular file";
+  const int err = S_ISLNK(st.st_mode) ? ELOOP : S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+  throw std::system_error(err, std::generic_category(),
+                          what + " \"" + path + "\" is " + kind +
+                              "; vitrify writes only regular files it creates or owns and never "
+                              "follows a link there (remove it, or choose another directory or "
+                              "name)");
+}
+
+OpenedFile open_regular_file(const std::string& path, int flags, DirectIo mode, mode_t perm,
+                             const std::string& what) {
+  flags |= O_NOFOLLOW | O_NONBLOCK;
+  const bool create = (flags & O_CREAT) != 0;
+  OpenedFile f;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      if (create) {
+        try {
+          f = detail::open_file(kSystemCalls, path, flags | O_EXCL, mode, perm);
+          f.created = true;
+        } catch (const std::system_error& e) {
+          if (e.code().value() != EEXIST || (flags & O_EXCL) != 0) throw;
+          f = detail::open_file(kSystemCalls, path, flags & ~O_CREAT, mode, perm);
+        }
+      } else {
+        f = detail::open_file(kSystemCalls, path, flags, mode, perm);
+      }
+      break;
+    } catch (const std::system_error& e) {
+      const int err = e.code().value();
+      // Removed between the exclusive create and the plain open: create it again.
+      if (err == ENOENT && create && attempt < 8) continue;
+      struct stat st{};
+      if ((err == ELOOP || err == EISDIR || err == ENXIO || err == EWOULDBLOCK) &&
+          ::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+        refuse_not_regular(st, path, what);
+      throw;
+    }
+  }
+  struct stat st{};
+  VITRIFY_SYSCALL(::fstat(f.fd.get(), &st), path);
+  if (!S_ISREG(st.st_mode)) refuse_not_regular(st, path, what);
+  const int fl = ::fcntl(f.fd.get(), F_GETFL);
+  if (fl == -1 || ::fcntl(f.fd.get(), F_SETFL, fl & ~O_NONBLOCK) == -1)
+    vitrify::detail::throw_errno(errno, "fcntl", path, "F_SETFL, clearing O_NONBLOCK");
+  return f;
+}
+
 size_t pread_full(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
   return detail::pread_full(kSystemCalls, fd, buf, n, off, path);
 }

@@ -87,9 +87,18 @@ void write_owner_record(const std::string& path) {
   const std::string text = "pid=" + std::to_string(::getpid()) + " host=" + host_name() +
                            " since=" + utc_now() + "\n";
   try {
+    // Created exclusively and never through a link (issue 32): a file or link left at the
+    // temporary name (a dead process of this pid, or planted) is removed, never written through.
     int fd = -1;
-    VITRIFY_SYSCALL_RETRY(fd, ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                          tmp, std::string());
+    for (int attempt = 0;; ++attempt) {
+      do fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+      while (fd == -1 && errno == EINTR);
+      if (fd >= 0) break;
+      const int err = errno;
+      if (err == EEXIST && attempt < 3 && (::unlink(tmp.c_str()) == 0 || errno == ENOENT))
+        continue;
+      vitrify::detail::throw_errno(err, "open", tmp, "owner record, created exclusively");
+    }
     file_io::Fd owned(fd);
     file_io::pwrite_full(owned.get(), text.data(), text.size(), 0, tmp);
     owned.reset();
@@ -145,9 +154,13 @@ SlabOwner read_slab_owner(const std::string& slab_path) noexcept {
   SlabOwner o;
   try {
     const std::string record = slab_owner_path(slab_path);
-    const int fd = ::open(record.c_str(), O_RDONLY | O_CLOEXEC);
+    // Never through a link, never blocking on a FIFO planted there: a record that is not a
+    // regular file is no record.
+    const int fd = ::open(record.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return o;
     file_io::Fd owned(fd);
+    struct stat st{};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return o;
     char buf[kOwnerRecordMax + 1] = {};
     const size_t n = file_io::pread_full(owned.get(), buf, kOwnerRecordMax, 0, record);
     const std::string line(buf, ::strnlen(buf, n));
@@ -240,20 +253,29 @@ LockedSlab lock_slab(const std::string& path, file_io::DirectIo dio, SlabLocking
                      bool host) {
   LockedSlab s;
   s.path = path;
-  // A host slab (H2): created 0600 (O_NOFOLLOW: a link planted in a shared directory is not
-  // followed), buffered (it is mapped), and never one of another user.
-  s.file = host ? file_io::open_file(path, O_RDWR | O_CREAT | O_NOFOLLOW, file_io::DirectIo::kOff,
-                                     0600)
-                : file_io::open_file(path, O_RDWR | O_CREAT, dio);
+  // Never through a link, only a regular file or a new one (D13, issue 32): a link planted at
+  // the slab path (in a shared directory, or by mistake) is refused naming it, its target
+  // untouched. A host slab (H2): created 0600, buffered (it is mapped), never another user's.
+  s.file = file_io::open_regular_file(path, O_RDWR | O_CREAT,
+                                      host ? file_io::DirectIo::kOff : dio, host ? 0600 : 0644,
+                                      host ? "host slab file" : "slab file");
+  struct stat st{};
+  VITRIFY_SYSCALL(::fstat(s.file.fd.get(), &st), path);
+  s.created = s.file.created;
+  s.dev = st.st_dev;
+  s.ino = st.st_ino;
+  s.size = static_cast<uint64_t>(st.st_size);
   if (host) check_host_owner(s.file.fd.get(), path, true);
   s.lock = SlabLock(s.file.fd.get(), path, locking);
   return s;
 }
 
 bool slab_lock_held(const std::string& path) noexcept {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return false;
   file_io::Fd owned(fd);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
   struct flock fl = whole_file(F_WRLCK);
   if (::fcntl(fd, F_OFD_GETLK, &fl) != 0) return false;
   return fl.l_type != F_UNLCK;

@@ -172,16 +172,29 @@ std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
   s->path_ = path;
   s->geo_ = geometry;
   s->read_only_ = true;
+  // Never through a link, never a FIFO or device (issue 32): O_NOFOLLOW, O_NONBLOCK for the
+  // open (cleared after), and a regular file or a one-line refusal naming the path.
+  const auto refuse_odd = [&](int err) {
+    struct stat ls{};
+    if ((err == ELOOP || err == ENXIO || err == EWOULDBLOCK) &&
+        ::lstat(path.c_str(), &ls) == 0 && !S_ISREG(ls.st_mode))
+      file_io::refuse_not_regular(ls, path, host ? "host slab file" : "slab file");
+  };
+  constexpr int kFlags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
   if (host) {
     int fd;
-    VITRIFY_SYSCALL_RETRY(fd, ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC), path,
-                          "read-only");
+    do fd = ::open(path.c_str(), kFlags);
+    while (fd == -1 && errno == EINTR);
+    if (fd == -1) {
+      const int err = errno;
+      refuse_odd(err);
+      vitrify::detail::throw_errno(err, "open", path, "read-only");
+    }
     s->fd_.reset(fd);
-    check_host_owner(fd, path, false);
     s->buffered_reason_ = "host slab (mapped)";
   } else if (dio != file_io::DirectIo::kOff) {
     int fd;
-    do fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    do fd = ::open(path.c_str(), kFlags | O_DIRECT);
     while (fd == -1 && errno == EINTR);
     if (fd >= 0) {
       s->fd_.reset(fd);
@@ -189,18 +202,34 @@ std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
     } else if (errno == EINVAL && dio == file_io::DirectIo::kAuto) {
       s->buffered_reason_ = std::string("open(O_DIRECT) refused: ") + std::strerror(EINVAL);
     } else {
-      vitrify::detail::throw_errno(errno, "open", path, "read-only");
+      const int err = errno;
+      refuse_odd(err);
+      vitrify::detail::throw_errno(err, "open", path, "read-only");
     }
   } else {
     s->buffered_reason_ = "direct_io is off";
   }
   if (!s->fd_) {
     int fd;
-    VITRIFY_SYSCALL_RETRY(fd, ::open(path.c_str(), O_RDONLY | O_CLOEXEC), path, "read-only");
+    do fd = ::open(path.c_str(), kFlags);
+    while (fd == -1 && errno == EINTR);
+    if (fd == -1) {
+      const int err = errno;
+      refuse_odd(err);
+      vitrify::detail::throw_errno(err, "open", path, "read-only");
+    }
     s->fd_.reset(fd);
   }
   struct stat st{};
   VITRIFY_SYSCALL(::fstat(s->fd_.get(), &st), path);
+  if (!S_ISREG(st.st_mode))
+    file_io::refuse_not_regular(st, path, host ? "host slab file" : "slab file");
+  {
+    const int fl = ::fcntl(s->fd_.get(), F_GETFL);
+    if (fl == -1 || ::fcntl(s->fd_.get(), F_SETFL, fl & ~O_NONBLOCK) == -1)
+      vitrify::detail::throw_errno(errno, "fcntl", path, "F_SETFL, clearing O_NONBLOCK");
+  }
+  if (host) check_host_owner(s->fd_.get(), path, false);
   const uint64_t size = kFileHeaderBytes + geometry.slot_count * geometry.slot_bytes;
   VITRIFY_EXPECT(static_cast<uint64_t>(st.st_size) >= size,
                  "slab file " + path + " holds " + std::to_string(st.st_size) +
@@ -247,9 +276,11 @@ std::string SlabFile::reload_header() noexcept {
 
 std::optional<FileHeader> read_slab_header(const std::string& path) noexcept {
   try {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return std::nullopt;
     file_io::Fd owned(fd);
+    struct stat st{};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
     FileHeader fh{};
     if (file_io::pread_full(fd, &fh, sizeof fh, 0, path) != sizeof fh) return std::nullopt;
     if (fh.magic != kFileMagic || fh.version != kFormatVersion || fh.slab_id == 0 ||

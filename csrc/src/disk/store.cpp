@@ -7,7 +7,9 @@
 #include <cstring>
 #include <functional>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
@@ -76,6 +78,21 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
   };
   kinds_.resize(cfg_.kinds.size());
   std::vector<std::vector<uint64_t>> counts(kinds_.size());
+  // The valid budgets (Python: vitrify.disk.budget_range): every kind at least one slot plus
+  // its file header per drive, and at most kMaxSlotsPerSlab slots (a slot index is 32-bit).
+  const auto budget_text = [&] {
+    double lo = 1, hi = 9223372036854775807.0;
+    for (const KindConfig& kc : cfg_.kinds) {
+      const double slot = static_cast<double>(slot_bytes_for(kc.page_bytes));
+      const double scale = static_cast<double>(nd) * share_sum / kc.share;
+      lo = std::max(lo, std::ceil((static_cast<double>(kFileHeaderBytes) + slot) * scale));
+      hi = std::min(hi, std::ceil((static_cast<double>(kFileHeaderBytes) +
+                                   (static_cast<double>(kMaxSlotsPerSlab) + 1) * slot) * scale) - 1);
+    }
+    return "budget_bytes must be in [" + std::to_string(static_cast<uint64_t>(lo)) + ", " +
+           std::to_string(static_cast<uint64_t>(hi)) + "] for these kinds and " +
+           std::to_string(nd) + (nd == 1 ? " drive" : " drives");
+  };
   if (cfg_.read_only) cfg_.cold_start = ColdStart::kLoad;  // a reader only ever loads (D14)
   for (size_t i = 0; i < kinds_.size(); ++i) {
     KindState& k = kinds_[i];
@@ -84,82 +101,119 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     const double kind_budget = static_cast<double>(cfg_.budget_bytes) * k.cfg.share / share_sum;
     const uint64_t per_drive = static_cast<uint64_t>(kind_budget / static_cast<double>(nd));
     const uint64_t count = per_drive > kFileHeaderBytes ? (per_drive - kFileHeaderBytes) / k.slot_bytes : 0;
-    VITRIFY_EXPECT(count >= 1, "budget of " + std::to_string(cfg_.budget_bytes) +
-                                " bytes leaves kind " + std::to_string(i) + " " +
-                                std::to_string(per_drive) + " bytes per drive, less than one " +
-                                std::to_string(k.slot_bytes) + "-byte slot plus a 4096-byte header");
-    VITRIFY_EXPECT(count <= 0xFFFFFFFFull, "too many slots for kind " + std::to_string(i));
+    VITRIFY_EXPECT(count >= 1, "budget_bytes=" + std::to_string(cfg_.budget_bytes) +
+                                   " leaves kind " + std::to_string(i) + " " +
+                                   std::to_string(per_drive) + " bytes per drive, less than one " +
+                                   std::to_string(k.slot_bytes) +
+                                   "-byte slot plus a 4096-byte header: " + budget_text());
+    VITRIFY_EXPECT(count <= kMaxSlotsPerSlab,
+                   "budget_bytes=" + std::to_string(cfg_.budget_bytes) + " gives kind " +
+                       std::to_string(i) + " " + std::to_string(count) + " slots of " +
+                       std::to_string(k.slot_bytes) + " bytes per drive, more than the " +
+                       std::to_string(kMaxSlotsPerSlab) + " one slab file holds: " +
+                       budget_text());
     counts[i].assign(nd, count);
   }
   // Lock every slab file before reading or writing any of them (D13): a slab held by another
   // open store refuses the whole store (SlabBusy), and the locks already taken are released
   // when `locked` goes out of scope, before any file was formatted or scanned.
   // A read-only store takes no lock and opens the existing slabs O_RDONLY (D14).
+  // A failed open undoes what it did to the files (D22): the slab files it created are removed
+  // and an existing disk slab it grew is cut back to its size, while the locks are still held.
   std::vector<LockedSlab> locked;
-  std::vector<HostFs> host_fss;
-  if (cfg_.host)  // H1: in memory, or refused before any file is created
-    for (size_t d = 0; d < nd; ++d) host_fss.push_back(host_fs(cfg_.dirs[d]));
-  if (!cfg_.read_only) {
-    locked.reserve(kinds_.size() * nd);
-    for (size_t i = 0; i < kinds_.size(); ++i)
-      for (size_t d = 0; d < nd; ++d)
-        locked.push_back(
-            lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking, cfg_.host));
-  }
-  if (cfg_.host && !cfg_.read_only) {
-    // H5: the space the slabs still have to take, per directory, against what its filesystem
-    // has free, before any slab grows (a write into a mapping tmpfs cannot back is a SIGBUS).
-    for (size_t d = 0; d < nd; ++d) {
-      uint64_t needed = 0;
-      for (size_t i = 0; i < kinds_.size(); ++i) {
-        const uint64_t bytes = round_up(
-            kFileHeaderBytes + counts[i][d] * kinds_[i].slot_bytes, host_fss[d].block_size);
-        struct stat st{};
-        VITRIFY_SYSCALL(::fstat(locked[i * nd + d].file.fd.get(), &st), slab_path(i, d));
-        const uint64_t have = static_cast<uint64_t>(st.st_blocks) * 512;
-        needed += bytes > have ? bytes - have : 0;
-      }
-      check_host_space(host_fss[d],
-                       "the slabs \"" + cfg_.dirs[d] + "/" + cfg_.name + ".kind*.slab\"", needed);
-    }
-  }
-  for (size_t i = 0; i < kinds_.size(); ++i) {
-    KindState& k = kinds_[i];
-    for (size_t d = 0; d < nd; ++d) {
-      const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag};
-      if (cfg_.read_only)
-        k.slabs.push_back(
-            SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io, cfg_.host));
-      else
-        k.slabs.push_back(std::make_unique<SlabFile>(std::move(locked[i * nd + d]), geo,
-                                                     cfg_.cold_start, cfg_.host));
-      if (cfg_.host && !cfg_.read_only) k.slabs.back()->mark_used();
-    }
-    k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
-  }
-  counters_.direct_io = true;
-  for (auto& k : kinds_)
-    for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
-  load_index();
-  if (cfg_.host && cfg_.register_device >= 0) {
-    try {
-      register_mappings();
-    } catch (...) {  // owner records and last use settled, locks released, as on close
-      close();
-      throw;
-    }
-  }
-  for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
+  std::vector<OpenedSlab> opened;
   try {
+    std::vector<HostFs> host_fss;
+    if (cfg_.host)  // H1: in memory, or refused before any file is created
+      for (size_t d = 0; d < nd; ++d) host_fss.push_back(host_fs(cfg_.dirs[d]));
+    if (!cfg_.read_only) {
+      locked.reserve(kinds_.size() * nd);
+      opened.reserve(kinds_.size() * nd);
+      for (size_t i = 0; i < kinds_.size(); ++i)
+        for (size_t d = 0; d < nd; ++d) {
+          LockedSlab ls = lock_slab(slab_path(i, d), cfg_.direct_io, cfg_.slab_locking, cfg_.host);
+          opened.push_back(OpenedSlab{ls.path, ls.dev, ls.ino, ls.created, ls.size});
+          locked.push_back(std::move(ls));
+        }
+    }
+    if (cfg_.host && !cfg_.read_only) {
+      // H5: the space the slabs still have to take, per directory, against what its filesystem
+      // has free, before any slab grows (a write into a mapping tmpfs cannot back is a SIGBUS).
+      for (size_t d = 0; d < nd; ++d) {
+        uint64_t needed = 0;
+        for (size_t i = 0; i < kinds_.size(); ++i) {
+          const uint64_t bytes = round_up(
+              kFileHeaderBytes + counts[i][d] * kinds_[i].slot_bytes, host_fss[d].block_size);
+          struct stat st{};
+          VITRIFY_SYSCALL(::fstat(locked[i * nd + d].file.fd.get(), &st), slab_path(i, d));
+          const uint64_t have = static_cast<uint64_t>(st.st_blocks) * 512;
+          needed += bytes > have ? bytes - have : 0;
+        }
+        check_host_space(host_fss[d],
+                         "the slabs \"" + cfg_.dirs[d] + "/" + cfg_.name + ".kind*.slab\"", needed);
+      }
+    }
+    for (size_t i = 0; i < kinds_.size(); ++i) {
+      KindState& k = kinds_[i];
+      for (size_t d = 0; d < nd; ++d) {
+        const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag};
+        if (cfg_.read_only)
+          k.slabs.push_back(
+              SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io, cfg_.host));
+        else
+          k.slabs.push_back(std::make_unique<SlabFile>(std::move(locked[i * nd + d]), geo,
+                                                       cfg_.cold_start, cfg_.host));
+        if (cfg_.host && !cfg_.read_only) k.slabs.back()->mark_used();
+      }
+      k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
+    }
+    counters_.direct_io = true;
+    for (auto& k : kinds_)
+      for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
+    load_index();
+    if (cfg_.host && cfg_.register_device >= 0) register_mappings();
+    for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
     for (size_t d = 0; d < nd; ++d) {
       for (unsigned t = 0; t < (cfg_.read_only ? 0u : cfg_.write_threads); ++t)
         drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
       for (unsigned t = 0; t < cfg_.read_threads; ++t)
         drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
     }
-  } catch (...) {  // could not start every thread: stop the ones that did
+  } catch (...) {
+    // Undo the files first (the locks still held: nobody else uses them meanwhile), then stop
+    // the threads that started and settle owner records and locks as close() does.
+    undo_failed_open(opened, cfg_.host);
     close();
     throw;
+  }
+}
+
+// D22: what a failed open created is removed, what it grew is cut back; a path that names
+// another file by now (replaced meanwhile) is left alone. Never throws; failures are logged.
+void Store::undo_failed_open(const std::vector<OpenedSlab>& opened, bool host) noexcept {
+  for (const OpenedSlab& o : opened) {
+    try {
+      struct stat st{};
+      if (::lstat(o.path.c_str(), &st) != 0 || st.st_dev != o.dev || st.st_ino != o.ino) continue;
+      if (o.created) {
+        if (::unlink(o.path.c_str()) != 0 && errno != ENOENT)
+          log::warning("vitrify.disk: a failed open could not remove the slab file it created, \"" +
+                       o.path + "\": " + std::strerror(errno));
+        continue;
+      }
+      // A host slab is never shrunk (H1: a reader may map it); a disk slab this open grew goes
+      // back to its size, which frees what posix_fallocate took.
+      if (host || static_cast<uint64_t>(st.st_size) <= o.size) continue;
+      const int fd = ::open(o.path.c_str(), O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+      if (fd < 0) continue;
+      file_io::Fd owned(fd);
+      struct stat fs{};
+      if (::fstat(fd, &fs) != 0 || fs.st_dev != o.dev || fs.st_ino != o.ino) continue;
+      if (::ftruncate(fd, static_cast<off_t>(o.size)) != 0)
+        log::warning("vitrify.disk: a failed open could not cut \"" + o.path + "\" back to " +
+                     std::to_string(o.size) + " bytes: " + std::strerror(errno));
+    } catch (...) {  // no memory for a message: nothing else to undo for this file
+    }
   }
 }
 
@@ -218,6 +272,7 @@ void Store::close() noexcept {
   std::lock_guard lk(mu_);
   for (auto& k : kinds_) {
     if (cfg_.read_only) break;
+    if (!k.index) continue;  // a failed open: this kind's slabs were never indexed
     for (uint32_t d = 0; d < k.slabs.size(); ++d) {
       if (k.index->stale(d).empty()) continue;
       try {
