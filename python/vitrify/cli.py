@@ -127,6 +127,16 @@ def _cmd_tier_clear(args: argparse.Namespace) -> int:
     return 1 if kept else 0
 
 
+def _cmd_sglang(args: argparse.Namespace) -> int:
+    from .integrations.sglang import launch
+
+    try:
+        return launch.run_command(args.sglang_command, args, args.sglang_args)
+    except launch.LaunchError as e:
+        print(f"vitrify sglang {args.sglang_command}: {e}", file=sys.stderr)
+        return e.status
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vitrify", description=__import__("vitrify").__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"vitrify {__import__('vitrify').__version__}")
@@ -164,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also remove slabs an open store holds (it keeps its mapping until it "
                          "closes; a restart finds nothing)")
     tc.set_defaults(func=_cmd_tier_clear)
+    # vitrify sglang save/load/serve/check ... -- SGLANG_ARGS (integrations/sglang/launch.py)
+    from .integrations.sglang import launch
+
+    launch.add_parser(sub)
+    sub.choices["sglang"].set_defaults(func=_cmd_sglang)
     # vitrify bench NAME: the benchmarks (vitrify/bench/), one subcommand each with its options
     from .bench import cli as bench_cli
 
@@ -182,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     command-line or settings mistake, 1: the command failed, 130: interrupted); the traceback
     goes to the ``vitrify.cli`` logger at DEBUG (``VITRIFY_LOG_LEVEL=DEBUG`` shows it)."""
     from . import config
+    from .integrations.sglang import launch
 
-    args = build_parser().parse_args(argv)
+    # vitrify sglang ...: what follows the first "--" is SGLang's, untouched by this parser
+    ours, sglang_args = launch.split_argv(sys.argv[1:] if argv is None else list(argv))
+    args = build_parser().parse_args(ours)
+    args.sglang_args = sglang_args
     prog = f"vitrify {args.command}"
     try:
         config.settings()  # a bad VITRIFY_* value stops here, named, before any work

@@ -298,7 +298,11 @@ DECODE_BACKENDS = ("full", "disabled")
 
 def _decode_backend(args: Any) -> str:
     cfg = getattr(args, "cuda_graph_config", None)
-    value = getattr(getattr(cfg, "decode", None), "backend", None)
+    if isinstance(cfg, dict):  # unresolved: --cuda-graph-config as SGLang's parser reads it
+        decode = cfg.get("decode")
+        value = decode.get("backend") if isinstance(decode, dict) else None
+    else:
+        value = getattr(getattr(cfg, "decode", None), "backend", None)
     if value is None:
         value = getattr(args, "cuda_graph_backend_decode", None) or "full"
     return str(getattr(value, "value", value))
@@ -307,7 +311,16 @@ def _decode_backend(args: Any) -> str:
 def check_supported(args: Any) -> None:
     """SAVE and LOAD accept the triton and FlashInfer attention backends (P17) and full (or no)
     decode graphs only (what the block-placement plan was read for); anything else is refused,
-    all named at once, before the region exists."""
+    all named at once, before the region exists (:func:`unsupported`)."""
+    problems = unsupported(args)
+    if problems:
+        raise FreezeRefused("; ".join(problems))
+
+
+def unsupported(args: Any) -> list[str]:
+    """What :func:`check_supported` refuses in ``args`` (a ``ServerArgs``, or the
+    ``argparse.Namespace`` of SGLang's own parser: ``vitrify sglang check`` asks too), one
+    line each."""
     problems = []
     for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = getattr(args, field, None)
@@ -321,8 +334,7 @@ def check_supported(args: Any) -> None:
     for field, why in _UNSUPPORTED:
         if getattr(args, field, None):
             problems.append(f"{field}={getattr(args, field)!r} ({why})")
-    if problems:
-        raise FreezeRefused("; ".join(problems))
+    return problems
 
 
 def _class_name(obj: Any) -> str:
@@ -1467,4 +1479,4 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_WRAPPERS", "Engine", "FROZEN_ATTENTI
            "exportable_here", "exportable_region", "freeze_import_heap", "graph_backend_class",
            "graph_name", "memory_available", "metadata_api", "own_errors",
            "pool_config_from_state", "pool_config_state", "read_ahead_direct_io", "rebuild",
-           "start_read_ahead", "thawed_graphs", "warm_triton_key", "warmup_body"]
+           "start_read_ahead", "thawed_graphs", "unsupported", "warm_triton_key", "warmup_body"]

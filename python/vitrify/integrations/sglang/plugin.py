@@ -125,7 +125,10 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _refusals(args: Any) -> list[str]:
+def refusals(args: Any) -> list[str]:
+    """What of ``args`` (a ``ServerArgs``, or the ``argparse.Namespace`` SGLang's own parser
+    makes) ``REFUSED_ARGS`` refuses, one ``field=value (--flag): reason`` each: the
+    ``__post_init__`` hook raises on them, ``vitrify sglang check`` reports them."""
     return [f"{field}={getattr(args, field)!r} ({flag}): {why}"
             for field, flag, refused, why in REFUSED_ARGS if refused(getattr(args, field))]
 
@@ -207,7 +210,7 @@ def apply_server_args(args: Any, mode: str) -> dict:
     Raises :class:`PluginFatal` naming every refused argument; otherwise turns prefill CUDA graphs
     off (one log line) and returns the fingerprint. Calling it again on the same arguments
     leaves every value as it was and returns the same fingerprint."""
-    refused = _refusals(args)
+    refused = refusals(args)
     if refused:
         raise fatal(f"mode {mode!r} cannot freeze these server arguments yet: "
                     + "; ".join(refused))
