@@ -50,8 +50,9 @@ with one O_DIRECT transfer; ``get_buffers`` reads a slot straight into it. A buf
 
 Files: ``<dir>/<name>.kind<i>.slab``, one per payload kind and directory ("drive"); the budget is
 split across kinds by their shares and evenly across drives. ``cold_start="load"`` rebuilds the
-index from the slab headers this store wrote (a slab from another store, or with another
-geometry, starts empty); ``"clear"`` starts empty and leaves old bytes inert.
+index from the slab headers this store wrote; a slab of another store or geometry (kinds, page
+size, budget, drives) is refused with ``ValueError`` naming the on-disk and the requested values,
+its pages untouched. Only ``"clear"`` wipes: it starts empty and leaves old bytes inert.
 
 One owner per slab file: an open store holds an exclusive lock on each of its slab files (an OFD
 lock, ``fcntl(F_OFD_SETLK)``; ``flock`` where the kernel has no OFD locks) from before it reads
@@ -306,7 +307,8 @@ class DiskStore:
         kinds: a page size in bytes (one kind, "default"), or a mapping from kind name to page
             size or to ``(page_size, share)``; the budget is split by share.
         name: the store's name: file names and the identity checked by ``cold_start="load"``.
-        cold_start: ``"clear"`` (start empty) or ``"load"`` (rebuild from the slab headers).
+        cold_start: ``"clear"`` (start empty) or ``"load"`` (rebuild from the slab headers;
+            ``ValueError`` naming both geometries when a slab was written with another one).
         direct_io: ``"auto"``, ``"on"`` or ``"off"``; None reads ``VITRIFY_DIRECT_IO``.
         write_threads, read_threads: I/O threads per drive.
         queue_capacity: jobs per drive queue before submitters wait.

@@ -221,14 +221,42 @@ TEST(Slab, ClearMakesOldSlotsInertAndLoadKeepsThem) {
     EXPECT_FALSE(f.read_into(0, key_of(1), back.data(), 4096));
     EXPECT_TRUE(f.scan().empty());
   }
-  // Another store's file at this path, or another geometry: load starts it empty.
+  // Another store's file at this path, or another geometry: load refuses naming both values
+  // and changes nothing (issue 32: it used to format the slab, losing its pages); only clear
+  // wipes it.
+  uint32_t id;
   {
-    SlabFile f(path, geo(4096, 2, "other-store"), ColdStart::kLoad, DirectIo::kAuto);
-    EXPECT_TRUE(f.formatted());
+    SlabFile f(path, geo(4096, 2), ColdStart::kLoad, DirectIo::kAuto);
     f.write_aligned(1, key_of(2), buf.data(), 100, 1);
+    id = f.slab_id();
+  }
+  const auto refusal = [&](const SlabGeometry& g) {
+    try {
+      SlabFile f(path, g, ColdStart::kLoad, DirectIo::kAuto);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("opened");
+  };
+  std::string m = refusal(geo(4096, 2, "other-store"));
+  EXPECT_NE(m.find("cold_start=\"load\" refuses slab file \"" + path +
+                   "\": it belongs to another store"), std::string::npos) << m;
+  m = refusal(geo(4096, 3));
+  EXPECT_NE(m.find("on disk kind 3, slot_bytes 4096, 2 slots, requested kind 3, slot_bytes 4096, "
+                   "3 slots"), std::string::npos) << m;
+  m = refusal(geo(8192, 2));
+  EXPECT_NE(m.find("slot_bytes 4096, 2 slots, requested kind 3, slot_bytes 8192"),
+            std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_EQ(std::filesystem::file_size(path), kFileHeaderBytes + 2 * 4096);
+  {
+    SlabFile f(path, geo(4096, 2), ColdStart::kLoad, DirectIo::kAuto);
+    EXPECT_FALSE(f.formatted());
+    EXPECT_EQ(f.slab_id(), id);
+    EXPECT_EQ(f.read_into(1, key_of(2), back.data(), 4096), 100u);
   }
   {
-    SlabFile f(path, geo(4096, 3, "other-store"), ColdStart::kLoad, DirectIo::kAuto);
+    SlabFile f(path, geo(4096, 3, "other-store"), ColdStart::kClear, DirectIo::kAuto);
     EXPECT_TRUE(f.formatted());
     EXPECT_TRUE(f.scan().empty());
   }

@@ -164,7 +164,16 @@ TEST(HostTier, AnotherIdentityIsNeverServed) {
   fs::copy_file(d.path + "/model-a.kind0.slab", d.path + "/model-b.kind0.slab");
   EXPECT_THROW(Store(host_cfg(d.path, 8, ColdStart::kLoad, true, "model-b")),
                std::invalid_argument);
-  Store b(host_cfg(d.path, 8, ColdStart::kLoad, false, "model-b"));
+  // A writer's load refuses it too (D7: only clear wipes a slab holding a valid header) ...
+  try {
+    Store b(host_cfg(d.path, 8, ColdStart::kLoad, false, "model-b"));
+    ADD_FAILURE() << "loaded another identity's slab";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("it belongs to another store"), std::string::npos)
+        << e.what();
+  }
+  // ... and a writer's clear starts it empty: model-a's page is never served under model-b.
+  Store b(host_cfg(d.path, 8, ColdStart::kClear, false, "model-b"));
   EXPECT_EQ(b.stats().loaded_entries, 0u);
   EXPECT_EQ(read_check(b, 5), 0);
   Store a(host_cfg(d.path, 8, ColdStart::kLoad, false, "model-a"));

@@ -244,7 +244,9 @@ def test_load_threads_give_the_same_index(d):
             DiskStore(d, 1 << 20, page, load_threads=bad)
 
 
-def test_load_ignores_a_slab_from_another_store(d):
+def test_load_refuses_a_slab_from_another_store_or_geometry_and_clear_wipes_it(d):
+    """D7: a slab of another store (or geometry) is never served and never wiped by ``load``:
+    it refuses naming both; only ``clear`` starts it empty."""
     other = tempfile.mkdtemp(dir=BASE)
     try:
         with DiskStore(other, 1 << 20, 4096, name="other") as s:
@@ -252,13 +254,16 @@ def test_load_ignores_a_slab_from_another_store(d):
         with DiskStore(d, 1 << 20, 4096, name="mine") as s:
             s.put("a", b"mine")
         shutil.copy(os.path.join(other, "other.kind0.slab"), os.path.join(d, "mine.kind0.slab"))
-        with DiskStore(d, 1 << 20, 4096, name="mine", cold_start="load") as s:
+        with pytest.raises(ValueError, match="it belongs to another store"):
+            DiskStore(d, 1 << 20, 4096, name="mine", cold_start="load")
+        with DiskStore(d, 1 << 20, 4096, name="mine", cold_start="clear") as s:
             assert s.stats()["loaded_entries"] == 0 and s.get("a") is None
-        # other geometry (budget) at the same path: starts empty as well
-        with DiskStore(d, 1 << 20, 4096, name="mine") as s:
             s.put("a", b"mine")
-        with DiskStore(d, 2 << 20, 4096, name="mine", cold_start="load") as s:
-            assert s.get("a") is None
+        # other geometry (budget) at the same path: refused, the page kept
+        with pytest.raises(ValueError, match="127 slots, requested .* 255 slots"):
+            DiskStore(d, 2 << 20, 4096, name="mine", cold_start="load")
+        with DiskStore(d, 1 << 20, 4096, name="mine", cold_start="load") as s:
+            assert s.get("a") == b"mine"
     finally:
         shutil.rmtree(other, ignore_errors=True)
 

@@ -171,3 +171,40 @@ def test_a_huge_budget_is_one_line_naming_budget_bytes_its_value_and_the_range(d
             DiskStore([d, d2], hi2 + 1 << 4, {"a": 4000, "b": (100000, 3.0)})
     finally:
         shutil.rmtree(d2, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ load of another geometry (c)
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_load_with_another_page_size_or_budget_refuses_naming_both_and_keeps_the_pages(tier, d, h):
+    where = d if tier == "disk" else h
+
+    def open_store(budget, page, **kw):
+        if tier == "disk":
+            return DiskStore(where, budget, page, **kw)
+        return HostStore(budget, page, dir=where, **kw)
+
+    pages = {f"k{i}": bytes([i]) * (1000 + i) for i in range(20)}
+    with open_store(1 << 20, 16000) as s:
+        assert all(s.batch_put(list(pages), list(pages.values())))
+    slab = os.path.join(where, "vitrify.kind0.slab")
+    size = os.path.getsize(slab)
+    # another page size, even one of the same slot size (16100 and 16000 both take 16 KiB slots)
+    for other in (8000, 16100):
+        with pytest.raises(ValueError) as ei:
+            open_store(1 << 20, other, cold_start="load")
+        m = str(ei.value)
+        assert "\n" not in m and f'"{slab}"' in m, m
+        assert "on disk kind 0, page_bytes 16000" in m and f"requested kind 0, page_bytes {other}" in m
+        assert 'cold_start="clear" to wipe it' in m
+    # another budget: another slot count
+    with pytest.raises(ValueError, match=r"on disk kind 0, page_bytes 16000, slot_bytes 16384, "
+                                         r"63 slots, requested kind 0, page_bytes 16000, "
+                                         r"slot_bytes 16384, 127 slots"):
+        open_store(2 << 20, 16000, cold_start="load")
+    assert os.path.getsize(slab) == size  # neither resized nor formatted
+    with open_store(1 << 20, 16000, cold_start="load") as s:
+        assert s.stats()["loaded_entries"] == 20
+        assert s.batch_get(list(pages)) == list(pages.values())
+    # wiping is only ever "clear"
+    with open_store(1 << 20, 8000, cold_start="clear") as s:
+        assert s.get("k3") is None

@@ -95,11 +95,13 @@ def test_round_trip_permissions_identity_and_restart(h):
     with HostStore(budget(32), PAGE, dir=store_dir, name="m1", cold_start="load") as s:
         assert s.batch_get([str(i) for i in range(20)]) == [content(i) for i in range(20)]
         assert s.stats()["loaded_entries"] == 20
-    # another identity (store name) never serves these pages: a writer starts empty ...
+    # another identity (store name) never serves these pages: load refuses, clear starts empty
     shutil.copy(path, os.path.join(store_dir, "m2.kind0.slab"))
     with pytest.raises(ValueError, match="another store or geometry"):
         HostStore(budget(32), PAGE, dir=store_dir, name="m2", mode="read")
-    with HostStore(budget(32), PAGE, dir=store_dir, name="m2", cold_start="load") as s:
+    with pytest.raises(ValueError, match="it belongs to another store"):
+        HostStore(budget(32), PAGE, dir=store_dir, name="m2", cold_start="load")
+    with HostStore(budget(32), PAGE, dir=store_dir, name="m2", cold_start="clear") as s:
         assert s.get("3") is None and s.stats()["loaded_entries"] == 0
     # ... and the same bytes read by a disk-tier store of the right name: one page format
     disk_dir = tempfile.mkdtemp(dir=BASE)

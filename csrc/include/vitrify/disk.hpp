@@ -72,7 +72,7 @@ struct FileHeader {
   uint64_t slot_count;   // 16
   uint64_t store_tag;    // 24  hash of the store name: a slab of another store never matches
   uint32_t slab_id;      // 32  changes on every format (clear); slot headers must carry it
-  uint32_t reserved;     // 36  zero
+  uint32_t page_bytes;   // 36  the kind's page size when formatted (0: not recorded, older slabs)
   uint64_t created_ns;   // 40  CLOCK_REALTIME at format
   uint32_t pad;          // 48  zero
   uint32_t header_crc;   // 52  CRC32C of bytes [0, 52)
@@ -97,7 +97,11 @@ struct SlabGeometry {
   uint64_t slot_bytes = 0;  // multiple of 4096, > 64, < 4 GiB
   uint64_t slot_count = 0;  // >= 1
   uint64_t store_tag = 0;
+  uint64_t page_bytes = 0;  // the kind's page size (recorded in the file header; 0: unchecked)
 };
+// Why the verified file header `fh` does not describe `geo` ("" when it does), naming both the
+// on-disk and the requested values; a header that records no page size (0) matches any.
+std::string geometry_mismatch(const FileHeader& fh, const SlabGeometry& geo);
 
 // A slot as found by a header-only scan (cold start `load`).
 struct ScannedSlot {
@@ -254,9 +258,11 @@ void check_host_space(const HostFs& fs, const std::string& what, uint64_t needed
 class SlabFile {
  public:
   // Opens or creates `path`, preallocates it (posix_fallocate) and, with kClear — or with kLoad
-  // when the existing file header does not verify or describes another geometry/store — formats
-  // it (new file header with a new slab id, so every old slot becomes inert). `formatted()` says
-  // which happened. Opened by file_io::open_file (`dio`: O_DIRECT or buffered). Throws
+  // when the file is new or its header does not verify — formats it (new file header with a new
+  // slab id, so every old slot becomes inert). `formatted()` says which happened. kLoad of a slab
+  // whose verified header describes another geometry or store (kind, page size, slot size, slot
+  // count, store tag) is std::invalid_argument naming the on-disk and the requested values,
+  // before anything in the file changed (D7): only kClear ever wipes stored pages. Opened by file_io::open_file (`dio`: O_DIRECT or buffered). Throws
   // std::system_error (OSError) on I/O errors, and for DirectIo::kOn where O_DIRECT is refused.
   // The file is locked for this SlabFile (lock_slab, D13) before anything in it is read or
   // written, until release_lock() or destruction; SlabBusy when another open store holds it.

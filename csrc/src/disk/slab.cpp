@@ -115,6 +115,25 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
   struct stat st{};
   VITRIFY_SYSCALL(::fstat(fd_.get(), &st), path);
   const bool fresh = st.st_size == 0;  // created now (or empty): nothing to load
+  // The header first, before the file is resized or written: `load` of a slab of another
+  // geometry or store refuses here, with every stored page as it was (D7).
+  FileHeader fh{};
+  bool valid = false;
+  if (static_cast<uint64_t>(st.st_size) >= kFileHeaderBytes) {
+    AlignedBuffer hb(kFileHeaderBytes);
+    const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path);
+    std::memcpy(&fh, hb.data(), sizeof fh);
+    valid = r == kFileHeaderBytes && fh.magic == kFileMagic && fh.version == kFormatVersion &&
+            fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc)) && fh.slab_id != 0;
+  }
+  if (mode == ColdStart::kLoad && valid) {
+    const std::string why = geometry_mismatch(fh, geo_);
+    VITRIFY_EXPECT(why.empty(),
+                   "cold_start=\"load\" refuses slab file \"" + path + "\": " + why +
+                       "; load keeps pages only under the geometry they were written with: open "
+                       "it with the same kinds, budget and directories, or with "
+                       "cold_start=\"clear\" to wipe it");
+  }
   if (host) {
     // H1: a whole number of the filesystem's blocks (huge pages on hugetlbfs), never shrunk:
     // a reader may have the old size mapped, and a shrink would make its reads fault.
@@ -134,25 +153,14 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
     vitrify::detail::throw_errno(fa, "posix_fallocate", path, std::to_string(size) + " bytes");
   if (host) map_ = SlabMapping(fd_.get(), static_cast<size_t>(size), true, path);
 
-  AlignedBuffer hb(kFileHeaderBytes);
-  const size_t r = read_at(hb.data(), kFileHeaderBytes, 0);
-  FileHeader fh{};
-  std::memcpy(&fh, hb.data(), sizeof fh);
-  const bool valid = r == kFileHeaderBytes && fh.magic == kFileMagic &&
-                     fh.version == kFormatVersion &&
-                     fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc));
-  const bool matches = valid && fh.kind == geo_.kind && fh.slot_bytes == geo_.slot_bytes &&
-                       fh.slot_count == geo_.slot_count && fh.store_tag == geo_.store_tag &&
-                       fh.slab_id != 0;
-  if (mode == ColdStart::kLoad && matches) {
+  if (mode == ColdStart::kLoad && valid) {
     slab_id_ = fh.slab_id;
   } else {
+    // kLoad here: the file is new, or holds no valid header (so no slot of it can verify).
     if (mode == ColdStart::kLoad && fresh)
       log::info("vitrify.disk: " + path + " is new; formatted it empty");
     else if (mode == ColdStart::kLoad)
-      log::warning("vitrify.disk: " + path + (valid ? " belongs to another store or geometry"
-                                                 : " has no valid slab header") +
-                   "; starting it empty");
+      log::warning("vitrify.disk: " + path + " has no valid slab header; starting it empty");
     // The next generation of a valid slab is id + 1, so its old slots never match again.
     slab_id_ = valid ? fh.slab_id + 1 : new_slab_id();
     if (slab_id_ == 0) slab_id_ = 1;
@@ -260,18 +268,32 @@ std::string SlabFile::reload_header() noexcept {
     if (r != kFileHeaderBytes || fh.magic != kFileMagic || fh.version != kFormatVersion ||
         fh.header_crc != crc32c(&fh, offsetof(FileHeader, header_crc)) || fh.slab_id == 0)
       return "has no valid slab header";
-    if (fh.kind != geo_.kind || fh.slot_bytes != geo_.slot_bytes ||
-        fh.slot_count != geo_.slot_count || fh.store_tag != geo_.store_tag)
-      return "belongs to another store or geometry (kind " + std::to_string(fh.kind) +
-             ", slot_bytes " + std::to_string(fh.slot_bytes) + ", slot_count " +
-             std::to_string(fh.slot_count) + "; expected kind " + std::to_string(geo_.kind) +
-             ", slot_bytes " + std::to_string(geo_.slot_bytes) + ", slot_count " +
-             std::to_string(geo_.slot_count) + ")";
+    const std::string why = geometry_mismatch(fh, geo_);
+    if (!why.empty()) return "belongs to another store or geometry: " + why;
     slab_id_ = fh.slab_id;
     return {};
   } catch (const std::exception& e) {
     return std::string("cannot be read: ") + e.what();
   }
+}
+
+std::string geometry_mismatch(const FileHeader& fh, const SlabGeometry& geo) {
+  const auto describe = [](uint64_t kind, uint64_t page, uint64_t slot, uint64_t count) {
+    return "kind " + std::to_string(kind) +
+           (page != 0 ? ", page_bytes " + std::to_string(page) : std::string()) + ", slot_bytes " +
+           std::to_string(slot) + ", " + std::to_string(count) + " slots";
+  };
+  const bool page_differs = fh.page_bytes != 0 && geo.page_bytes != 0 &&
+                            fh.page_bytes != geo.page_bytes;
+  if (fh.kind == geo.kind && fh.slot_bytes == geo.slot_bytes && fh.slot_count == geo.slot_count &&
+      !page_differs) {
+    if (fh.store_tag == geo.store_tag) return {};
+    return "it belongs to another store (store tag " + std::to_string(fh.store_tag) +
+           " on disk, " + std::to_string(geo.store_tag) + " for this store's name)";
+  }
+  const uint64_t page = fh.page_bytes != 0 ? geo.page_bytes : 0;  // compare like with like
+  return "on disk " + describe(fh.kind, fh.page_bytes, fh.slot_bytes, fh.slot_count) +
+         ", requested " + describe(geo.kind, page, geo.slot_bytes, geo.slot_count);
 }
 
 std::optional<FileHeader> read_slab_header(const std::string& path) noexcept {
@@ -303,6 +325,7 @@ void SlabFile::format() {
   fh.slot_count = geo_.slot_count;
   fh.store_tag = geo_.store_tag;
   fh.slab_id = slab_id_;
+  fh.page_bytes = static_cast<uint32_t>(geo_.page_bytes);
   fh.created_ns = static_cast<uint64_t>(
       std::chrono::system_clock::now().time_since_epoch() / std::chrono::nanoseconds(1));
   fh.header_crc = crc32c(&fh, offsetof(FileHeader, header_crc));

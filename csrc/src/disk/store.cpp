@@ -156,7 +156,8 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     for (size_t i = 0; i < kinds_.size(); ++i) {
       KindState& k = kinds_[i];
       for (size_t d = 0; d < nd; ++d) {
-        const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag};
+        const SlabGeometry geo{static_cast<uint16_t>(i), k.slot_bytes, counts[i][d], tag,
+                               k.cfg.page_bytes};
         if (cfg_.read_only)
           k.slabs.push_back(
               SlabFile::open_read_only(slab_path(i, d), geo, cfg_.direct_io, cfg_.host));
