@@ -96,7 +96,8 @@ _STORED, _DUPLICATE = 0, 1
 
 #: Raised by :class:`DiskStore` when another open store holds one of its slab files. An
 #: ``OSError`` (errno ``EBUSY``) with attributes ``path`` (the slab file), ``holder_pid`` and
-#: ``holder_host`` (None when the holder left no owner record).
+#: ``holder_host`` (None when the holder left no owner record, or its record still names a
+#: process of this host that has exited: the holder is alive but has not written its own yet).
 SlabLockedError = _native.SlabLockedError
 PUT_RESULTS = {0: "stored", 1: "duplicate", 2: "full", 3: "error", 4: "cancelled"}
 

@@ -206,6 +206,40 @@ TEST(SlabLock, MissingOwnerRecordIsAnUnknownHolderAndAStaleRecordIsOverwritten) 
   EXPECT_EQ(read_slab_owner(d.path + "/absent.slab").pid, -1);
 }
 
+// Issue 33 item 6: the lock's holder writes its record a moment after it takes the lock; until
+// then the record may be a dead process's. The refusal never names that dead pid as the holder.
+TEST(SlabLock, ARecordNamingADeadProcessIsAnUnknownHolderNeverTheDeadPid) {
+  TempDir d;
+  const std::string path = slab_of(d.path, 0);
+  pid_t dead = ::fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  LockedSlab other = lock_slab(path, DirectIo::kAuto, SlabLocking::kAuto);
+  {  // the holder's record is late: the dead process's is still there
+    std::ofstream(slab_owner_path(path)) << "pid=" << dead << " host=" << host()
+                                         << " since=2000-01-01T00:00:00Z\n";
+  }
+  const auto e = refusal(cfg_of({d.path}));
+  ASSERT_TRUE(e.has_value());
+  const std::string m = e->what();
+  EXPECT_NE(m.find("slab file \"" + path + "\" is held by an unknown process (the record names " +
+                   std::to_string(dead) + ", which has exited)"),
+            std::string::npos) << m;
+  EXPECT_EQ(m.find("locked by process"), std::string::npos) << m;
+  EXPECT_EQ(e->holder_pid(), -1);
+  EXPECT_EQ(e->holder_host(), "");
+  EXPECT_EQ(e->code().value(), EBUSY);
+  // Once the holder's record is there, it is named.
+  {
+    std::ofstream(slab_owner_path(path)) << "pid=" << ::getpid() << " host=" << host()
+                                         << " since=2000-01-01T00:00:00Z\n";
+  }
+  const auto named = refusal(cfg_of({d.path}));
+  ASSERT_TRUE(named.has_value());
+  EXPECT_EQ(named->holder_pid(), ::getpid());
+}
+
 TEST(SlabLock, FlockFallbackLocksTheSameWay) {
   TempDir d;
   StoreConfig c = cfg_of({d.path});

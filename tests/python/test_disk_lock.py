@@ -150,3 +150,40 @@ def test_two_stores_in_one_process_and_a_refusal_leaves_nothing_locked(d):
     with open_store(d2, cold_start="load") as b:  # closed: opens, and nothing was lost
         assert b.batch_get(KEYS[:2]) == DATAS[:2]
     assert "SlabLockedError" in disk.__all__ and issubclass(SlabLockedError, OSError)
+
+
+# Takes the OFD lock of the slab file the way a store does, then (like a holder that is slow to
+# write its owner record) writes no record; says "locked" and waits for stdin to close.
+_LATE_HOLDER = textwrap.dedent("""
+    import fcntl, os, struct, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    print("locked", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_record_left_by_a_dead_process_is_never_named_as_the_holder(d):
+    """Issue 33 item 6: the new holder writes its record late; the record still names a process
+    that has exited. The refusal says the holder is unknown, naming the dead pid as such."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(slab(d) + ".owner", "w") as f:
+        f.write(f"pid={dead.pid} host={socket.gethostname()} since=2000-01-01T00:00:00Z\n")
+    child = subprocess.Popen([sys.executable, "-c", _LATE_HOLDER, slab(d)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 30)
+        assert ready and child.stdout.readline().strip() == "locked"
+        with pytest.raises(SlabLockedError) as ei:
+            open_store(d)
+        msg = str(ei.value)
+        assert (f'slab file "{slab(d)}" is held by an unknown process (the record names '
+                f"{dead.pid}, which has exited)") in msg, msg
+        assert f"process {dead.pid} " not in msg and "\n" not in msg
+        assert ei.value.holder_pid is None and ei.value.holder_host is None
+        assert ei.value.errno == errno.EBUSY
+    finally:
+        stop(child)
+    with open_store(d) as s:  # the lock went with the holder
+        assert s.put("k", b"v")

@@ -122,14 +122,21 @@ bool is_dead_local(const SlabOwner& o, const std::string& me) {
   }
   std::string who;
   if (o.pid < 0) {
-    who = "an unknown holder (no owner record \"" + slab_owner_path(path) + "\")";
+    who = "is locked by an unknown holder (no owner record \"" + slab_owner_path(path) + "\")";
+  } else if (is_dead_local(o, me)) {
+    // Still a dead process after the re-reads: the lock's holder is alive (the kernel dropped
+    // the dead one's lock) and has not written its own record yet. Never name the dead pid as
+    // the holder (issue 33).
+    who = "is held by an unknown process (the record names " + std::to_string(o.pid) +
+          ", which has exited)";
+    o = SlabOwner{};
   } else {
-    who = "process " + std::to_string(o.pid) + " on host " + o.host;
+    who = "is locked by process " + std::to_string(o.pid) + " on host " + o.host;
     if (o.pid == ::getpid() && o.host == me) who += " (this process)";
     who += " since " + o.since;
   }
   throw SlabBusy(path, o.pid, o.pid < 0 ? std::string() : o.host,
-                 "slab file \"" + path + "\" is locked by " + who +
+                 "slab file \"" + path + "\" " + who +
                      ": another open store uses it (close that store first, or give this one "
                      "another name or directory)");
 }
