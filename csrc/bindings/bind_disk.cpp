@@ -90,6 +90,17 @@ std::vector<disk::PutItem> put_items(unsigned kind, const std::vector<nb::bytes>
 }
 
 PyObject* g_slab_locked = nullptr;  // vitrify.disk.SlabLockedError (an OSError)
+PyObject* g_host_space = nullptr;   // vitrify.disk.HostSpaceError (an OSError, ENOSPC)
+
+// disk::HostSpaceShort -> HostSpaceError(ENOSPC, message) with mount, needed_bytes, free_bytes.
+void raise_host_space(const disk::HostSpaceShort& e) {
+  PyObject* exc = PyObject_CallFunction(g_host_space, "is", e.code().value(), e.what());
+  if (exc == nullptr) return;
+  raise_with_attributes(g_host_space, exc,
+                        {{"mount", PyUnicode_FromString(e.mount().c_str())},
+                         {"needed_bytes", PyLong_FromUnsignedLongLong(e.needed())},
+                         {"free_bytes", PyLong_FromUnsignedLongLong(e.free_bytes())}});
+}
 
 // disk::SlabBusy -> SlabLockedError(EBUSY, message) with path, holder_pid and holder_host.
 void raise_slab_locked(const disk::SlabBusy& e) {
@@ -176,12 +187,21 @@ void bind_disk(nb::module_& m) {
       "(None when the holder left no owner record).",
       PyExc_OSError, nullptr);
   m.attr("SlabLockedError") = nb::handle(g_slab_locked);
+  g_host_space = PyErr_NewExceptionWithDoc(
+      "vitrify.disk.HostSpaceError",
+      "The host tier's directory has too little free memory for the store's slabs (errno "
+      "ENOSPC); nothing was grown or left behind. Attributes: mount, needed_bytes (what the "
+      "slabs still need), free_bytes (what the mount has free).",
+      PyExc_OSError, nullptr);
+  m.attr("HostSpaceError") = nb::handle(g_host_space);
   // Registered after bind_common's translator, so tried before its std::system_error case.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const disk::SlabBusy& e) {
       raise_slab_locked(e);
+    } catch (const disk::HostSpaceShort& e) {
+      raise_host_space(e);
     }
   });
 

@@ -99,6 +99,12 @@ _STORED, _DUPLICATE = 0, 1
 #: ``holder_host`` (None when the holder left no owner record, or its record still names a
 #: process of this host that has exited: the holder is alive but has not written its own yet).
 SlabLockedError = _native.SlabLockedError
+#: Raised by a host-tier store (:class:`vitrify.tier.HostStore`) whose directory has too little
+#: free memory for its slabs: an ``OSError`` (errno ``ENOSPC``), one line naming the mount, the
+#: bytes needed and free, with attributes ``mount``, ``needed_bytes`` and ``free_bytes``. Nothing
+#: was grown and nothing the open created is left, so a caller may go on without the host tier
+#: (or open a smaller one: at most ``free_bytes`` more).
+HostSpaceError = _native.HostSpaceError
 PUT_RESULTS = {0: "stored", 1: "duplicate", 2: "full", 3: "error", 4: "cancelled"}
 
 
@@ -791,6 +797,7 @@ class PageMover:
         return list(hits), [tuple(d) for d in dropped]
 
 
-__all__ = ["DiskStore", "GetTicket", "KEY_BYTES", "PUT_RESULTS", "PageMover", "PutTicket",
+__all__ = ["DiskStore", "GetTicket", "HostSpaceError", "KEY_BYTES", "PUT_RESULTS", "PageMover",
+           "PutTicket",
            "SLOT_HEADER_BYTES", "SlabLockedError",
            "SlotBuffer", "make_key", "slot_bytes_for"]

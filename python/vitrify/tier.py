@@ -13,7 +13,8 @@ while the one writer holds the slab lock (csrc/src/disk/DESIGN.md D13, D14, H1-H
 directory created ``0700``; slab files are created ``0600``. A slab of another user, or a
 directory of another user that is not sticky (``/dev/shm`` itself is), is refused
 (``PermissionError``); too little space on the mount is an ``OSError`` (``ENOSPC``)
-naming the mount, the bytes needed and the bytes free.
+naming the mount, the bytes needed and the bytes free (:class:`HostSpaceError`, with those
+as attributes: a server can then run without the host tier, or with a smaller one).
 
 ``TieredStore(host, disk, *, write="back")`` puts every page into the host tier and writes it to
 the disk store behind it (``"back"``: a background thread, the put is acknowledged once the page
@@ -41,7 +42,7 @@ from typing import Any
 
 from . import _check, _native, config
 from . import disk as _disk
-from .disk import DiskStore, make_key
+from .disk import DiskStore, HostSpaceError, make_key
 
 WRITE_POLICIES = ("back", "through")
 
@@ -89,9 +90,10 @@ class HostStore(DiskStore):
         ValueError: the directory is not on tmpfs or hugetlbfs; a reader found a slab of
             another identity or geometry.
         PermissionError: the directory or a slab belongs to another user.
-        OSError: ``ENOSPC`` when the mount has too little free space (one line: mount, bytes
-            needed, bytes free); :class:`~vitrify.disk.SlabLockedError` when another writer
-            holds the slabs.
+        HostSpaceError: (an ``OSError``, ``ENOSPC``) the mount has too little free space (one
+            line: mount, bytes needed, bytes free; attributes ``mount``, ``needed_bytes``,
+            ``free_bytes``); nothing grew and nothing this open created is left.
+        OSError: :class:`~vitrify.disk.SlabLockedError` when another writer holds the slabs.
     """
 
     def __init__(self, budget_bytes: int, kinds: int | Mapping[str, Any], *,

@@ -208,3 +208,23 @@ def test_load_with_another_page_size_or_budget_refuses_naming_both_and_keeps_the
     # wiping is only ever "clear"
     with open_store(1 << 20, 8000, cold_start="clear") as s:
         assert s.get("k3") is None
+
+
+# ------------------------------------------------ a host tier larger than its mount (issue 33.7)
+def test_a_host_tier_larger_than_its_mount_is_a_host_space_error_naming_need_and_free(h):
+    """What the HiCache backend needs to start without the host tier: a distinct OSError
+    (ENOSPC) with the mount, the bytes needed and free; nothing left behind."""
+    from vitrify import tier
+
+    free = free_bytes(h)
+    with pytest.raises(tier.HostSpaceError) as ei:
+        HostStore(free + (8 << 30), {"big": 1 << 30}, dir=h, name="big")
+    e = ei.value
+    assert isinstance(e, OSError) and e.errno == errno.ENOSPC
+    assert e.mount == "/dev/shm" and e.needed_bytes > e.free_bytes > 0
+    assert f"needs {e.needed_bytes} more bytes" in str(e) and f"has {e.free_bytes} bytes free" in str(e)
+    assert "\n" not in str(e) and disk.HostSpaceError is tier.HostSpaceError
+    assert os.listdir(h) == []
+    # a host tier that fits in what is free opens
+    with HostStore(min(e.free_bytes // 4, 16 << 20), 4096, dir=h, name="small") as s:
+        assert s.put("k", b"v") and s.get("k") == b"v"

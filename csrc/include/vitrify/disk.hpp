@@ -249,7 +249,25 @@ struct HostFs {
 // statfs of `dir`; std::invalid_argument (ValueError) naming the directory and its filesystem
 // when it is not in memory (tmpfs or hugetlbfs), std::system_error when statfs fails.
 HostFs host_fs(const std::string& dir);
-// Throws std::system_error ENOSPC, one line naming the mount, its filesystem, the bytes needed
+// The host tier's directory has too little free memory for its slabs (H5): a std::system_error
+// ENOSPC (Python vitrify.disk.HostSpaceError, an OSError) that also carries the mount, the bytes
+// needed and the bytes free, so a caller can run without the host tier or with a smaller one.
+class HostSpaceShort : public std::system_error {
+ public:
+  HostSpaceShort(std::string mount, uint64_t needed, uint64_t free_bytes, const std::string& message)
+      : std::system_error(ENOSPC, std::generic_category(), message),
+        mount_(std::move(mount)), needed_(needed), free_(free_bytes), message_(message) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+  const std::string& mount() const noexcept { return mount_; }
+  uint64_t needed() const noexcept { return needed_; }
+  uint64_t free_bytes() const noexcept { return free_; }
+
+ private:
+  std::string mount_;
+  uint64_t needed_, free_;
+  std::string message_;
+};
+// Throws HostSpaceShort (ENOSPC), one line naming the mount, its filesystem, the bytes needed
 // and the bytes free, when `needed` > fs.free_bytes.
 void check_host_space(const HostFs& fs, const std::string& what, uint64_t needed);
 

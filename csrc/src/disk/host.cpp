@@ -113,8 +113,8 @@ HostFs host_fs(const std::string& dir) {
 
 void check_host_space(const HostFs& fs, const std::string& what, uint64_t needed) {
   if (needed <= fs.free_bytes) return;
-  throw std::system_error(
-      ENOSPC, std::generic_category(),
+  throw HostSpaceShort(
+      fs.mount, needed, fs.free_bytes,
       "host tier: " + what + " needs " + std::to_string(needed) + " more bytes on " + fs.type +
           " mount \"" + fs.mount + "\", which has " + std::to_string(fs.free_bytes) +
           " bytes free (free memory there, lower the host budget or choose another directory)");
