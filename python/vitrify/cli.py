@@ -41,7 +41,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    return demo.main()
+    if args.keep is not None and not os.path.isdir(args.keep):
+        raise CliError(f"--keep {args.keep}: not an existing directory")
+    try:
+        return demo.main(keep=args.keep)
+    except demo.DemoFailure as e:  # --keep's own refusals (the parts report theirs inline)
+        raise CliError(str(e)) from None
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -146,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dir", default=".", help="directory to probe for O_DIRECT (default: .)")
     d.set_defaults(func=_cmd_doctor)
     m = sub.add_parser("demo", help="run vitrify's main job here; says what was skipped and why")
+    m.add_argument("--keep", metavar="DIR", default=None,
+                   help="leave a copy of the demo's intact archive in DIR (DIR/demo.vitrify), to "
+                        "try `vitrify inspect` and `vitrify verify` on")
     m.set_defaults(func=_cmd_demo)
     i = sub.add_parser("inspect", help="describe an archive: fingerprint, ranks, spans, graphs, sizes")
     i.add_argument("archive")

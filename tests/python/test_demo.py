@@ -179,3 +179,22 @@ def test_demo_keep_refuses_a_missing_directory_or_an_archive_already_there(tmp_p
     with pytest.raises(demo.DemoFailure, match=r"demo.vitrify is already there"):
         demo.main(out=io.StringIO(), keep=str(tmp_path))
     assert (tmp_path / "demo.vitrify" / "mine").read_text() == "a user's file"
+
+
+def test_vitrify_demo_keep_from_the_command_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vitrify", "demo", "--keep", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kept = tmp_path / "demo.vitrify"
+    v = subprocess.run([sys.executable, "-m", "vitrify", "verify", str(kept)],
+                       capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0 and v.stdout.startswith(f"OK {kept}")
+    again = subprocess.run([sys.executable, "-m", "vitrify", "demo", "--keep", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    assert again.stderr.strip() == (f"vitrify demo: --keep {tmp_path}: demo.vitrify is already "
+                                    f"there (remove it or name another directory)")
+    missing = subprocess.run([sys.executable, "-m", "vitrify", "demo", "--keep",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"vitrify demo: --keep {tmp_path / 'nope'}: not an existing directory"

@@ -948,3 +948,45 @@ def test_a_second_server_reads_the_first_servers_host_tier(tmp_path, shm_dir):
         w.close()
     with pytest.raises(ValueError, match="'role' must be 'writer' or 'reader'"):
         VitrifyStorageSettings.from_extra_config(dict(extra, role="boss"))
+
+
+def test_a_host_tier_larger_than_its_mount_is_left_out_unless_required(tmp_path, shm_dir,
+                                                                        caplog):
+    """issue 33 item 7: host_bytes above the host directory's free space no longer stops the
+    server: it starts without the host tier (one warning line; vitrify_stats says why) and
+    serves from the disk. host_required = true keeps it an error naming the need and the free
+    space, and nothing is left in the host directory either way."""
+    import shutil as _shutil
+
+    from vitrify import disk as _disk
+
+    _, host = _mha_host("page_first")
+    _fill_random(host, 16)
+    idx = host.alloc(3 * PAGE)
+    want = _pages(host, idx, 3)
+    _, keys = _keys(3)
+    too_big = _shutil.disk_usage(shm_dir).free + (64 << 30)
+    extra = _extra(tmp_path, host_bytes=too_big, host_dir=shm_dir)
+    with caplog.at_level("WARNING", logger="vitrify"):
+        b = _backend(host, extra)
+    try:
+        info = b.vitrify_stats()
+        assert info["host"] is None
+        assert info["host_unavailable"].startswith("[Errno 28] host tier: the slabs")
+        assert "bytes free" in info["host_unavailable"]
+        warned = [r.getMessage() for r in caplog.records
+                  if "running without the host tier" in r.getMessage()]
+        assert len(warned) == 1 and "\n" not in warned[0]
+        assert b.batch_set_v1(keys, idx) == [True] * 3  # served by the disk tier
+        dst = host.alloc(3 * PAGE)
+        assert b.batch_get_v1(keys, dst) == [True] * 3
+        for i, page in enumerate(_pages(host, dst, 3)):
+            assert torch.equal(page, want[i])
+    finally:
+        b.close()
+    assert os.listdir(shm_dir) == []
+    with pytest.raises(_disk.HostSpaceError, match=r"host tier: the slabs .* bytes free"):
+        _backend(host, dict(extra, host_required=True))
+    assert os.listdir(shm_dir) == []
+    with pytest.raises(ValueError, match=r"'host_required' must be true or false, got 'yes'"):
+        _backend(host, dict(extra, host_required="yes"))

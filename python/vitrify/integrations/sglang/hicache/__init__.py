@@ -57,6 +57,10 @@ timeout_s``        to create the shared store (seconds, default 300)
                    a batch that does not fit is written through; ``close`` waits for it)
 ``host_dir``       the host tier's directory (tmpfs or hugetlbfs; default
                    ``$VITRIFY_HOST_DIR/vitrify-<uid>``); ``vitrify tier ls`` lists its slabs
+``host_required``  ``false`` (default): when the host directory's mount has less free space
+                   than ``host_bytes``, the server starts without the host tier and serves from
+                   the disk, saying so in one warning line and in ``vitrify_stats()``
+                   (``host_unavailable``); ``true``: that is an error and the server stops
 ``role``           ``"writer"`` (default) or ``"reader"``: a second server of the node with
                    the same storage identity maps the first one's host and disk slabs
                    read-only (waiting ``reader_open_timeout_s`` for them), serves their pages,

@@ -187,6 +187,7 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
         self._host_store: Optional[_tier.HostStore] = None
         self._host_mover: Optional[_disk.PageMover] = None
         self._host_c = {"host_hits": 0, "host_promotions": 0, "host_set_failed": 0}
+        self._host_unavailable: Optional[str] = None  # why host_bytes > 0 has no host tier
         self._writeback: Optional[WriteBack] = None  # host_write="back": the disk behind
         self._c = _Counters()
         self._retired = {k: 0 for k in _STORE_TOTALS}  # totals of the stores closed so far
@@ -247,7 +248,8 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 "budget_bytes": self._kv_budget, "identity": self._identity_locked(),
                 "host_slabs": ([self._host_store.slab_path(_KIND)] if self._host_store
                                else []),
-                "host_bytes": self.settings.host_bytes if self._host_store else 0}
+                "host_bytes": self.settings.host_bytes if self._host_store else 0,
+                "host_unavailable": self._host_unavailable}
 
     def _open_store(self, budget: int, page_bytes: int, name: str,
                     cold_start: str) -> _disk.DiskStore:
@@ -295,9 +297,20 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                 name=self._store_name, mode="read", read_threads=s.read_threads),
                 f"host tier {self._store_name!r}")
         else:
-            host = _tier.HostStore(s.host_bytes, {_KIND: self._geom.blob_bytes}, dir=s.host_dir,
-                                   name=self._store_name, cold_start=cold_start,
-                                   read_threads=s.read_threads, write_threads=s.write_threads)
+            try:
+                host = _tier.HostStore(s.host_bytes, {_KIND: self._geom.blob_bytes},
+                                       dir=s.host_dir, name=self._store_name,
+                                       cold_start=cold_start, read_threads=s.read_threads,
+                                       write_threads=s.write_threads)
+            except _disk.HostSpaceError as e:
+                if s.host_required:
+                    raise
+                # The server starts and serves from the disk tier; the stats say why.
+                self._host_unavailable = str(e)
+                logger.warning("vitrify HiCache backend: running without the host tier: %s "
+                               "(host_required = true makes this an error)", e)
+                return
+        self._host_unavailable = None
         try:
             chunk = max(1, min(STORAGE_BATCH_SIZE // 4,
                                s.staging_bytes // (2 * host.slot_bytes(_KIND))))
@@ -697,13 +710,16 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     def vitrify_stats(self) -> dict:
         """:meth:`counters` plus the disk store's (occupancy, spills, reloads, GC, errors), and
         ``host``: None without a host tier, else ``host_hits``, ``host_promotions``,
-        ``host_set_failed``, the host store's stats (``store``) and its slab file (``slab``)."""
+        ``host_set_failed``, the host store's stats (``store``) and its slab file (``slab``);
+        ``host_unavailable``: None, or why a configured host tier is not there (its mount had
+        too little space and ``host_required`` is false)."""
         d = self.counters()
         with self._state.shared():
             d["store"] = self._store.stats() if self._store is not None else None
             d["name"] = self._store_name
             d["page_bytes"] = self._geom.blob_bytes if self._geom else None
             d["budget_bytes"] = self._kv_budget
+            d["host_unavailable"] = self._host_unavailable
             hs = self._host_store
             host = None if hs is None else {"store": hs.stats(), "slab": hs.slab_path(_KIND)}
             with self._clock:

@@ -25,7 +25,7 @@ _VITRIFY_KEYS = frozenset({
     "dirs", "budget_bytes", "budget_gb", "cold_start", "direct_io", "staging_bytes",
     "read_threads", "write_threads", "name", "extra_pool_budget_bytes", "stats_path",
     "revision", "weight_version", "reader_refresh_s", "reader_open_timeout_s",
-    "host_bytes", "host_gb", "host_dir", "host_write", "role",
+    "host_bytes", "host_gb", "host_dir", "host_write", "host_required", "role",
 })
 _KIND = "kv"  # the one payload kind of every slab store of this backend
 _MiB = 1 << 20
@@ -61,6 +61,9 @@ class VitrifyStorageSettings:
     # "through": a v1 set is acknowledged by the disk; "back": by the host tier, the disk
     # written behind it (writeback.py)
     host_write: str = "through"
+    # False: a host tier whose mount has too little space is left out (one warning line, the
+    # stats' host_unavailable says why) and the server serves from the disk; True: an error
+    host_required: bool = False
     # "reader": another server of the node with the same storage identity owns the stores; this
     # one maps them read-only (host tier and disk), writes nothing and rescans on a miss.
     role: str = "writer"
@@ -186,13 +189,18 @@ class VitrifyStorageSettings:
         if host_write not in ("through", "back"):
             raise ValueError(f"vitrify HiCache backend: 'host_write' must be 'through' or "
                              f"'back', got {host_write!r}")
+        host_required = extra.get("host_required", False)
+        if not isinstance(host_required, bool):
+            raise ValueError(f"vitrify HiCache backend: 'host_required' must be true or false, "
+                             f"got {host_required!r}")
         role = extra.get("role", "writer")
         if role not in ("writer", "reader"):
             raise ValueError(f"vitrify HiCache backend: 'role' must be 'writer' or 'reader', "
                              f"got {role!r}")
         return cls(dirs=tuple(dirs), budget_bytes=budget, cold_start=cold, direct_io=dio,
                    name=name, extra_pool_budget_bytes=extra_budget, stats_path=stats_path,
-                   host_bytes=host_bytes, host_dir=host_dir, host_write=host_write, role=role, **versions, **ints,
+                   host_bytes=host_bytes, host_dir=host_dir, host_write=host_write,
+                   host_required=host_required, role=role, **versions, **ints,
                    **floats)
 
 
