@@ -59,7 +59,7 @@ std::vector<int64_t> wait(const disk::Ticket& t) {
 }
 
 disk::Ticket submit_copy(disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
-                         const std::vector<RoArray>& datas) {
+                         const std::vector<RoArray>& datas, bool dirty = false) {
   VITRIFY_EXPECT(keys.size() == datas.size(), "got " + std::to_string(keys.size()) + " keys and " +
                                                std::to_string(datas.size()) + " payloads");
   std::vector<Key> ks = to_keys(keys);
@@ -70,7 +70,7 @@ disk::Ticket submit_copy(disk::Store& s, unsigned kind, const std::vector<nb::by
     lens.push_back(a.nbytes());
   }
   nb::gil_scoped_release nogil;
-  return s.submit_put_copy(kind, ks, srcs, lens);
+  return s.submit_put_copy(kind, ks, srcs, lens, dirty);
 }
 
 std::vector<disk::PutItem> put_items(unsigned kind, const std::vector<nb::bytes>& keys,
@@ -125,6 +125,7 @@ nb::dict stats_dict(const disk::StoreStats& s) {
     kd["slots_total"] = k.slots_total;
     kd["slots_used"] = k.slots_used;
     kd["entries"] = k.entries;
+    kd["dirty"] = k.dirty;
     kd["occupancy"] = k.slots_total ? double(k.slots_used) / double(k.slots_total) : 0.0;
     kinds.append(kd);
   }
@@ -315,10 +316,30 @@ void bind_disk(nb::module_& m) {
       .def("put",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
               const std::vector<RoArray>& datas) { return wait(submit_copy(s, kind, keys, datas)); })
-      .def("put_async",
-           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
-              const std::vector<RoArray>& datas) {
-             return PyTicket{submit_copy(s, kind, keys, datas), {}};
+      .def(
+          "put_async",
+          [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
+             const std::vector<RoArray>& datas, bool dirty) {
+            return PyTicket{submit_copy(s, kind, keys, datas, dirty), {}};
+          },
+          nb::arg("kind"), nb::arg("keys"), nb::arg("datas"), nb::arg("dirty") = false)
+      .def("mark_clean",
+           [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys) {
+             std::vector<Key> ks = to_keys(keys);
+             nb::gil_scoped_release nogil;
+             return s.mark_clean(kind, ks);
+           })
+      .def("keys",
+           [](disk::Store& s, unsigned kind, bool dirty_only) {
+             std::vector<Key> ks;
+             {
+               nb::gil_scoped_release nogil;
+               ks = s.keys(kind, dirty_only);
+             }
+             nb::list out;
+             for (const Key& k : ks)
+               out.append(nb::bytes(reinterpret_cast<const char*>(k.data()), k.size()));
+             return out;
            })
       .def("put_buffers_async",
            [](disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,

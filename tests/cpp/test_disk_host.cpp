@@ -33,6 +33,7 @@ namespace {
 constexpr size_t kPage = 10000;
 
 using vitrify::test::ShmDir;
+using vitrify::test::TempDir;
 
 Key key_of(uint64_t i) {
   Key k{};
@@ -391,4 +392,70 @@ TEST(HostTier, ReaderInAnotherProcessServesTheWritersPagesAndOutlivesIt) {
   EXPECT_EQ(w.stats().loaded_entries, 20u);
   for (uint64_t i = 0; i < 20; ++i) EXPECT_EQ(read_check(w, i), 1) << i;
   for (int fd : {go[0], go[1], done[0], done[1]}) ::close(fd);
+}
+
+namespace {
+int64_t put_copy(Store& s, uint64_t i, bool dirty) {
+  std::vector<uint8_t> src(len_of(i));
+  for (size_t o = 0; o < src.size(); ++o) src[o] = byte_of(i, o);
+  return s.submit_put_copy(0, {key_of(i)}, {src.data()}, {src.size()}, dirty)->wait()[0];
+}
+std::set<Key> key_set(const std::vector<Key>& v) { return std::set<Key>(v.begin(), v.end()); }
+}  // namespace
+
+// D24: a dirty page (a write-back page the disk has not acknowledged) is never evicted: a host
+// tier full of them refuses the next put (kFull) instead; the flag is in the slot header, so a
+// restart (load) finds exactly the dirty pages again; mark_clean makes a page evictable and
+// clears the flag in its header.
+TEST(HostTier, DirtyPagesAreNeverEvictedAndSurviveARestartDirty) {
+  ShmDir d;
+  {
+    Store s(host_cfg(d.path, 10));
+    for (uint64_t i = 0; i < 10; ++i) ASSERT_EQ(put_copy(s, i, true), kStored) << i;
+    EXPECT_EQ(put_copy(s, 10, true), static_cast<int64_t>(PutResult::kFull));
+    EXPECT_EQ(put_copy(s, 11, false), static_cast<int64_t>(PutResult::kFull));
+    EXPECT_EQ(s.stats().kinds[0].dirty, 10u);
+    for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(read_check(s, i), 1) << i;
+    EXPECT_EQ(put_copy(s, 3, false), static_cast<int64_t>(PutResult::kDuplicate));
+    EXPECT_EQ(s.stats().kinds[0].dirty, 10u) << "a duplicate put leaves it dirty";
+  }
+  std::set<Key> dirty;
+  for (uint64_t i = 0; i < 10; ++i) dirty.insert(key_of(i));
+  {
+    Store s(host_cfg(d.path, 10, ColdStart::kLoad));
+    EXPECT_EQ(key_set(s.keys(0, true)), dirty);
+    EXPECT_EQ(put_copy(s, 10, false), static_cast<int64_t>(PutResult::kFull)) << "still dirty";
+    std::vector<Key> clean;
+    for (uint64_t i = 0; i < 5; ++i) clean.push_back(key_of(i));
+    clean.push_back(key_of(42));  // not there
+    EXPECT_EQ(s.mark_clean(0, clean), (std::vector<bool>{true, true, true, true, true, false}));
+    EXPECT_EQ(s.mark_clean(0, {key_of(0)}), std::vector<bool>{false}) << "already clean";
+    for (uint64_t i = 0; i < 5; ++i) dirty.erase(key_of(i));
+    EXPECT_EQ(key_set(s.keys(0, true)), dirty);
+    EXPECT_EQ(s.stats().kinds[0].dirty, 5u);
+  }
+  {
+    Store s(host_cfg(d.path, 10, ColdStart::kLoad));
+    EXPECT_EQ(key_set(s.keys(0, true)), dirty) << "mark_clean cleared the flag in the header";
+    EXPECT_EQ(s.keys(0, false).size(), 10u);
+    // New pages evict the clean ones, never a dirty one.
+    for (uint64_t i = 100; i < 140; ++i) ASSERT_EQ(put_copy(s, i, false), kStored) << i;
+    for (uint64_t i = 5; i < 10; ++i) EXPECT_EQ(read_check(s, i), 1) << i;
+    for (uint64_t i = 0; i < 5; ++i) EXPECT_EQ(read_check(s, i), 0) << i;
+    EXPECT_EQ(s.stats().kinds[0].dirty, 5u);
+    // A delete removes a dirty page.
+    EXPECT_TRUE(s.remove(0, key_of(7)));
+    EXPECT_EQ(s.stats().kinds[0].dirty, 4u);
+  }
+  // A reader sees the dirty pages like any other; dirty puts and mark_clean are a writer's and
+  // a host store's.
+  Store r(host_cfg(d.path, 10, ColdStart::kLoad, true));
+  EXPECT_EQ(read_check(r, 5), 1);
+  EXPECT_THROW(r.mark_clean(0, {key_of(5)}), std::system_error);
+  TempDir disk_dir;
+  StoreConfig dc = host_cfg(disk_dir.path, 4);
+  dc.host = false;
+  Store disk(dc);
+  EXPECT_THROW(put_copy(disk, 1, true), std::invalid_argument);
+  EXPECT_THROW(disk.mark_clean(0, {key_of(1)}), std::invalid_argument);
 }

@@ -491,3 +491,89 @@ TEST(SlotIndex, RandomizedAgainstReferenceModel) {
     EXPECT_GT(publishes, 500u);
   }
 }
+
+// D24: a dirty entry (a write-back page the disk has not acknowledged) is in no GC order: GC
+// reclaims every clean entry first and never a dirty one, however cold; mark_clean puts it
+// back as the newest entry. load keeps dirty slots dirty; delete removes a dirty entry.
+TEST(SlotIndex, DirtyEntriesAreNeverCollectedUntilMarkedClean) {
+  SlotIndex x({10}, 0.90, 0.50);
+  std::vector<SlotLocation> at;
+  for (uint64_t i = 0; i < 10; ++i) {
+    const Key k = key_of(i);
+    const Plan p = x.plan_put(k);
+    const uint64_t slot = x.allocate(k, p);
+    ASSERT_TRUE(x.finish_put(k, p.drive, slot, 100, true, /*dirty=*/i < 6).published);
+    at.push_back({p.drive, slot, 100});
+  }
+  EXPECT_EQ(x.dirty_count(), 6u);
+  EXPECT_EQ(x.keys(true).size(), 6u);
+  EXPECT_EQ(x.keys(false).size(), 10u);
+  for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(x.dirty(key_of(i)), i < 6) << i;
+  x.touch(key_of(7));
+  EXPECT_EQ(x.collect_to(0), 4u) << "only the clean ones";
+  for (uint64_t i = 0; i < 6; ++i) EXPECT_TRUE(x.find(key_of(i))) << i;
+  EXPECT_EQ(x.collect_to(0), 0u);
+  EXPECT_EQ(x.plan_put(key_of(99)).action, Plan::kAllocate);  // 4 slots free again
+  // Clean: evictable again, as the newest entries, in the order they were cleaned.
+  EXPECT_EQ(x.mark_clean(key_of(3)), std::optional<SlotLocation>(at[3]));
+  EXPECT_EQ(x.mark_clean(key_of(3)), std::nullopt) << "already clean";
+  EXPECT_EQ(x.mark_clean(key_of(77)), std::nullopt) << "not indexed";
+  EXPECT_TRUE(x.mark_clean(key_of(1)));
+  EXPECT_EQ(x.dirty_count(), 4u);
+  EXPECT_EQ(x.collect_to(5), 1u);
+  EXPECT_FALSE(x.find(key_of(3)));
+  EXPECT_TRUE(x.find(key_of(1)));
+  EXPECT_TRUE(x.remove(key_of(0)));  // a delete removes a dirty entry
+  EXPECT_EQ(x.dirty_count(), 3u);
+  // The heap never holds a dirty entry, however many touches (rebuilds included).
+  for (int n = 0; n < 5000; ++n) x.touch(key_of(2));
+  EXPECT_EQ(x.collect_to(0), 1u);  // key 1, the only clean entry left
+  EXPECT_EQ(x.entries(), 3u);
+  // load: dirty slots stay dirty and out of GC order.
+  SlotIndex y({10}, 0.90, 0.50);
+  uint32_t seq = 0;
+  std::vector<FoundSlot> found;
+  for (uint64_t i = 0; i < 4; ++i)
+    found.push_back({0, ScannedSlot{i, key_of(i), 50, static_cast<uint32_t>(i), i % 2 == 0}});
+  EXPECT_EQ(y.load(found, seq), 4u);
+  EXPECT_EQ(y.dirty_count(), 2u);
+  EXPECT_EQ(y.collect_to(0), 2u);
+  EXPECT_TRUE(y.find(key_of(0)));
+  EXPECT_TRUE(y.find(key_of(2)));
+}
+
+// D5, D14: with held slots, a freed slot is on no free stack (and still counted as used) until
+// released, so it is never handed out before the Store zeroed it; a clear or load starts a new
+// generation, and a release from the old one does nothing (no slot is freed twice).
+TEST(SlotIndex, HeldSlotsComeBackOnlyWhenReleasedNeverTwice) {
+  SlotIndex x({3}, 0.90, 0.50);
+  x.hold_freed_slots();
+  const SlotLocation a = put_now(x, 1), b = put_now(x, 2);
+  put_now(x, 3);
+  EXPECT_EQ(x.plan_put(key_of(4)).action, Plan::kFull);
+  EXPECT_TRUE(x.remove(key_of(1)));
+  EXPECT_TRUE(x.drop_if_at(key_of(2), b));
+  EXPECT_EQ(x.slots_used(), 3u) << "held slots count as used";
+  EXPECT_EQ(x.slots_out(), 2u);
+  EXPECT_EQ(x.plan_put(key_of(4)).action, Plan::kFull) << "held: not free yet";
+  SlotIndex::Held h = x.take_held();
+  EXPECT_FALSE(x.has_held());
+  ASSERT_EQ(h.slots.size(), 2u);
+  EXPECT_EQ(x.collect_to(0), 1u);  // key 3: held too
+  x.release_held(h.generation, h.slots[0].first, h.slots[0].second, true);
+  x.release_held(h.generation, h.slots[1].first, h.slots[1].second, false);  // could not zero
+  EXPECT_EQ(x.slots_out(), 1u);
+  EXPECT_EQ(x.slots_used(), 1u);
+  EXPECT_EQ(free_total(x), 2u);
+  EXPECT_EQ(x.stale(0).size(), 1u) << "the one not zeroed is stale (close zeroes it)";
+  EXPECT_EQ(x.stale(0).count(b.slot), 1u);
+  EXPECT_EQ(x.stale(0).count(a.slot), 0u);
+  SlotIndex::Held h3 = x.take_held();
+  ASSERT_EQ(h3.slots.size(), 1u);
+  x.clear();  // every slot free now, the held one included
+  EXPECT_EQ(free_total(x), 3u);
+  x.release_held(h3.generation, h3.slots[0].first, h3.slots[0].second, true);  // ignored
+  EXPECT_EQ(free_total(x), 3u);
+  EXPECT_EQ(x.slots_used(), 0u);
+  EXPECT_EQ(x.slots_out(), 0u);
+}

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -130,6 +131,41 @@ TEST(DiskReader, SeesTheWritersPagesWhileTheWriterHoldsTheLock) {
 
 // D14: pages committed after the reader opened are found after refresh(); evicted and deleted
 // ones disappear; a writer's clear() (new slab id) turns every old page into a miss.
+// Issue 33 item 5: a refresh never finds a page the writer deleted (once remove() returned) or
+// evicted (once the put whose batch evicted it returned): their slots are zeroed before that.
+// Each round: puts that overflow the store (GC evicts), deletes, then a refresh; every key the
+// reader indexes is one the writer indexes, with its exact bytes.
+TEST(DiskReader, DeletedAndEvictedPagesAreGoneForARefresh) {
+  for (const bool host : {false, true}) {
+    std::unique_ptr<TempDir> d = std::make_unique<TempDir>(host ? "/dev/shm" : nullptr);
+    StoreConfig wc = cfg_of(d->path, 40, false), rc = cfg_of(d->path, 40, true);
+    wc.host = rc.host = host;
+    Store w(wc);
+    ASSERT_EQ(put(w, 0), static_cast<int64_t>(PutResult::kStored));
+    Store r(rc);
+    uint64_t refound = 0, checked = 0;
+    uint32_t next = 1;
+    std::mt19937 rng(7);
+    for (int round = 0; round < 60; ++round) {
+      for (int n = 0; n < 7; ++n) ASSERT_NE(put(w, next++), static_cast<int64_t>(PutResult::kError));
+      for (int n = 0; n < 3; ++n)  // among the newest pages: mostly still indexed
+        w.remove(0, key_of(next - 1 - static_cast<uint32_t>(rng() % std::min<uint32_t>(next, 30))));
+      r.refresh();
+      for (uint32_t i = 0; i < next; ++i) {
+        if (!r.exists(0, key_of(i))) continue;
+        ++checked;
+        if (!w.exists(0, key_of(i))) ++refound;
+        EXPECT_EQ(read_of(r, i), 1) << i;
+      }
+    }
+    EXPECT_GT(w.stats().gc_reclaims, 100u) << "GC evicted pages";
+    EXPECT_GT(w.stats().deletes, 80u);
+    EXPECT_GT(checked, 1000u);
+    EXPECT_EQ(refound, 0u) << (host ? "host" : "disk")
+                           << ": pages a refresh found after the writer deleted or evicted them";
+  }
+}
+
 TEST(DiskReader, RefreshPicksUpLaterPagesDeletesAndClears) {
   TempDir d;
   Store w(cfg_of(d.path, 32, false));
@@ -180,11 +216,11 @@ TEST(DiskReader, NeverWritesAnything) {
     const Snapshot before = snapshot(d.path);
     {
       Store r(cfg_of(d.path, 16, true));
-      // 4 and 5 are deleted, but their slots are not reused or zeroed yet: a reader still
-      // finds them, with their exact bytes (D14)
-      for (uint32_t i = 0; i < 12; ++i) EXPECT_EQ(read_of(r, i), i < 4 ? -1 : 1) << i;
-      EXPECT_EQ(r.refresh(), 8u);
-      for (uint32_t i = 0; i < 12; ++i) EXPECT_EQ(read_of(r, i), i < 4 ? -1 : 1) << i;
+      // 4 and 5 are deleted: their slots were zeroed before remove() returned, so a reader
+      // does not find them (D14)
+      for (uint32_t i = 0; i < 12; ++i) EXPECT_EQ(read_of(r, i), i < 6 ? -1 : 1) << i;
+      EXPECT_EQ(r.refresh(), 6u);
+      for (uint32_t i = 0; i < 12; ++i) EXPECT_EQ(read_of(r, i), i < 6 ? -1 : 1) << i;
       const auto erofs = [](auto&& f) {
         try {
           f();

@@ -40,6 +40,11 @@ constexpr size_t kKeyBytes = 32;
 constexpr uint32_t kSlotMagic = 0x4C535456;  // "VTSL" little-endian
 constexpr uint32_t kFileMagic = 0x46535456;  // "VTSF"
 constexpr uint16_t kFormatVersion = 1;
+// Slot header flags (byte 5; zero in every slot written before flags existed, whose u16
+// version field read 1 there). kSlotDirty: a host-tier page put in write-back mode that the
+// disk behind it has not acknowledged yet (D24); GC never evicts it.
+constexpr uint8_t kSlotDirty = 0x01;
+constexpr uint8_t kKnownSlotFlags = kSlotDirty;
 constexpr uint64_t kMaxSlotsPerSlab = 0xFFFFFFFFull;  // a slot header's index is 32-bit
 
 using Key = std::array<uint8_t, kKeyBytes>;
@@ -51,7 +56,8 @@ struct KeyHash {
 // The 64-byte header at the start of every slot (little-endian, packed; see DESIGN.md).
 struct SlotHeader {
   uint32_t magic;        //  0  kSlotMagic
-  uint16_t version;      //  4  kFormatVersion
+  uint8_t version;       //  4  kFormatVersion
+  uint8_t flags;         //  5  kSlotDirty (host tier); other bits must be 0
   uint16_t kind;         //  6  payload kind of the slab
   uint32_t slot;         //  8  this slot's index in its slab
   uint32_t payload_len;  // 12  payload bytes following the header
@@ -109,6 +115,7 @@ struct ScannedSlot {
   Key key;
   uint32_t payload_len;
   uint32_t seq;
+  bool dirty = false;  // the header carries kSlotDirty
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -311,7 +318,12 @@ class SlabFile {
   // only read. Does not sync: call sync() before publishing.
   // Throws std::system_error on an I/O error, std::invalid_argument on bad arguments.
   void write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
-                     uint32_t seq);
+                     uint32_t seq, uint8_t flags = 0);
+  // Host slabs (D24): rewrites the mapped header of `slot` with `flags` (and its CRC), when it
+  // verifies for `key`; false otherwise (nothing written). A reader copying the slot meanwhile
+  // sees the header change and misses (D21); a SIGKILL mid-write leaves a header that does not
+  // verify (a miss). std::invalid_argument on a disk slab, EROFS on a read-only one.
+  bool set_slot_flags(uint64_t slot, const Key& key, uint8_t flags);
 
   // Reads slot `slot` with one transfer into `buf` (4 KiB-aligned, `buf_bytes` long) and
   // verifies it against `key`. `expected_len` (or SIZE_MAX: unknown, read the whole slot)
@@ -471,6 +483,7 @@ enum class PutResult : int8_t {
 
 struct KindStats {
   uint64_t page_bytes, slot_bytes, slots_total, slots_used, entries;
+  uint64_t dirty = 0;  // entries marked dirty (D24)
 };
 
 struct StoreStats {
@@ -523,6 +536,7 @@ struct PutItem {
   Key key;
   SlotBufferPtr buffer;   // owns the slot image (payload at +64)
   size_t payload_len = 0;
+  bool dirty = false;     // host stores: write it kSlotDirty, never evicted until marked clean
 };
 
 struct GetItem {
@@ -594,9 +608,38 @@ class SlotIndex {
     std::vector<Joiner> joiners;  // duplicates that joined: acknowledge them
   };
   // Ends the pending put of `key` in (drive, slot): `durable` means the slot write and its
-  // sync succeeded. Publishes the entry (the newest in GC order) when durable and not
-  // cancelled; otherwise frees the slot (stale).
-  PutOutcome finish_put(const Key& key, uint32_t drive, uint64_t slot, uint32_t len, bool durable);
+  // sync succeeded. Publishes the entry (the newest in GC order; `dirty`: marked dirty, out
+  // of GC order, D24) when durable and not cancelled; otherwise frees the slot (stale).
+  PutOutcome finish_put(const Key& key, uint32_t drive, uint64_t slot, uint32_t len, bool durable,
+                        bool dirty = false);
+  bool pending(const Key& key) const { return pending_.count(key) != 0; }
+
+  // D24: a dirty entry is never reclaimed by GC (collect skips it; delete and a failed
+  // verification still remove it). mark_clean puts it back into GC order as the newest entry;
+  // the location of the entry it cleaned, nullopt when `key` is not indexed or not dirty.
+  std::optional<SlotLocation> mark_clean(const Key& key);
+  bool dirty(const Key& key) const;
+  uint64_t dirty_count() const noexcept { return dirty_count_; }
+  // Every indexed key (dirty_only: the dirty ones), in no particular order.
+  std::vector<Key> keys(bool dirty_only) const;
+
+  // D5, D14: with hold_freed_slots() (the Store sets it), a freed slot is held back — still
+  // counted in slots_used, on no free stack — until the caller zeroed its header and returned
+  // it with release_held, so a slot is never reused, and a reader's scan never finds the page
+  // it held, once the slot was freed and released. take_held() hands over the held slots and
+  // the index generation (clear and load start a new one: slots taken before are then part of
+  // the fresh pool, and release_held of an older generation does nothing).
+  void hold_freed_slots() noexcept { hold_ = true; }
+  struct Held {
+    uint64_t generation = 0;
+    std::vector<std::pair<uint32_t, uint64_t>> slots;  // (drive, slot)
+  };
+  Held take_held();
+  bool has_held() const noexcept { return !held_.empty(); }
+  uint64_t slots_out() const noexcept { return held_out_; }  // freed, not yet released
+  // Returns a held slot to its free stack; `zeroed` false: its header may still verify, so it
+  // is stale (close() zeroes it, D5).
+  void release_held(uint64_t generation, uint32_t drive, uint64_t slot, bool zeroed);
 
   std::optional<SlotLocation> find(const Key& key) const;
   // A read or a duplicate put: the entry becomes the newest in GC order (D8). False when the
@@ -619,7 +662,7 @@ class SlotIndex {
   // slots (any order; each drive/slot at most once): oldest `seq` first, a later duplicate
   // wins (ties on (drive, slot)), its older slot becomes free and stale. Returns the number
   // of entries; `next_seq` becomes the max of itself and every seq + 1 (32-bit).
-  size_t load(std::vector<FoundSlot> found, uint32_t& next_seq);
+  size_t load(std::vector<FoundSlot> found, uint32_t& next_seq);  // dirty slots stay dirty
   // Live clear (D12): every slot free, nothing indexed, pending or stale. Returns the joiners
   // of the pending puts (acknowledge them cancelled).
   std::vector<Joiner> clear();
@@ -629,7 +672,8 @@ class SlotIndex {
   void clear_stale(uint32_t drive) { stale_.at(drive).clear(); }
 
   uint64_t slots_total() const noexcept { return slots_total_; }
-  uint64_t slots_used() const noexcept { return slots_used_; }  // indexed + pending (D10)
+  // indexed + pending (D10) + freed slots not yet released (held; GC does not count them)
+  uint64_t slots_used() const noexcept { return slots_used_ + held_out_; }
   uint64_t entries() const noexcept { return index_.size(); }
   uint64_t pending() const noexcept { return pending_.size(); }
   uint64_t free_slots(uint32_t drive) const { return free_.at(drive).size(); }
@@ -641,7 +685,8 @@ class SlotIndex {
   struct Entry {
     SlotLocation at;
     uint64_t last_access;  // tick
-    uint64_t heap_tick;    // tick of this entry's GC-heap element
+    uint64_t heap_tick;    // tick of this entry's GC-heap element (0: in no heap element)
+    bool dirty = false;    // D24: out of GC order until mark_clean
   };
   struct HeapItem {
     uint64_t tick;
@@ -653,6 +698,7 @@ class SlotIndex {
     std::vector<Joiner> joiners;
   };
   void free_slot(uint32_t drive, uint64_t slot);
+  void erase_entry(std::unordered_map<Key, Entry, KeyHash>::iterator e);
   void reset_pool();
   void rebuild_heap();
 
@@ -666,6 +712,11 @@ class SlotIndex {
   std::unordered_map<Key, Entry, KeyHash> index_;
   std::unordered_map<Key, Pending, KeyHash> pending_;
   std::vector<HeapItem> heap_;  // min-heap on tick (lazy deletion)
+  uint64_t dirty_count_ = 0;
+  bool hold_ = false;
+  uint64_t held_out_ = 0;  // freed and not yet released (held or taken)
+  uint64_t generation_ = 1;  // bumped by clear() and load()
+  std::vector<std::pair<uint32_t, uint64_t>> held_;  // freed, not yet released (hold_)
 };
 
 // Thread safety (store.cpp): every public method may be called from any thread, concurrently
@@ -730,8 +781,10 @@ class Store {
   // ticket completes. Results are PutResult values.
   Ticket submit_put(unsigned kind, std::vector<PutItem> items);
   // Copying convenience: copies each source into a pooled slot buffer, then submits.
+  // `dirty` (host stores, D24): the pages are written kSlotDirty and published dirty.
   Ticket submit_put_copy(unsigned kind, const std::vector<Key>& keys,
-                         const std::vector<const void*>& srcs, const std::vector<size_t>& lens);
+                         const std::vector<const void*>& srcs, const std::vector<size_t>& lens,
+                         bool dirty = false);
   // Submit reads; results are payload lengths or -1 (miss). dst must stay valid until done.
   Ticket submit_get(unsigned kind, std::vector<GetItem> items);
 
@@ -759,8 +812,19 @@ class Store {
   // Indexed length of `key` (no I/O), or nullopt.
   std::optional<size_t> lookup(unsigned kind, const Key& key) const;
   bool exists(unsigned kind, const Key& key) const { return lookup(kind, key).has_value(); }
-  // Removes the index entry, then frees the slot. True when the key was present or pending.
+  // Removes the index entry, then frees the slot, zeroing its header before remove() returns
+  // (D14: a reader's later refresh does not find it); a put of `key` still in flight is waited
+  // for first and then removed. True when the key was present (or pending); false on a closed
+  // store.
   bool remove(unsigned kind, const Key& key);
+
+  // Host stores (D24): the dirty entries among `keys` become clean (back in GC order, their
+  // mapped headers rewritten without kSlotDirty). Per key, true when it was dirty.
+  // std::invalid_argument on a disk store, EROFS on a reader.
+  std::vector<bool> mark_clean(unsigned kind, const std::vector<Key>& keys);
+  // Every indexed key of `kind` (dirty_only: the dirty ones; after `load`, the dirty pages the
+  // slot headers held), in no particular order.
+  std::vector<Key> keys(unsigned kind, bool dirty_only) const;
 
   StoreStats stats() const;
   const StoreConfig& config() const noexcept { return cfg_; }
@@ -790,6 +854,7 @@ class Store {
     Ticket ticket;
     size_t index;
     uint64_t epoch;  // clears_ when the slot was allocated; older jobs are cancelled
+    bool dirty = false;  // written kSlotDirty, published dirty (D24)
   };
   struct ReadJob {
     unsigned kind;
@@ -826,7 +891,19 @@ class Store {
   bool next_read(unsigned drive, ReadJob& j);
   bool current_epoch(const ReadJob& j) const;
   void complete_read(ReadJob& j, std::optional<size_t> r);
-  void finish_write(WriteJob& job, PutResult r);
+  struct Ack {  // a put's acknowledgement, sent after the write loop settled its batch
+    Ticket ticket;
+    size_t index;
+    int64_t result;
+  };
+  // Publishes or undoes one write (mu_ held); its acknowledgements (and its joiners') go to
+  // `acks` when given, else out at once.
+  void finish_write(WriteJob& job, PutResult r, std::vector<Ack>* acks = nullptr);
+  // D5, D14: zero and release the freed (held) slots: settle_freed inside the gate without mu_,
+  // settle_freed_locked with mu_ held (I/O under the mutex: the full-pool GC and close only).
+  void settle_freed();
+  void settle_freed_locked(KindState& k);
+  bool zero_slot(KindState& k, uint32_t drive, uint64_t slot) noexcept;
   void load_index();
   void refuse_if_read_only(const char* what) const;
   // I/O threads hold the gate around each batch of slot I/O; clear() closes it and waits
@@ -861,6 +938,7 @@ class Store {
   host::RegistrationTiming registration_;
   std::vector<std::unique_ptr<Drive>> drives_;
   mutable std::mutex mu_;  // every kind's SlotIndex and spare buffers, the counters below
+  std::condition_variable settled_cv_;  // on mu_: puts finished (remove waits for its key's)
   uint32_t seq_ = 0;
   uint64_t epoch_ = 0;  // bumped by clear(); jobs of an older epoch own no slot any more
   bool closed_ = false;

@@ -67,7 +67,7 @@ void SlotIndex::join(const Key& key, Joiner joiner) {
 }
 
 SlotIndex::PutOutcome SlotIndex::finish_put(const Key& key, uint32_t drive, uint64_t slot,
-                                            uint32_t len, bool durable) {
+                                            uint32_t len, bool durable, bool dirty) {
   PutOutcome out;
   if (auto it = pending_.find(key); it != pending_.end()) {
     out.cancelled = it->second.cancelled;
@@ -81,6 +81,11 @@ SlotIndex::PutOutcome SlotIndex::finish_put(const Key& key, uint32_t drive, uint
   }
   // Durable before visible (D3): the caller synced the slab already.
   const uint64_t t = ++tick_;
+  if (dirty) {  // D24: in no heap element, so GC never reaches it
+    index_[key] = Entry{SlotLocation{drive, slot, len}, t, 0, true};
+    ++dirty_count_;
+    return out;
+  }
   index_[key] = Entry{SlotLocation{drive, slot, len}, t, t};
   heap_.push_back(HeapItem{t, key});
   std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
@@ -88,9 +93,54 @@ SlotIndex::PutOutcome SlotIndex::finish_put(const Key& key, uint32_t drive, uint
   return out;
 }
 
+std::optional<SlotLocation> SlotIndex::mark_clean(const Key& key) {
+  auto e = index_.find(key);
+  if (e == index_.end() || !e->second.dirty) return std::nullopt;
+  Entry& en = e->second;
+  en.dirty = false;
+  --dirty_count_;
+  en.last_access = ++tick_;  // back in GC order as the newest entry
+  en.heap_tick = en.last_access;
+  heap_.push_back(HeapItem{en.heap_tick, key});
+  std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
+  if (heap_.size() > 2 * index_.size() + 1024) rebuild_heap();
+  return en.at;
+}
+
+bool SlotIndex::dirty(const Key& key) const {
+  auto e = index_.find(key);
+  return e != index_.end() && e->second.dirty;
+}
+
+std::vector<Key> SlotIndex::keys(bool dirty_only) const {
+  std::vector<Key> out;
+  out.reserve(dirty_only ? dirty_count_ : index_.size());
+  for (const auto& [key, e] : index_)
+    if (!dirty_only || e.dirty) out.push_back(key);
+  return out;
+}
+
+SlotIndex::Held SlotIndex::take_held() {
+  Held h;
+  h.generation = generation_;
+  h.slots.swap(held_);
+  return h;
+}
+
+void SlotIndex::release_held(uint64_t generation, uint32_t drive, uint64_t slot, bool zeroed) {
+  if (generation != generation_) return;  // a clear or load made it part of the fresh pool
+  VITRIFY_EXPECT(drive < free_.size() && slot < slot_counts_[drive],
+                 "release_held: slot " + std::to_string(slot) + " of drive " +
+                     std::to_string(drive) + " is out of range");
+  free_[drive].push_back(slot);
+  if (!zeroed) stale_[drive].insert(slot);
+  --held_out_;
+}
+
 void SlotIndex::rebuild_heap() {
   heap_.clear();
   for (auto& [key, e] : index_) {
+    if (e.dirty) continue;  // D24: never in GC order
     e.heap_tick = e.last_access;
     heap_.push_back(HeapItem{e.heap_tick, key});
   }
@@ -111,15 +161,25 @@ bool SlotIndex::touch(const Key& key) {
 }
 
 void SlotIndex::free_slot(uint32_t drive, uint64_t slot) {
+  --slots_used_;
+  if (hold_) {  // zeroed by the Store, then release_held (D5, D14); still counted as used
+    held_.emplace_back(drive, slot);
+    ++held_out_;
+    return;
+  }
   free_[drive].push_back(slot);
   stale_[drive].insert(slot);  // its header may still verify until close() zeroes it (D5)
-  --slots_used_;
+}
+
+void SlotIndex::erase_entry(std::unordered_map<Key, Entry, KeyHash>::iterator e) {
+  if (e->second.dirty) --dirty_count_;
+  index_.erase(e);
 }
 
 bool SlotIndex::remove(const Key& key) {
   if (auto e = index_.find(key); e != index_.end()) {
     const SlotLocation at = e->second.at;
-    index_.erase(e);  // index entry first, then the slot (D4)
+    erase_entry(e);  // index entry first, then the slot (D4)
     free_slot(at.drive, at.slot);
     return true;
   }
@@ -134,7 +194,7 @@ bool SlotIndex::drop_if_at(const Key& key, const SlotLocation& at) {
   auto e = index_.find(key);
   if (e == index_.end() || e->second.at.drive != at.drive || e->second.at.slot != at.slot)
     return false;
-  index_.erase(e);  // index entry first, then the slot (D4)
+  erase_entry(e);  // index entry first, then the slot (D4)
   free_slot(at.drive, at.slot);
   return true;
 }
@@ -164,6 +224,7 @@ size_t SlotIndex::collect_to(uint64_t target_used) {
       std::push_heap(heap_.begin(), heap_.end(), cmp);
       continue;
     }
+    if (e.dirty) continue;  // D24: never reclaimed (not in the heap; defensive)
     const SlotLocation victim = e.at;
     index_.erase(it);  // index entry first, then the slot (D4)
     free_slot(victim.drive, victim.slot);
@@ -177,6 +238,10 @@ size_t SlotIndex::load(std::vector<FoundSlot> found, uint32_t& next_seq) {
   index_.clear();
   pending_.clear();
   heap_.clear();
+  held_.clear();
+  held_out_ = 0;
+  ++generation_;
+  dirty_count_ = 0;
   for (auto& s : stale_) s.clear();
   std::vector<std::vector<bool>> used(slot_counts_.size());
   for (size_t d = 0; d < slot_counts_.size(); ++d) used[d].assign(slot_counts_[d], false);
@@ -199,10 +264,17 @@ size_t SlotIndex::load(std::vector<FoundSlot> found, uint32_t& next_seq) {
       stale_[it->second.at.drive].insert(it->second.at.slot);
     }
     const uint64_t t = ++tick_;
-    index_[f.s.key] = Entry{SlotLocation{f.drive, f.s.slot, f.s.payload_len}, t, t};
+    index_[f.s.key] = Entry{SlotLocation{f.drive, f.s.slot, f.s.payload_len}, t,
+                            f.s.dirty ? 0 : t, f.s.dirty};
     used[f.drive][f.s.slot] = true;
   }
-  for (auto& [key, e] : index_) heap_.push_back(HeapItem{e.heap_tick, key});
+  for (auto& [key, e] : index_) {
+    if (e.dirty) {
+      ++dirty_count_;
+      continue;  // D24: out of GC order
+    }
+    heap_.push_back(HeapItem{e.heap_tick, key});
+  }
   std::make_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
   slots_used_ = index_.size();
   for (size_t d = 0; d < slot_counts_.size(); ++d) {
@@ -220,6 +292,10 @@ std::vector<Joiner> SlotIndex::clear() {
   pending_.clear();
   index_.clear();
   heap_.clear();
+  held_.clear();
+  held_out_ = 0;
+  ++generation_;
+  dirty_count_ = 0;
   slots_used_ = 0;
   reset_pool();
   for (auto& s : stale_) s.clear();  // the new slab id makes every old slot inert (D7)

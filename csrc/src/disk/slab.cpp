@@ -363,8 +363,10 @@ void SlabFile::write_at(const void* buf, size_t n, uint64_t off) {
 }
 
 void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
-                             uint32_t seq) {
+                             uint32_t seq, uint8_t flags) {
   check_writable();
+  VITRIFY_EXPECT((flags & ~kKnownSlotFlags) == 0,
+                 "slot flags " + std::to_string(flags) + " are not known flags");
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
                                           std::to_string(geo_.slot_count) + ") in " + path_);
   VITRIFY_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
@@ -376,6 +378,7 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   SlotHeader h{};
   h.magic = kSlotMagic;
   h.version = kFormatVersion;
+  h.flags = flags;
   h.kind = geo_.kind;
   h.slot = static_cast<uint32_t>(slot);
   h.payload_len = static_cast<uint32_t>(payload_len);
@@ -410,6 +413,25 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
 }
 
+bool SlabFile::set_slot_flags(uint64_t slot, const Key& key, uint8_t flags) {
+  check_writable();
+  VITRIFY_EXPECT(map_, "slot flags are rewritten in place only in a host slab (mapped), not in " +
+                           path_);
+  VITRIFY_EXPECT((flags & ~kKnownSlotFlags) == 0,
+                 "slot flags " + std::to_string(flags) + " are not known flags");
+  VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
+  uint8_t* at = map_.data() + slot_offset(slot);
+  SlotHeader h;
+  std::memcpy(&h, at, sizeof h);
+  if (!verify_header(h, slot) || std::memcmp(h.key, key.data(), kKeyBytes) != 0) return false;
+  if (h.flags == flags) return true;
+  h.flags = flags;
+  h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(at, &h, sizeof h);
+  return true;
+}
+
 void SlabFile::invalidate(uint64_t slot) {
   check_writable();
   VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range");
@@ -419,6 +441,7 @@ void SlabFile::invalidate(uint64_t slot) {
 
 bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept {
   return h.magic == kSlotMagic && h.version == kFormatVersion &&
+         (h.flags & ~kKnownSlotFlags) == 0 &&
          h.header_crc == crc32c(&h, offsetof(SlotHeader, header_crc)) && h.kind == geo_.kind &&
          h.slot == slot && h.slab_id == slab_id_ &&
          h.payload_len <= geo_.slot_bytes - kSlotHeaderBytes;
@@ -492,7 +515,7 @@ std::vector<ScannedSlot> SlabFile::scan_range(uint64_t first, uint64_t last) con
       SlotHeader h;
       std::memcpy(&h, b.data() + at, sizeof h);
       if (!verify_header(h, s0 + i)) continue;
-      ScannedSlot ss{s0 + i, {}, h.payload_len, h.seq};
+      ScannedSlot ss{s0 + i, {}, h.payload_len, h.seq, (h.flags & kSlotDirty) != 0};
       std::memcpy(ss.key.data(), h.key, kKeyBytes);
       out.push_back(ss);
     }

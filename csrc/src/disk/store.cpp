@@ -167,6 +167,7 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
         if (cfg_.host && !cfg_.read_only) k.slabs.back()->mark_used();
       }
       k.index.emplace(counts[i], cfg_.gc_high, cfg_.gc_low);
+      k.index->hold_freed_slots();  // a freed slot is zeroed before it is reused (D5, D14)
     }
     counters_.direct_io = true;
     for (auto& k : kinds_)
@@ -268,14 +269,16 @@ void Store::close() noexcept {
   for (auto& d : drives_)
     for (auto& t : d->threads)
       if (t.joinable()) t.join();
-  // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5). A reader
-  // writes nothing (D14): its stale slots are the writer's business.
+  settled_cv_.notify_all();  // deletes waiting for a put see closed_
+  const ClosedGate gate(*this);  // no delete or mapped read still zeroes or copies a slot
+  // Zero the headers of freed slots so `load` rebuilds exactly the live set (D5), and sync what
+  // was zeroed since the last sync. A reader writes nothing (D14).
   std::lock_guard lk(mu_);
   for (auto& k : kinds_) {
     if (cfg_.read_only) break;
     if (!k.index) continue;  // a failed open: this kind's slabs were never indexed
+    settle_freed_locked(k);
     for (uint32_t d = 0; d < k.slabs.size(); ++d) {
-      if (k.index->stale(d).empty()) continue;
       try {
         for (uint64_t slot : k.index->stale(d)) k.slabs[d]->invalidate(slot);
         k.slabs[d]->sync();
@@ -304,8 +307,11 @@ void Store::load_index() {
     for (size_t d = 0; d < k.slabs.size(); ++d) {
       if (cfg_.cold_start != ColdStart::kLoad || k.slabs[d]->formatted()) continue;
       // scan() returns the slots in slot order whatever the thread count.
-      for (const ScannedSlot& s : k.slabs[d]->scan(threads))
-        if (s.payload_len <= k.cfg.page_bytes) found.push_back({static_cast<uint32_t>(d), s});
+      for (ScannedSlot s : k.slabs[d]->scan(threads)) {
+        if (s.payload_len > k.cfg.page_bytes) continue;
+        if (!cfg_.host) s.dirty = false;  // D24 is the host tier's (a copied host slab)
+        found.push_back({static_cast<uint32_t>(d), s});
+      }
     }
     counters_.loaded_entries += k.index->load(std::move(found), seq_);
   }
@@ -354,6 +360,9 @@ Ticket Store::submit_put(unsigned kind, std::vector<PutItem> items) {
   KindState& k = kind_state(kind);
   for (size_t i = 0; i < items.size(); ++i) {
     const PutItem& it = items[i];
+    VITRIFY_EXPECT(!it.dirty || cfg_.host,
+                   "dirty puts (write-back, D24) are for host-tier stores; store '" + cfg_.name +
+                       "' is a disk store");
     VITRIFY_EXPECT(it.buffer != nullptr, "put item " + std::to_string(i) + " has no slot buffer");
     VITRIFY_EXPECT(it.payload_len <= k.cfg.page_bytes,
                 "payload of " + std::to_string(it.payload_len) + " bytes exceeds page_bytes " +
@@ -374,7 +383,7 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
   KindState& k = kinds_[kind];
   std::vector<WriteJob> jobs;
   {
-    std::lock_guard lk(mu_);
+    std::unique_lock lk(mu_);
     for (size_t n = 0; n < items.size(); ++n) {
       PutItem& it = items[n];
       const size_t i = where ? (*where)[n] : n;
@@ -386,7 +395,19 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
       if (plan.action == SlotIndex::PutPlan::kFull) {  // full: GC first (D9)
         ++counters_.gc_runs;
         counters_.gc_reclaims += k.index->collect();
+        settle_freed_locked(k);  // zeroed here, under mu_: the put needs a slot now (D5)
         plan = k.index->plan_put(it.key);
+        // Slots another thread is zeroing right now are free in a moment: wait for them
+        // rather than report a full pool (D9).
+        while (plan.action == SlotIndex::PutPlan::kFull && k.index->slots_out() > 0 &&
+               !closed_) {
+          settled_cv_.wait(lk);
+          plan = k.index->plan_put(it.key);
+        }
+        if (closed_) {
+          t->finish(i, static_cast<int64_t>(PutResult::kCancelled));
+          continue;
+        }
       }
       if (plan.action == SlotIndex::PutPlan::kDuplicate) {  // dedup (D6)
         k.index->touch(it.key);
@@ -407,24 +428,29 @@ void Store::enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticke
       const uint64_t slot = k.index->allocate(it.key, plan);
       const uint32_t d = plan.drive;
       jobs.push_back(WriteJob{kind, it.key, d, slot, std::move(it.buffer),
-                              it.payload_len, seq_++, t, i, epoch_});
+                              it.payload_len, seq_++, t, i, epoch_, it.dirty});
       ++in_flight_writes_;  // from here until its acknowledgement (finish_write)
     }
     write_queue_depth_ += jobs.size();
   }
   for (size_t j = 0; j < jobs.size(); ++j) {
     if (!push(drives_[jobs[j].drive]->writes, jobs[j])) {  // closed meanwhile: undo
-      std::lock_guard lk(mu_);
-      --write_queue_depth_;
-      finish_write(jobs[j], PutResult::kCancelled);
+      {
+        std::lock_guard lk(mu_);
+        --write_queue_depth_;
+        finish_write(jobs[j], PutResult::kCancelled);  // its slot is settled by close()
+      }
+      settled_cv_.notify_all();
     }
   }
 }
 
 Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
                               const std::vector<const void*>& srcs,
-                              const std::vector<size_t>& lens) {
+                              const std::vector<size_t>& lens, bool dirty) {
   refuse_if_read_only("put");
+  VITRIFY_EXPECT(!dirty || cfg_.host, "dirty puts (write-back, D24) are for host-tier stores; "
+                                      "store '" + cfg_.name + "' is a disk store");
   KindState& k = kind_state(kind);
   VITRIFY_EXPECT(keys.size() == srcs.size() && keys.size() == lens.size(),
               "keys, sources and lengths differ in count");
@@ -457,7 +483,7 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
     }
     if (!b) b = make_buffer(kind);
     if (lens[i] != 0) std::memcpy(b->data() + kSlotHeaderBytes, srcs[i], lens[i]);
-    items.push_back(PutItem{keys[i], std::move(b), lens[i]});
+    items.push_back(PutItem{keys[i], std::move(b), lens[i], dirty});
     where.push_back(i);
   }
   auto t = std::make_shared<Completion>(keys.size());
@@ -468,20 +494,26 @@ Ticket Store::submit_put_copy(unsigned kind, const std::vector<Key>& keys,
 }
 
 // Called with mu_ held: publish or undo one write, wake its joiners.
-void Store::finish_write(WriteJob& job, PutResult r) {
+void Store::finish_write(WriteJob& job, PutResult r, std::vector<Ack>* acks) {
   --in_flight_writes_;  // with the acknowledgement, under the same lock as stats()
+  const auto ack = [&](const Ticket& t, size_t i, PutResult v) {
+    if (acks != nullptr)
+      acks->push_back(Ack{t, i, static_cast<int64_t>(v)});
+    else
+      t->finish(i, static_cast<int64_t>(v));
+  };
   if (job.epoch != epoch_) {
     // clear() ran since the slot was allocated: the slot went back to the pool and the pending
     // entry (with its joiners) was acknowledged then. Nothing of this job is in the state.
     job.buffer.reset();
-    job.ticket->finish(job.index, static_cast<int64_t>(PutResult::kCancelled));
+    ack(job.ticket, job.index, PutResult::kCancelled);
     return;
   }
   KindState& k = kinds_[job.kind];
   // Durable before visible (D3): r is kStored only after the slab's fdatasync returned.
   SlotIndex::PutOutcome out = k.index->finish_put(job.key, job.drive, job.slot,
                                                   static_cast<uint32_t>(job.len),
-                                                  r == PutResult::kStored);
+                                                  r == PutResult::kStored, job.dirty);
   if (r == PutResult::kStored && out.cancelled) r = PutResult::kCancelled;
   if (out.published) {
     ++counters_.spills;
@@ -494,9 +526,9 @@ void Store::finish_write(WriteJob& job, PutResult r) {
       k.spare.size() < kSpareBuffersPerKind)
     k.spare.push_back(std::move(job.buffer));
   job.buffer.reset();
-  job.ticket->finish(job.index, static_cast<int64_t>(r));
+  ack(job.ticket, job.index, r);
   const PutResult jr = r == PutResult::kStored ? PutResult::kDuplicate : r;
-  for (auto& [tk, idx] : out.joiners) tk->finish(idx, static_cast<int64_t>(jr));
+  for (auto& [tk, idx] : out.joiners) ack(tk, idx, jr);
 }
 
 void Store::write_loop(unsigned drive) {
@@ -536,7 +568,8 @@ void Store::write_loop(unsigned drive) {
       WriteJob& j = batch[i];
       SlabFile& s = *kinds_[j.kind].slabs[drive];
       try {
-        s.write_aligned(j.slot, j.key, j.buffer->data(), j.len, j.seq);
+        s.write_aligned(j.slot, j.key, j.buffer->data(), j.len, j.seq,
+                        j.dirty ? kSlotDirty : uint8_t{0});
         if (std::find(touched.begin(), touched.end(), &s) == touched.end()) touched.push_back(&s);
       } catch (const std::exception& e) {
         res[i] = PutResult::kError;
@@ -553,11 +586,16 @@ void Store::write_loop(unsigned drive) {
           if (kinds_[batch[i].kind].slabs[drive].get() == s) res[i] = PutResult::kError;
       }
     }
+    // Published under mu_, acknowledged after the GC pass zeroed its victims: when a put
+    // returns, nothing its batch evicted is found by a reader's refresh any more (D14), and
+    // the slots are back in the pool (D10).
+    std::vector<Ack> acks;
+    acks.reserve(batch.size());
     {
       std::lock_guard lk(mu_);
       std::vector<unsigned> kinds_touched;
       for (size_t i = 0; i < batch.size(); ++i) {
-        finish_write(batch[i], res[i]);
+        finish_write(batch[i], res[i], &acks);
         if (std::find(kinds_touched.begin(), kinds_touched.end(), batch[i].kind) == kinds_touched.end())
           kinds_touched.push_back(batch[i].kind);
       }
@@ -570,6 +608,10 @@ void Store::write_loop(unsigned drive) {
         }
       }
     }
+    // Evicted and failed slots: zeroed, then free (D5, D14), still inside the gate.
+    settle_freed();
+    settled_cv_.notify_all();  // puts finished: a delete waiting for one goes on
+    for (const Ack& a : acks) a.ticket->finish(a.index, a.result);
   }
 }
 
@@ -705,6 +747,7 @@ std::vector<int64_t> Store::read_mapped(unsigned kind, const std::vector<Key>& k
       }
     }
   }
+  settle_freed();  // still inside the gate
   if (error) std::rethrow_exception(error);
   return out;
 }
@@ -724,6 +767,7 @@ void Store::complete_read(ReadJob& j, std::optional<size_t> r) {
       kinds_[j.kind].index->drop_if_at(j.key, SlotLocation{j.drive, j.slot, j.len});
     }
   }
+  if (!r) settle_freed();  // a dropped slot is zeroed first; callers hold the gate
   --in_flight_reads_;
   j.ticket->finish(j.index, r ? static_cast<int64_t>(*r) : -1);
 }
@@ -871,13 +915,106 @@ std::optional<size_t> Store::lookup(unsigned kind, const Key& key) const {
   return e->len;
 }
 
+// D14: a delete is invisible to a reader's later refresh: a put of the key still in flight is
+// waited for (so the page is published, then removed), and the freed slot is zeroed before
+// remove() returns.
 bool Store::remove(unsigned kind, const Key& key) {
   refuse_if_read_only("remove");
   KindState& k = kind_state(kind);
+  for (;;) {
+    {
+      std::unique_lock lk(mu_);
+      settled_cv_.wait(lk, [&] { return closed_ || !k.index->pending(key); });
+      if (closed_) return false;
+    }
+    GateGuard gate{this};  // gate before mu_, as the I/O threads take them
+    {
+      std::lock_guard lk(mu_);
+      if (closed_) return false;
+      if (k.index->pending(key)) continue;  // put again meanwhile: wait for that write too
+      if (!k.index->remove(key)) return false;  // index entry first, then the slot (D4)
+      ++counters_.deletes;
+    }
+    settle_freed();
+    return true;
+  }
+}
+
+// D5, D14: the slots freed so far (evicted, deleted, failed, dropped) get their first 4 KiB
+// zeroed, then go back to the free stacks; one that cannot be zeroed stays stale (close() tries
+// again). Called inside the gate, without mu_. A reader writes nothing: it only releases.
+void Store::settle_freed() {
+  std::vector<std::pair<unsigned, SlotIndex::Held>> work;
+  {
+    std::lock_guard lk(mu_);
+    for (unsigned i = 0; i < kinds_.size(); ++i)
+      if (kinds_[i].index && kinds_[i].index->has_held())
+        work.emplace_back(i, kinds_[i].index->take_held());
+  }
+  if (work.empty()) return;
+  std::vector<std::vector<bool>> zeroed(work.size());
+  for (size_t w = 0; w < work.size(); ++w) {
+    KindState& k = kinds_[work[w].first];
+    for (const auto& [drive, slot] : work[w].second.slots)
+      zeroed[w].push_back(cfg_.read_only || zero_slot(k, drive, slot));
+  }
+  {
+    std::lock_guard lk(mu_);
+    for (size_t w = 0; w < work.size(); ++w) {
+      SlotIndex& index = *kinds_[work[w].first].index;
+      const auto& held = work[w].second;
+      for (size_t j = 0; j < held.slots.size(); ++j)
+        index.release_held(held.generation, held.slots[j].first, held.slots[j].second,
+                           zeroed[w][j]);
+    }
+  }
+  settled_cv_.notify_all();  // a put waiting for free slots goes on
+}
+
+void Store::settle_freed_locked(KindState& k) {
+  if (!k.index->has_held()) return;
+  const SlotIndex::Held held = k.index->take_held();
+  for (const auto& [drive, slot] : held.slots)
+    k.index->release_held(held.generation, drive, slot,
+                          cfg_.read_only || zero_slot(k, drive, slot));
+}
+
+bool Store::zero_slot(KindState& k, uint32_t drive, uint64_t slot) noexcept {
+  try {
+    k.slabs[drive]->invalidate(slot);
+    return true;
+  } catch (const std::exception& e) {
+    log::error(std::string("vitrify.disk: zeroing a freed slot: ") + e.what());
+    return false;
+  }
+}
+
+std::vector<bool> Store::mark_clean(unsigned kind, const std::vector<Key>& keys) {
+  refuse_if_read_only("mark_clean");
+  VITRIFY_EXPECT(cfg_.host, "mark_clean: store '" + cfg_.name +
+                                "' is a disk store; dirty pages (D24) are the host tier's");
+  KindState& k = kind_state(kind);
+  std::vector<bool> out(keys.size(), false);
+  GateGuard gate{this};  // no clear() reformats meanwhile
   std::lock_guard lk(mu_);
-  if (!k.index->remove(key)) return false;  // index entry first, then the slot (D4)
-  ++counters_.deletes;
-  return true;
+  if (closed_) return out;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::optional<SlotLocation> at = k.index->mark_clean(keys[i]);
+    if (!at) continue;
+    out[i] = true;
+    try {  // the header too, so a restart does not write the page back again
+      k.slabs[at->drive]->set_slot_flags(at->slot, keys[i], 0);
+    } catch (const std::exception& e) {
+      log::error(std::string("vitrify.disk: mark_clean: ") + e.what());
+    }
+  }
+  return out;
+}
+
+std::vector<Key> Store::keys(unsigned kind, bool dirty_only) const {
+  const KindState& k = kind_state(kind);
+  std::lock_guard lk(mu_);
+  return k.index->keys(dirty_only);
 }
 
 void Store::gate_enter() {
@@ -930,6 +1067,7 @@ void Store::clear() {
         tk->finish(idx, static_cast<int64_t>(PutResult::kCancelled));
     for (WriteJob& j : writes) finish_write(j, PutResult::kCancelled);
   }
+  settled_cv_.notify_all();
   for (ReadJob& j : reads) j.ticket->finish(j.index, -1);
   // New slab ids, as cold start `clear` writes them (D7). The gate is still closed,
   // so no slot I/O runs; puts submitted meanwhile wait at the gate and get the new id.
@@ -1007,7 +1145,8 @@ StoreStats Store::stats() const {
   StoreStats s = counters_;
   for (const KindState& k : kinds_)
     s.kinds.push_back(KindStats{k.cfg.page_bytes, k.slot_bytes, k.index->slots_total(),
-                                k.index->slots_used(), k.index->entries()});
+                                k.index->slots_used(), k.index->entries(),
+                                k.index->dirty_count()});
   s.in_flight_writes = in_flight_writes_;
   s.in_flight_reads = in_flight_reads_.load();
   s.write_queue_depth = write_queue_depth_.load();
