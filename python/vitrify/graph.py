@@ -99,7 +99,16 @@ def record_modules(extra_paths: list[str] | None = None) -> None:
                       "process; kernel binaries loaded so far were not recorded, and graphs "
                       "using them will fail to freeze", RuntimeWarning, stacklevel=2)
     paths = [str(p) for p in (extra_paths or [])] + _cupti_candidates()
-    _native.graph_record_modules(paths)
+    try:
+        _native.graph_record_modules(paths)
+    except RuntimeError:
+        # Without a GPU CUPTI fails in its own words ("CUPTI result 999"); say what every GPU
+        # entry point says: there is no CUDA driver, and the loader's reason.
+        if not _native.cuda_available():
+            raise _native.CudaUnavailableError(
+                f"cannot record kernel binaries: CUDA driver unavailable: "
+                f"{_native.cuda_unavailable_reason()}") from None
+        raise
 
 
 def stop_recording() -> None:

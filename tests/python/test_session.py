@@ -273,3 +273,37 @@ def test_a_thaw_reads_its_spans_the_way_it_was_asked():
     assert seen == [("weights", None), ("weights", "off"), ("weights", "auto")]
     with pytest.raises(ValueError, match="direct_io"):
         session.ThawSession(BytesEngine(), "/nowhere", direct_io="sometimes")
+
+
+_NO_GPU_FREEZE = """
+import sys
+import vitrify
+from vitrify import session
+sys.path.insert(0, sys.argv[2])
+from session_worker import BytesEngine
+try:
+    session.FreezeSession(BytesEngine(), sys.argv[1], region_bytes=1 << 20)
+    print("constructed")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+print("GPU" if vitrify.cuda_available() else "no GPU")
+print(vitrify.cuda_unavailable_reason())
+"""
+
+
+def test_a_freeze_without_a_gpu_says_there_is_no_gpu(tmp_path):
+    """Issue 32: FreezeSession records kernel binaries (CUPTI) first; without a GPU that said
+    "cuptiSubscribe failed: CUPTI result 999". It must say what every GPU entry point says: the
+    CUDA driver is unavailable, and the loader's reason. (The real driver loader here: no fake
+    driver in that process.)"""
+    env = {k: v for k, v in os.environ.items() if k != "VITRIFY_LIBCUDA_PATH"}
+    p = subprocess.run([sys.executable, "-c", _NO_GPU_FREEZE, str(tmp_path / "a.vitrify"),
+                        str(WORKER.parent)], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    error, gpu, reason = p.stdout.splitlines()[-3:]
+    if gpu == "GPU":
+        pytest.skip("this machine has a GPU")
+    assert reason and error == (f"CudaUnavailableError: cannot record kernel binaries: CUDA "
+                                f"driver unavailable: {reason}")
+    assert "CUPTI" not in error
+    assert not (tmp_path / "a.vitrify").exists()
