@@ -17,6 +17,7 @@ load_threads=0, mode="write", tier="disk")`` (``tier="host"``: the host tier, se
 ``batch_get_into(keys, outs, kind=None)``    -> list[int | None]
 ``exists / batch_exists / size_of``          index look-ups, no I/O
 ``delete(key) / batch_delete(keys)``         -> bool / list[bool]
+``mark_clean(keys) / dirty_keys()``          host tier: write-back pages (``dirty=True`` puts)
 ``buffer(kind=None)``                        a :class:`SlotBuffer` (zero-copy staging)
 ``put_buffers(keys, bufs, sizes, kind)``     write slot buffers as they are (no copy)
 ``put_buffers_async(...)``                   -> :class:`PutTicket`
@@ -69,8 +70,10 @@ written, truncated, formatted or reclaimed. The slabs must exist and carry this 
 (same name, kinds, budget and directories as the writer's), otherwise ``FileNotFoundError`` /
 ``ValueError``. A reader indexes what the slab headers held when it opened; ``refresh()`` scans
 them again, so pages the writer committed later become visible and pages it evicted or cleared
-disappear (DESIGN.md D14). A page the writer overwrites while a reader reads it is a miss, never
-wrong bytes. Puts, deletes and ``clear()`` on a reader raise ``OSError`` (errno ``EROFS``).
+disappear (DESIGN.md D14): a page deleted before a refresh starts (``delete`` zeroes its slot
+before it returns), or evicted by a batch of puts acknowledged before it starts, is not found.
+Between refreshes the reader's index may still name such a page; reading it is then a miss. A
+page the writer overwrites while a reader reads it is a miss, never wrong bytes. Puts, deletes and ``clear()`` on a reader raise ``OSError`` (errno ``EROFS``).
 """
 
 from __future__ import annotations
@@ -548,14 +551,26 @@ class DiskStore:
         return self.batch_put([key], [data], k)[0]
 
     def batch_put(self, keys: Sequence[Any], datas: Sequence[Any],
-                  kind: str | int | None = None) -> list[bool]:
-        """Store several pages (written in parallel); one acknowledgement per page."""
-        return self.put_async(keys, datas, kind).wait()
+                  kind: str | int | None = None, *, dirty: bool = False) -> list[bool]:
+        """Store several pages (written in parallel); one acknowledgement per page.
+
+        ``dirty`` (host tier only, DESIGN.md D24): the pages are marked dirty — never evicted
+        until :meth:`mark_clean` — for a write-back to the disk behind (a restart lists them
+        with :meth:`dirty_keys`); a key already stored keeps its state."""
+        return self.put_async(keys, datas, kind, dirty=dirty).wait()
 
     def put_async(self, keys: Sequence[Any], datas: Sequence[Any],
-                  kind: str | int | None = None) -> PutTicket:
+                  kind: str | int | None = None, *, dirty: bool = False) -> PutTicket:
         """Copy the pages into slot buffers and queue them; the data may be reused at return."""
-        keys, datas = self._keys(keys), self._datas(datas, "datas", False)
+        return self._put_store_keys(self._keys(keys), datas, kind, dirty)
+
+    def _put_store_keys(self, keys: list[bytes], datas: Sequence[Any], kind: Any,
+                        dirty: bool = False) -> PutTicket:
+        """put_async of keys already made store keys (:func:`make_key`)."""
+        datas = self._datas(datas, "datas", False)
+        if dirty and self.tier != "host":
+            raise ValueError("dirty puts are for the host tier (tier=\"host\"): they keep a "
+                             "write-back page from eviction until the disk has it")
         if len(keys) != len(datas):
             raise ValueError(f"keys and datas differ in length: {len(keys)} keys, "
                              f"{len(datas)} payloads")
@@ -566,7 +581,7 @@ class DiskStore:
             if n > limit:
                 raise ValueError(f"datas[{i}] is {n} bytes, more than the page size {limit} of "
                                  f"kind {self.kind_names[k]!r}")
-        return PutTicket(self._native().put_async(k, keys, datas))
+        return PutTicket(self._native().put_async(k, keys, datas, dirty=bool(dirty)))
 
     def buffer(self, kind: str | int | None = None) -> SlotBuffer:
         """A fresh zero-copy slot buffer for ``kind``."""
@@ -671,7 +686,26 @@ class DiskStore:
         return self.batch_delete([key], kind)[0]
 
     def batch_delete(self, keys: Sequence[Any], kind: str | int | None = None) -> list[bool]:
+        """Remove keys; a put of one still in flight is waited for, and each freed slot is
+        zeroed before the call returns, so a reader's later :meth:`refresh` never finds them."""
         return list(self._native().remove(self._kind(kind), self._keys(keys)))
+
+    # -- dirty pages (host tier write-back, DESIGN.md D24) ---------------------------------
+    def mark_clean(self, keys: Sequence[Any], kind: str | int | None = None) -> list[bool]:
+        """Host tier: the dirty pages among ``keys`` become clean (evictable again; the flag
+        leaves their slot headers). Per key, True when it was dirty."""
+        return self._mark_clean_store_keys(self._keys(keys), kind)
+
+    def dirty_keys(self, kind: str | int | None = None) -> list[bytes]:
+        """Host tier: the store keys (:func:`make_key` digests) of the dirty pages of ``kind``
+        — after a restart, the write-back pages the disk never acknowledged."""
+        return list(self._native().keys(self._kind(kind), True))
+
+    def _mark_clean_store_keys(self, keys: list[bytes], kind: Any) -> list[bool]:
+        if self.tier != "host":
+            raise ValueError("mark_clean is for the host tier (tier=\"host\"); a disk store has "
+                             "no dirty pages")
+        return list(self._native().mark_clean(self._kind(kind), keys))
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

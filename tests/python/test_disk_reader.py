@@ -35,6 +35,11 @@ _WRITER = textwrap.dedent(f"""
             assert all(s.batch_put(keys, [k.encode() * 100 for k in keys]))
         elif op == "clear":
             s.clear()
+        elif op == "del":
+            s.batch_delete(keys)
+        elif op == "have":  # which of the keys the writer's index holds
+            print("ok", "".join("1" if e else "0" for e in s.batch_exists(keys)), flush=True)
+            continue
         print("ok", flush=True)
     s.close()
 """)
@@ -57,10 +62,12 @@ class Writer:
                                   stdout=subprocess.PIPE, text=True)
         assert self.p.stdout.readline().strip() == "ready"
 
-    def do(self, line: str) -> None:
+    def do(self, line: str) -> str:
         self.p.stdin.write(line + "\n")
         self.p.stdin.flush()
-        assert self.p.stdout.readline().strip() == "ok"
+        answer = self.p.stdout.readline().split()
+        assert answer[:1] == ["ok"], answer
+        return answer[1] if len(answer) > 1 else ""
 
     def close(self) -> None:
         self.p.stdin.close()
@@ -137,3 +144,34 @@ def test_reader_open_errors(d):
             DiskStore(d, BUDGET - disk.slot_bytes_for(PAGE), PAGE, name=NAME, mode="read")
         with reader(d, cold_start="load") as r:
             assert r.get("a") == b"x" * 10
+
+
+def test_a_refresh_never_finds_what_the_writer_deleted_or_evicted(d):
+    """Issue 33 item 5: beside a writer in another process that overflows its 16 slots (GC
+    evicts) and deletes, every page a refresh finds is one the writer still holds, with its
+    bytes; none it deleted or evicted (their slots are zeroed before the call returns)."""
+    w = Writer(d)
+    refound = checked = 0
+    try:
+        w.do("put k0")
+        with reader(d) as r:
+            n = 1
+            for rnd in range(40):
+                w.do("put " + " ".join(f"k{i}" for i in range(n, n + 5)))
+                n += 5
+                w.do(f"del k{n - 2} k{n - 7}")
+                r.refresh()
+                keys = [f"k{i}" for i in range(n)]
+                have = w.do("have " + " ".join(keys))
+                for k, found, held in zip(keys, r.batch_exists(keys), have):
+                    if not found:
+                        continue
+                    checked += 1
+                    refound += held == "0"
+                    assert r.get(k) in (data(k), None)  # never other bytes
+        print(f"reader beside writer: {checked} pages found by refreshes, {refound} of them "
+              f"deleted or evicted by the writer")
+        assert checked > 300
+        assert refound == 0
+    finally:
+        w.close()
