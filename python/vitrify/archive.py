@@ -20,18 +20,23 @@ archive or a complete one. With one process per rank, the ranks write into the c
 temporary directory through :class:`RankWriter`. Files shared by several writers go through
 :func:`write_shared` (temporary file + ``os.replace``).
 
-Opening (:func:`open_archive`) checks the format, the version, the manifest's own checksum, its
-structure, the caller's expected fingerprint (each mismatch is an :class:`ArchiveMismatch`
-naming the field and both values), that every listed file exists with its recorded size, and
-that no path escapes the archive (absolute paths, ``..``, symlinks). :func:`verify` also
-checks every file's CRC32C. Loading only parses JSON and span files: nothing is unpickled or
-executed.
+Opening (:func:`open_archive`) reads the manifest (a regular file, no link, at most
+:data:`MAX_MANIFEST_BYTES`, parsed with bounds) and checks the format, the version, its own
+checksum, its schema (:data:`MANIFEST_SCHEMA`: strict types, 64-bit bounds, no path that is
+absolute, has ``..`` or a control character), the caller's expected fingerprint (each mismatch
+is an :class:`ArchiveMismatch` naming the field and both values), and that every listed file is
+a regular file reached through no symlink, of its recorded size. Files are read only after
+that, each through the same opener; the JSON files vitrify reads are each checked against
+their schema when read. :func:`verify` also checks every file's CRC32C and those schemas, and
+returns every problem, one line each. Loading only parses JSON and span files: nothing is
+unpickled or executed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import importlib.metadata
 import json
 import logging
@@ -40,7 +45,7 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import _check, _native
@@ -53,7 +58,6 @@ FORMAT = "vitrify-archive"
 VERSION = 1
 MANIFEST = "manifest.json"
 FINGERPRINT_FIELDS = ("gpu", "sm", "driver", "cuda", "torch", "engine", "engine_version", "model")
-_CHECKSUM_RE = re.compile(r"^crc32c:[0-9a-f]{8}$")
 _RANK_RE = re.compile(r"^rank(0|[1-9][0-9]{0,5})$")
 _MAX_RANK = 999999
 
@@ -69,8 +73,8 @@ class ArchiveMismatch(ArchiveError):
 
     def __init__(self, path: str, field: str, expected: Any, found: Any):
         self.path, self.field, self.expected, self.found = path, field, expected, found
-        super().__init__(f"archive {path}: {field} mismatch: expected {expected!r}, "
-                         f"the archive has {found!r}")
+        super().__init__(f"archive {path}: {field} mismatch: expected {_check.short(expected)}, "
+                         f"the archive has {_check.short(found)}")
 
 
 class ArchiveCorrupt(ArchiveError):
@@ -78,7 +82,8 @@ class ArchiveCorrupt(ArchiveError):
 
     def __init__(self, path: str, relpath: str, reason: str):
         self.path, self.relpath, self.reason = path, relpath, reason
-        super().__init__(f"archive {path}: {relpath}: {reason}")
+        # one line whatever the name holds (a newline in a listed path must not start a line)
+        super().__init__(f"archive {path}: {_check.shown(str(relpath))}: {reason}")
 
 
 class UnsafePath(ArchiveCorrupt):
@@ -177,17 +182,12 @@ def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 def check_relpath(rel: Any) -> str:
     """Return ``rel`` if it is a safe relative path inside an archive, else raise ValueError:
-    a non-empty str of ``/``-separated components, none empty, ``.`` or ``..``, no backslash or
-    NUL, not absolute."""
-    if not isinstance(rel, str) or not rel:
-        raise ValueError(f"archive path must be a non-empty str, got {rel!r}")
-    if "\x00" in rel or "\\" in rel:
-        raise ValueError(f"archive path {rel!r} contains NUL or a backslash")
-    if rel.startswith("/"):
-        raise ValueError(f"archive path {rel!r} is absolute")
-    for part in rel.split("/"):
-        if part in ("", ".", ".."):
-            raise ValueError(f"archive path {rel!r} has an empty, '.' or '..' component")
+    a non-empty str of ``/``-separated components, none empty, ``.`` or ``..``, no backslash,
+    NUL or other control character, not absolute, each component at most 255 bytes and the
+    whole at most 4095 (see :func:`vitrify._check.relpath_problem`)."""
+    problem = _check.relpath_problem(rel)
+    if problem:
+        raise ValueError(f"archive path {_check.short(rel)} {problem}")
     return rel
 
 
@@ -343,6 +343,13 @@ class ArchiveWriter(_FileWriter):
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"region.checkpoints[{k!r}] must map a str to an offset >= 0, "
                                  f"got {v!r}")
+        # what open_archive would refuse is not written
+        for name, schema, value in (("fingerprint", FINGERPRINT_SCHEMA, fingerprint.to_dict()),
+                                    ("region", REGION_SCHEMA, region.to_dict())):
+            try:
+                _check.validate(schema, value)
+            except _check.SchemaError as e:
+                raise ValueError(f"{name}.{e}") from None
         parent = os.path.dirname(self.path)
         if not os.path.exists(parent):
             raise FileNotFoundError(2, "path: the parent directory does not exist", parent)
@@ -471,60 +478,223 @@ class RankWriter(_FileWriter):
 
 
 # ---- reading ---------------------------------------------------------------------------------
+#
+# Every file of an archive is untrusted input, and is read only after the manifest vouches for
+# it: the manifest itself first, then only the files it lists, each through one opener
+# (``_open_dir`` + ``_open_leaf``: the manifest's read, ``Archive._visit`` for every listed
+# file) that follows no symbolic link in any component and opens nothing but a regular file
+# (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``: a FIFO is refused, never waited on). Each JSON
+# file is checked once, when it is read, against one schema (the manifest's below; a rank's
+# session state in ``session.py``, the graph index in ``graph.py``, the JIT index in
+# ``jit.py``), with bounded parsing (``_check.load_json``). Every problem is an
+# :class:`ArchiveCorrupt` naming the archive, the file and the field.
 
-def _require(path: str, cond: bool, what: str) -> None:
-    if not cond:
-        raise ArchiveCorrupt(path, MANIFEST, what)
+#: The largest manifest read (bytes): about 100 bytes per listed file.
+MAX_MANIFEST_BYTES = 64 * MiB
+#: The largest other JSON file of an archive read whole (a rank's state, the graph index, the
+#: JIT index).
+MAX_JSON_BYTES = 64 * MiB
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _open_error(path: str, rel: str, sub: str, e: OSError, dfd: int, name: str) -> ArchiveError:
+    """The error for a failed ``openat(dfd, name)`` of component ``sub`` of listed file ``rel``."""
+    if e.errno == errno.ENOENT:
+        return ArchiveCorrupt(path, rel, "missing" if sub == rel else f"missing ({sub} does "
+                                                                      f"not exist)")
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            return UnsafePath(path, rel, f"{_check.shown(sub)} is a symlink")
+        if e.errno == errno.ENOTDIR:
+            return ArchiveCorrupt(path, rel, f"{_check.shown(sub)} is not a directory")
+    return ArchiveCorrupt(path, rel, f"cannot open {_check.shown(sub)}: {e.strerror}")
+
+
+def _open_dir(path: str, parts: list[str], rel: str) -> int:
+    """A descriptor of the directory ``path/parts...``, reached without following a link (the
+    archive directory ``path`` itself is the caller's and may be one)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ArchiveCorrupt(path, rel, f"cannot open the archive directory: {e.strerror}") \
+            from None
+    try:
+        for i, part in enumerate(parts):
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                raise _open_error(path, rel, "/".join(parts[:i + 1]), e, fd, part) from None
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_leaf(path: str, rel: str, dfd: int, name: str) -> tuple[int, os.stat_result]:
+    """``name`` in the directory ``dfd`` opened for reading if it is a regular file: (fd, stat).
+    A link is not followed; a FIFO, device or socket is refused without blocking."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+    except OSError as e:
+        raise _open_error(path, rel, rel, e, dfd, name) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArchiveCorrupt(path, rel, f"not a regular file "
+                                            f"({_KINDS.get(stat.S_IFMT(st.st_mode), 'special')})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _open_member(path: str, rel: str) -> tuple[int, os.stat_result]:
+    """The one way an archive's file is opened: ``rel`` (a checked relative path) under the
+    archive directory ``path``, no link followed in any component, a regular file only."""
+    parts = rel.split("/")
+    dfd = _open_dir(path, parts[:-1], rel)
+    try:
+        return _open_leaf(path, rel, dfd, parts[-1])
+    finally:
+        os.close(dfd)
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd``'s start (one more says the file is longer)."""
+    chunks, left = [], limit
+    while left > 0:
+        b = os.pread(fd, min(left, 16 * MiB), limit - left)
+        if not b:
+            break
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def _fd_path(fd: int, full: str) -> str:
+    """A path that opens the very file ``fd`` holds (so a native reader cannot be sent elsewhere
+    between the check and its open), where ``/proc`` has one; else ``full``."""
+    p = f"/proc/self/fd/{fd}"
+    return p if os.path.exists(p) else full
+
+
+def _load(path: str, rel: str, raw: bytes, schema: _check.Schema | None) -> Any:
+    """``raw`` parsed as JSON (bounded) and checked against ``schema``: ArchiveCorrupt naming
+    ``rel`` and the field (UnsafePath for a path field)."""
+    try:
+        value = _check.load_json(raw)
+        return value if schema is None else _check.validate(schema, value)
+    except _check.PathSchemaError as e:
+        raise UnsafePath(path, rel, str(e)) from None
+    except ValueError as e:
+        raise ArchiveCorrupt(path, rel, str(e)) from None
+
+
+_CHECKSUM = _check.Str(pattern=r"crc32c:[0-9a-f]{8}")
+_U64 = _check.Int(0, _check.U64_MAX)
+
+
+def _region_rule(r: dict, field: str) -> None:
+    at = f"{field}." if field else ""
+    if r["base"] + r["size"] > _check.U64_MAX + 1:
+        raise _check.SchemaError(f"{at}size", f"base {r['base']:#x} + size {r['size']:#x} is "
+                                              f"past the 64-bit address space")
+    for k, v in r["checkpoints"].items():
+        if v > r["size"]:
+            raise _check.SchemaError(f"{at}checkpoints[{_check.short(k)}]",
+                                     f"{v} is past the region's size {r['size']}")
+
+
+def _manifest_rule(m: dict, field: str) -> None:
+    if MANIFEST in m["files"]:
+        raise _check.SchemaError(f"files[{MANIFEST!r}]", "the manifest lists itself")
+
+
+#: The region of a manifest (also what :class:`ArchiveWriter` accepts).
+REGION_SCHEMA = _check.Obj({
+    "base": _U64, "size": _U64, "granularity": _U64,
+    "checkpoints": _check.Map(_check.Str(max_len=256), _U64, max_len=4096),
+}, rule=_region_rule)
+#: The fingerprint of a manifest (also what :class:`ArchiveWriter` accepts).
+FINGERPRINT_SCHEMA = _check.Obj({f: _check.Nullable(_check.Str(max_len=1024))
+                                 for f in FINGERPRINT_FIELDS})
+#: ``manifest.json`` (format and version are checked first, then the checksum, then this).
+MANIFEST_SCHEMA = _check.Obj({
+    "format": _check.Str(choices=[FORMAT]),
+    "version": _check.Int(VERSION, VERSION),
+    "created": _check.Str(max_len=64),
+    "vitrify_version": _check.Str(max_len=256),
+    "fingerprint": FINGERPRINT_SCHEMA,
+    "region": REGION_SCHEMA,
+    "files": _check.Map(_check.RelPath(), _check.Obj({"bytes": _check.Int(0, _check.I64_MAX),
+                                                      "checksum": _CHECKSUM}),
+                        max_len=1 << 22),
+    "checksum": _CHECKSUM,
+}, rule=_manifest_rule)
+
+
+def _read_manifest(path: str) -> bytes:
+    """``manifest.json``'s bytes, through the archive's opener and within
+    :data:`MAX_MANIFEST_BYTES`."""
+    try:
+        fd, st = _open_member(path, MANIFEST)
+    except ArchiveCorrupt as e:
+        if e.reason == "missing":
+            raise ArchiveCorrupt(path, MANIFEST, "missing (not a vitrify archive, or an "
+                                                 "unfinished one)") from None
+        raise
+    try:
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ArchiveCorrupt(path, MANIFEST, f"{st.st_size} bytes, more than a manifest "
+                                                 f"may have ({MAX_MANIFEST_BYTES})")
+        try:
+            raw = _read_fd(fd, MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise ArchiveCorrupt(path, MANIFEST, f"cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ArchiveCorrupt(path, MANIFEST, f"more than a manifest may have "
+                                             f"({MAX_MANIFEST_BYTES} bytes)")
+    return raw
 
 
 def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArchiveCorrupt(path, MANIFEST, f"not valid JSON: {e}") from None
-    _require(path, isinstance(m, dict), "not a JSON object")
-    if m.get("format") != FORMAT:
-        raise ArchiveMismatch(path, "format", FORMAT, m.get("format"))
-    if m.get("version") != VERSION:
-        raise ArchiveMismatch(path, "version", VERSION, m.get("version"))
+    m = _load(path, MANIFEST, raw, None)
+    if type(m) is not dict:
+        raise ArchiveCorrupt(path, MANIFEST, f"must hold a JSON object, got {_check.got(m)}")
+    fmt, version = m.get("format"), m.get("version")
+    if type(fmt) is not str or fmt != FORMAT:
+        if fmt is not None and type(fmt) is not str:
+            raise ArchiveCorrupt(path, MANIFEST, f"format: must be a str, got {_check.got(fmt)}")
+        raise ArchiveMismatch(path, "format", FORMAT, fmt)
+    if type(version) is not int:
+        raise ArchiveCorrupt(path, MANIFEST, f"version: must be an int, got "
+                                             f"{_check.got(version)}")
+    if version != VERSION:
+        raise ArchiveMismatch(path, "version", VERSION, version)
     want = m.get("checksum")
     got = _manifest_checksum(m)
     if want != got:
-        raise ArchiveCorrupt(path, MANIFEST, f"edited or damaged: its checksum is {want!r}, "
-                                             f"its content hashes to {got!r}")
-    keys = {"format", "version", "created", "vitrify_version", "fingerprint", "region", "files",
-            "checksum"}
-    _require(path, set(m) == keys, f"keys {sorted(m)} differ from {sorted(keys)}")
-    _require(path, isinstance(m["created"], str) and isinstance(m["vitrify_version"], str),
-             "created and vitrify_version must be strings")
-    fp = m["fingerprint"]
-    _require(path, isinstance(fp, dict) and set(fp) == set(FINGERPRINT_FIELDS)
-             and all(v is None or isinstance(v, str) for v in fp.values()),
-             f"fingerprint must have exactly {list(FINGERPRINT_FIELDS)} as strings or null")
-    r = m["region"]
-    _require(path, isinstance(r, dict) and set(r) == {"base", "size", "granularity",
-                                                      "checkpoints"}
-             and all(_is_int(r[k]) and r[k] >= 0 for k in ("base", "size", "granularity"))
-             and isinstance(r["checkpoints"], dict)
-             and all(isinstance(k, str) and _is_int(v) and v >= 0
-                     for k, v in r["checkpoints"].items()),
-             "region must be {base, size, granularity: int >= 0, checkpoints: {str: int}}")
-    files = m["files"]
-    _require(path, isinstance(files, dict), "files must be an object")
-    for rel, e in files.items():
-        try:
-            check_relpath(rel)
-        except ValueError as err:
-            raise UnsafePath(path, str(rel), str(err)) from None
-        _require(path, rel != MANIFEST, "the manifest lists itself")
-        _require(path, isinstance(e, dict) and set(e) == {"bytes", "checksum"}
-                 and _is_int(e["bytes"]) and e["bytes"] >= 0
-                 and isinstance(e["checksum"], str) and bool(_CHECKSUM_RE.match(e["checksum"])),
-                 f"entry for {rel!r} must be {{bytes: int, checksum: 'crc32c:xxxxxxxx'}}")
+        raise ArchiveCorrupt(path, MANIFEST, f"edited or damaged: its checksum is "
+                                             f"{_check.short(want)}, its content hashes to "
+                                             f"{got!r}")
+    try:
+        _check.validate(MANIFEST_SCHEMA, m)
+    except _check.PathSchemaError as e:
+        raise UnsafePath(path, MANIFEST, str(e)) from None
+    except _check.SchemaError as e:
+        raise ArchiveCorrupt(path, MANIFEST, str(e)) from None
     return m
 
 
@@ -562,31 +732,94 @@ class Archive:
     def has_file(self, rel: str) -> bool:
         return rel in self.files
 
-    def file_path(self, rel: str) -> str:
-        """Absolute path of a listed file, after checking that no component is a symlink and
-        that it is a regular file inside the archive. Raises :class:`UnsafePath` /
-        :class:`ArchiveCorrupt`."""
-        if rel not in self.files:
-            raise ArchiveCorrupt(self.path, rel, "not listed in the manifest")
-        try:
-            check_relpath(rel)
-        except ValueError as e:
-            raise UnsafePath(self.path, rel, str(e)) from None
-        cur = self.path
-        parts = rel.split("/")
-        for i, part in enumerate(parts):
-            cur = os.path.join(cur, part)
+    # -- the one opener: every read of a listed file starts here --
+    def _visit(self, rels: list[str], fn: Callable[[str, int], Any] | None = None) -> None:
+        """Open each listed file of ``rels`` (see :func:`_open_member`; each directory reached
+        once), check its size against the manifest and call ``fn(rel, fd)`` on it (the fd is
+        closed after)."""
+        by_dir: dict[str, list[str]] = {}
+        for rel in rels:
+            if rel not in self.files:
+                raise ArchiveCorrupt(self.path, rel, "not listed in the manifest")
+            by_dir.setdefault(check_relpath(rel).rpartition("/")[0], []).append(rel)
+        for d, members in by_dir.items():
+            dfd = _open_dir(self.path, d.split("/") if d else [], members[0])
             try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                raise ArchiveCorrupt(self.path, rel, "missing") from None
-            if stat.S_ISLNK(st.st_mode):
-                raise UnsafePath(self.path, rel, f"{'/'.join(parts[:i + 1])} is a symlink")
-            if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
-                raise ArchiveCorrupt(self.path, rel, f"{'/'.join(parts[:i + 1])} is not a directory")
-        if not stat.S_ISREG(st.st_mode):
-            raise ArchiveCorrupt(self.path, rel, "not a regular file")
-        return cur
+                for rel in members:
+                    fd, st = _open_leaf(self.path, rel, dfd, rel.rpartition("/")[2])
+                    try:
+                        self._check_size(rel, st.st_size)
+                        if fn is not None:
+                            fn(rel, fd)
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(dfd)
+
+    def _checksum(self, rel: str, fd: int) -> None:
+        """Compare the CRC32C of the file open at ``fd`` with the manifest's."""
+        try:
+            crc = _native.file_crc32c(_fd_path(fd, os.path.join(self.path, rel)))
+        except OSError as e:
+            raise ArchiveCorrupt(self.path, rel, f"cannot read: {e.strerror}") from None
+        self._check_crc(rel, crc)
+
+    def _check_size(self, rel: str, size: int) -> None:
+        want = self.files[rel]["bytes"]
+        if size != want:
+            kind = "truncated" if size < want else "grown"
+            raise ArchiveCorrupt(self.path, rel, f"{kind}: {size} bytes, the manifest says {want}")
+
+    def _check_crc(self, rel: str, crc: int) -> None:
+        want = self.files[rel]["checksum"]
+        if f"crc32c:{crc:08x}" != want:
+            raise ArchiveCorrupt(self.path, rel, f"checksum mismatch: the manifest says {want}, "
+                                                 f"the file has crc32c:{crc:08x}")
+
+    def file_path(self, rel: str) -> str:
+        """Absolute path of a listed file, after checking that it is a regular file inside the
+        archive reached through no symlink, of its listed size. Raises :class:`UnsafePath` /
+        :class:`ArchiveCorrupt`."""
+        self._visit([rel])
+        return os.path.join(self.path, rel)
+
+    def check_file(self, rel: str, *, checksum: bool) -> str:
+        """Check a listed file's size (and with ``checksum``, its CRC32C); return its path."""
+        self._visit([rel], self._checksum if checksum else None)
+        return os.path.join(self.path, rel)
+
+    def check_files(self, *, checksum: bool) -> None:
+        """:meth:`check_file` of every listed file (the first problem raises)."""
+        self._visit(list(self.files), self._checksum if checksum else None)
+
+    def read_bytes(self, rel: str, *, checksum: bool = True,
+                   max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        """A listed file's bytes, read once: its size (at most ``max_bytes``) and, with
+        ``checksum``, the CRC32C of exactly these bytes checked against the manifest."""
+        want = self.files[rel]["bytes"] if rel in self.files else 0
+        if want > max_bytes:
+            raise ArchiveCorrupt(self.path, rel, f"{want} bytes, more than such a file may have "
+                                                 f"({max_bytes})")
+        got: list[bytes] = []
+
+        def read(rel: str, fd: int) -> None:
+            try:
+                got.append(_read_fd(fd, want + 1))
+            except OSError as e:
+                raise ArchiveCorrupt(self.path, rel, f"cannot read: {e.strerror}") from None
+
+        self._visit([rel], read)
+        data = got[0]
+        self._check_size(rel, len(data))
+        if checksum:
+            self._check_crc(rel, _native.crc32c(data))
+        return data
+
+    def read_json(self, rel: str, schema: _check.Schema | None = None) -> Any:
+        """Parse a listed JSON file (read once, its checksum verified; JSON only, nothing
+        executes), checked against ``schema`` when given: any problem is an
+        :class:`ArchiveCorrupt` naming the file and the field."""
+        return _load(self.path, rel, self.read_bytes(rel), schema)
 
     def read_files(self, rels: list[str], *, checksum: bool, threads: int = 8) -> dict[str, bytes]:
         """Listed files read whole, each checked as :meth:`check_file` checks it (inside the
@@ -595,78 +828,32 @@ class Archive:
         background loader of ~150 small files does not wait for the GIL per file while the
         main thread runs Python (a THAW imports torch meanwhile)."""
         rels = list(rels)
-        by_dir: dict[str, list[str]] = {}
-        for rel in rels:
-            if rel not in self.files:
-                raise ArchiveCorrupt(self.path, rel, "not listed in the manifest")
-            by_dir.setdefault(rel.rpartition("/")[0], []).append(rel)
-        full: dict[str, str] = {}
-        for d, members in by_dir.items():
-            # The first file's whole path is checked component by component; its siblings'
-            # last component from one directory listing.
-            first = self.file_path(members[0])
-            with os.scandir(os.path.dirname(first)) as it:
-                entries = {e.name: e for e in it}
-            for rel in members:
-                e = entries.get(rel.rpartition("/")[2])
-                if e is None:
-                    raise ArchiveCorrupt(self.path, rel, "missing")
-                if e.is_symlink():
-                    raise UnsafePath(self.path, rel, f"{rel} is a symlink")
-                if not e.is_file(follow_symlinks=False):
-                    raise ArchiveCorrupt(self.path, rel, "not a regular file")
-                full[rel] = e.path
-        paths = [full[rel] for rel in rels]
-        got = _native.read_whole_files(paths, [int(self.files[r]["bytes"]) for r in rels],
-                                       _check.integer("threads", threads, 1, 256))
+        threads = _check.integer("threads", threads, 1, 256)
+        self._visit(rels)  # each checked through the opener before the native reader opens it
+        paths = [os.path.join(self.path, rel) for rel in rels]
+        try:
+            got = _native.read_whole_files(paths, [int(self.files[r]["bytes"]) for r in rels],
+                                           threads)
+        except OSError as e:
+            where = os.path.relpath(e.filename, self.path) if e.filename else "a listed file"
+            raise ArchiveCorrupt(self.path, where, f"cannot read: {e.strerror}") from None
         out: dict[str, bytes] = {}
         for rel, (size, data, crc) in zip(rels, got):
-            want = self.files[rel]
-            if data is None or len(data) != want["bytes"]:
-                size = size if data is None else len(data)
-                kind = "truncated" if size < want["bytes"] else "grown"
-                raise ArchiveCorrupt(self.path, rel, f"{kind}: {size} bytes, the manifest says "
-                                                     f"{want['bytes']}")
-            if checksum and f"crc32c:{crc:08x}" != want["checksum"]:
-                raise ArchiveCorrupt(self.path, rel, f"checksum mismatch: the manifest says "
-                                                     f"{want['checksum']}, the file has "
-                                                     f"crc32c:{crc:08x}")
+            self._check_size(rel, size if data is None else len(data))
+            if checksum:
+                self._check_crc(rel, crc)
             out[rel] = data
         return out
 
-    def check_file(self, rel: str, *, checksum: bool) -> str:
-        """Check a listed file's size (and with ``checksum``, its CRC32C); return its path."""
-        full = self.file_path(rel)
-        want = self.files[rel]
-        size = os.stat(full).st_size
-        if size != want["bytes"]:
-            kind = "truncated" if size < want["bytes"] else "grown"
-            raise ArchiveCorrupt(self.path, rel, f"{kind}: {size} bytes, the manifest says "
-                                                 f"{want['bytes']}")
-        if checksum:
-            got = file_checksum(full)
-            if got != want["checksum"]:
-                raise ArchiveCorrupt(self.path, rel, f"checksum mismatch: the manifest says "
-                                                     f"{want['checksum']}, the file has {got}")
-        return full
-
-    def read_json(self, rel: str) -> Any:
-        """Parse a listed JSON file after verifying its checksum (JSON only; nothing executes)."""
-        full = self.check_file(rel, checksum=True)
-        with open(full, "rb") as f:
-            try:
-                return json.loads(f.read().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ArchiveCorrupt(self.path, rel, f"not valid JSON: {e}") from None
-
     def state(self, rank: int) -> dict[str, Any]:
-        """``rank<N>/state.json`` ({} when absent)."""
+        """``rank<N>/state.json`` ({} when absent): engine-specific, any JSON object (a session's
+        part is checked by :func:`vitrify.session.read_state`)."""
         rel = f"rank{_check.integer('rank', rank, 0, _MAX_RANK)}/state.json"
         if rel not in self.files:
             return {}
         s = self.read_json(rel)
-        if not isinstance(s, dict):
-            raise ArchiveCorrupt(self.path, rel, "must hold a JSON object")
+        if type(s) is not dict:
+            raise ArchiveCorrupt(self.path, rel, f"must hold a JSON object, got {_check.got(s)}")
         return s
 
     def spans(self, rank: int) -> dict[str, str]:
@@ -675,28 +862,84 @@ class Archive:
         return {rel[len(prefix):-len(".span")]: rel for rel in self.files
                 if rel.startswith(prefix) and rel.endswith(".span") and "/" not in rel[len(prefix):]}
 
-    def restore_span(self, rank: int, name: str, base: int, ceiling: int, **kw: Any) -> dict:
+    def span_info(self, rank: int, name: str) -> dict:
+        """The header and tables of span ``name`` of ``rank`` (see
+        :func:`vitrify.snapshot.file_info`); damage is an :class:`ArchiveCorrupt`."""
+        return self._span_file_info(_snapshot.span_relpath(rank, name))
+
+    def _span_file_info(self, rel: str) -> dict:
+        full = self.file_path(rel)
+        try:
+            return _snapshot.file_info(full)
+        except _snapshot.SpanFileError as e:
+            raise ArchiveCorrupt(self.path, rel, f"not a valid span file: {e}") from None
+
+    def restore_span(self, rank: int, name: str, base: int, ceiling: int, *,
+                     within: tuple[int, int] | None = None, **kw: Any) -> dict:
         """Restore span ``name`` of ``rank`` to ``base`` clamped to ``ceiling``; chunk CRCs are
-        verified on the way (see :func:`vitrify.snapshot.restore_from_file` for ``kw``)."""
+        verified on the way (see :func:`vitrify.snapshot.restore_from_file` for ``kw``).
+        ``within=(lo, hi)``: the offsets the span must lie in (its header is checked first, so
+        a span file put in another's place never writes outside its range; a damaged header is
+        then an :class:`ArchiveCorrupt`). A chunk whose CRC32C does not match is a
+        :class:`vitrify.snapshot.SpanFileError` naming the file and the chunk."""
         rel = _snapshot.span_relpath(rank, name)
-        full = self.check_file(rel, checksum=False)
-        return _snapshot.restore_from_file(full, base, ceiling, **kw)
+        if within is not None:
+            lo, hi = within
+            info = self.span_info(rank, name)
+            if not (lo <= info["start"] <= info["end"] <= hi):
+                raise ArchiveCorrupt(self.path, rel, f"covers [{info['start']:#x}, "
+                                                     f"{info['end']:#x}), outside the "
+                                                     f"{name} span [{lo:#x}, {hi:#x}) the "
+                                                     f"session state records")
+        return _snapshot.restore_from_file(self.file_path(rel), base, ceiling, **kw)
 
     def verify(self) -> list[str]:
-        """Every problem found (empty when the archive is intact): each listed file's presence,
-        size and CRC32C, span-file structure, and files present but not listed."""
+        """Every problem found (empty when the archive is intact), one line each: each listed
+        file's presence, type, size and CRC32C, span-file structure, the schema of each JSON
+        file vitrify reads (a rank's session state, the graph index, the JIT index), and files
+        present but not listed. Never raises for damage."""
+        from . import graph as _graph
+        from . import jit as _jit
+        from . import session as _session
+
         problems: list[str] = []
-        for rel in self.files:
+
+        def note(fn: Any, *args: Any) -> None:
             try:
-                full = self.check_file(rel, checksum=True)
-                if rel.endswith(".span"):
-                    _snapshot.file_info(full)
+                fn(*args)
             except (ArchiveError, _snapshot.SpanFileError) as e:
-                problems.append(str(e))
-        for root, dirs, names in os.walk(self.path):
+                if str(e) not in problems:
+                    problems.append(str(e))
+            except OSError as e:
+                problems.append(f"archive {self.path}: {e.strerror or e}")
+
+        def span(rel: str) -> None:
+            self.check_file(rel, checksum=True)
+            if rel.endswith(".span"):
+                self._span_file_info(rel)
+
+        def state(r: int) -> None:
+            if "session" in self.state(r):
+                _session.read_state(self, r)
+
+        for rel in self.files:
+            note(span, rel)
+        for r in self.ranks:
+            if f"rank{r}/state.json" in self.files:
+                note(state, r)
+            if f"rank{r}/{_graph.INDEX_FILE}" in self.files:
+                note(_graph.archive_index, self, r)
+        note(_jit.read_index, self)
+
+        def walk_error(e: OSError) -> None:
+            problems.append(f"archive {self.path}: cannot list "
+                            f"{_check.shown(os.path.relpath(e.filename or self.path, self.path))}"
+                            f": {e.strerror}")
+
+        for root, dirs, names in os.walk(self.path, onerror=walk_error):
             for n in dirs + names:
                 full = os.path.join(root, n)
-                rel = os.path.relpath(full, self.path).replace(os.sep, "/")
+                rel = _check.shown(os.path.relpath(full, self.path).replace(os.sep, "/"))
                 if os.path.islink(full):
                     problems.append(f"archive {self.path}: {rel}: symlink inside the archive")
                 elif n in names and rel != MANIFEST and rel not in self.files:
@@ -734,20 +977,10 @@ def open_archive(path: str | os.PathLike, *, expect: Fingerprint | Mapping | Non
     checksums = _check.boolean("checksums", checksums)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no archive directory at {path}")
-    mpath = os.path.join(path, MANIFEST)
-    if os.path.islink(mpath):
-        raise UnsafePath(path, MANIFEST, "is a symlink")
-    try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise ArchiveCorrupt(path, MANIFEST, "missing (not a vitrify archive, or an unfinished "
-                                             "one)") from None
-    a = Archive(path, _parse_manifest(path, raw))
+    a = Archive(path, _parse_manifest(path, _read_manifest(path)))
     if expect is not None:
         _compare_fingerprint(path, a.fingerprint, expect)
-    for rel in a.files:
-        a.check_file(rel, checksum=checksums)
+    a.check_files(checksum=checksums)
     return a
 
 
@@ -768,12 +1001,16 @@ def open_or_cold(path: str | os.PathLike, *,
 
 
 def verify(path: str | os.PathLike) -> list[str]:
-    """All problems of the archive at ``path`` (empty list: intact). Never raises for damage."""
+    """All problems of the archive at ``path`` (empty list: intact), one line each. Never raises
+    for damage (only for a ``path`` that is not a path)."""
     _check.path("path", path)
     try:
         a = open_archive(path)
-    except (ArchiveError, FileNotFoundError) as e:
+    except ArchiveError as e:
         return [str(e)]
+    except OSError as e:  # no directory there, or one that cannot be read
+        return [str(e) if isinstance(e, FileNotFoundError) else
+                f"archive {os.path.abspath(path)}: {e.strerror or e}"]
     return a.verify()
 
 
@@ -791,10 +1028,10 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         for name, rel in a.spans(r).items():
             entry: dict[str, Any] = {"file": rel, "file_bytes": a.files[rel]["bytes"]}
             try:
-                info = _snapshot.file_info(a.file_path(rel))
+                info = a._span_file_info(rel)
                 entry.update(start=info["start"], end=info["end"], bytes=info["data_bytes"],
                              intervals=len(info["intervals"]))
-            except (ArchiveError, _snapshot.SpanFileError) as e:
+            except ArchiveError as e:
                 entry["error"] = str(e)
             spans[name] = entry
 
@@ -806,7 +1043,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
                     "state": f"{prefix}state.json" in a.files,
                     "bytes": sum(e["bytes"] for e in mine.values())}
         if f"{prefix}graphs/index.json" in a.files:
-            ranks[r]["relocation"] = _relocation_counts(a.file_path(f"{prefix}graphs/index.json"))
+            ranks[r]["relocation"] = _relocation_counts(a, r)
     return {"path": a.path, "format": a.manifest["format"], "version": a.manifest["version"],
             "created": a.manifest["created"], "vitrify_version": a.manifest["vitrify_version"],
             "fingerprint": a.fingerprint.to_dict(), "region": a.region.to_dict(),
@@ -814,18 +1051,19 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
             "ranks": ranks}
 
 
-def _relocation_counts(index_path: str) -> dict[str, Any]:
-    """Relocatability of one rank's graphs, from its graph index: how many graphs, how many
-    FREEZE marked non-relocatable, and their unclassified words."""
+def _relocation_counts(a: Archive, rank: int) -> dict[str, Any]:
+    """Relocatability of one rank's graphs, from its graph index (read as THAW reads it): how
+    many graphs, how many FREEZE marked non-relocatable, and their unclassified words."""
+    from . import graph as _graph
+
     try:
-        with open(index_path) as f:
-            graphs = json.load(f).get("graphs", [])
-    except (OSError, ValueError) as e:
-        return {"error": f"{index_path}: {e}"}
-    fixed = [g for g in graphs if not g.get("relocatable", False)]
+        graphs = _graph.archive_index(a, rank)["graphs"]
+    except ArchiveError as e:
+        return {"error": str(e)}
+    fixed = [g for g in graphs if not g["relocatable"]]
     return {"graphs": len(graphs), "relocatable": len(graphs) - len(fixed),
             "non_relocatable": [g["name"] for g in fixed],
-            "unclassified_words": sum(g.get("unclassified", {}).get("count", 0) for g in fixed)}
+            "unclassified_words": sum(g["unclassified"]["count"] for g in fixed)}
 
 
 def _size(n: int) -> str:

@@ -54,9 +54,11 @@ INDEX_FILE = "graphs/index.json"
 __all__ = [
     "GraphNotRelocatable",
     "GraphCapture",
+    "INDEX_SCHEMA",
     "GraphFreezeError",
     "GraphStore",
     "LoadedGraphs",
+    "archive_index",
     "describe",
     "load",
     "load_from_archive",
@@ -436,37 +438,186 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------- THAW
+_HEX64 = _check.Str(pattern="[0-9a-f]{64}")
+_N = _check.Int(0, _check.U64_MAX)
+
+
+def _index_rule(index: dict, field: str) -> None:
+    """What spans fields: graph names unique, every file in its directory and named once (never
+    the index itself), every module a graph uses listed, every graph in exactly one template of
+    its own topology."""
+    files = {INDEX_FILE}
+    named = [(f"graphs[{i}]", g, GRAPHS_DIR) for i, g in enumerate(index["graphs"])] + \
+        [(f"modules[{h[:12]}...]", m, MODULES_DIR) for h, m in index["modules"].items()]
+    for where, entry, directory in named:
+        f = entry["file"]
+        if not f.startswith(directory + "/"):
+            raise _check.SchemaError(f"{where}.file", f"{f!r} is not under {directory}/")
+        if f in files:
+            raise _check.SchemaError(f"{where}.file", f"{f!r} is the index itself" if
+                                     f == INDEX_FILE else f"{f!r} is named twice")
+        files.add(f)
+    topology: dict[str, str] = {}
+    for i, g in enumerate(index["graphs"]):
+        if g["name"] in topology:
+            raise _check.SchemaError(f"graphs[{i}].name", f"{g['name']!r} appears twice")
+        topology[g["name"]] = g["topology"]
+        for h in g["modules"]:
+            if h not in index["modules"]:
+                raise _check.SchemaError(f"graphs[{i}].modules", f"names module {h}, which "
+                                                                 f"'modules' does not list")
+    templated: set[str] = set()
+    for i, t in enumerate(index["templates"]):
+        for j, name in enumerate(t["graphs"]):
+            where = f"templates[{i}].graphs[{j}]"
+            if name not in topology:
+                raise _check.SchemaError(where, f"{name!r} is not one of the graphs")
+            if name in templated:
+                raise _check.SchemaError(where, f"{name!r} is in two templates")
+            if topology[name] != t["topology"]:
+                raise _check.SchemaError(where, f"{name!r} has topology {topology[name]}, not "
+                                                f"the template's {t['topology']}")
+            templated.add(name)
+    lone = sorted(set(topology) - templated)
+    if lone:
+        raise _check.SchemaError("templates", f"no template holds graph {lone[0]!r}")
+
+
+#: ``graphs/index.json`` as :meth:`GraphStore.save` writes it; checked on every read
+#: (:func:`read_index`, :func:`archive_index`) before anything uses it.
+INDEX_SCHEMA = _check.Obj({
+    "format": _check.Str(max_len=64),
+    "version": _check.Int(0, _check.U32_MAX),
+    "graph_format_version": _check.Int(0, _check.U32_MAX),
+    "device": _check.Int(0, (1 << 31) - 1),
+    "region": _check.Obj({"base": _N, "size": _N}),
+    "graphs": _check.List(_check.Obj({
+        "name": _check.Str(max_len=1024),
+        "file": _check.RelPath(),
+        "bytes": _check.Int(0, _check.I64_MAX),
+        "sha256": _HEX64,
+        "nodes": _N,
+        "relocations": _N,
+        "relocations_by_kind": _check.Map(_check.Str(max_len=64), _N, max_len=64),
+        "relocatable": _check.Bool(),
+        "unclassified": _check.Obj({
+            "count": _N,
+            "words": _check.List(_check.Obj({
+                "node": _N, "kernel": _check.Str(max_len=1 << 16, empty=True), "offset": _N,
+                "value": _check.Str(max_len=64), "reason": _check.Str(max_len=4096, empty=True),
+            })),
+        }),
+        "integers_kept": _check.Map(_check.Str(max_len=256), _N, max_len=256),
+        "topology": _check.Str(max_len=256),
+        "modules": _check.List(_HEX64, unique=True),
+    })),
+    "templates": _check.List(_check.Obj({"topology": _check.Str(max_len=256),
+                                         "graphs": _check.List(_check.Str(max_len=1024))})),
+    "modules": _check.Map(_HEX64, _check.Obj({
+        "file": _check.RelPath(), "bytes": _check.Int(0, _check.I64_MAX),
+        "kind": _check.Str(max_len=64), "kernels": _N,
+    })),
+}, rule=_index_rule)
+
+
+def _index_problem(index: Any) -> _check.SchemaError | None:
+    """Why ``index`` (parsed JSON) is not a graph index this build reads, or None."""
+    if type(index) is not dict:
+        return _check.SchemaError("", f"must hold a JSON object, got {_check.got(index)}")
+    fmt, version = index.get("format"), index.get("version")
+    if fmt != INDEX_FORMAT or type(fmt) is not str:
+        return _check.SchemaError("format", f"{_check.short(fmt)}: not a vitrify graph index")
+    if type(version) is not int or version != INDEX_VERSION:
+        return _check.SchemaError("version", f"graph index version {_check.short(version)} is "
+                                             f"not supported (this build reads {INDEX_VERSION})")
+    try:
+        _check.validate(INDEX_SCHEMA, index)
+    except _check.SchemaError as e:
+        return e
+    return None
+
+
 def read_index(directory: str | os.PathLike, data: bytes | None = None) -> dict:
-    """The validated ``graphs/index.json`` of a saved store (``data``: its bytes, already read)."""
+    """The validated ``graphs/index.json`` of a saved store (``data``: its bytes, already read);
+    a ValueError naming the file and the field otherwise (:data:`INDEX_SCHEMA`). An archive's
+    index is read with :func:`archive_index`."""
     _check.path("directory", directory)
     path = Path(directory) / INDEX_FILE
     try:
-        index = json.loads(path.read_bytes() if data is None else data)
+        index = _check.load_json(path.read_bytes() if data is None else bytes(data))
     except FileNotFoundError:
         raise FileNotFoundError(f"no graph index at {path}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"graph index {path} is not valid JSON: {e}") from None
-    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-        raise ValueError(f"{path} is not a vitrify graph index (format {index.get('format')!r})")
-    if index.get("version") != INDEX_VERSION:
-        raise ValueError(f"{path}: graph index version {index.get('version')!r} is not "
-                         f"supported (this build reads {INDEX_VERSION})")
-    for key in ("graphs", "modules", "region"):
-        if key not in index:
-            raise ValueError(f"{path}: graph index lacks {key!r}")
+    except ValueError as e:
+        raise ValueError(f"graph index {path}: {e}") from None
+    problem = _index_problem(index)
+    if problem is not None:
+        raise ValueError(f"graph index {path}: {problem}")
     return index
+
+
+def archive_index(archive: Any, rank: int = 0) -> dict:
+    """Rank ``rank``'s graph index in an opened :class:`vitrify.archive.Archive`, read after the
+    manifest vouched for it (listed, a regular file reached through no link, its size and
+    CRC32C) and checked: its schema, and every graph and module file it names listed in the
+    manifest with the size it records. A problem is an :class:`vitrify.archive.ArchiveCorrupt`
+    naming the archive, the index and the field; no index is a KeyError."""
+    from . import archive as _archive
+
+    _check.integer("rank", rank, 0, 999999)
+    prefix = f"rank{int(rank)}/"
+    rel = prefix + INDEX_FILE
+    if rel not in archive.files:
+        raise KeyError(f"archive {archive.path} has no graphs for rank {rank} "
+                       f"({rel} is not in its manifest)")
+    index = archive.read_json(rel)
+    problem = _index_problem(index)
+    if problem is not None:
+        cls = _archive.UnsafePath if isinstance(problem, _check.PathSchemaError) \
+            else _archive.ArchiveCorrupt
+        raise cls(archive.path, rel, str(problem))
+    named = [(f"graphs[{i}].file", g["file"], g["bytes"]) for i, g in enumerate(index["graphs"])]
+    named += [(f"modules[{h[:12]}...].file", m["file"], m["bytes"])
+              for h, m in index["modules"].items()]
+    for field, f, size in named:
+        listed = archive.files.get(prefix + f)
+        if listed is None:
+            raise _archive.ArchiveCorrupt(archive.path, rel, f"{field}: names {prefix + f}, which "
+                                                             f"the manifest does not list")
+        if listed["bytes"] != size:
+            raise _archive.ArchiveCorrupt(archive.path, rel, f"{field}: {prefix + f} is "
+                                                             f"{listed['bytes']} bytes in the "
+                                                             f"manifest, the index says {size}")
+    # and the index accounts for every graph and module file the manifest lists
+    named_files = {prefix + f for _, f, _ in named} | {rel}
+    for other in archive.files:
+        if other.startswith((prefix + GRAPHS_DIR + "/", prefix + MODULES_DIR + "/")) and \
+                other not in named_files:
+            raise _archive.ArchiveCorrupt(archive.path, rel, f"names no {other}, which the "
+                                                             f"manifest lists")
+    return index
+
+
+class _FileProblem(ValueError):
+    """A file of a saved store (``rel``, relative to its directory) is not what its index says;
+    :func:`load_from_archive` names it as the archive's file."""
+
+    def __init__(self, root: Path, rel: str, reason: str):
+        self.rel, self.reason = rel, reason
+        super().__init__(f"{root / rel}: {reason}")
 
 
 def _read_checked(root: Path, rel: str, size: int,
                   files: Mapping[str, bytes] | None = None) -> bytes:
-    p = root / rel
-    if ".." in Path(rel).parts or Path(rel).is_absolute():
-        raise ValueError(f"graph index names a file outside its directory: {rel!r}")
+    problem = _check.relpath_problem(rel)
+    if problem:
+        raise _FileProblem(root, INDEX_FILE, f"names the path {_check.short(rel)}, which "
+                                             f"{problem}")
     if files is not None and rel not in files:
-        raise ValueError(f"graph index names {rel!r}, which the archive does not list")
-    data = p.read_bytes() if files is None else files[rel]
+        raise _FileProblem(root, rel, "named by the graph index, but not among the files read")
+    data = (root / rel).read_bytes() if files is None else files[rel]
     if len(data) != size:
-        raise ValueError(f"{p}: {len(data)} bytes, the index says {size} (truncated file?)")
+        raise _FileProblem(root, rel, f"{len(data)} bytes, the index says {size} (truncated "
+                                      f"file?)")
     return data
 
 
@@ -570,10 +721,11 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
                       **kw: Any) -> LoadedGraphs:
     """Load rank ``rank``'s graphs from an opened :class:`vitrify.archive.Archive`.
 
-    Every graph and module file of that rank is first checked against the manifest (listed,
-    inside the archive, no symlinks, size, and with ``verify`` its CRC32C): damage is a
-    :class:`vitrify.archive.ArchiveCorrupt` naming the file, raised before any driver call.
-    ``verify=False`` checks no content (neither CRC32C nor the modules' SHA-256 names).
+    The index is read as :func:`archive_index` reads it (checksummed and checked, whatever
+    ``verify`` says); every graph and module file it names is checked against the manifest
+    (listed, inside the archive, no symlinks, size, and with ``verify`` its CRC32C): damage is
+    a :class:`vitrify.archive.ArchiveCorrupt` naming the file, raised before any driver call.
+    ``verify=False`` checks no other content (neither CRC32C nor the modules' SHA-256 names).
     ``kw`` goes to :func:`load` (device, region_base, threads, names, share_templates).
     """
     if not (hasattr(archive, "files") and hasattr(archive, "path")
@@ -583,19 +735,22 @@ def load_from_archive(archive: Any, rank: int = 0, *, verify: bool = True,
     _check.integer("rank", rank, 0, 999999)
     _check.boolean("verify", verify)
     prefix = f"rank{int(rank)}/"
-    rels = [r for r in archive.files
-            if r.startswith(prefix + GRAPHS_DIR + "/") or r.startswith(prefix + MODULES_DIR + "/")]
-    if prefix + INDEX_FILE not in rels:
-        raise KeyError(f"archive {archive.path} has no graphs for rank {rank} "
-                       f"({prefix + INDEX_FILE} is not in its manifest)")
+    index = archive_index(archive, rank)  # every file it names is listed, with its size
+    rels = [prefix + INDEX_FILE] + [prefix + g["file"] for g in index["graphs"]] + \
+        [prefix + m["file"] for m in index["modules"].values()]
     # Read and verified in one native call (no GIL hand-over per file: P7's loader runs beside
     # a main thread busy importing torch).
     data = archive.read_files(rels, checksum=verify)
     # The SHA-256 names are not recomputed (G2 of csrc/src/graph/DESIGN.md; hashing ~100 modules
     # cost a THAW ~1 s): with ``verify`` the CRC32C checked every byte; without it the caller
     # chose not to check the archive's bytes at all.
-    return load(Path(archive.path) / f"rank{int(rank)}",
-                files={rel[len(prefix):]: b for rel, b in data.items()}, checked=True, **kw)
+    from . import archive as _archive
+
+    try:
+        return load(Path(archive.path) / f"rank{int(rank)}",
+                    files={rel[len(prefix):]: b for rel, b in data.items()}, checked=True, **kw)
+    except _FileProblem as e:
+        raise _archive.ArchiveCorrupt(archive.path, prefix + e.rel, e.reason) from None
 
 
 def unrelocatable_graphs(index: dict, region_base: int | None, names: list[str] | None = None,
@@ -677,26 +832,25 @@ def load(directory: str | os.PathLike, *, device: int = 0, region_base: int | No
         if missing:
             raise KeyError(f"graphs not in {root}: {sorted(missing)}")
         entries = [g for g in entries if g["name"] in wanted]
+    datas = {g["name"]: _read_checked(root, g["file"], g["bytes"], files) for g in entries}
     gset = _native.GraphSet(device, share_templates)
     needed = sorted({h for g in entries for h in g["modules"]})
     modules = []
     for h in needed:
         m = index["modules"].get(h)
         if m is None:
-            raise ValueError(f"graph index lists no file for module {h}")
+            raise _FileProblem(root, INDEX_FILE, f"lists no file for module {h}")
         modules.append((_read_checked(root, m["file"], m["bytes"], files), h))
     gset.add_modules(modules, not checked)  # SHA-256 names checked; the GIL released once
     ids = {}
     relocate_to = None if region_base is None else int(region_base)
-    for g in entries:
-        data = _read_checked(root, g["file"], g["bytes"], files)
+    for g in entries:  # (a graph needing a module its entry omits is refused here too)
         try:
-            ids[g["name"]] = gset.add(data, relocate_to, g["sha256"], not checked)
+            ids[g["name"]] = gset.add(datas[g["name"]], relocate_to, g["sha256"], not checked)
         except ValueError as e:
-            if "SHA-256" not in str(e):
-                raise
-            raise ValueError(f"{root / g['file']}: SHA-256 differs from the index (graph "
-                             f"{g['name']!r})") from None
+            reason = (f"SHA-256 differs from the index (graph {g['name']!r})" if "SHA-256" in str(e)
+                      else f"not a valid graph file: {e}")
+            raise _FileProblem(root, g["file"], reason) from None
     gset.start(threads)
     loaded = LoadedGraphs(index, gset, ids)
     loaded.skipped = skipped

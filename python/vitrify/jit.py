@@ -152,27 +152,69 @@ def pack(writer: Any, dirs: Mapping[str, str]) -> dict:
     return index
 
 
+def _index_rule(index: dict, field: str) -> None:
+    for name, c in index["caches"].items():
+        if c["variable"] != CACHES[name]:
+            raise _check.SchemaError(f"caches[{name!r}].variable",
+                                     f"{c['variable']!r}; the {name} cache is {CACHES[name]}")
+
+
+#: ``jit/index.json`` as :func:`pack` writes it; checked by :func:`read_index` before any use.
+INDEX_SCHEMA = _check.Obj({
+    "format": _check.Int(0, _check.U32_MAX),
+    "caches": _check.Map(_check.Str(choices=sorted(CACHES)), _check.Obj({
+        "variable": _check.Str(max_len=64),
+        "files": _check.List(_check.RelPath(), unique=True),
+        "bytes": _check.Int(0, _check.I64_MAX),
+    })),
+}, rule=_index_rule)
+
+
 def read_index(archive: Any) -> dict | None:
-    """The archive's JIT index, checked; None when it was frozen without JIT caches (J5)."""
+    """The archive's JIT index, read after the manifest vouched for it and checked
+    (:data:`INDEX_SCHEMA`, every file it lists in the manifest, its byte count theirs); None
+    when it was frozen without JIT caches (J5). A problem is an
+    :class:`vitrify.archive.ArchiveCorrupt` naming the archive, ``jit/index.json`` and the
+    field."""
     from . import archive as _archive
 
     if not archive.has_file(INDEX):
+        cached = sorted(rel for rel in archive.files if rel.startswith(PREFIX + "/"))
+        if cached:
+            raise _archive.ArchiveCorrupt(archive.path, INDEX, f"not in the manifest, which "
+                                                               f"lists {len(cached)} JIT cache "
+                                                               f"files ({cached[0]}, ...)")
         return None
     index = archive.read_json(INDEX)
-    caches = index.get("caches") if isinstance(index, dict) else None
-    if not isinstance(index, dict) or index.get("format") != JIT_FORMAT or \
-            not isinstance(caches, dict):
-        raise _archive.ArchiveCorrupt(archive.path, INDEX, f"not a JIT index of format "
-                                                           f"{JIT_FORMAT}")
-    for name, c in caches.items():
-        if name not in CACHES or not isinstance(c, dict) or \
-                not isinstance(c.get("files"), list):
-            raise _archive.ArchiveCorrupt(archive.path, INDEX, f"bad cache entry {name!r}")
-        for rel in c["files"]:
-            _archive.check_relpath(rel)
-            if f"{PREFIX}/{name}/{rel}" not in archive.files:
-                raise _archive.ArchiveCorrupt(archive.path, INDEX, f"lists {name}/{rel}, which "
+    fmt = index.get("format") if type(index) is dict else None
+    if type(fmt) is not int or fmt != JIT_FORMAT:
+        raise _archive.ArchiveCorrupt(archive.path, INDEX, f"format: {_check.short(fmt)}: not "
+                                                           f"a JIT index of format {JIT_FORMAT}")
+    try:
+        _check.validate(INDEX_SCHEMA, index)
+    except _check.PathSchemaError as e:
+        raise _archive.UnsafePath(archive.path, INDEX, str(e)) from None
+    except _check.SchemaError as e:
+        raise _archive.ArchiveCorrupt(archive.path, INDEX, str(e)) from None
+    for name, c in index["caches"].items():
+        total = 0
+        for i, rel in enumerate(c["files"]):
+            entry = archive.files.get(f"{PREFIX}/{name}/{rel}")
+            if entry is None:
+                raise _archive.ArchiveCorrupt(archive.path, INDEX, f"caches[{name!r}].files[{i}]: "
+                                                                   f"lists {name}/{rel}, which "
                                                                    f"the manifest lacks")
+            total += entry["bytes"]
+        if total != c["bytes"]:
+            raise _archive.ArchiveCorrupt(archive.path, INDEX, f"caches[{name!r}].bytes: "
+                                                               f"{c['bytes']}, but its files "
+                                                               f"hold {total}")
+    # and the index accounts for every JIT cache file the manifest lists
+    indexed = {f"{PREFIX}/{n}/{r}" for n, c in index["caches"].items() for r in c["files"]}
+    for rel in archive.files:
+        if rel.startswith(PREFIX + "/") and rel != INDEX and rel not in indexed:
+            raise _archive.ArchiveCorrupt(archive.path, INDEX, f"lists no {rel}, which the "
+                                                               f"manifest lists")
     return index
 
 

@@ -19,7 +19,9 @@ FREEZE (:class:`FreezeSession`)::
 
 THAW (:class:`ThawSession`)::
 
-    open the archive, check it against this machine and the adapter's fingerprint
+    open the archive, check it against this machine and the adapter's fingerprint, and the
+    session state against the manifest (:func:`read_state`: every span and graph it records
+    is listed, P13)
     reserve the region at the frozen base (another base when it is taken and relocation is
     allowed; graphs FREEZE could not prove relocatable are refused there)
     load kernel modules and rebuild graphs in the background
@@ -61,6 +63,23 @@ SPANS = {"weights": ("", "weights"), "warmup": ("state", "warmup"),
 RANK = 0
 
 
+#: A rank's ``state.json`` as a session writes it: ``session`` (what THAW needs of the
+#: procedure: format, phases, each span's range, which spans FREEZE dumped, how many graphs)
+#: and ``engine`` (the adapter's ``state()``, plain JSON, passed on unread). Checked once when
+#: THAW (or ``vitrify verify``) reads it, by :func:`read_state`.
+STATE_SCHEMA = _check.Obj({
+    "session": _check.Obj({
+        "format": _check.Int(0, _check.U32_MAX),
+        "phases": _check.List(_check.Str(max_len=64), max_len=64),
+        "spans": _check.Map(_check.Str(max_len=64),
+                            _check.List(_check.Int(0, _check.U64_MAX), length=2), max_len=64),
+        "graphs": _check.Int(0, _check.U32_MAX),
+        "record_kernels": _check.Bool(),
+    }, optional={"dumped": _check.List(_check.Str(choices=sorted(SPANS)), unique=True)}),
+    "engine": _check.Obj({}, extra=True),
+})
+
+
 class SessionError(RuntimeError):
     """The session cannot go on: what failed and what to do."""
 
@@ -78,6 +97,100 @@ class CheckpointDrift(_archive.ArchiveMismatch):
                   f"same order; rebuild the archive with this engine")
         self.path, self.field, self.expected, self.found = path, f"checkpoint.{phase}", here, frozen
         self.phase = phase
+
+
+def _span_range(cps: dict, name: str) -> tuple[int, int]:
+    """The offsets ``[lo, hi)`` of span ``name`` given the region's checkpoints."""
+    lo, hi = SPANS[name]
+    return (cps[lo] if lo else 0, cps[hi])
+
+
+def _read(archive: Any, rank: int) -> tuple[dict, dict | None]:
+    """:func:`read_state`, and the graph index when the state records graphs (else None)."""
+    path, rel = archive.path, f"rank{rank}/state.json"
+    if rel not in archive.files:
+        raise _archive.ArchiveCorrupt(path, rel, "not in the manifest: the archive holds no "
+                                                 "session state (not frozen by a vitrify "
+                                                 "session, or its manifest lost the file)")
+    st = archive.state(rank)
+    sess = st.get("session")
+    fmt = sess.get("format") if type(sess) is dict else None
+    if type(fmt) is int and fmt != SESSION_FORMAT:
+        raise _archive.ArchiveMismatch(path, "state.session.format", SESSION_FORMAT, fmt)
+    try:
+        _check.validate(STATE_SCHEMA, st)
+    except _check.SchemaError as e:
+        raise _archive.ArchiveCorrupt(path, rel, str(e)) from None
+    sess = st["session"]
+
+    def refuse(where: str, field: str, reason: str) -> None:
+        raise _archive.ArchiveCorrupt(path, where, f"{field}: {reason}")
+
+    if sess["phases"] != list(PHASES):
+        refuse(rel, "session.phases", f"{sess['phases']} are not this build's {list(PHASES)}")
+    cps = archive.region.checkpoints
+    missing = [p for p in PHASES if p not in cps]
+    if missing:
+        refuse(_archive.MANIFEST, "region.checkpoints", f"lacks {missing}, which a session "
+                                                        f"records")
+    for before, after in zip(PHASES, PHASES[1:]):
+        if cps[after] < cps[before]:
+            refuse(_archive.MANIFEST, f"region.checkpoints[{after!r}]",
+                   f"{cps[after]} is before {before!r} at {cps[before]}")
+    if set(sess["spans"]) != set(SPANS):
+        refuse(rel, "session.spans", f"names {sorted(sess['spans'])}; a session records "
+                                     f"{sorted(SPANS)}")
+    for name in SPANS:
+        if sess["spans"][name] != list(_span_range(cps, name)):
+            refuse(rel, f"session.spans.{name}", f"{sess['spans'][name]}, but the manifest's "
+                                                 f"checkpoints give {list(_span_range(cps, name))}")
+    # Every span FREEZE dumped is listed (archives of before "dumped": at least the weights,
+    # which FREEZE always dumps), and none other is.
+    dumped = sess.get("dumped")
+    for name in SPANS:
+        lo, hi = _span_range(cps, name)
+        span_rel = _snapshot.span_relpath(rank, name)
+        listed = span_rel in archive.files
+        if dumped is None:
+            needed = name == _snapshot.WEIGHTS_SPAN and hi > lo
+        else:
+            needed = name in dumped
+            if needed and hi <= lo:
+                refuse(rel, "session.dumped", f"lists {name!r}, whose range [{lo}, {hi}) is empty")
+            if name == _snapshot.WEIGHTS_SPAN and hi > lo and not needed:
+                refuse(rel, "session.dumped", "lacks 'weights' (FREEZE always dumps the weights "
+                                              "span)")
+            if listed and not needed:
+                raise _archive.ArchiveCorrupt(path, span_rel, "listed in the manifest, but the "
+                                                              "session state says FREEZE did not "
+                                                              "dump this span")
+        if needed and not listed:
+            raise _archive.ArchiveCorrupt(path, span_rel, f"not in the manifest, but the session "
+                                                          f"state records the {name} span "
+                                                          f"[{lo:#x}, {hi:#x}) as dumped")
+    index = None
+    if sess["graphs"]:
+        index_rel = f"rank{rank}/{_graph_module().INDEX_FILE}"
+        if index_rel not in archive.files:
+            raise _archive.ArchiveCorrupt(path, index_rel, f"not in the manifest, but the session "
+                                                           f"state records {sess['graphs']} "
+                                                           f"graphs")
+        index = _graph_module().archive_index(archive, rank)
+        if len(index["graphs"]) != sess["graphs"]:
+            refuse(rel, "session.graphs", f"{sess['graphs']}, but {index_rel} lists "
+                                          f"{len(index['graphs'])} graphs")
+    return st, index
+
+
+def read_state(archive: Any, rank: int = RANK) -> dict:
+    """The session state of ``rank`` in an opened :class:`vitrify.archive.Archive`, checked
+    once: its schema (:data:`STATE_SCHEMA`), its format, and that it agrees with the manifest:
+    every phase's checkpoint is there and in order, each span's range is the one the checkpoints
+    give, every span FREEZE dumped is listed (and no other), and the graph index it counts is
+    listed and lists that many graphs. A problem is an :class:`vitrify.archive.ArchiveCorrupt`
+    naming the archive, the file and the field (another session format: an ArchiveMismatch)."""
+    _check.integer("rank", rank, 0, 999999)
+    return _read(archive, rank)[0]
 
 
 @runtime_checkable
@@ -434,6 +547,7 @@ class FreezeSession:
                 "spans": {n: [cps[lo] if lo else 0, cps[hi]] for n, (lo, hi) in SPANS.items()},
                 "graphs": len(store) if store is not None else 0,
                 "record_kernels": self.record_kernels,
+                "dumped": list(spans),
             }, "engine": engine_state})
             if write_extra is not None:
                 with t.step("write_extra"):
@@ -545,8 +659,9 @@ class ThawSession:
     def _restore(self, archive: Any, region: Any, spans: dict, name: str, end: int) -> None:
         """Map the region up to ``end`` (P2) and restore span ``name`` (when FREEZE wrote it)."""
         self._claim(region, end)
-        if name in spans:
-            archive.restore_span(RANK, name, region.base, end, target=self.device,
+        if name in spans:  # a span file never writes outside its own range (P13)
+            archive.restore_span(RANK, name, region.base, end,
+                                 within=_span_range(self._cps, name), target=self.device,
                                  progress=self.progress, direct_io=self.direct_io)
 
     def run(self) -> dict:
@@ -646,16 +761,20 @@ class ThawSession:
             archive = _archive.open_archive(self.path,
                                             expect=_fingerprint(a, self.device),
                                             checksums=False)
-            st = archive.state(RANK)
-            sess = st.get("session")
-            if not isinstance(sess, dict) or sess.get("format") != SESSION_FORMAT:
-                raise _archive.ArchiveMismatch(archive.path, "state.session.format",
-                                               SESSION_FORMAT, (sess or {}).get("format"))
+            # The state is checked against the manifest: every span and graph it records is
+            # listed (P13), read only after the manifest vouched for it.
+            st, index = _read(archive, RANK)
+            sess = st["session"]
             cps = archive.region.checkpoints
-            missing = [p for p in PHASES if p not in cps]
-            if missing:
-                raise _archive.ArchiveCorrupt(archive.path, "manifest.json",
-                                              f"the region lacks checkpoints {missing}")
+            self._spans = archive.spans(RANK)
+            graphs_lo, graphs_hi = _span_range(cps, "graphs")
+            graphs_rel = _snapshot.span_relpath(RANK, "graphs")
+            if self.restore_graph_span and graphs_hi > graphs_lo and "graphs" not in self._spans:
+                raise _archive.ArchiveCorrupt(archive.path, graphs_rel, f"not in the manifest, "
+                                              f"but THAW restores the graphs span [{graphs_lo:#x}, "
+                                              f"{graphs_hi:#x}): thaw with "
+                                              f"restore_graph_span=False (FREEZE ran with "
+                                              f"dump_graph_span=False?)")
             # Decided before anything is reserved: what happens to warmup (P5, P9).
             plan = self._warmup_plan(archive, cps)
             if objectless and plan.action != "restore":
@@ -667,16 +786,14 @@ class ThawSession:
         with t.step("reserve"):
             self.region = region = self._reserve(archive.region)
             region.preallocate(cps["captured"])
-        if sess.get("graphs", 0):
+        if index is not None:
             with t.step("graphs_start"):
                 # Refused before anything is restored (P4); then the files are verified, the
                 # modules loaded and the graphs built on background threads while the region
                 # fills (P7).
                 g = _graph_module()
-                g.unrelocatable_graphs(g.read_index(os.path.join(archive.path, f"rank{RANK}")),
-                                       region.base)
+                g.unrelocatable_graphs(index, region.base)
                 self._loader = _Background(lambda: self._load_graphs(g, archive, region))
-        self._spans = archive.spans(RANK)
         self._t_last = time.perf_counter()
         return region
 
@@ -794,4 +911,5 @@ class ThawSession:
 
 
 __all__ = ["CheckpointDrift", "EngineAdapter", "FreezeSession", "PHASES", "SESSION_FORMAT",
-           "SPANS", "SessionError", "ThawSession", "Timings", "run_compile", "run_phases"]
+           "SPANS", "STATE_SCHEMA", "SessionError", "ThawSession", "Timings", "read_state",
+           "run_compile", "run_phases"]

@@ -138,13 +138,17 @@ def test_a_symlink_in_a_cache_is_refused_naming_it(tmp_path):
 def test_an_index_listing_a_file_the_manifest_lacks_is_corrupt(tmp_path):
     path = str(tmp_path / "bad.vitrify")
     with ArchiveWriter(path, FP, REGION) as w:
-        w.write_json(jit.INDEX, {"format": 1, "caches": {"triton": {"files": ["x/y.cubin"]}}})
-    with pytest.raises(ArchiveCorrupt, match="lacks"):
+        w.write_json(jit.INDEX, {"format": 1, "caches": {"triton": {
+            "variable": "TRITON_CACHE_DIR", "files": ["x/y.cubin"], "bytes": 0}}})
+    with pytest.raises(ArchiveCorrupt, match=r"jit/index.json: caches\['triton'\].files\[0\]: "
+                                             r"lists triton/x/y.cubin, which the manifest lacks"):
         jit.read_index(open_archive(path))
     path2 = str(tmp_path / "bad2.vitrify")
     with ArchiveWriter(path2, FP, REGION) as w:
-        w.write_json(jit.INDEX, {"format": 1, "caches": {"inductor": {"files": []}}})
-    with pytest.raises(ArchiveCorrupt, match="bad cache entry 'inductor'"):
+        w.write_json(jit.INDEX, {"format": 1, "caches": {"inductor": {
+            "variable": "X", "files": [], "bytes": 0}}})
+    with pytest.raises(ArchiveCorrupt, match=r"jit/index.json: caches\['inductor'\]: must be "
+                                             r"one of 'triton', 'tvm-ffi', got str 'inductor'"):
         jit.read_index(open_archive(path2))
 
 

@@ -264,13 +264,16 @@ def test_a_thaw_reads_its_spans_the_way_it_was_asked():
 
     class _Archive:
         def restore_span(self, rank, name, base, end, **kw):
-            seen.append((name, kw["direct_io"]))
+            seen.append((name, kw["direct_io"], kw["within"]))
 
     region = type("R", (), {"offset": 1 << 40, "base": 0})()
     for asked in (None, "off", "auto"):
         sess = session.ThawSession(BytesEngine(), "/nowhere", direct_io=asked)
+        sess._cps = {"weights": 4096}
         sess._restore(_Archive(), region, {"weights": "w"}, "weights", 4096)
-    assert seen == [("weights", None), ("weights", "off"), ("weights", "auto")]
+    # each span is restored only within the range the session state records for it
+    assert seen == [("weights", None, (0, 4096)), ("weights", "off", (0, 4096)),
+                    ("weights", "auto", (0, 4096))]
     with pytest.raises(ValueError, match="direct_io"):
         session.ThawSession(BytesEngine(), "/nowhere", direct_io="sometimes")
 
