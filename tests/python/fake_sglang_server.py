@@ -1,12 +1,16 @@
-"""A stand-in for ``python -m sglang.launch_server`` in tests of benchmarks/sglang_freeze_e2e.py:
-the log lines the harness watches for (SGLang's and vitrify's plugin's), ``/health`` (503 until
-ready), ``/get_server_info`` and a streamed ``/generate`` whose output depends only on the
-prompt. It reads the plugin's TOML (``VITRIFY_SGLANG_CONFIG``): mode "load" waits for
-``standby_file`` when one is set and logs a thaw; mode "save" logs "SAVE complete" once it has
-served ``save_after_requests`` requests."""
+"""A stand-in for ``python -m sglang.launch_server`` in tests of the freeze run
+(``vitrify.bench.sglang.freeze_e2e``): the log lines the harness watches for (SGLang's server
+arguments, whether deterministic inference is on, and vitrify's plugin's), ``/health`` (503 until
+ready), ``/get_server_info``, ``/flush_cache``, a streamed ``/generate`` whose output depends only
+on the prompt and on the weight last sent, and ``/update_weights_from_tensor`` (the tests send a
+plain pickle of CPU tensors: the logprobs move by how far the tensor is from ones). It reads the
+plugin's TOML (``VITRIFY_SGLANG_CONFIG``): mode "load" waits for ``standby_file`` when one is set
+and logs a thaw; mode "save" logs "SAVE complete" once it has served ``save_after_requests``
+requests."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import http.server
 import json
@@ -20,7 +24,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-STATE = {"ready": False, "requests": 0}
+STATE = {"ready": False, "requests": 0, "shift": 0.0, "updates": 0}
 
 
 def log(text: str, vitrify: bool = False) -> None:
@@ -52,12 +56,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, b"")
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else {}
+        if self.path == "/flush_cache":
+            return self._send(200, b"")
+        if self.path == "/update_weights_from_tensor":
+            import pickle
+
+            import torch
+
+            named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            STATE["shift"] = sum(float((t.float() - 1).abs().sum()) for _, t in named)
+            STATE["updates"] += 1
+            return self._send(200, json.dumps({"success": True, "message": "ok"}).encode())
         ids = body["input_ids"]
         n = body["sampling_params"]["max_new_tokens"]
         out = [(sum(ids) + i) % 1000 for i in range(n)]
         chunk = {"output_ids": out, "meta_info": {
-            "output_token_logprobs": [[-0.5 - i / 8, t] for i, t in enumerate(out)],
+            "output_token_logprobs": [[-0.5 - i / 8 - STATE["shift"], t]
+                                      for i, t in enumerate(out)],
             "prompt_tokens": len(ids), "cached_tokens": 0}}
         data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
         self._send(200, data, "text/event-stream")
@@ -71,6 +88,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 def main() -> None:
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    log(f"server_args=ServerArgs(enable_deterministic_inference="
+        f"{'--enable-deterministic-inference' in sys.argv}, port={port})")
     cfg = {}
     if os.environ.get("VITRIFY_SGLANG_CONFIG"):
         with open(os.environ["VITRIFY_SGLANG_CONFIG"], "rb") as f:

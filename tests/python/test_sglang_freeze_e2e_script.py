@@ -1,11 +1,15 @@
-"""The CPU pieces of benchmarks/sglang_freeze_e2e.py (the real-server run needs a GPU): the server
-command lines through SGLang's own CLI parser, the plugin configs it writes through the plugin's
-own config loader, the log watch, the arguments and the dry run."""
+"""The CPU pieces of the freeze run (``vitrify.bench.sglang.freeze_e2e``,
+``benchmarks/sglang_freeze_e2e.py``; the real-server run needs a GPU): the server command lines
+through SGLang's own CLI parser, the plugin configs it writes through the plugin's own config
+loader, the log watch, the arguments, the dry run, the comparisons and which of them are checks
+with and without deterministic inference, and launches against a stand-in server, the oracle's
+pair and planted weight fault included."""
 
 from __future__ import annotations
 
-import importlib.util
+import base64
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +18,12 @@ import pytest
 
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+from vitrify.bench.sglang import freeze_e2e as fz  # noqa: E402
+from vitrify.bench.sglang import harness, oracle  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-_spec = importlib.util.spec_from_file_location("sglang_freeze_e2e",
-                                               REPO / "benchmarks" / "sglang_freeze_e2e.py")
-fz = importlib.util.module_from_spec(_spec)
-sys.modules["sglang_freeze_e2e"] = fz
-_spec.loader.exec_module(fz)
 
 
 def _parse(cmd):
@@ -41,8 +43,11 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
     a = _parse(fz.server_args(s, scenario))
     # what freeze.check_supported accepts, and what the plugin would otherwise force
     assert a.attention_backend == "triton" and a.cuda_graph_backend_prefill == "disabled"
-    assert a.load_format == "dummy" and a.skip_tokenizer_init and a.random_seed == 1
+    assert a.load_format == "auto" and a.skip_tokenizer_init and a.random_seed == 1
+    assert a.model_path == s.model_dir and not a.enable_deterministic_inference
     assert not a.enable_hierarchical_cache and a.tp_size == 1
+    det = _parse(fz.server_args(fz.Settings(work=str(tmp_path), deterministic=True), scenario))
+    assert det.enable_deterministic_inference
     env = fz.server_env(s, scenario, probe=False)
     assert "TVM_FFI_CACHE_DIR" not in env and "VITRIFY_SGLANG_JIT_ROOT" not in env
     if fz.mode_of(scenario) == "plain":
@@ -62,7 +67,11 @@ def test_every_launch_is_the_same_server_the_plugin_accepts(tmp_path, scenario):
 
 def test_the_8b_shape_gets_a_region_for_its_weights(tmp_path):
     s, _ = fz.parse_args(["--shape", "8b", "--work", str(tmp_path)])
-    assert s.region_gb >= 40 and s.hicache().model_config["num_hidden_layers"] == 36
+    assert s.region_gb >= 40 and s.model_config["num_hidden_layers"] == 36
+    assert s.model_dir == "/tmp/vitrify-models/8b-seed0" and not s.deterministic
+    d, _ = fz.parse_args(["--shape", "llama-1b", "--deterministic", "--weights-seed", "3"])
+    assert d.deterministic and d.model_dir.endswith("llama-1b-seed3")
+    assert d.model_config["model_type"] == "llama"
     with pytest.raises(SystemExit):
         fz.parse_args(["--prompts", "1"])
 
@@ -97,8 +106,8 @@ def test_dry_run_prints_the_three_launches(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith("#")] == \
-        ["# plain", "# save", "# load", "# load-standby", "# plain-warm", "# load-cached",
-         "# load-drive"]
+        ["# model", "# plain", "# save", "# load", "# load-standby", "# plain-warm",
+         "# load-cached", "# load-drive"]
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
                         "--dry-run", "--work", str(tmp_path), "--scenarios", "plain,save"],
                        capture_output=True, text=True, timeout=120)
@@ -157,35 +166,49 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stand_in(monkeypatch, tmp_path, **kw):
+    """Settings whose launches start tests/python/fake_sglang_server.py (with the run's
+    deterministic flag), CPU tensors for the planted fault and a plain pickle for them."""
+    fake = Path(__file__).with_name("fake_sglang_server.py")
+    s = fz.Settings(work=str(tmp_path / "w"), out=str(tmp_path / "out"), site=str(tmp_path / "site"),
+                    warm_prompts=2, port=_free_port(), standby_settle_s=0.3, max_new_tokens=4,
+                    ready_s=60.0, **kw)
+    os.makedirs(s.work)
+    os.makedirs(s.out)
+    real_env = fz.server_env
+    monkeypatch.setattr(fz, "server_env", lambda s_, sc, probe=True: real_env(s_, sc, probe=False))
+    monkeypatch.setattr(fz, "server_args", lambda s_, sc: [sys.executable, str(fake), "--port",
+                                                           str(s_.port)] + (
+        [harness.DETERMINISTIC_FLAG] if s_.deterministic else []))
+    monkeypatch.setattr(fz, "fault_tensor", lambda s_: (fz.FAULT_PARAM,
+                                                         torch.ones(8, dtype=torch.bfloat16)))
+    monkeypatch.setattr(harness, "serialize",
+                        lambda nt: base64.b64encode(pickle.dumps(nt)).decode())
+    return s
+
+
 @pytest.mark.parametrize("scenario", ["save", "load-standby"])
 def test_a_launch_against_a_stand_in_server(tmp_path, monkeypatch, scenario):
     """launch() end to end against tests/python/fake_sglang_server.py: ready, the floor, the
     plugin's lines, SAVE's wait after the warm prompts, the standby's go, the timeline, the
-    prompts' tokens."""
-    fake = Path(__file__).with_name("fake_sglang_server.py")
-    s = fz.Settings(work=str(tmp_path / "w"), out=str(tmp_path / "out"), site=str(tmp_path / "site"),
-                    warm_prompts=2, port=_free_port(), standby_settle_s=0.3, max_new_tokens=4,
-                    ready_s=60.0)
-    os.makedirs(s.work)
-    os.makedirs(s.out)
+    prompts' tokens, the oracle's pair."""
+    s = _stand_in(monkeypatch, tmp_path, deterministic=scenario == "save")
     if scenario != "save":
         os.makedirs(s.archive)  # LOAD's config needs the archive
-    real_env = fz.server_env
-    monkeypatch.setattr(fz, "server_env", lambda s_, sc, probe=True: real_env(s_, sc, probe=False))
-    monkeypatch.setattr(fz, "server_args", lambda s_, sc: [sys.executable, str(fake), "--port",
-                                                           str(s_.port)])
-    import sglang_hicache_e2e as e2e
-
-    prompts = e2e.make_prompts(1, 3, 8, 16)
-    warm = e2e.make_prompts(2, 2, 8, 16)
+    prompts = harness.make_prompts(1, 3, 8, 16)
+    warm = harness.make_prompts(2, 2, 8, 16)
     info: dict = {}
     res = fz.launch(s, scenario, prompts, info, warm=warm if scenario == "save" else (),
-                    more=e2e.make_prompts(3, 2, 8, 16))
+                    more=harness.make_prompts(3, 2, 8, 16),
+                    pair=list(oracle.last_token_pair(4, 12)))
     assert [r["output_ids"] for r in res] == [[(sum(p) + i) % 1000 for i in range(4)]
                                               for p in prompts]
     assert info["ready_s"] > 0 and info["import_floor_s"] <= info["ready_s"] + 1
     assert info["startup_time"] == {"scheduler_e2e": 1.5} and not info["traceback_in_log"]
     assert len(info["ttft_ms"]) == 3 and "second_sample_ttft_ms_median" in info
+    assert info["pair"]["distinct"] is True and info["pair"]["launch"] == scenario
+    assert info["deterministic"] is (scenario == "save")
+    assert info["deterministic_inference_logged"] is (scenario == "save")
     at = info["timeline"]["at_s"]
     assert {"plugin_launcher", "plugin_scheduler", "torch_distributed", "fired_up"} <= set(at)
     if scenario == "save":
@@ -195,6 +218,62 @@ def test_a_launch_against_a_stand_in_server(tmp_path, monkeypatch, scenario):
         assert info["go_after_the_standby_read"] is True
         assert info["standby_waiting_at_s"] + s.standby_settle_s <= info["ready_s"]
         assert os.path.exists(s.standby_file)
+
+
+def test_the_planted_weight_fault_in_a_load_launch(tmp_path, monkeypatch):
+    """LOAD against the stand-in: one weight one ulp up through /update_weights_from_tensor
+    moves the subset's logprobs away from the reference, the restore brings them back:
+    caught."""
+    s = _stand_in(monkeypatch, tmp_path)
+    os.makedirs(s.archive)
+    prompts = harness.make_prompts(1, 6, 8, 16)
+    subset = fz.fault_subset(prompts)
+    assert len(subset) == fz.FAULT_PROMPTS
+    assert min(len(prompts[i]) for i in subset) >= max(
+        len(p) for i, p in enumerate(prompts) if i not in subset)
+    info: dict = {}
+
+    def while_up(i):
+        ref = [harness.generate(s.port, prompts[j], s.max_new_tokens) for j in subset]
+        i["fault"] = fz.plant_weight_fault(s, [prompts[j] for j in subset], ref)
+
+    fz.launch(s, "load", prompts, info, while_up=while_up)
+    f = info["fault"]
+    assert f["caught"] is True and f["planted"] is True and f["restored_identical"] is True, f
+    assert f["param"] == "model.layers.0.input_layernorm.weight" and f["to"] == 1.0078125
+    assert f["faulty_logprob_max_abs_diff"] == pytest.approx(0.0078125)
+    # dummy weights: the weight's value is not known, no fault, the oracle has no power
+    d = fz.plant_weight_fault(fz.Settings(weights=harness.Weights("dummy", why="t")), [], [])
+    assert d["caught"] is None and "dummy weights" in d["why"]
+
+
+def _r(ids, lp):
+    return {"output_ids": ids, "logprobs": lp, "cached_tokens": 0, "details": {},
+            "prompt_tokens": 9, "ttft_s": 0.01, "latency_s": 0.02}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_thawed_against_plain_is_a_check_only_with_deterministic_inference(deterministic):
+    """LOAD against SAVE (one path) is a check under SGLang's defaults; SAVE and LOAD against
+    plain (another process's kernels) only when every launch was deterministic."""
+    s = fz.Settings(deterministic=deterministic)
+    scen = {sc: {"deterministic": deterministic} for sc in ("plain", "save", "load")}
+    res = {"plain": [_r([1, 2], [-1.0, -2.0])], "save": [_r([1, 2], [-1.0, -2.5])],
+           "load": [_r([1, 2], [-1.0, -2.5])]}
+    comps = fz.comparisons_of(s, scen, res)
+    checks = harness.fold(comps, {})
+    assert checks["load.logprobs_identical_vs_save"] is True
+    if deterministic:
+        assert checks["load.tokens_identical"] is True
+        assert checks["load.logprobs_identical_vs_plain"] is False
+        assert checks["save.logprobs_identical_vs_plain"] is False
+    else:
+        assert set(checks) == {"load.logprobs_identical_vs_save"}
+        off = [c for c in comps if not c["is_check"]]
+        assert {c["name"] for c in off} == {"save.tokens_identical", "load.tokens_identical",
+                                            "save.logprobs_identical_vs_plain",
+                                            "load.logprobs_identical_vs_plain"}
+        assert all("deterministic" in c["why_not_a_check"] for c in off)
 
 
 def test_the_drive_ceiling_is_read_from_the_weights_span_and_sets_the_ratios(tmp_path,
@@ -258,3 +337,42 @@ def test_a_drive_launch_turns_the_read_ahead_off_and_the_archive_leaves_the_page
         pytest.skip("mincore cannot tell here")
     assert fz.drop_tree(s.archive) <= 0.25
     assert fz.drop_tree(str(tmp_path / "empty")) is None
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_whole_run_against_a_stand_in_server(tmp_path, monkeypatch, deterministic):
+    """run(): plain -> save -> load against the stand-in (the archive's own checks left out: the
+    stand-in writes none), every launch's pair, the planted fault in load, the comparisons and
+    the verdict; a run whose LOAD ignores the fault has no oracle and fails."""
+    import tarfile
+
+    s = _stand_in(monkeypatch, tmp_path, deterministic=deterministic, scenarios=fz.CORE,
+                  models_root=str(tmp_path / "models"), prompts=5)
+    (tmp_path / "site").mkdir()
+    with tarfile.open(tmp_path / "b.tar.xz", "w:xz") as t:
+        t.add(tmp_path / "site", arcname=".")
+    s.bundle = str(tmp_path / "b.tar.xz")
+    jit = {"archived": {}, "compiled_after_load": {"triton": 0}}
+    monkeypatch.setattr(fz, "jit_after_load", lambda s_, sc="load": dict(jit))
+    res = fz.run(s)
+    assert res["ok"] is True, {k: res.get(k) for k in ("checks", "scenarios", "oracle_power")}
+    assert res["weights"]["kind"] == "checkpoint" and res["weights"]["seed"] == 0
+    op = res["oracle_power"]
+    assert op["ok"] and [p["launch"] for p in op["last_token_pairs"]] == list(fz.CORE)
+    assert op["planted_fault"]["caught"] is True
+    assert res["settings"]["deterministic"] is deterministic
+    assert all(res["scenarios"][sc]["deterministic"] is deterministic for sc in fz.CORE)
+    assert res["checks"]["load.logprobs_identical_vs_save"] is True
+    assert ("load.logprobs_identical_vs_plain" in res["checks"]) is deterministic
+    assert res["checks"]["load.no_jit_after_thaw"] is True
+    assert Path(harness.partial_path(s.out, fz.NAME)).exists()  # main() writes the result
+    path = harness.write(res, s.out)
+    assert path.name.startswith("sglang-freeze-e2e-")
+    assert not Path(harness.partial_path(s.out, fz.NAME)).exists()
+    # the same run whose fault does not reach the answers: every check true, the run fails
+    monkeypatch.setattr(fz, "plant_weight_fault", lambda s_, p, r: {
+        "fault": "f", "planted": True, "caught": False, "why": "stand-in: nothing moved"})
+    res = fz.run(s)
+    assert all(v for v in res["checks"].values() if isinstance(v, bool))
+    assert res["ok"] is False and res["oracle_power"]["why"] == [
+        "planted fault (f): stand-in: nothing moved"]

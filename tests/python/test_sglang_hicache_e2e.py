@@ -1,23 +1,22 @@
-"""The CPU pieces of benchmarks/sglang_hicache_e2e.py (the real-server run needs a GPU).
+"""The CPU pieces of the HiCache end-to-end run (``vitrify.bench.sglang.hicache_e2e``,
+``benchmarks/sglang_hicache_e2e.py``; the real-server run needs a GPU).
 
 The server command lines go through SGLang's own CLI parser (``ServerArgs.add_cli_args``), the
 vitrify extra config through HiRadixCache's own extra-config parser and the ``dynamic`` backend
 factory into a ``VitrifyStorage`` attached to a real ``MHATokenToKVPoolHost`` of the script's model
 geometry; the write observable reads the stats file the backend really writes (its
-``stats_path``); the client parses a stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``).
+``stats_path``); the client parses a stream in the format of SGLang's ``/generate`` (``data: <json>`` chunks, ``data: [DONE]``); a whole run against a stand-in server, its planted
+fault included.
 """
 
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,10 @@ pytestmark = pytest.mark.sglang
 sglang = pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
+from vitrify.bench.sglang import hicache_e2e as e2e  # noqa: E402
+from vitrify.bench.sglang import models, oracle  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("sglang_hicache_e2e",
-                                               REPO / "benchmarks" / "sglang_hicache_e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-sys.modules["sglang_hicache_e2e"] = e2e
-_spec.loader.exec_module(e2e)
 
 
 def _settings(tmp_path, **kw):
@@ -89,10 +86,10 @@ def test_break_even_bandwidth_and_the_drive_floor():
 
 
 def test_page_is_one_mib_for_the_model():
-    assert e2e.kv_bytes_per_token(e2e.MODEL_CONFIG) == 16384
-    assert e2e.page_tokens_for(e2e.MODEL_CONFIG) == 64
+    assert e2e.kv_bytes_per_token(models.QWEN3_TINY) == 16384
+    assert e2e.page_tokens_for(models.QWEN3_TINY) == 64
     with pytest.raises(ValueError, match="1000"):
-        e2e.page_tokens_for(e2e.MODEL_CONFIG, 1000)
+        e2e.page_tokens_for(models.QWEN3_TINY, 1000)
 
 
 @pytest.mark.parametrize("scenario", e2e.SCENARIOS)
@@ -103,7 +100,8 @@ def test_server_args_parse_with_sglangs_parser(tmp_path, scenario):
     assert a.page_size == 64 and a.hicache_write_policy == "write_through"
     assert a.hicache_storage_prefetch_policy == "wait_complete"
     assert a.hicache_mem_layout == "page_first" and a.hicache_io_backend == "kernel"
-    assert a.load_format == "dummy" and a.skip_tokenizer_init
+    assert a.load_format == "auto" and a.skip_tokenizer_init   # the seeded checkpoint
+    assert a.model_path == s.model_dir and a.enable_deterministic_inference
     assert a.attention_backend == "triton" and a.sampling_backend == "pytorch"
     assert a.max_total_tokens == 65536 and a.hicache_ratio == 2.0
     assert a.cuda_graph_backend_decode == "disabled"
@@ -149,7 +147,7 @@ def test_extra_config_reaches_vitrify_through_sglang(tmp_path, scenario):
         assert b.settings.budget_bytes == s.vitrify_budget_bytes
         assert b.settings.cold_start == extra["cold_start"]
         assert b.settings.stats_path == e2e.stats_path_of(s, scenario)
-        m = e2e.MODEL_CONFIG
+        m = models.QWEN3_TINY
         dev = MHATokenToKVPool(size=256, page_size=a.page_size, dtype=torch.bfloat16,
                                head_num=m["num_key_value_heads"], head_dim=m["head_dim"],
                                layer_num=m["num_hidden_layers"], device="cpu",
@@ -328,49 +326,26 @@ def test_assemble_rows_ratios_checks_and_write(tmp_path):
     assert l3["reusable_tokens"] == 192 and l3["storage_tokens_per_request"] == [192]
     checks = {"vitrify.tokens_identical": True, "file.tokens_identical": True}
     scen = {"vitrify": {"ok": True}, "file": {"ok": True}}
-    out = e2e.assemble(s, rows, checks, scen, {"vitrify_restart": "time"}, {"total_s": 1.0})
+    power = oracle.power([{"distinct": True}], {"fault": "f", "caught": True})
+    out = e2e.assemble(s, rows, checks, scen, {"vitrify_restart": "time"}, {"total_s": 1.0},
+                       power)
     assert out["name"] == "sglang-hicache-e2e" and out["ok"] is True
+    assert out["oracle_power"]["ok"] is True
     assert out["ratios"]["l3_hit_ttft_file_over_vitrify"] == pytest.approx(3.0)
     assert out["ratios"]["vitrify_ttft_miss_over_l3_hit"] == pytest.approx(4.0)
-    assert out["goals"] == e2e.GOALS and out["goal_direction"] == e2e.GOAL_DIRECTION
+    assert out["goals"] == e2e.GOALS
+    assert out["goal_direction"] == {**{k: ">=" for k in e2e.GOALS}, **e2e.GOAL_DIRECTION}
     assert out["settings"]["page_bytes"] == 1 << 20
     assert out["skipped"] == {"vitrify_restart": "time"}
-    bad = e2e.assemble(s, rows, {**checks, "file.tokens_identical": False}, scen, {}, {})
+    bad = e2e.assemble(s, rows, {**checks, "file.tokens_identical": False}, scen, {}, {}, power)
     assert bad["ok"] is False
-    assert e2e.assemble(s, [], {}, {}, {}, {})["ok"] is False    # nothing ran: not ok
+    assert e2e.assemble(s, [], {}, {}, {}, {}, power)["ok"] is False    # nothing ran: not ok
+    # every check true, but a blind oracle: the run failed
+    blind = oracle.power([{"distinct": False, "why": "same"}], {"fault": "f", "caught": True})
+    assert e2e.assemble(s, rows, checks, scen, {}, {}, blind)["ok"] is False
+    assert e2e.assemble(s, rows, checks, scen, {}, {})["ok"] is False  # no oracle at all
     p = e2e.resultlib.write(out, tmp_path / "o")
     assert p.name.startswith("sglang-hicache-e2e-") and json.loads(p.read_text())["ok"]
-
-
-def test_server_stops_its_whole_process_group(tmp_path):
-    """A child that ignores SIGTERM is still gone after stop() (SIGKILL to the group)."""
-    script = "trap '' TERM; sleep 60 & echo $! > %s; wait" % (tmp_path / "child")
-    srv = e2e.Server(["sh", "-c", script], dict(os.environ), str(tmp_path / "s.log"))
-    with srv:
-        for _ in range(100):
-            if (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip():
-                break
-            time.sleep(0.02)
-        child = int((tmp_path / "child").read_text())
-        assert os.getpgid(child) == srv.proc.pid
-        t0 = time.monotonic()
-    assert srv.proc.poll() is not None and time.monotonic() - t0 < 30
-    for _ in range(100):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(child, signal.SIGKILL)
-        pytest.fail("the group's child survived stop()")
-
-
-def test_wait_ready_reports_a_dead_server(tmp_path):
-    srv = e2e.Server(["sh", "-c", "exit 3"], dict(os.environ), str(tmp_path / "s.log"))
-    with srv:
-        with pytest.raises(RuntimeError, match="exited with 3"):
-            srv.wait_ready(1, timeout=10)
 
 
 def test_dry_run_prints_every_command(capsys):
@@ -381,6 +356,7 @@ def test_dry_run_prints_every_command(capsys):
     assert out.count("-m sglang.launch_server") == 4
     assert "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=" in out
     assert '"cold_start":"load"' in out and '"cold_start":"clear"' in out
+    assert out.count("--enable-deterministic-inference") == 4
 
 
 def test_dry_run_runs_as_a_script():
@@ -397,8 +373,11 @@ _FAKE_LAUNCH_SERVER = r'''
 the e2e script uses, a radix cache ("device", LRU, --max-total-tokens; what it evicts stays in
 "host", which holds every page inserted since the last flush, like write_through), an L3 store that persists like the backend under
 test (vitrify: a JSON file in dirs[0], cold_start clear/load; file: one .bin per page), and, for
-vitrify, the counters file the real backend keeps at the extra config's stats_path."""
-import argparse, hashlib, json, os, sys, threading, time, http.server
+vitrify, the counters file the real backend keeps at the extra config's stats_path. Pages are
+keyed as SGLang keys them (a SHA-256 chain over the pages' token ids); a restarted vitrify store
+reads dirs[0]/poison.json, the keys whose pages the test's planted fault replaced: a request
+served from storage through one of them answers other tokens (a wrong page of KV)."""
+import argparse, hashlib, json, os, struct, sys, threading, time, http.server
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int)
@@ -413,13 +392,19 @@ if backend == "dynamic":
     extra = json.loads(a.hicache_storage_backend_extra_config)
     db = os.path.join(extra["dirs"][0], "fake.json")
     stored = set()
+    poison = set()
     if extra["cold_start"] == "load" and os.path.exists(db):
         with open(db) as f:
             stored = set(json.load(f))
+        pf = os.path.join(extra["dirs"][0], "poison.json")
+        if os.path.exists(pf):
+            with open(pf) as f:
+                poison = set(json.load(f))
 else:
     fdir = os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
     os.makedirs(fdir, exist_ok=True)
     stored = {n[:-4] for n in os.listdir(fdir) if n.endswith(".bin")}
+    poison = set()
 from collections import OrderedDict
 device = OrderedDict()
 host = set()
@@ -455,8 +440,12 @@ def save():  # atomic: the e2e script may stop this server at any moment
         os.replace(db + ".tmp", db)
 
 def keys(ids):
-    n = (len(ids) - 1) // page
-    return [hashlib.sha256(json.dumps(ids[:(i + 1) * page]).encode()).hexdigest()[:16] for i in range(n)]
+    out, prior = [], b""
+    for i in range((len(ids) - 1) // page):
+        d = hashlib.sha256(prior + struct.pack(f"<{page}I", *ids[i * page:(i + 1) * page]))
+        prior = d.digest()
+        out.append(d.hexdigest())
+    return out
 
 def store(ks):
     with save_lock:
@@ -508,6 +497,8 @@ class H(http.server.BaseHTTPRequestHandler):
             det["storage_backend"] = "VitrifyStorage" if backend == "dynamic" else "HiCacheFile"
         seed = int(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8], 16)
         out = [(seed >> i) % 1000 + 3 for i in range(body["sampling_params"]["max_new_tokens"])]
+        if det.get("storage") and poison & set(ks):  # a page of another context
+            out = [t + 1 for t in out]
         self.send_response(200); self.end_headers()
         for i in range(len(out)):
             chunk = {"output_ids": out[:i + 1], "meta_info": {
@@ -532,11 +523,14 @@ def _free_port_base():
         return so.getsockname()[1]
 
 
-@pytest.mark.parametrize("second", [False, True], ids=["three-launches", "second-server"])
-def test_whole_run_against_a_stand_in_server(tmp_path, second):
+@pytest.mark.parametrize("second,plant", [(False, True), (True, True), (False, False)],
+                         ids=["three-launches", "second-server", "fault-not-caught"])
+def test_whole_run_against_a_stand_in_server(tmp_path, second, plant):
     """Run.run end to end (bundle unpack, three launches, passes, waits on the real observables,
-    flush, restart, clear, JSON) with `sglang.launch_server` replaced by a stand-in; with
-    ``second``, a reader server beside the restarted one."""
+    flush, restart, clear, the oracle's pair and planted fault, JSON) with
+    `sglang.launch_server` replaced by a stand-in; with ``second``, a reader server beside the
+    restarted one; without ``plant``, the planted page changes nothing the server reads (as a
+    fault the checks cannot see): every check passes and the run fails on its oracle."""
     import tarfile
 
     fake = tmp_path / "fakesite"
@@ -548,10 +542,35 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
         t.add(fake, arcname=".")
     s = e2e.Settings(bundle=str(bundle), site=str(tmp_path / "site"), work=str(tmp_path / "w"),
                      out=str(tmp_path / "out"), model_dir=str(tmp_path / "model"),
+                     weights=e2e.Weights("dummy", why="the stand-in server loads no weights"),
                      port=_free_port_base(), prompts=2, min_len=300, max_len=400,
                      budget_s=300, first_ready_s=30, ready_s=30, second_server=second,
                      max_total_tokens=4096)
-    res = e2e.Run(s).run()
+    planted = []
+
+    def planter(store, dirs, key_a, key_b, **kw):  # the stand-in's store: a list of bad keys
+        planted.append((store["name"], dirs, key_a, key_b, kw))
+        if plant:
+            Path(dirs[0], "poison.json").write_text(json.dumps([key_a]))
+        return {"planted": True, "key_a": key_a, "key_b": key_b}
+
+    run = e2e.Run(s)
+    run.planter = planter
+    res = run.run()
+    assert planted and planted[0][:2] == ("hicache-fake", [s.vitrify_dir])
+    k, key_a, key_b = oracle.fault_page(run.pair[0], run.pair[1], s.page_tokens)
+    assert planted[0][2:4] == (key_a, key_b)
+    op = res["oracle_power"]
+    assert [p["distinct"] for p in op["last_token_pairs"]] == [True]
+    if not plant:
+        assert all(v for v in res["checks"].values() if isinstance(v, bool))
+        assert res["ok"] is False and op["ok"] is False
+        assert op["planted_fault"]["caught"] is False
+        assert "equalled the miss" in " ".join(op["why"])
+        return
+    assert op["ok"] is True and op["planted_fault"]["caught"] is True, op
+    assert op["planted_fault"]["faulty_identical_to_miss"] is False
+    assert op["planted_fault"]["control_identical_to_miss"] is True
     if second:
         assert res["ok"] is True, json.dumps(res.get("scenarios"), indent=1)[:4000]
         assert res["scenarios"]["vitrify_second"]["ok"] is True
@@ -559,7 +578,12 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
         assert [r["pass"] for r in res["rows"] if r["scenario"] == "vitrify_second"] == \
             ["l3_second_server"]
         return
-    assert res["bundle"].startswith("unpacked")
+    assert res["bundle"].startswith("unpacked") and res["weights"]["kind"] == "dummy"
+    assert all(info["deterministic"] for info in res["scenarios"].values())
+    assert {c["name"] for c in res["comparisons"] if c["crosses_cache_path"]} >= {
+        "vitrify.logprobs_identical_vs_miss",
+        "vitrify_restart.logprobs_identical_vs_first_launch_miss"}
+    assert res["checks"]["vitrify.logprobs_identical_vs_miss"] is True
     assert res["ok"] is True, json.dumps({k: res.get(k) for k in ("checks", "scenarios")},
                                          indent=1)[:4000]
     assert set(res["scenarios"]) == {"vitrify", "vitrify_restart", "file"} and not res["skipped"]
@@ -600,7 +624,7 @@ def test_whole_run_against_a_stand_in_server(tmp_path, second):
     assert "l3_hit_ttft_file_over_vitrify" in res["ratios"]
     for sc in ("vitrify", "vitrify_restart", "file"):  # no --second-server
         assert (Path(s.out) / f"sglang-{sc}.log").read_text().startswith("fake sglang up")
-    assert e2e.unpack_bundle(s) == "already unpacked"
+    assert e2e.harness.unpack_bundle(s.bundle, s.site) == "already unpacked"
 
 
 def test_the_mqa_shape_has_an_eighth_of_the_kv_and_l3_pays_on_a_slow_drive(tmp_path):
@@ -611,7 +635,7 @@ def test_the_mqa_shape_has_an_eighth_of_the_kv_and_l3_pays_on_a_slow_drive(tmp_p
         e2e.model_config("8b")) // 8
     assert s.page_tokens == 64
     a = _parse(e2e.server_args(s, "vitrify"))
-    assert a.page_size == 64 and a.model_path == "/tmp/qwen3-8b-mqa-hicache"
+    assert a.page_size == 64 and a.model_path == "/tmp/vitrify-models/8b-mqa-seed0"
     # the 8b shape's measured prefill rate: recompute equals reading 0.6 GB/s here
     rows = [{"scenario": "vitrify", "pass": "miss", "prompts": 1, "prompt_tokens": 32500,
              "cached_tokens": 0, "cached_storage": 0, "ttft_ms_mean": 1000.0}]
