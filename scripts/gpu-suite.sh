@@ -84,41 +84,35 @@ for b in "${GPU_BENCHMARKS[@]}"; do
   step "bench:bench_$b" env VITRIFY_LOG_LEVEL=ERROR "$PY" -m vitrify bench "$b" \
     --out "$WORK/bench" --strict "${extra[@]}"
 done
-# Opt-in (VITRIFY_SGLANG_E2E=1): vitrify's HiCache backend in a real SGLang server, from the carried
-# bundle. It takes 5-9 minutes on its own: give the suite a call of its own for it.
-if [ "${VITRIFY_SGLANG_E2E:-0}" = 1 ]; then
+# The SGLang end-to-end runs (python/vitrify/bench/sglang/, benchmarks/sglang_*_e2e.py): opt-in,
+# each needs .whl/sglang-site.tar.xz and a call of its own (5-9 minutes on a fresh machine). The
+# model is the shape's seeded N(0, 0.02) checkpoint, drawn on the GPU into /tmp/vitrify-models
+# and kept for later calls; every result carries oracle_power. VITRIFY_SGLANG_SHAPE: the shape
+# (default tiny); VITRIFY_SGLANG_E2E_ARGS: more options for the run (e.g. --deterministic for the
+# freeze run, --second-server for the HiCache run).
+read -r -a E2E_ARGS <<<"${VITRIFY_SGLANG_E2E_ARGS:-}"
+sglang_step() {  # sglang_step NAME SCRIPT ARGS...: the run, or a line saying it was skipped
+  local name=$1 script=$2; shift 2
   if [ -f .whl/sglang-site.tar.xz ]; then
-    # VITRIFY_SGLANG_SHAPE: tiny (default) or 8b (Qwen3-8B's shape, 9 MiB pages; ~9 minutes)
-    step sglang-e2e "$PY" benchmarks/sglang_hicache_e2e.py --bundle .whl/sglang-site.tar.xz \
-      --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
+    step "$name" "$PY" "$script" --bundle .whl/sglang-site.tar.xz "$@" "${E2E_ARGS[@]}"
   else
-    echo "=== sglang-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
+    echo "=== $name: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
   fi
-fi
-
-# Opt-in (VITRIFY_SGLANG_FREEZE_E2E=1): plain -> SAVE -> LOAD of a real SGLang server through the
-# plugin (benchmarks/sglang_freeze_e2e.py; shape VITRIFY_SGLANG_SHAPE, default tiny). Each launch
-# compiles for a minute or two on a fresh machine: give it a call of its own.
-if [ "${VITRIFY_SGLANG_FREEZE_E2E:-0}" = 1 ]; then
-  if [ -f .whl/sglang-site.tar.xz ]; then
-    step sglang-freeze-e2e "$PY" benchmarks/sglang_freeze_e2e.py --bundle .whl/sglang-site.tar.xz \
-      --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench"
-  else
-    echo "=== sglang-freeze-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
-  fi
-fi
-
-# Opt-in (VITRIFY_SGLANG_WEIGHTS_E2E=1): vitrify's weight update through a real SGLang server's
+}
+# VITRIFY_SGLANG_E2E=1: vitrify's HiCache backend (shapes tiny, 8b: 9 MiB pages, ~9 minutes;
+# 8b-mqa, llama-1b), deterministic inference on every launch
+[ "${VITRIFY_SGLANG_E2E:-0}" = 1 ] && sglang_step sglang-e2e benchmarks/sglang_hicache_e2e.py \
+  --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench" --log-dir "$OUTDIR/sglang-e2e"
+# VITRIFY_SGLANG_FREEZE_E2E=1: plain -> SAVE -> LOAD (+ standby, page cache, drive) through the
+# plugin (shapes tiny, 8b, llama-1b); SGLang's defaults unless VITRIFY_SGLANG_E2E_ARGS has
+# --deterministic
+[ "${VITRIFY_SGLANG_FREEZE_E2E:-0}" = 1 ] && sglang_step sglang-freeze-e2e \
+  benchmarks/sglang_freeze_e2e.py --shape "${VITRIFY_SGLANG_SHAPE:-tiny}" --out "$WORK/bench"
+# VITRIFY_SGLANG_WEIGHTS_E2E=1: vitrify's weight update through a real SGLang server's
 # /update_weights_from_tensor route into a thawed server (SAVE, LOAD and a W1 server: three
-# launches of the tiny Qwen3, about 5 minutes on a fresh machine).
-if [ "${VITRIFY_SGLANG_WEIGHTS_E2E:-0}" = 1 ]; then
-  if [ -f .whl/sglang-site.tar.xz ]; then
-    step sglang-weights-e2e "$PY" benchmarks/sglang_weights_e2e.py --bundle .whl/sglang-site.tar.xz \
-      --out "$WORK/bench"
-  else
-    echo "=== sglang-weights-e2e: skipped, .whl/sglang-site.tar.xz not carried" | tee -a "$LOG"
-  fi
-fi
+# launches of the tiny Qwen3, about 5 minutes on a fresh machine)
+[ "${VITRIFY_SGLANG_WEIGHTS_E2E:-0}" = 1 ] && sglang_step sglang-weights-e2e \
+  benchmarks/sglang_weights_e2e.py --out "$WORK/bench"
 
 {
   echo "{"
