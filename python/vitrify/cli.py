@@ -58,13 +58,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             from . import graph
 
             a = archive.open_archive(args.archive)
-            audits = {}
-            for r in a.ranks:
-                if f"rank{r}/{graph.INDEX_FILE}" in a.files:
-                    for rel in a.files:
-                        if rel.startswith(f"rank{r}/{graph.GRAPHS_DIR}/"):
-                            a.check_file(rel, checksum=True)
-                    audits[r] = graph.relocation_audit(os.path.join(a.path, f"rank{r}"))
+            audits = {r: graph.archive_relocation_audit(a, r) for r in a.ranks
+                      if f"rank{r}/{graph.INDEX_FILE}" in a.files}
             if args.json:
                 json.dump({str(k): v for k, v in audits.items()}, sys.stdout, indent=2)
                 sys.stdout.write("\n")

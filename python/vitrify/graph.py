@@ -392,10 +392,24 @@ def relocation_audit(directory: str | os.PathLike) -> dict:
     its kernel — what ``vitrify inspect --relocations`` prints."""
     root = Path(directory)
     index = read_index(root)
+    return _audit(index, {g["file"]: _read_checked(root, g["file"], g["bytes"])
+                          for g in index["graphs"]})
+
+
+def archive_relocation_audit(archive: Any, rank: int = 0) -> dict:
+    """:func:`relocation_audit` of rank ``rank`` of an opened :class:`vitrify.archive.Archive`,
+    reading only what its manifest vouches for: the index through :func:`archive_index`, every
+    graph file listed, checked (no link, a regular file, size, CRC32C) and read once."""
+    index = archive_index(archive, rank)
+    prefix = f"rank{int(rank)}/"
+    data = archive.read_files([prefix + g["file"] for g in index["graphs"]], checksum=True)
+    return _audit(index, {g["file"]: data[prefix + g["file"]] for g in index["graphs"]})
+
+
+def _audit(index: dict, files: dict[str, bytes]) -> dict:
     out = []
     for g in index["graphs"]:
-        data = _read_checked(root, g["file"], g["bytes"])
-        summary = relocation_summary(describe(data), limit=1 << 30)
+        summary = relocation_summary(describe(files[g["file"]]), limit=1 << 30)
         out.append({"name": g["name"], "nodes": g["nodes"], **summary})
     return {"region": index["region"], "graphs": out}
 

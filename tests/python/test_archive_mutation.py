@@ -761,3 +761,29 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def test_inspect_relocations_reads_only_what_the_manifest_vouches_for(pristine, tmp_path):
+    """`vitrify inspect --relocations` on the CPU: the audit table of both graphs; a graph file
+    swapped for a link to its identical copy outside is refused in one line naming the file,
+    and that copy is never read."""
+    path, outside = pristine
+    env = dict(os.environ, VITRIFY_LIBCUDA_PATH=FAKE or "", FAKE_CUDA_DEVICES="1")
+    r = subprocess.run([sys.executable, "-m", "vitrify", "inspect", "--relocations", str(path)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("rank 0: region base 0x")
+    assert "2 graphs" in r.stdout.splitlines()[0]
+    assert {"decode_bs1", "decode_bs8"} <= {ln.split()[0] for ln in r.stdout.splitlines()[2:]}
+    copy = tmp_path / "linked.vitrify"
+    shutil.copytree(path, copy)
+    index = json.loads((copy / INDEX).read_text())
+    graph_rel = "rank0/" + index["graphs"][0]["file"]
+    os.unlink(copy / graph_rel)
+    os.symlink(outside / graph_rel, copy / graph_rel)
+    before = os.stat(outside / graph_rel).st_atime
+    r = subprocess.run([sys.executable, "-m", "vitrify", "inspect", "--relocations", str(copy)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and graph_rel in r.stderr, r.stderr
+    assert os.stat(outside / graph_rel).st_atime == before
