@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -71,8 +72,23 @@ void translate(const std::exception_ptr& p, void*) {
   }
 }
 
+// Whether the interpreter is shutting down: a native thread that asks for the GIL then is
+// ended by Python (pthread_exit), and unwinding that through this noexcept function aborts the
+// process ("terminate called without an active exception").
+bool interpreter_finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 void log_sink(int level, const char* message) noexcept {
-  if (!Py_IsInitialized()) return;
+  if (!Py_IsInitialized() || interpreter_finalizing()) {
+    // Too late for Python's logging: the message still reaches stderr (one line).
+    if (level >= log::kWarning) std::fprintf(stderr, "vitrify.native: %s\n", message);
+    return;
+  }
   PyGILState_STATE st = PyGILState_Ensure();
   if (g_log_callable != nullptr) {
     PyObject* r = PyObject_CallFunction(g_log_callable, "is", level, message);

@@ -78,10 +78,12 @@ page the writer overwrites while a reader reads it is a miss, never wrong bytes.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -280,6 +282,21 @@ def _check_budget(budget_bytes: int, drives: int, names: list[str], pages: list[
                              f"slab file holds: {where}")
 
 
+#: Every DiskStore (and HostStore) not closed yet: the atexit hook below closes them (queued
+#: writes drained, slab locks released) while the interpreter and the native stores still live,
+#: instead of leaving the native objects to the interpreter's teardown.
+_open_stores: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_stores_at_exit() -> None:
+    for s in list(_open_stores):
+        try:
+            s.close()
+        except Exception:  # never an exception out of an atexit hook
+            pass
+
+
 def _missing_dirs(path: str) -> list[str]:
     """The directories ``os.makedirs(path)`` would create, outermost first."""
     out = []
@@ -424,6 +441,7 @@ class DiskStore:
             _remove_empty_dirs(made)  # the native open removed the files it made (D22)
             raise
         self._last_refresh = time.monotonic()
+        _open_stores.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -431,6 +449,7 @@ class DiskStore:
         the files from then on) and close the slab files (idempotent)."""
         if self._s is not None:
             s, self._s = self._s, None
+            _open_stores.discard(self)
             s.close()
 
     def clear(self) -> None:
