@@ -35,26 +35,29 @@ def main() -> int:
     def run() -> dict:
         import vitrify.graph
         import vitrify.integrations.torch as vt
-        from vitrify.integrations.sglang import freeze, plugin
+        from vitrify.integrations.sglang import freeze, graphs, startup, state, versions
+        from vitrify.integrations.sglang import server_args as rules
         from vitrify.integrations.sglang.config import PluginConfig
 
         # what needs a GPU is replaced: CUPTI, torch routing, SGLang's argument handling
         vitrify.graph.record_modules = lambda *a, **k: None
         vt.region_allocations = lambda region: contextlib.nullcontext(region)
-        plugin.apply_server_args = lambda args, mode: {"model_path": "/m/tiny", "page_size": 64}
+        rules.at_scheduler = lambda args, mode, ver=None: {"model_path": "/m/tiny",
+                                                           "page_size": 64}
         # the routed pool's block map needs torch on a GPU: the stand-in's is the cursor
-        freeze.routed_blocks = lambda region: [[0, region.offset, 1]]
+        graphs.routed_blocks = lambda region: [[0, region.offset, 1]]
         archive = os.path.join(tmp, "engine.vitrify")
         cfg = PluginConfig(mode=mode, archive=archive, region_bytes=256 * MiB,
                            jit_dir=os.path.join(tmp, "jit-work") if mode == "save" else
                            os.path.join(tmp, "xdg", "vitrify", "jit", "x"),
                            save_after_requests=2,
                            standby_file=os.path.join(tmp, "go") if opts.get("standby") else None)
-        plugin.STATE.config, plugin.STATE.sglang_version = cfg, "0.5.17"
-        plugin.STATE.jit_dirs = plugin._setup_jit(cfg)
+        state.STATE.config = cfg
+        ver = versions.current()
+        state.STATE.jit_dirs = startup.setup_jit(cfg)
         if mode == "save":  # a kernel the engine compiled
-            os.makedirs(os.path.join(plugin.STATE.jit_dirs["triton"], "AB"))
-            with open(os.path.join(plugin.STATE.jit_dirs["triton"], "AB", "k.cubin"), "wb") as f:
+            os.makedirs(os.path.join(state.STATE.jit_dirs["triton"], "AB"))
+            with open(os.path.join(state.STATE.jit_dirs["triton"], "AB", "k.cubin"), "wb") as f:
                 f.write(b"cubin")
         from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
@@ -70,7 +73,7 @@ def main() -> int:
         weights: list[tuple[int, int]] = []
 
         def load_model(r):
-            region = freeze.RUN.region
+            region = state.STATE.run.region
             for i in range(3):
                 p = region.allocate(3 * MiB)
                 region.write(p, hashlib.sha256(f"{os.getpid()}-{i}".encode()).digest() * 1000)
@@ -86,14 +89,14 @@ def main() -> int:
         def alloc_memory_pool(r):
             pool = freeze.around_resolve_memory_pool_config(resolve, object(), 123)
             out["pool_config"] = [pool.max_total_num_tokens, pool.max_running_requests]
-            freeze.RUN.region.allocate(pool.max_total_num_tokens * 1024)
+            state.STATE.run.region.allocate(pool.max_total_num_tokens * 1024)
 
         def capture_decode_graph(*, model_runner):
             # SGLang's capture enters the name its module binds, which the plugin hooks
             from sglang.srt.model_executor.runner.base_cuda_graph_runner import freeze_gc
 
             with freeze.around_freeze_gc(freeze_gc, False):
-                freeze.RUN.region.allocate(2 * MiB)
+                state.STATE.run.region.allocate(2 * MiB)
             out["frozen_after_capture"] = gc.get_freeze_count()
 
         def init_model_worker(sched):
@@ -101,11 +104,10 @@ def main() -> int:
             freeze.around_alloc_memory_pool(alloc_memory_pool, runner)
             freeze.around_capture_decode_graph(capture_decode_graph, model_runner=runner)
 
+        # every field the rules read unset, but the attention backend (P17's check runs)
+        sargs = {name: None for name in rules.fields_read(ver)}
         sched = types.SimpleNamespace(
-            server_args=types.SimpleNamespace(attention_backend="triton",
-                                              decode_attention_backend=None,
-                                              prefill_attention_backend=None,
-                                              enable_hierarchical_cache=False),
+            server_args=types.SimpleNamespace(**{**sargs, "attention_backend": "triton"}),
             ps=types.SimpleNamespace(gpu_id=0), forward_ct=0, is_fully_idle=lambda: True)
         if opts.get("standby"):  # the operator's go, 0.3 s after the scheduler starts waiting
             import threading
@@ -117,8 +119,8 @@ def main() -> int:
             freeze.around_init_model_worker(init_model_worker, sched)
             out["init_s"] = time.monotonic() - t0
         except SystemExit as e:
-            return {"fatal": str(e), "run_cleared": freeze.RUN is None}
-        run = freeze.RUN
+            return {"fatal": str(e), "run_cleared": state.STATE.run is None}
+        run = state.STATE.run
         region = run.region
         out["weights"] = hashlib.sha256(b"".join(region.read(p, n) for p, n in weights)).hexdigest()
         if mode == "save":

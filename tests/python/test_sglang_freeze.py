@@ -25,7 +25,9 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E4
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig  # noqa: E402
 from sglang.srt.model_executor.runner.shape_key import ShapeKey  # noqa: E402
 
-from vitrify.integrations.sglang import freeze  # noqa: E402
+from vitrify.integrations.sglang import attention, freeze, graphs, startup, state  # noqa: E402
+from vitrify.integrations.sglang import server_args as rules  # noqa: E402
+from vitrify.integrations.sglang import versions  # noqa: E402
 
 FAKE = os.environ.get("VITRIFY_TEST_FAKE_LIBCUDA")
 WORKER = Path(__file__).with_name("sglang_freeze_worker.py")
@@ -41,20 +43,20 @@ def test_the_fingerprint_names_the_engine_and_every_shaping_argument():
 
 
 def test_graph_names_are_file_safe_and_distinct():
-    assert freeze.graph_name(ShapeKey(8)) == "decode_bs8"
-    assert freeze.graph_name(ShapeKey(8, stream_idx=1, variant_label="a/b c")) == "decode_bs8_s1_a-b-c"
-    assert freeze.graph_name(16) == "decode_bs16"
+    assert graphs.graph_name(ShapeKey(8)) == "decode_bs8"
+    assert graphs.graph_name(ShapeKey(8, stream_idx=1, variant_label="a/b c")) == "decode_bs8_s1_a-b-c"
+    assert graphs.graph_name(16) == "decode_bs16"
 
 
 def test_the_kv_pool_config_round_trips_through_json_with_sglangs_class():
     cfg = MemoryPoolConfig(max_total_num_tokens=65536, max_running_requests=48,
                            mem_fraction_static=0.5)
-    state = json.loads(json.dumps(freeze.pool_config_state(cfg)))
-    assert freeze.pool_config_from_state(MemoryPoolConfig, state) == cfg
-    with pytest.raises(freeze.FreezeRefused, match=r"fields \['extra_pool'\] this SGLang lacks"):
-        freeze.pool_config_from_state(MemoryPoolConfig, dict(state, extra_pool=1))
-    with pytest.raises(freeze.FreezeRefused, match="not a dataclass"):
-        freeze.pool_config_state({"max_total_num_tokens": 1})
+    saved = json.loads(json.dumps(graphs.pool_config_state(cfg)))
+    assert graphs.pool_config_from_state(MemoryPoolConfig, saved) == cfg
+    with pytest.raises(state.FreezeRefused, match=r"fields \['extra_pool'\] this SGLang lacks"):
+        graphs.pool_config_from_state(MemoryPoolConfig, dict(saved, extra_pool=1))
+    with pytest.raises(state.FreezeRefused, match="not a dataclass"):
+        graphs.pool_config_state({"max_total_num_tokens": 1})
 
 
 class _Region:
@@ -82,10 +84,10 @@ def test_graph_outputs_come_back_as_views_of_the_same_region_memory():
     hidden = r.tensor(8192, torch.float32, (8, 16)).t()  # a strided view
     out = LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden,
                                 customized_info={"k": [1, 2]})
-    desc = json.loads(json.dumps(freeze.describe(out, r)))
+    desc = json.loads(json.dumps(graphs.describe(out, r)))
     assert desc["fields"]["next_token_logits"]["t"] == {
         "offset": 4096, "dtype": "bfloat16", "shape": [8, 100], "stride": [100, 1], "device": 0}
-    back = freeze.rebuild(desc, r, r.tensor_at)
+    back = graphs.rebuild(desc, r, r.tensor_at)
     assert isinstance(back, LogitsProcessorOutput)
     assert back.next_token_logits.data_ptr() == logits.data_ptr()
     assert torch.equal(back.next_token_logits, logits)
@@ -96,13 +98,13 @@ def test_graph_outputs_come_back_as_views_of_the_same_region_memory():
 def test_outputs_that_cannot_come_back_are_refused_at_freeze_naming_the_field():
     r = _Region(1 << 12)
     outside = torch.zeros(4)
-    with pytest.raises(freeze.FreezeRefused, match=r"output.next_token_logits: a tensor at .* "
+    with pytest.raises(state.FreezeRefused, match=r"output.next_token_logits: a tensor at .* "
                                                    r"outside the region"):
-        freeze.describe(LogitsProcessorOutput(next_token_logits=outside), r)
-    with pytest.raises(freeze.FreezeRefused, match=r"output\[0\]: a builtins.object"):
-        freeze.describe([object()], r)
-    with pytest.raises(freeze.FreezeRefused, match="only SGLang's are rebuilt"):
-        freeze.rebuild({"dc": "os:PathLike", "fields": {}}, r, r.tensor_at)
+        graphs.describe(LogitsProcessorOutput(next_token_logits=outside), r)
+    with pytest.raises(state.FreezeRefused, match=r"output\[0\]: a builtins.object"):
+        graphs.describe([object()], r)
+    with pytest.raises(state.FreezeRefused, match="only SGLang's are rebuilt"):
+        graphs.rebuild({"dc": "os:PathLike", "fields": {}}, r, r.tensor_at)
 
 
 def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
@@ -116,13 +118,13 @@ def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
         return p.parse_args(["--model-path", str(tmp_path), "--attention-backend", "triton",
                              *extra])
 
-    freeze.check_supported(args())
+    rules.check_supported(args())
     # FlashInfer, alone or split with triton between prefill and decode
-    freeze.check_supported(args("--attention-backend", "flashinfer"))  # the later flag wins
-    freeze.check_supported(args("--decode-attention-backend", "flashinfer",
+    rules.check_supported(args("--attention-backend", "flashinfer"))  # the later flag wins
+    rules.check_supported(args("--decode-attention-backend", "flashinfer",
                                 "--prefill-attention-backend", "triton"))
-    with pytest.raises(freeze.FreezeRefused) as e:
-        freeze.check_supported(args("--decode-attention-backend", "fa3", "--enable-lora",
+    with pytest.raises(state.FreezeRefused) as e:
+        rules.check_supported(args("--decode-attention-backend", "fa3", "--enable-lora",
                                     "--enable-torch-compile", "--torchao-config", "int8wo",
                                     "--enable-hierarchical-cache",
                                     "--cuda-graph-backend-decode", "breakable"))
@@ -131,18 +133,18 @@ def test_only_what_was_read_for_the_plan_is_accepted(tmp_path):
                   "torchao_config='int8wo'", "enable_hierarchical_cache",
                   "decode graph backend 'breakable'"):
         assert words in msg, (words, msg)
-    with pytest.raises(freeze.FreezeRefused, match="attention_backend unset"):
-        freeze.check_supported(types.SimpleNamespace(attention_backend=None))
+    with pytest.raises(state.FreezeRefused, match="attention_backend unset"):
+        rules.check_supported(args("--attention-backend", "triton"), get=lambda name: None)
 
 
 def test_a_block_map_that_differs_from_saves_is_refused_naming_the_block():
     frozen = [[0, 512], [1024, 512], [2 << 20, 1024]]
-    freeze._check_blocks(frozen, [list(b) for b in frozen])
-    with pytest.raises(freeze.FreezeRefused, match=r"taken block 1 is \[1536, 512\] .* was "
+    graphs.check_blocks(frozen, [list(b) for b in frozen])
+    with pytest.raises(state.FreezeRefused, match=r"taken block 1 is \[1536, 512\] .* was "
                                                    r"\[1024, 512\] at SAVE"):
-        freeze._check_blocks(frozen, [[0, 512], [1536, 512], [2 << 20, 1024]])
-    with pytest.raises(freeze.FreezeRefused, match=r"block 3 is None .* \(3 vs 4 blocks\)"):
-        freeze._check_blocks(frozen + [[4 << 20, 64]], frozen)
+        graphs.check_blocks(frozen, [[0, 512], [1536, 512], [2 << 20, 1024]])
+    with pytest.raises(state.FreezeRefused, match=r"block 3 is None .* \(3 vs 4 blocks\)"):
+        graphs.check_blocks(frozen + [[4 << 20, 64]], frozen)
 
 
 def test_the_routed_block_map_is_read_from_torchs_pool_snapshot(monkeypatch):
@@ -159,14 +161,18 @@ def test_the_routed_block_map_is_read_from_torchs_pool_snapshot(monkeypatch):
     monkeypatch.setattr(vt, "mem_pool", lambda region: pool)
     region = types.SimpleNamespace(base=base, size=1 << 30)
     # taken blocks only (a block waiting to be freed is taken); free gaps left out
-    assert freeze.routed_blocks(region) == [[0, 4096], [4096, (2 << 20) - 4096], [2 << 20, 512]]
+    assert graphs.routed_blocks(region) == [[0, 4096], [4096, (2 << 20) - 4096], [2 << 20, 512]]
     pool.snapshot = lambda: {"segments": snap}  # an older torch's shape
-    assert len(freeze.routed_blocks(region)) == 3
+    assert len(graphs.routed_blocks(region)) == 3
 
 
-def test_the_scheduler_gpu_is_read_where_sglang_keeps_it():
+def test_the_scheduler_gpu_is_read_where_sglang_keeps_it(monkeypatch):
+    from vitrify.integrations.sglang.versions import v0_5_17
+
+    monkeypatch.setattr(state, "STATE", state.PluginState(version=v0_5_17))
     assert freeze.scheduler_gpu(types.SimpleNamespace(ps=types.SimpleNamespace(gpu_id=3))) == 3
-    with pytest.raises(freeze.FreezeRefused, match="scheduler.ps.gpu_id"):
+    with pytest.raises(state.FreezeRefused, match=r"no scheduler\.ps\.gpu_id\): this is not "
+                                                  r"the SGLang 0\.5\.17"):
         freeze.scheduler_gpu(types.SimpleNamespace(gpu_id=3))
 
 
@@ -232,20 +238,20 @@ def test_a_damaged_weights_span_stops_load_with_the_plugins_one_line(tmp_path):
 
 
 def test_the_model_registry_is_narrowed_to_the_module_save_recorded():
-    env = {freeze.DISABLED_ARCHS_ENV: "deepseek_v2, mine"}
-    n = freeze.narrow_model_registry(["qwen3"], env)
-    disabled = env[freeze.DISABLED_ARCHS_ENV].split(",")
+    env = {versions.current().DISABLED_ARCHS_ENV: "deepseek_v2, mine"}
+    n = startup.narrow_model_registry(["qwen3"], env)
+    disabled = env[versions.current().DISABLED_ARCHS_ENV].split(",")
     assert n > 100 and "qwen3" not in disabled and {"deepseek_v2", "mine", "llama"} <= set(disabled)
     # nothing recorded, a bad record or a module this SGLang lacks: the registry is left whole
     for modules in (None, [], ["qwen3", 7], ["no_such_model_module"]):
         env = {}
-        assert freeze.narrow_model_registry(modules, env) == 0 and env == {}
+        assert startup.narrow_model_registry(modules, env) == 0 and env == {}
     # SGLang's own registry then holds the recorded module's classes only
-    code = ("import sys; from vitrify.integrations.sglang import freeze; "
-            "freeze.narrow_model_registry(['qwen3']); "
+    code = ("import sys; from vitrify.integrations.sglang import startup; "
+            "startup.narrow_model_registry(['qwen3']); "
             "from sglang.srt.models.registry import ModelRegistry; "
             "print(sorted(ModelRegistry.models))")
-    env = {k: v for k, v in os.environ.items() if k != freeze.DISABLED_ARCHS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != versions.current().DISABLED_ARCHS_ENV}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -263,8 +269,8 @@ def test_model_modules_names_the_modules_exporting_the_models_class():
     mods = {m.__name__: m for m in (one, many, elsewhere)}
     sys.modules.update(mods)
     try:
-        assert freeze.model_modules(cls()) == ["vitrify_t1", "vitrify_t2"]
-        assert freeze.model_modules(object()) == [] and freeze.model_modules(None) == []
+        assert startup.model_modules(cls()) == ["vitrify_t1", "vitrify_t2"]
+        assert startup.model_modules(object()) == [] and startup.model_modules(None) == []
     finally:
         for name in mods:
             sys.modules.pop(name, None)
@@ -274,26 +280,31 @@ def test_the_launcher_warm_up_hook_is_registered_in_the_launcher_at_load_only(tm
     from vitrify.integrations.sglang import plugin
     from vitrify.integrations.sglang.config import PluginConfig
 
+    from vitrify.integrations.sglang.versions import v0_5_17 as ver
+
     def targets(mode, in_scheduler, warmups=8):
         cfg = PluginConfig(mode=mode, archive=str(tmp_path), region_bytes=1 << 30,
                            warmup_requests=warmups)
-        return {h.target for h in plugin.hooks_for(cfg, in_scheduler)}
+        role = "scheduler" if in_scheduler else "launcher"
+        return {target for target, _, _ in plugin.hooks_for(cfg, role, ver)}
 
-    assert plugin.WARMUP_TARGET in targets("load", False)  # SGLang's _wait_and_warmup
-    assert plugin.WARMUP_TARGET not in targets("load", True)  # a scheduler never
-    assert plugin.WARMUP_TARGET not in targets("save", False)
-    assert plugin.WARMUP_TARGET not in targets("load", False, warmups=0)
-    assert f"{plugin.SCHEDULER_MODULE}.Scheduler.handle_generate_request" in \
+    warmup = ver.HOOK_TARGETS["wait_and_warmup"]
+    assert warmup == "sglang.srt.entrypoints.http_server._wait_and_warmup"
+    assert warmup in targets("load", False)  # SGLang's _wait_and_warmup
+    assert warmup not in targets("load", True)  # a scheduler never
+    assert warmup not in targets("save", False)
+    assert warmup not in targets("load", False, warmups=0)
+    assert f"{ver.SCHEDULER_MODULE}.Scheduler.handle_generate_request" in \
         targets("save", True)
 
 
 def test_spread_picks_distinct_lengths_over_the_range():
-    assert freeze.spread([300, 64, 64, 512, 100], 8) == [64, 100, 300, 512]
-    assert freeze.spread(list(range(1, 101)), 3) == [1, 51, 100]
-    assert freeze.spread(list(range(1, 101)), 1) == [100]
-    assert freeze.spread([5, 0, -3, True, "7", 9], 4) == [5, 9]
-    assert freeze.spread(None, 4) == [] and freeze.spread([64], 0) == []
-    a, b = freeze.warmup_ids(40, 0), freeze.warmup_ids(40, 1)
+    assert startup.spread([300, 64, 64, 512, 100], 8) == [64, 100, 300, 512]
+    assert startup.spread(list(range(1, 101)), 3) == [1, 51, 100]
+    assert startup.spread(list(range(1, 101)), 1) == [100]
+    assert startup.spread([5, 0, -3, True, "7", 9], 4) == [5, 9]
+    assert startup.spread(None, 4) == [] and startup.spread([64], 0) == []
+    a, b = startup.warmup_ids(40, 0), startup.warmup_ids(40, 1)
     assert len(a) == 40 and a[0] != b[0] and all(10 <= t < 1000 for t in a + b)
 
 
@@ -348,17 +359,17 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
     monkeypatch.setattr(_archive, "open_archive", lambda path, **k: _Arch())
     cfg = PluginConfig(mode="load", archive=str(tmp_path), region_bytes=1 << 30,
                        warmup_requests=3)
-    monkeypatch.setattr(plugin.STATE, "config", cfg)
+    monkeypatch.setattr(state, "STATE", state.PluginState(config=cfg))
     import enum
 
     Status = enum.Enum("ServerStatus", "Up Starting")
     tm = types.SimpleNamespace(server_status=Status.Up,
                                model_config=types.SimpleNamespace(vocab_size=500))
-    monkeypatch.setattr(freeze, "_launcher_status", lambda: (tm, Status))
+    monkeypatch.setattr(versions.current(), "launcher_status", lambda: (tm, Status))
     srv, seen = _http_server(status, tm)
     try:
         caplog.set_level("INFO", logger="vitrify.sglang")
-        assert freeze.after_execute_server_warmup(True, _Args(srv.server_address[1])) is True
+        assert startup.warm_up(True, _Args(srv.server_address[1])) is True
     finally:
         srv.shutdown()
     if status != 200:  # a warning, and the server still starts (its status as it was)
@@ -372,7 +383,7 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
     assert [(b["stream"], b["return_logprob"]) for _, b in seen] == \
         [(True, True), (False, True), (True, False)]
     assert [(b["stream"], b["return_logprob"]) for b in
-            (freeze.warmup_body([1], i) for i in range(4, 8))] == \
+            (startup.warmup_body([1], i) for i in range(4, 8))] == \
         [(True, True), (False, True), (True, False), (False, False)]
     assert "LOAD warm-up: 3 request(s) of 3, 100, 512 tokens" in caplog.text
     # the server was "starting" while they ran (no user request beside them), "up" again after;
@@ -381,14 +392,14 @@ def test_load_warms_up_with_the_lengths_save_served(monkeypatch, tmp_path, caplo
     assert max(max(b["input_ids"]) for _, b in seen) < 500
     # SGLang's own warm-up failed, or SAVE, or none asked for: nothing is sent
     seen.clear()
-    assert freeze.after_execute_server_warmup(False, _Args(1)) is False
-    monkeypatch.setattr(plugin.STATE, "config", dataclasses.replace(cfg, warmup_requests=0))
-    assert freeze.after_execute_server_warmup(True, _Args(1)) is True and seen == []
+    assert startup.warm_up(False, _Args(1)) is False
+    monkeypatch.setattr(state.STATE, "config", dataclasses.replace(cfg, warmup_requests=0))
+    assert startup.warm_up(True, _Args(1)) is True and seen == []
 
 
 def test_the_warm_up_wrapper_runs_after_the_warm_up_function_the_call_uses(monkeypatch):
     calls = []
-    monkeypatch.setattr(freeze, "after_execute_server_warmup",
+    monkeypatch.setattr(startup, "warm_up",
                         lambda result, server_args: calls.append(("ours", result)) or result)
 
     def default_warmup(server_args):
@@ -426,25 +437,25 @@ def test_a_standby_load_waits_for_its_file(tmp_path, caplog):
     go = tmp_path / "go"
     threading.Timer(0.3, go.touch).start()
     t = time.monotonic()
-    waited = freeze.wait_for_file(str(go))
+    waited = startup.wait_for_file(str(go))
     assert 0.25 <= waited <= time.monotonic() - t and go.exists()
     assert "waiting for" in caplog.text and "standby ended after" in caplog.text
-    assert freeze.wait_for_file(str(go)) == 0.0  # there already: no wait
+    assert startup.wait_for_file(str(go)) == 0.0  # there already: no wait
     # a file older than this launch is a leftover: it counts once touched again
     os.utime(go, (1000.0, 1000.0))
     caplog.clear()
     threading.Timer(0.3, go.touch).start()
-    assert freeze.wait_for_file(str(go), since=time.time() - 5) >= 0.25
+    assert startup.wait_for_file(str(go), since=time.time() - 5) >= 0.25
     assert "older than this launch" in caplog.text
 
 
 def test_cold_start_widens_the_registry_to_the_users_own_setting():
-    for before in ({}, {freeze.DISABLED_ARCHS_ENV: "mine"}):
+    for before in ({}, {versions.current().DISABLED_ARCHS_ENV: "mine"}):
         env = dict(before)
-        assert freeze.narrow_model_registry(["qwen3"], env) > 100
-        assert freeze.narrow_model_registry(["qwen3"], env) > 100  # the scheduler's own call
-        assert freeze.widen_model_registry(env) is True and env == before
-        assert freeze.widen_model_registry(env) is False and env == before
+        assert startup.narrow_model_registry(["qwen3"], env) > 100
+        assert startup.narrow_model_registry(["qwen3"], env) > 100  # the scheduler's own call
+        assert startup.widen_model_registry(env) is True and env == before
+        assert startup.widen_model_registry(env) is False and env == before
 
 
 def test_model_modules_include_the_submodules_classes():
@@ -458,7 +469,7 @@ def test_model_modules_include_the_submodules_classes():
     b.EntryClass = [inner]
     _sys.modules.update({a.__name__: a, b.__name__: b})
     try:
-        assert freeze.model_modules(outer()) == ["vitrify_outer", "vitrify_tower"]
+        assert startup.model_modules(outer()) == ["vitrify_outer", "vitrify_tower"]
     finally:
         _sys.modules.pop(a.__name__)
         _sys.modules.pop(b.__name__)
@@ -468,13 +479,13 @@ def test_the_jit_watch_reports_new_files_once_and_never_raises(tmp_path, caplog)
     caplog.set_level("WARNING", logger="vitrify.sglang")
     cache = tmp_path / "triton"
     cache.mkdir()
-    run = freeze.Run("save", None, None, 0)
+    run = state.Run("save", None, None, 0)
     run.jit_dirs, run.jit_index = {"triton": str(cache)}, {"caches": {"triton": {"files": []}}}
 
     def look():
         run.jit_checked = 0.0
         caplog.clear()
-        freeze._jit_watch(run)
+        startup.jit_watch(run)
         return caplog.text
 
     (cache / "AB").mkdir()
@@ -492,10 +503,10 @@ def test_the_jit_watch_reports_new_files_once_and_never_raises(tmp_path, caplog)
 def test_the_start_up_profile_is_written_where_asked(tmp_path):
     from vitrify import config
 
-    with config.override(sglang_profile=None), freeze._profiled("nothing"):  # not asked
+    with config.override(sglang_profile=None), startup.profiled("nothing"):  # not asked
         sum(range(1000))
     assert not list(tmp_path.iterdir())
-    with config.override(sglang_profile=str(tmp_path)), freeze._profiled("init_model_worker-load"):
+    with config.override(sglang_profile=str(tmp_path)), startup.profiled("init_model_worker-load"):
         sorted(range(100000), key=lambda x: -x)
     (path,) = tmp_path.glob("init_model_worker-load-*.txt")
     assert "cumulative" in path.read_text() and "sorted" in path.read_text()
@@ -509,13 +520,13 @@ def test_the_capture_collections_never_unfreeze_what_the_plugin_froze(monkeypatc
     if gc.get_freeze_count():
         pytest.skip("this process has frozen objects already")
     seen = []
-    monkeypatch.setattr(freeze, "RUN", None)  # no freeze or thaw here: SGLang's own
+    monkeypatch.setattr(state.STATE, "run", None)  # no freeze or thaw here: SGLang's own
     assert freeze.around_freeze_gc(lambda flag: seen.append(flag) or "sglang's", True) == "sglang's"
     assert seen == [True]
     try:
-        moved = freeze.freeze_import_heap(collect=False)
+        moved = startup.freeze_import_heap(collect=False)
         assert moved > 1000 and gc.get_freeze_count() == moved
-        monkeypatch.setattr(freeze, "RUN", object())
+        monkeypatch.setattr(state.STATE, "run", object())
         with freeze.around_freeze_gc(freeze_gc, False):
             inside = gc.get_freeze_count()
         # nothing unfrozen (a frozen object freed by its reference count leaves the count)
@@ -544,7 +555,7 @@ def test_a_standby_reads_the_weights_span_until_its_go(tmp_path, caplog, monkeyp
             return str(tmp_path / rel)
 
     caplog.set_level("INFO", logger="vitrify.sglang")
-    reading = freeze.SpanPrefetch(_Arch())
+    reading = startup.SpanPrefetch(_Arch())
     reading.thread.join()
     out = reading.finish()
     assert out["bytes"] == out["size"] == 3 << 20 and out["errors"] == []
@@ -552,14 +563,14 @@ def test_a_standby_reads_the_weights_span_until_its_go(tmp_path, caplog, monkeyp
     assert "a go now thaws without the drive" in caplog.text  # logged when the read completed
     # a read that fails is named; the thaw reads the file itself then
     weights.unlink()
-    out = freeze.SpanPrefetch(_Arch()).finish()
+    out = startup.SpanPrefetch(_Arch()).finish()
     assert out["bytes"] == 0 and "weights.span" in out["errors"][0]
     assert "not read: weights.span" in caplog.text
     # the go stops a read under way at its next piece
     calls = []
     monkeypatch.setattr(snapshot, "prefetch", lambda path, stop: calls.append(stop.wait(5)) or
                         {"bytes": 1, "size": 2, "seconds": 0.0, "complete": False})
-    out = freeze.SpanPrefetch(_Arch()).finish()
+    out = startup.SpanPrefetch(_Arch()).finish()
     assert calls == [True] and out["bytes"] == 1
 
 
@@ -574,13 +585,13 @@ def test_triton_s_cache_key_is_computed_before_the_first_launch(monkeypatch, tmp
     monkeypatch.setitem(_sys.modules, "triton", triton)
     monkeypatch.setitem(_sys.modules, "triton.runtime", types.ModuleType("triton.runtime"))
     monkeypatch.setitem(_sys.modules, "triton.runtime.cache", cache)
-    assert freeze.warm_triton_key(background=False) is None and calls == [1]
-    freeze.warm_triton_key(background=True).join()
+    assert startup.warm_triton_key(background=False) is None and calls == [1]
+    startup.warm_triton_key(background=True).join()
     assert calls == [1, 1]
     cache.triton_key = lambda: 1 / 0  # a failure leaves it to the first launch
-    assert freeze.warm_triton_key(background=False) is None
+    assert startup.warm_triton_key(background=False) is None
     monkeypatch.setitem(_sys.modules, "triton.runtime.cache", None)  # no Triton
-    assert freeze.warm_triton_key(background=True) is None
+    assert startup.warm_triton_key(background=True) is None
 
 
 
@@ -611,30 +622,30 @@ def test_attention_backends_are_found_inside_sglangs_routing_backends():
     from sglang.srt.layers.attention.trtllm_mha_backend import TRTLLMHAAttnBackend
 
     tri, fi = _leaf(TritonAttnBackend), _leaf(FlashInferAttnBackend)
-    assert freeze.attention_leaves(fi) == [("attn_backend", fi)]
-    assert freeze.check_attention(fi) == ["flashinfer"] and freeze.metadata_api(fi) == "current"
+    assert attention.attention_leaves(fi) == [("attn_backend", fi)]
+    assert attention.check_attention(fi) == ["flashinfer"] and attention.metadata_api(fi) == "current"
     split = HybridAttnBackend(_attn_runner(), prefill_backend=tri, decode_backend=fi)
-    assert freeze.attention_leaves(split) == [("attn_backend.prefill_backend", tri),
+    assert attention.attention_leaves(split) == [("attn_backend.prefill_backend", tri),
                                               ("attn_backend.decode_backend", fi)]
-    assert freeze.check_attention(split) == ["triton", "flashinfer"]
+    assert attention.check_attention(split) == ["triton", "flashinfer"]
     same = HybridAttnBackend(_attn_runner(), prefill_backend=fi, decode_backend=fi)
-    assert freeze.check_attention(same) == ["flashinfer"]  # one object, listed once
+    assert attention.check_attention(same) == ["flashinfer"]  # one object, listed once
     tbo = TboAttnBackend(primary=split, children=[_leaf(FlashInferAttnBackend),
                                                   _leaf(FlashInferAttnBackend)])
-    where = [w for w, _ in freeze.attention_leaves(tbo)]
+    where = [w for w, _ in attention.attention_leaves(tbo)]
     assert where == ["attn_backend.primary.prefill_backend", "attn_backend.primary.decode_backend",
                      "attn_backend.children[0]", "attn_backend.children[1]"]
     # a hybrid linear-attention model's Mamba state is not frozen: refused, named where it sits
     linear = HybridLinearAttnBackend(fi, _leaf(Mamba2AttnBackend), full_attn_layers=[0])
-    with pytest.raises(freeze.FreezeRefused) as e:
-        freeze.check_attention(linear)
+    with pytest.raises(state.FreezeRefused) as e:
+        attention.check_attention(linear)
     assert "attn_backend.linear_attn_backend is Mamba2AttnBackend" in str(e.value)
     assert "full_attn_backend" not in str(e.value)
     # a subclass plans differently: only the exact classes are accepted
-    with pytest.raises(freeze.FreezeRefused, match="attn_backend is TRTLLMHAAttnBackend"):
-        freeze.check_attention(_leaf(TRTLLMHAAttnBackend))
-    with pytest.raises(freeze.FreezeRefused, match="has none"):
-        freeze.check_attention(None)
+    with pytest.raises(state.FreezeRefused, match="attn_backend is TRTLLMHAAttnBackend"):
+        attention.check_attention(_leaf(TRTLLMHAAttnBackend))
+    with pytest.raises(state.FreezeRefused, match="has none"):
+        attention.check_attention(None)
 
 
 def test_a_backend_with_only_the_legacy_graph_metadata_api_is_refused(monkeypatch):
@@ -650,27 +661,27 @@ def test_a_backend_with_only_the_legacy_graph_metadata_api_is_refused(monkeypatc
     class Neither(AttentionBackend):
         pass
 
-    assert freeze.metadata_api(object.__new__(Legacy)) == "legacy"
-    assert freeze.metadata_api(object.__new__(Neither)) == "none"
-    monkeypatch.setitem(freeze.FROZEN_ATTENTION, f"{__name__}.{Legacy.__qualname__}", "legacy")
-    with pytest.raises(freeze.FreezeRefused) as e:
-        freeze.check_attention(object.__new__(Legacy))
+    assert attention.metadata_api(object.__new__(Legacy)) == "legacy"
+    assert attention.metadata_api(object.__new__(Neither)) == "none"
+    monkeypatch.setitem(versions.current().FROZEN_ATTENTION, f"{__name__}.{Legacy.__qualname__}",
+                        "legacy")
+    with pytest.raises(state.FreezeRefused) as e:
+        attention.check_attention(object.__new__(Legacy))
     assert "through the legacy init_forward_metadata_capture_cuda_graph" in str(e.value)
     assert "calls init_forward_metadata_out_graph" in str(e.value)
 
 
 def test_an_error_inside_an_answer_of_status_200_is_found():
-    freeze.check_answer([b'data: {"text": "a", "meta_info": {}}', b"", b"data: [DONE]"])
-    freeze.check_answer([b'{"text": "a"}'])
-    freeze.check_answer([b'[{"text": "a"}, {"text": "b"}]'])  # a batch
+    startup.check_answer([b'data: {"text": "a", "meta_info": {}}', b"", b"data: [DONE]"])
+    startup.check_answer([b'{"text": "a"}'])
+    startup.check_answer([b'[{"text": "a"}, {"text": "b"}]'])  # a batch
     with pytest.raises(RuntimeError, match="carries an error: boom"):
-        freeze.check_answer([b'data: {"text": "a"}', b'data: {"error": "boom"}'])
+        startup.check_answer([b'data: {"text": "a"}', b'data: {"error": "boom"}'])
     with pytest.raises(RuntimeError, match="carries an error"):
-        freeze.check_answer([b'{"error": "out of memory"}'])
+        startup.check_answer([b'{"error": "out of memory"}'])
 
 
 def test_the_launcher_reads_the_weights_span_ahead_when_it_fits(tmp_path, caplog, monkeypatch):
-    from vitrify import archive as _archive
     from vitrify import snapshot
 
     arch = tmp_path / "engine.vitrify"
@@ -689,37 +700,42 @@ def test_the_launcher_reads_the_weights_span_ahead_when_it_fits(tmp_path, caplog
             return str(arch / rel)
 
     spans = {"weights": "rank0/region/weights.span"}
-    monkeypatch.setattr(_archive, "open_archive", lambda path, **k: _Arch(spans))
     caplog.set_level("INFO", logger="vitrify.sglang")
     monkeypatch.setattr(snapshot, "page_cache_share", lambda path: 0.0)  # a cold drive
-    real_memory_available = freeze.memory_available
+    real_memory_available = startup.memory_available
     env = {}
-    reading = freeze.start_read_ahead(str(arch), env)
+    reading = startup.start_read_ahead(_Arch(spans), env)
     reading.thread.join()
-    assert env == {freeze.READ_AHEAD_ENV: f"{os.getpid()}:{weights}"}
+    assert env == {startup.READ_AHEAD_ENV: f"{os.getpid()}:{weights}"}
     assert reading.results[str(weights)]["complete"]
     assert "reading the weights span" in caplog.text and "are in the page cache" in caplog.text
     # the scheduler's thaw of that archive reads through the page cache; of another, as set
     me = os.getpid()
-    assert freeze.read_ahead_direct_io(str(arch), env, me) == "off"
-    assert freeze.read_ahead_direct_io(str(arch) + "/", env, me) == "off"
-    assert freeze.read_ahead_direct_io(os.path.relpath(arch), env, me) == "off"
-    assert freeze.read_ahead_direct_io(str(tmp_path / "other.vitrify"), env, me) is None
-    assert freeze.read_ahead_direct_io(str(arch) + "2", env, me) is None  # a sibling's prefix
-    assert freeze.read_ahead_direct_io(str(arch), {}, me) is None
+    assert startup.read_ahead_direct_io(str(arch), env, me) == "off"
+    assert startup.read_ahead_direct_io(str(arch) + "/", env, me) == "off"
+    assert startup.read_ahead_direct_io(os.path.relpath(arch), env, me) == "off"
+    assert startup.read_ahead_direct_io(str(tmp_path / "other.vitrify"), env, me) is None
+    assert startup.read_ahead_direct_io(str(arch) + "2", env, me) is None  # a sibling's prefix
+    assert startup.read_ahead_direct_io(str(arch), {}, me) is None
     # a value another launcher left in the environment does not count
-    assert freeze.read_ahead_direct_io(str(arch), env, me + 1) is None
+    assert startup.read_ahead_direct_io(str(arch), env, me + 1) is None
     # cached already, too large for the memory, or no weights span: nothing read, nothing said
     for share, room, sp, words in ((1.0, None, spans, "in the page cache already"),
                                    (1.0, 5 << 20, spans, "in the page cache already"),
                                    (0.0, 5 << 20, spans, "more than half the memory"),
                                    (0.0, None, {}, "no weights span")):
         monkeypatch.setattr(snapshot, "page_cache_share", lambda path, v=share: v)
-        monkeypatch.setattr(freeze, "memory_available", lambda v=room: v)
-        monkeypatch.setattr(_archive, "open_archive", lambda path, v=sp, **k: _Arch(v))
+        monkeypatch.setattr(startup, "memory_available", lambda v=room: v)
         caplog.clear()
         env = {}
-        assert freeze.start_read_ahead(str(arch), env) is None and env == {}
+        assert startup.start_read_ahead(_Arch(sp), env) is None and env == {}
         assert words in caplog.text
     if os.path.exists("/proc/meminfo"):
         assert real_memory_available() > 0
+    # MemAvailable as the kernel writes it (kB), read without another module's private helper
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total: 0\n")
+    assert real_memory_available(str(info)) == 8192 * 1024
+    info.write_text("MemTotal:       16384 kB\n")
+    assert real_memory_available(str(info)) is None
+    assert real_memory_available(str(tmp_path / "none")) is None

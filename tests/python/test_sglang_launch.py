@@ -173,9 +173,9 @@ def test_check_names_every_refusal_at_once_and_an_unset_random_seed(capsys, tmpd
 
 @sglang
 def test_check_of_a_clean_command_says_what_vitrify_changes(capsys, tmpdir_for_configs, model):
-    from vitrify.integrations.sglang import plugin
+    from vitrify.integrations.sglang import state
 
-    before = plugin.STATE
+    before = state.STATE
     rc, out, err = _run(capsys, "sglang", "check", "--", *_args(model))
     assert rc == 0 and err == ""
     lines = out.splitlines()
@@ -190,7 +190,7 @@ def test_check_of_a_clean_command_says_what_vitrify_changes(capsys, tmpdir_for_c
            "(load_format was auto)" in lines
     assert any(ln.startswith("  vitrify (mode save): prefill CUDA graphs forced off")
                for ln in lines)
-    assert plugin.STATE is before and plugin.STATE.prefill_graphs_were is None
+    assert state.STATE is before and state.STATE.prefill_graphs_were is None
     # a loader LOAD cannot replace keeps reading the checkpoint: not changed
     rc, out, _ = _run(capsys, "sglang", "check", "--", *_args(model, "--load-format", "gguf"))
     assert rc == 0 and "load_format" not in out.split("LOAD changes:")[1].splitlines()[0]
@@ -234,7 +234,7 @@ def test_without_a_usable_sglang_each_command_says_so_in_one_line(capsys, tmpdir
         _one_line(err, "vitrify sglang check: ")
     real = importlib.metadata.version
 
-    def version(name, found="0.5.23"):
+    def version(name, found="0.5.24"):
         if name != "sglang":
             return real(name)
         if found is None:
@@ -243,7 +243,8 @@ def test_without_a_usable_sglang_each_command_says_so_in_one_line(capsys, tmpdir
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     rc, _, err = _run(capsys, "sglang", "check", "--", *_args(model))
-    assert rc == 2 and "SGLang 0.5.23 is installed; this vitrify supports SGLang 0.5.17" in \
+    assert rc == 2 and "SGLang 0.5.24 is installed; this vitrify supports SGLang 0.5.17, " \
+                       "0.5.23 (the plugin would stop the server)" in \
         _one_line(err, "vitrify sglang check: ")
     monkeypatch.setattr(importlib.metadata, "version", lambda n: version(n, None))
     rc, _, err = _run(capsys, "sglang", "load", "/nowhere", "--", *_args(model))

@@ -28,12 +28,16 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E40
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from vitrify.integrations.sglang import config as pconfig  # noqa: E402
-from vitrify.integrations.sglang import plugin  # noqa: E402
+from vitrify.integrations.sglang import plugin, startup, state, versions  # noqa: E402
+from vitrify.integrations.sglang import server_args as rules  # noqa: E402
 from vitrify.integrations.sglang.config import PluginConfig, PluginConfigError  # noqa: E402
+from vitrify.integrations.sglang.versions import v0_5_17 as v17  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "vitrify SGLang plugin:"
-TARGET = plugin.SERVER_ARGS_TARGET
+TARGET = v17.HOOK_TARGETS["server_args_post_init"]
+# the hook 0.5.17's seam registers after ServerArgs.__post_init__ (the argument rules)
+(_, _, after_post_init), = v17.argument_hooks(rules.run_phase)
 
 # A tiny Llama: enough for ServerArgs.__post_init__ to resolve everything on the CPU.
 TINY_CONFIG = {
@@ -64,14 +68,14 @@ def _server_args(model_path, **kw):
 def fresh(monkeypatch):
     """A clean plugin state and an empty SGLang hook registry (both restored afterwards); the
     config env var and SGLang's plugin allow-list unset."""
-    monkeypatch.setattr(plugin, "STATE", plugin.PluginState())
+    monkeypatch.setattr(state, "STATE", state.PluginState())
     monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
     monkeypatch.setattr(HookRegistry, "_patched", set())
-    monkeypatch.delenv(plugin.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(state.CONFIG_ENV, raising=False)
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     # register() sets these in os.environ (the JIT caches, P10): restored afterwards
-    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV,
-                plugin._READ_AHEAD_ENV):
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", startup.JIT_ROOT_ENV,
+                startup.READ_AHEAD_ENV):
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     # apply_hooks() patches ServerArgs.__post_init__; put the original back after the test.
@@ -290,16 +294,16 @@ def test_entry_point_declared_in_pyproject():
 
 def test_inert_without_env(fresh):
     assert plugin.register() is None
-    assert _our_hooks() == [] and not plugin.STATE.registered and plugin.STATE.config is None
-    fresh.setenv(plugin.CONFIG_ENV, "")
+    assert _our_hooks() == [] and not state.STATE.registered and state.STATE.config is None
+    fresh.setenv(state.CONFIG_ENV, "")
     plugin.register()
-    assert _our_hooks() == [] and not plugin.STATE.registered
+    assert _our_hooks() == [] and not state.STATE.registered
 
 
 def test_inert_imports_nothing_heavy():
     """P1 in a fresh interpreter: register() without the env var imports neither sglang nor
     torch, and neither does importing the entry point's module."""
-    env = {k: v for k, v in os.environ.items() if k != plugin.CONFIG_ENV}
+    env = {k: v for k, v in os.environ.items() if k != state.CONFIG_ENV}
     code = ("import sys; from vitrify.integrations.sglang.plugin import register; register(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -308,40 +312,41 @@ def test_inert_imports_nothing_heavy():
 
 
 def test_register_registers_after_hook(fresh, save_config):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
-    assert _our_hooks() == [(TARGET, HookType.AFTER, plugin.after_server_args_post_init)]
-    assert plugin.STATE.registered and plugin.STATE.sglang_version == sglang.__version__
-    assert plugin.STATE.config.mode == "save" and plugin.STATE.config.region_bytes == 2 << 30
+    ((target, kind, fn),) = _our_hooks()
+    assert (target, kind, fn.__name__) == (TARGET, HookType.AFTER, "after_server_args_post_init")
+    assert state.STATE.registered and state.STATE.sglang_version == sglang.__version__
+    assert state.STATE.config.mode == "save" and state.STATE.config.region_bytes == 2 << 30
 
 
 def test_register_idempotent(fresh, save_config):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
     plugin.register()
     assert len(_our_hooks()) == 1
 
 
 def test_mode_off_registers_nothing_and_skips_version(fresh, tmp_path):
-    fresh.setenv(plugin.CONFIG_ENV, _write(tmp_path / "off.toml", 'mode = "off"\n'))
+    fresh.setenv(state.CONFIG_ENV, _write(tmp_path / "off.toml", 'mode = "off"\n'))
     fresh.setattr(sglang, "__version__", "9.9.9")
     plugin.register()
-    assert _our_hooks() == [] and plugin.STATE.config.mode == "off"
+    assert _our_hooks() == [] and state.STATE.config.mode == "off"
 
 
 def test_bad_config_is_fatal(fresh, tmp_path):
-    fresh.setenv(plugin.CONFIG_ENV, _write(tmp_path / "c.toml", 'mode = "save"\nbogus = 1\n'))
+    fresh.setenv(state.CONFIG_ENV, _write(tmp_path / "c.toml", 'mode = "save"\nbogus = 1\n'))
     with pytest.raises(SystemExit) as e:
         plugin.register()
     msg = _one_line_fatal(e)
-    assert plugin.CONFIG_ENV in msg and "['bogus']" in msg
+    assert state.CONFIG_ENV in msg and "['bogus']" in msg
     assert _our_hooks() == []
 
 
 def test_an_unexpected_error_while_registering_is_fatal_too(fresh, save_config):
     """P3: SGLang only logs what a plugin raises, so register() turns any exception into the
     one-line SystemExit (here the registry itself fails)."""
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
 
     def broken(*a, **k):
         raise RuntimeError("registry exploded")
@@ -359,7 +364,7 @@ def test_fatal_exit_status_and_message(tmp_path):
     """P3 as an operator sees it: status 1 and the one line on stderr, nothing else."""
     bad = _write(tmp_path / "c.toml", 'mode = "load"\narchive = "/no/such/archive"\n'
                                       'region_bytes = 1\n')
-    env = dict(os.environ, **{plugin.CONFIG_ENV: bad})
+    env = dict(os.environ, **{state.CONFIG_ENV: bad})
     code = "from vitrify.integrations.sglang.plugin import register; register()"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
@@ -369,15 +374,15 @@ def test_fatal_exit_status_and_message(tmp_path):
 
 
 def test_version_mismatch_is_fatal(fresh, save_config):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     fresh.setattr(sglang, "__version__", "0.5.16")
     with pytest.raises(SystemExit) as e:
         plugin.register()
     msg = _one_line_fatal(e)
     assert "SGLang 0.5.16 is not supported" in msg
-    for v in plugin.SUPPORTED_SGLANG_VERSIONS:
+    for v in versions.SUPPORTED:
         assert v in msg
-    assert _our_hooks() == [] and not plugin.STATE.registered
+    assert _our_hooks() == [] and not state.STATE.registered
 
 
 @pytest.mark.parametrize("bogus", [
@@ -387,13 +392,15 @@ def test_version_mismatch_is_fatal(fresh, save_config):
 ])
 def test_missing_target_is_fatal_and_nothing_registered(fresh, save_config, bogus):
     """P2: the valid ServerArgs hook comes first in the table, yet nothing is registered."""
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
-    fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (plugin.Hook(bogus, "AROUND", lambda f: f),))
+    fresh.setenv(state.CONFIG_ENV, save_config)
+    fresh.setitem(v17.HOOK_TARGETS, "bogus", bogus)
+    fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (plugin.Hook("bogus", "AROUND", lambda f: f,
+                                                               roles=("launcher",)),))
     with pytest.raises(SystemExit) as e:
         plugin.register()
     msg = _one_line_fatal(e)
     assert repr(bogus) in msg and f"SGLang {sglang.__version__}" in msg
-    assert _our_hooks() == [] and not plugin.STATE.registered
+    assert _our_hooks() == [] and not state.STATE.registered
 
 
 class _NotAFunction:
@@ -401,11 +408,13 @@ class _NotAFunction:
 
 
 @pytest.mark.parametrize("hook, words", [
-    (plugin.Hook(TARGET, "WRAP", lambda r, *a, **k: None), ["hook kind 'WRAP'"]),
-    (plugin.Hook(TARGET, "AFTER", _NotAFunction), ["_NotAFunction", "only as REPLACE"]),
+    (plugin.Hook("server_args_post_init", "WRAP", lambda r, *a, **k: None, roles=("launcher",)),
+     ["hook kind 'WRAP'"]),
+    (plugin.Hook("server_args_post_init", "AFTER", _NotAFunction, roles=("launcher",)),
+     ["_NotAFunction", "only as REPLACE"]),
 ])
 def test_bad_hook_entry_is_fatal_and_nothing_registered(fresh, save_config, hook, words):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     fresh.setattr(plugin, "HOOKS", plugin.HOOKS + (hook,))
     with pytest.raises(SystemExit) as e:
         plugin.register()
@@ -416,8 +425,8 @@ def test_bad_hook_entry_is_fatal_and_nothing_registered(fresh, save_config, hook
 
 
 def test_missing_server_args_field_is_fatal(fresh, save_config):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
-    fresh.setattr(plugin, "SERVER_ARGS_FIELDS", plugin.SERVER_ARGS_FIELDS + ("no_such_field",))
+    fresh.setenv(state.CONFIG_ENV, save_config)
+    fresh.setattr(rules, "LOAD_ARGS", rules.LOAD_ARGS + ("no_such_field",))
     with pytest.raises(SystemExit) as e:
         plugin.register()
     assert "['no_such_field']" in _one_line_fatal(e)
@@ -436,7 +445,7 @@ def _fake_entry_points(monkeypatch):
 def test_fatal_error_propagates_through_sglang_loader(fresh, save_config):
     """P3: SGLang's load_plugins() catches Exception only, so the SystemExit gets through."""
     _fake_entry_points(fresh)
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     fresh.setattr(sglang, "__version__", "0.4.0")
     with pytest.raises(SystemExit) as e:
         sgl_plugins.load_plugins()
@@ -448,7 +457,7 @@ def test_through_sglang_loader_end_to_end(fresh, save_config, tiny_model, caplog
     afterwards goes through it (prefill graphs off, fingerprint stored) and a refused argument
     stops construction."""
     _fake_entry_points(fresh)
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     sgl_plugins.load_plugins()
     fresh.setattr(sgl_plugins, "_plugins_loaded", False)
     sgl_plugins.load_plugins()  # a second load in the same process (Engine does this)
@@ -456,8 +465,8 @@ def test_through_sglang_loader_end_to_end(fresh, save_config, tiny_model, caplog
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
         args = _server_args(tiny_model)
     assert args.cuda_graph_config.prefill.backend == "disabled"
-    assert plugin.STATE.fingerprint == plugin.fingerprint(args)
-    assert plugin.STATE.fingerprint["model_path"] == tiny_model
+    assert state.STATE.fingerprint == rules.fingerprint(args)
+    assert state.STATE.fingerprint["model_path"] == tiny_model
     assert any("prefill CUDA graphs" in r.getMessage() for r in caplog.records)
     with pytest.raises(SystemExit) as e:
         ServerArgs(model_path="dummy", tp_size=2)
@@ -470,8 +479,8 @@ def test_through_sglang_loader_end_to_end(fresh, save_config, tiny_model, caplog
 
 @pytest.fixture
 def active(fresh, tmp_path):
-    fresh.setattr(plugin.STATE, "config", _active("save", tmp_path / "a"))
-    return plugin.STATE
+    fresh.setattr(state.STATE, "config", _active("save", tmp_path / "a"))
+    return state.STATE
 
 
 def test_hook_forces_prefill_graphs_off(active, tiny_model, caplog):
@@ -480,7 +489,7 @@ def test_hook_forces_prefill_graphs_off(active, tiny_model, caplog):
     assert was != "disabled"  # SGLang turned them on by default: the hook has work to do
     decode_before = args.cuda_graph_config.decode.backend
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
-        assert plugin.after_server_args_post_init(None, args) is None
+        assert after_post_init(None, args) is None
     assert args.cuda_graph_config.prefill.backend == "disabled"
     assert args.cuda_graph_backend_prefill == "disabled" and args.disable_prefill_cuda_graph
     assert args.cuda_graph_config.decode.backend == decode_before  # decode graphs untouched
@@ -495,7 +504,7 @@ def test_hook_reaches_published_config(active, tiny_model):
     """What the model runner reads (the runtime context's exec.graph bag) says disabled too."""
     from sglang.srt.runtime_context import get_exec, publish
     args = _server_args(tiny_model)
-    plugin.after_server_args_post_init(None, args)
+    after_post_init(None, args)
     publish(args, role="test")
     assert get_exec().graph.cuda_graph_config.prefill.backend == "disabled"
 
@@ -503,7 +512,7 @@ def test_hook_reaches_published_config(active, tiny_model):
 def test_hook_already_off_logs_so(active, tiny_model, caplog):
     args = _server_args(tiny_model, cuda_graph_backend_prefill="disabled")
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
-        plugin.after_server_args_post_init(None, args)
+        after_post_init(None, args)
     lines = [r.getMessage() for r in caplog.records if r.name == "vitrify.sglang"]
     assert len(lines) == 1 and "are off" in lines[0] and "forced" not in lines[0]
     assert args.cuda_graph_config.prefill.backend == "disabled"
@@ -514,7 +523,7 @@ def test_hook_already_off_logs_so(active, tiny_model, caplog):
 def test_hook_on_unresolved_dummy_args(active, raw, was):
     """model_path "dummy": __post_init__ stops before resolving cuda_graph_config."""
     args = ServerArgs(model_path="dummy", cuda_graph_config=raw)
-    plugin.after_server_args_post_init(None, args)
+    after_post_init(None, args)
     assert args.cuda_graph_backend_prefill == "disabled" and args.disable_prefill_cuda_graph
     assert active.prefill_graphs_were == was
     if raw is not None:
@@ -532,19 +541,19 @@ def test_hook_on_unresolved_dummy_args(active, raw, was):
 def test_hook_refuses_unsupported_args(active, field, value, flag):
     args = ServerArgs(model_path="dummy", **{field: value})  # "dummy": no resolution of these
     with pytest.raises(SystemExit) as e:
-        plugin.after_server_args_post_init(None, args)
+        after_post_init(None, args)
     msg = _one_line_fatal(e)
     assert f"{field}={value!r}" in msg and flag in msg and "'save'" in msg
     assert active.fingerprint is None
     # Every other refusable field is at its default, so it is not named.
-    for other, _, _, _ in plugin.REFUSED_ARGS:
+    for other, _, _, _ in rules.REFUSED_ARGS:
         if other != field:
             assert f"{other}=" not in msg
 
 
 def test_hook_accepts_single_gpu_defaults(active):
     args = ServerArgs(model_path="dummy")
-    plugin.after_server_args_post_init(None, args)
+    after_post_init(None, args)
     assert active.fingerprint is not None
 
 
@@ -553,9 +562,9 @@ def test_fingerprint_contents(active, tiny_model):
                         context_length=256, max_running_requests=8, chunked_prefill_size=1024,
                         attention_backend="triton", page_size=16,
                         cuda_graph_bs_decode=[1, 2, 4])
-    plugin.after_server_args_post_init(None, args)
+    after_post_init(None, args)
     fp = active.fingerprint
-    assert set(fp) == set(plugin.FINGERPRINT_ARGS) | {
+    assert set(fp) == set(rules.FINGERPRINT_ARGS) | {
         "cuda_graph_decode_backend", "cuda_graph_decode_max_bs", "cuda_graph_decode_bs",
         "cuda_graph_prefill_backend"}
     assert fp["model_path"] == tiny_model
@@ -570,10 +579,10 @@ def test_fingerprint_contents(active, tiny_model):
 
 
 def test_fingerprint_tracks_each_argument(active, tiny_model):
-    base = plugin.apply_server_args(_server_args(tiny_model, random_seed=1), "save")
+    base = rules.apply_server_args(_server_args(tiny_model, random_seed=1), "save")
     for kw in ({"random_seed": 2}, {"dtype": "float16"}, {"page_size": 32},
                {"chunked_prefill_size": 512}, {"cuda_graph_bs_decode": [1, 8]}):
-        other = plugin.apply_server_args(_server_args(tiny_model, **{"random_seed": 1, **kw}),
+        other = rules.apply_server_args(_server_args(tiny_model, **{"random_seed": 1, **kw}),
                                          "save")
         changed = {k for k in base if base[k] != other[k]}
         assert changed, kw
@@ -584,24 +593,24 @@ def test_apply_is_idempotent_and_pickle_stable(active, tiny_model):
     """P7: a scheduler gets ServerArgs pickled (no __post_init__) and recomputes the same one."""
     import pickle
     args = _server_args(tiny_model, random_seed=3)
-    first = plugin.apply_server_args(args, "load")
-    assert plugin.apply_server_args(args, "load") == first
+    first = rules.apply_server_args(args, "load")
+    assert rules.apply_server_args(args, "load") == first
     child = pickle.loads(pickle.dumps(args))
-    assert plugin.fingerprint(child) == first
+    assert rules.fingerprint(child) == first
     assert child.cuda_graph_config.prefill.backend == "disabled"
 
 
 def test_hook_inactive_without_config(fresh, tiny_model):
     args = _server_args(tiny_model)
     was = args.cuda_graph_config.prefill.backend
-    plugin.after_server_args_post_init(None, args)
-    assert args.cuda_graph_config.prefill.backend == was and plugin.STATE.fingerprint is None
+    after_post_init(None, args)
+    assert args.cuda_graph_config.prefill.backend == was and state.STATE.fingerprint is None
 
 
 def test_hook_unexpected_error_is_fatal(active):
     import types
     with pytest.raises(SystemExit) as e:
-        plugin.after_server_args_post_init(None, types.SimpleNamespace(tp_size=1))
+        after_post_init(None, types.SimpleNamespace(tp_size=1))
     assert "ServerArgs.__post_init__ hook failed: AttributeError" in _one_line_fatal(e)
 
 
@@ -628,26 +637,26 @@ def test_config_jit_keys(tmp_path, monkeypatch):
 
 
 def test_save_redirects_the_jit_caches_once_for_every_process(fresh, save_config, tmp_path):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
     work = str(tmp_path / "archive") + ".jit-work"
     assert os.environ["TRITON_CACHE_DIR"] == os.path.join(work, "triton")
     assert os.environ["TVM_FFI_CACHE_DIR"] == os.path.join(work, "tvm-ffi")
-    assert os.environ[plugin.JIT_ROOT_ENV] == work
-    assert plugin.STATE.jit_dirs == {"triton": os.path.join(work, "triton"),
+    assert os.environ[startup.JIT_ROOT_ENV] == work
+    assert state.STATE.jit_dirs == {"triton": os.path.join(work, "triton"),
                                      "tvm-ffi": os.path.join(work, "tvm-ffi")}
     # a kernel compiled meanwhile, then a scheduler process (same environment) registers: the
     # caches are not redirected again (which would refuse the non-empty directory)
     (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
-    fresh.setattr(plugin, "STATE", plugin.PluginState())
+    fresh.setattr(state, "STATE", state.PluginState())
     plugin.register()
-    assert plugin.STATE.jit_dirs["triton"] == os.path.join(work, "triton")
+    assert state.STATE.jit_dirs["triton"] == os.path.join(work, "triton")
 
 
 def test_save_refuses_a_jit_directory_that_is_not_its_own(fresh, save_config, tmp_path):
     (tmp_path / "archive.jit-work" / "triton").mkdir(parents=True)
     (tmp_path / "archive.jit-work" / "triton" / "old.cubin").write_bytes(b"old")
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     with pytest.raises(SystemExit) as e:
         plugin.register()
     assert "is not empty and not vitrify's" in _one_line_fatal(e)
@@ -656,12 +665,12 @@ def test_save_refuses_a_jit_directory_that_is_not_its_own(fresh, save_config, tm
 
 
 def test_save_clears_what_an_earlier_save_left(fresh, save_config, tmp_path):
-    fresh.setenv(plugin.CONFIG_ENV, save_config)
+    fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
     (tmp_path / "archive.jit-work" / "triton" / "k.cubin").write_bytes(b"k")
-    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", plugin.JIT_ROOT_ENV):
+    for var in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", startup.JIT_ROOT_ENV):
         fresh.delenv(var)  # a new launch of the same SAVE, e.g. after a crash
-    fresh.setattr(plugin, "STATE", plugin.PluginState())
+    fresh.setattr(state, "STATE", state.PluginState())
     plugin.register()
     assert os.listdir(tmp_path / "archive.jit-work" / "triton") == []
 
@@ -690,7 +699,7 @@ def test_load_unpacks_the_archives_jit_caches_before_anything_compiles(fresh, tm
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin", "tvm-ffi/m_1/m_1.so": b"so"})
     cfg = _load_config(tmp_path, arch, jit_dir=str(tmp_path / "jit"))
-    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    fresh.setenv(state.CONFIG_ENV, cfg)
     plugin.register()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "jit" / "triton")
     assert (tmp_path / "jit" / "triton" / "AB" / "k.cubin").read_bytes() == b"cubin"
@@ -704,7 +713,7 @@ def test_load_with_a_damaged_jit_cache_is_fatal_and_registers_nothing(fresh, tmp
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
     (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
     cfg = _load_config(tmp_path, arch)
-    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    fresh.setenv(state.CONFIG_ENV, cfg)
     with pytest.raises(SystemExit) as e:
         plugin.register()
     msg = _one_line_fatal(e)
@@ -717,9 +726,9 @@ def test_load_cold_start_compiles_as_usual_when_the_caches_cannot_be_unpacked(fr
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin-bytes"})
     (arch / "jit" / "triton" / "AB" / "k.cubin").write_bytes(b"cubin-bytez")
     cfg = _load_config(tmp_path, arch, on_mismatch="cold-start", jit_dir=str(tmp_path / "jit"))
-    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    fresh.setenv(state.CONFIG_ENV, cfg)
     plugin.register()
-    assert "TRITON_CACHE_DIR" not in os.environ and plugin.STATE.jit_dirs == {}
+    assert "TRITON_CACHE_DIR" not in os.environ and state.STATE.jit_dirs == {}
     assert _our_hooks()
 
 
@@ -730,7 +739,7 @@ def test_load_refuses_a_jit_parent_others_can_write(fresh, tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     cfg = _load_config(tmp_path, arch, jit_dir=str(shared / "jit"))
-    fresh.setenv(plugin.CONFIG_ENV, cfg)
+    fresh.setenv(state.CONFIG_ENV, cfg)
     with pytest.raises(SystemExit) as e:
         plugin.register()
     assert "writable by no one else" in _one_line_fatal(e)
@@ -746,25 +755,25 @@ def test_config_save_refuses_an_existing_archive(tmp_path):
 def test_the_launcher_is_not_a_scheduler_even_with_the_scheduler_imported(monkeypatch):
     # sglang.Engine imports the scheduler module in the launcher; only a child process that
     # loads plugins is a scheduler
-    monkeypatch.setitem(sys.modules, plugin.SCHEDULER_MODULE, types.ModuleType("stub"))
-    assert plugin._in_scheduler() is False
+    monkeypatch.setitem(sys.modules, v17.SCHEDULER_MODULE, types.ModuleType("stub"))
+    assert v17.process_role() == "launcher"
 
 
 def test_load_reads_no_checkpoint_save_does(fresh, tmp_path, tiny_model, caplog):
     for mode, want in (("save", "auto"), ("load", "dummy")):
-        fresh.setattr(plugin.STATE, "config", _active(mode, tmp_path / "a"))
+        fresh.setattr(state.STATE, "config", _active(mode, tmp_path / "a"))
         args = _server_args(tiny_model)
         assert args.load_format == "auto"
         with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
-            fp = plugin.apply_server_args(args, mode)
+            fp = rules.apply_server_args(args, mode)
         assert args.load_format == want and "load_format" not in fp
     assert any("the checkpoint is not read (load_format was auto)" in r.getMessage()
                for r in caplog.records)
     # not provably the same build: the configured loader runs, and the log says why
-    fresh.setattr(plugin.STATE, "config", _active("load", tmp_path / "a"))
+    fresh.setattr(state.STATE, "config", _active("load", tmp_path / "a"))
     args = _server_args(tiny_model, kv_cache_dtype="fp8_e4m3")
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
-        plugin.apply_server_args(args, "load")
+        rules.apply_server_args(args, "load")
     assert args.load_format == "auto"
     assert any("kv_cache_dtype='fp8_e4m3' (scales come from the weights)" in r.getMessage()
                for r in caplog.records)
@@ -802,28 +811,29 @@ def test_config_read_ahead(tmp_path):
 
 
 def test_the_launcher_reads_the_weights_ahead_and_the_scheduler_does_not(fresh, tmp_path):
-    from vitrify.integrations.sglang import freeze
-
     arch = tmp_path / "engine.vitrify"
     _archive_with_jit(arch, {"triton/AB/k.cubin": b"cubin"})
     calls = []
-    fresh.setattr(freeze, "start_read_ahead", lambda path: calls.append(path) or "reading")
-    fresh.setenv(plugin.CONFIG_ENV, _load_config(tmp_path, arch, jit_dir=str(tmp_path / "jit")))
+    fresh.setattr(startup, "start_read_ahead", lambda a: calls.append(a.path) or "reading")
+    fresh.setenv(state.CONFIG_ENV, _load_config(tmp_path, arch, jit_dir=str(tmp_path / "jit")))
     plugin.register()
-    assert calls == [str(arch)] and plugin.STATE.read_ahead == "reading"
+    assert calls == [str(arch)] and state.STATE.read_ahead == "reading"
     # a scheduler, a config that says no, a process whose launcher reads already, SAVE
     load = pconfig.from_mapping({"mode": "load", "archive": str(arch), "region_bytes": "1GiB"})
     calls.clear()
-    assert plugin._start_read_ahead(load, in_scheduler=True) is None
-    assert plugin._start_read_ahead(dataclasses.replace(load, read_ahead=False), False) is None
-    assert plugin._start_read_ahead(dataclasses.replace(load, mode="save"), False) is None
-    fresh.setenv(plugin._READ_AHEAD_ENV, f"{os.getpid()}:/elsewhere/weights.span")
-    assert plugin._start_read_ahead(load, in_scheduler=False) is None and calls == []
+    read = startup.launcher_read_ahead
+    assert read(load, "scheduler") is None
+    assert read(dataclasses.replace(load, read_ahead=False), "launcher") is None
+    assert read(dataclasses.replace(load, mode="save"), "launcher") is None
+    fresh.setenv(startup.READ_AHEAD_ENV, f"{os.getpid()}:/elsewhere/weights.span")
+    assert read(load, "launcher") is None and calls == []
     # another launcher's value (this process launched one before): this launch reads its own
-    fresh.setenv(plugin._READ_AHEAD_ENV, f"{os.getpid() + 1}:/elsewhere/weights.span")
-    assert plugin._start_read_ahead(load, in_scheduler=False) == "reading"
-    fresh.delenv(plugin._READ_AHEAD_ENV)
-    assert plugin._start_read_ahead(load, in_scheduler=False) == "reading"
+    fresh.setenv(startup.READ_AHEAD_ENV, f"{os.getpid() + 1}:/elsewhere/weights.span")
+    assert read(load, "launcher") == "reading"
+    fresh.delenv(startup.READ_AHEAD_ENV)
+    assert read(load, "launcher") == "reading"
+    # the archive this process opened is opened once: every read-ahead asked for the same one
+    assert len(calls) == 2 and list(state.STATE.opened) == [str(arch)]
     # a speed-up never stops a server: a failure is a warning
-    fresh.setattr(freeze, "start_read_ahead", lambda path: 1 / 0)
-    assert plugin._start_read_ahead(load, in_scheduler=False) is None
+    fresh.setattr(startup, "start_read_ahead", lambda a: 1 / 0)
+    assert read(load, "launcher") is None

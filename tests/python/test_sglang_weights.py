@@ -15,9 +15,13 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("sglang", reason="the SGLang plugin tests need sglang importable")
 
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from test_weight_mapping import engine_tensors, fused_engine, megatron_reference  # noqa: E402
+from vitrify.integrations.sglang import state  # noqa: E402
 from vitrify.integrations.sglang import weights as sw  # noqa: E402
+from vitrify.integrations.sglang.versions import v0_5_17  # noqa: E402
 from vitrify.weights import stream as ws  # noqa: E402
 from vitrify.weights import transport as wt  # noqa: E402
 
@@ -38,17 +42,18 @@ class FakeModel(torch.nn.Module):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FakeUpdater:
-    """Like SGLang's WeightUpdater: frozen, slots (nothing can be stored on it)."""
+    """Like SGLang's WeightUpdater: frozen, slots (nothing can be stored on it); its model
+    runner, like SGLang's ModelRunner, has no ``tp_size`` (SGLang keeps it in its runtime
+    context)."""
 
     model: Any
     own_calls: list = dataclasses.field(default_factory=list)
-    tp: int = 1
 
     def get_model(self):
         return self.model
 
     def get_model_runner(self):
-        return types.SimpleNamespace(tp_size=self.tp)
+        return types.SimpleNamespace(model=self.model)
 
 
 def _original(updater, named_tensors, load_format=None):
@@ -75,6 +80,10 @@ def _with_qk_norms(eng, src, layers, hd, seed=0):
 def _fresh_receivers(monkeypatch):
     monkeypatch.setattr(sw, "_RECEIVERS", [])
     monkeypatch.setattr(sw, "_BY_UPDATER", {})
+    monkeypatch.setattr(state, "STATE", state.PluginState())
+    # one GPU, as a scheduler's runtime context says (no process group on the CPU)
+    with get_parallel().override(tp_size=1):
+        yield
 
 
 @pytest.mark.parametrize("qwen3", [False, True], ids=["llama", "qwen3-qk-norm"])
@@ -163,9 +172,10 @@ def test_the_plugin_registers_the_weight_hooks_only_where_asked():
     off = pconfig.from_mapping({"mode": "off"})
     w = pconfig.from_mapping({"mode": "off", "weight_updates": True})
     assert not off.registers_hooks and w.registers_hooks and not w.active
-    assert plugin.hooks_for(w, in_scheduler=False) == ()
-    targets = {h.target for h in plugin.hooks_for(w, in_scheduler=True)}
-    assert targets == {plugin.UPDATE_TARGET, plugin.QUEUE_TARGET}
+    assert plugin.hooks_for(w, "launcher", v0_5_17) == ()
+    targets = {target for target, _, _ in plugin.hooks_for(w, "scheduler", v0_5_17)}
+    assert targets == {v0_5_17.HOOK_TARGETS["update_weights_from_tensor"],
+                       v0_5_17.HOOK_TARGETS["add_request_to_queue"]}
     with pytest.raises(pconfig.PluginConfigError, match="weight_updates"):
         pconfig.from_mapping({"mode": "off", "weight_updates": "yes"})
 
@@ -177,12 +187,12 @@ def test_the_update_target_exists_in_the_pinned_sglang():
 
     from vitrify.integrations.sglang import plugin
 
-    fn = plugin._resolve(plugin.UPDATE_TARGET, "0.5.17")
+    fn = plugin.resolve(v0_5_17.HOOK_TARGETS["update_weights_from_tensor"], "0.5.17")
     assert list(inspect.signature(fn).parameters)[:3] == ["self", "named_tensors", "load_format"]
 
 
 def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, monkeypatch):
-    import sys
+    from vitrify.integrations.sglang.hicache import backend
 
     seen = []
 
@@ -194,8 +204,7 @@ def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, mon
         def set_weight_version(self, v):
             raise ValueError("closed")
 
-    fake = types.SimpleNamespace(live_backends=lambda: [Backend(), Broken()])
-    monkeypatch.setitem(sys.modules, "vitrify.integrations.sglang.hicache.backend", fake)
+    monkeypatch.setattr(backend, "live_backends", lambda: [Backend(), Broken()])
     v = engine_tensors(seed=6)
     eng, src = fused_engine(v, 2), megatron_reference(v, 2, 8, 2)
     up = FakeUpdater(model=FakeModel(eng))
@@ -217,10 +226,31 @@ def test_the_weight_version_reaches_this_processs_hicache_backends(tmp_path, mon
 
 
 def test_more_than_one_gpu_is_refused_before_anything_moves():
-    up = FakeUpdater(model=FakeModel(fused_engine(engine_tensors(), 2)), tp=2)
+    """The tensor-parallel size is SGLang's runtime context's (a ModelRunner has none: the
+    check read 1 whatever the server ran)."""
+    up = FakeUpdater(model=FakeModel(fused_engine(engine_tensors(), 2)))
+    with get_parallel().override(tp_size=2):
+        ok, msg = sw.around_update_weights_from_tensor(_original, up, sw.payload("/x.sock"),
+                                                       "vitrify")
+    assert ok is False and "tp_size 2" in msg and sw.refusal() is None
+    assert sw.tensor_parallel_size() == 1  # the fixture's one GPU again
+
+
+def test_a_tensor_parallel_size_that_cannot_be_read_refuses_the_update(monkeypatch):
+    import sglang.srt.runtime_context as rc
+
+    class Unset:
+        @property
+        def tp_size(self):
+            raise AssertionError("tensor model parallel group is not initialized")
+
+    monkeypatch.setattr(rc, "get_parallel", lambda: Unset())
+    up = FakeUpdater(model=FakeModel(fused_engine(engine_tensors(), 2)))
     ok, msg = sw.around_update_weights_from_tensor(_original, up, sw.payload("/x.sock"),
                                                    "vitrify")
-    assert ok is False and "tp_size 2" in msg and sw.refusal() is None
+    assert ok is False and sw.refusal() is None
+    assert "cannot tell this scheduler's tensor-parallel size (get_parallel().tp_size: " \
+           "AssertionError: tensor model parallel group is not initialized)" in msg
 
 
 class _Loaded:
@@ -237,16 +267,14 @@ class _Loaded:
 
 def test_a_thawed_server_takes_a_direct_update_in_place_with_its_graphs_untouched(
         tmp_path, monkeypatch):
-    from vitrify.integrations.sglang import freeze
-
     v = engine_tensors(seed=6)
     eng, src = _with_qk_norms(fused_engine(v, 2), megatron_reference(v, 2, 8, 2), 2, 8)
     hw = wt.HostWeights({n: torch.zeros_like(t) for n, t in eng.items()})  # a CPU "region"
     model = FakeModel(eng)
     model._named = [(n, torch.nn.Parameter(t, requires_grad=False)) for n, t in hw.tensors.items()]
-    monkeypatch.setattr(freeze, "RUN", types.SimpleNamespace(mode="load", loaded=_Loaded(),
-                                                             region=None,
-                                                             timings={"shapes": 2}))
+    monkeypatch.setattr(state.STATE, "run", types.SimpleNamespace(mode="load", loaded=_Loaded(),
+                                                                   region=None,
+                                                                   timings={"shapes": 2}))
     monkeypatch.setattr(sw, "_exporter", lambda params: hw.export)  # the region's, on a GPU
     up = FakeUpdater(model=model)
     tx = wt.Sender(direct=True)
@@ -301,15 +329,13 @@ def test_a_report_that_cannot_be_read_never_fails_a_finished_update(tmp_path, mo
 
 
 def test_direct_updates_need_every_parameter_in_an_exportable_region(monkeypatch, caplog):
-    from vitrify.integrations.sglang import freeze
-
     params = {"a": torch.zeros(64), "b": torch.zeros(64)}
     lo = min(p.data_ptr() for p in params.values())
     hi = max(p.data_ptr() + 256 for p in params.values())
     region = types.SimpleNamespace(base=lo, size=hi - lo, exportable=True, device=0)
-    monkeypatch.setattr(freeze, "RUN", None)
+    monkeypatch.setattr(state.STATE, "run", None)
     assert sw._exporter(params) is None  # no LOAD: staged updates
-    monkeypatch.setattr(freeze, "RUN", types.SimpleNamespace(mode="load", region=region))
+    monkeypatch.setattr(state.STATE, "run", types.SimpleNamespace(mode="load", region=region))
     assert callable(sw._exporter(params))
     region.exportable = False  # a LOAD without weight_updates
     assert sw._exporter(params) is None
@@ -320,7 +346,7 @@ def test_direct_updates_need_every_parameter_in_an_exportable_region(monkeypatch
     with caplog.at_level("WARNING", logger="vitrify.sglang"):
         assert sw._exporter(params) is None
     assert "outside the thawed region" in caplog.text
-    assert freeze.thawed_graphs() is None  # no graphs rebuilt from an archive
+    assert state.thawed_graphs() is None  # no graphs rebuilt from an archive
 
 
 def test_the_report_rides_on_sglangs_message():

@@ -16,13 +16,14 @@ change, without a GPU and without starting anything.
 
 Before SGLang starts, each refusal is one line and exit status 2 (nothing started):
 
-- SGLang not installed, or not a version the plugin supports (``plugin.SUPPORTED_SGLANG_VERSIONS``);
+- SGLang not installed, or not a version the plugin supports (``versions.SUPPORTED``);
   vitrify's entry point not installed; ``SGLANG_PLUGINS`` set without ``vitrify``;
 - an argument SGLang's own parser refuses (the arguments are parsed with
   ``ServerArgs.add_cli_args``, the parser ``sglang.launch_server`` builds; nothing is resolved:
   that needs the GPU and may read the model's files);
-- an argument the plugin refuses (``plugin.refusals``, ``freeze.unsupported``: the same
-  functions the plugin calls while the server starts), and ``--random-seed`` unset (SGLang then
+- an argument the plugin refuses (``server_args.refusals``, with the release's refused
+  environment switches, and ``server_args.unsupported``: the same functions the plugin calls
+  while the server starts), and ``--random-seed`` unset (SGLang then
   draws one per start; it is part of what LOAD compares, so no archive would ever match);
 - ``save``: ARCHIVE exists (a new archive is written; remove the old one yourself: nothing is
   overwritten), or its parent is not a writable directory;
@@ -58,7 +59,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import config as _config
-from . import plugin
+from . import server_args as rules
+from . import state, versions
 
 log = logging.getLogger("vitrify.sglang")
 
@@ -81,7 +83,7 @@ class LaunchError(Exception):
 
 
 def _supported() -> str:
-    return ", ".join(plugin.SUPPORTED_SGLANG_VERSIONS)
+    return versions.supported_text()
 
 
 def sglang_version() -> str:
@@ -92,7 +94,7 @@ def sglang_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise LaunchError(f"SGLang is not installed in this Python ({sys.executable}); "
                           f"vitrify's SGLang plugin runs SGLang {_supported()}") from None
-    if version not in plugin.SUPPORTED_SGLANG_VERSIONS:
+    if version not in versions.SUPPORTED:
         raise LaunchError(f"SGLang {version} is installed; this vitrify supports SGLang "
                           f"{_supported()} (the plugin would stop the server)")
     return version
@@ -107,11 +109,21 @@ class _SGLangParser(argparse.ArgumentParser):
                           f"--help lists its arguments)")
 
 
-def parse_server_args(argv: list[str]) -> argparse.Namespace:
+def release(version: str | None = None) -> Any:
+    """The plugin's module for SGLang ``version`` (default: the installed one, from its
+    metadata: :func:`sglang_version`)."""
+    return versions.for_version(sglang_version() if version is None else version)
+
+
+def parse_server_args(argv: list[str], ver: Any = None) -> argparse.Namespace:
     """``argv`` parsed by SGLang's own parser, as ``sglang.launch_server`` parses it
-    (``prepare_server_args``: ``ServerArgs.add_cli_args``, a ``--config`` YAML merged), without
-    building ``ServerArgs`` (its resolution needs the GPU and may read the model's files). The
-    Namespace has one attribute per server argument. ``--help`` prints SGLang's help and exits."""
+    (``prepare_server_args``: ``ServerArgs.add_cli_args``, a ``--config`` YAML merged through
+    the release's ``ConfigArgumentMerger``), without building ``ServerArgs`` (its resolution
+    needs the GPU and may read the model's files). The Namespace has one attribute per server
+    argument. ``--help`` prints SGLang's help and exits."""
+    import pkgutil
+
+    ver = release() if ver is None else ver
     try:
         with warnings.catch_warnings():  # SGLang's imports warn about the missing GPU, etc.
             warnings.simplefilter("ignore")
@@ -124,9 +136,8 @@ def parse_server_args(argv: list[str]) -> argparse.Namespace:
     argv = list(argv)
     if "--config" in argv:
         try:
-            from sglang.srt.server_args_config_parser import ConfigArgumentMerger
-
-            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+            merger = pkgutil.resolve_name(ver.CONFIG_MERGER)
+            argv = merger(parser).merge_config_with_args(argv)
         except LaunchError:
             raise
         except Exception as e:
@@ -154,13 +165,13 @@ def environment_problems(env: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def server_problems(ns: argparse.Namespace) -> list[str]:
-    """What vitrify refuses in the parsed arguments: the plugin's refusals at
-    ``ServerArgs.__post_init__`` and at the scheduler's start (the same functions), and an unset
-    ``--random-seed``."""
-    from . import freeze
-
-    problems = plugin.refusals(ns) + freeze.unsupported(ns)
+def server_problems(ns: argparse.Namespace, env: Mapping[str, str] | None = None,
+                    ver: Any = None) -> list[str]:
+    """What vitrify refuses in the parsed arguments (and, with ``env``, the release's refused
+    environment switches): the plugin's refusals while SGLang resolves the arguments and at the
+    scheduler's start (the same functions), and an unset ``--random-seed``."""
+    ver = release() if ver is None else ver
+    problems = rules.refusals(ns, ver, env) + rules.unsupported(ns, ver)
     if getattr(ns, "random_seed", None) is None:
         problems.append("random_seed unset (--random-seed): SGLang draws one at every start and "
                         "LOAD compares it, so no archive would ever match; pass --random-seed N")
@@ -169,7 +180,7 @@ def server_problems(ns: argparse.Namespace) -> list[str]:
 
 @contextlib.contextmanager
 def _plugin_scratch() -> Iterator[list[str]]:
-    """``plugin.apply_server_args`` on a scratch plugin state (it records the first prefill
+    """``server_args.apply_server_args`` on a scratch plugin state (it records the first prefill
     setting it saw), its log lines (the reasons for each change, in the plugin's words)
     collected instead of printed."""
     said: list[str] = []
@@ -179,8 +190,8 @@ def _plugin_scratch() -> Iterator[list[str]]:
             said.append(record.getMessage())
 
     handler = Keep(logging.INFO)
-    saved = plugin.STATE, log.level, log.propagate
-    plugin.STATE = plugin.PluginState()
+    saved = state.STATE, log.level, log.propagate
+    state.STATE = state.PluginState()
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -188,18 +199,20 @@ def _plugin_scratch() -> Iterator[list[str]]:
         yield said
     finally:
         log.removeHandler(handler)
-        plugin.STATE, level, log.propagate = saved
+        state.STATE, level, log.propagate = saved
         log.setLevel(level)
 
 
-def changes(ns: argparse.Namespace, mode: str) -> tuple[list[str], list[str]]:
-    """What the plugin's ``__post_init__`` hook (``plugin.apply_server_args``) changes in these
-    arguments in ``mode``: ``field before -> after`` each, and the plugin's reasons."""
+def changes(ns: argparse.Namespace, mode: str, ver: Any = None) -> tuple[list[str], list[str]]:
+    """What the plugin's argument rules (``server_args.apply_server_args``, the same on every
+    release) change in these arguments in ``mode``: ``field before -> after`` each, and the
+    plugin's reasons."""
+    ver = release() if ver is None else ver
     after = copy.deepcopy(ns)
     with _plugin_scratch() as said:
         try:
-            plugin.apply_server_args(after, mode)
-        except plugin.PluginFatal as e:  # refused: server_problems names it first
+            rules.apply_server_args(after, mode, ver)
+        except state.PluginFatal as e:  # refused: server_problems names it first
             raise LaunchError(str(e)) from None
     diffs = [f"{name} {value!r} -> {getattr(after, name)!r}" for name, value in vars(ns).items()
              if getattr(after, name, value) != value]
@@ -213,7 +226,8 @@ def changes(ns: argparse.Namespace, mode: str) -> tuple[list[str], list[str]]:
 
 def open_matching(path: str, ns: argparse.Namespace | None, version: str, device: int) -> Any:
     """Open the archive at ``path`` and compare what can be compared before SGLang starts: the
-    engine and its versions (``freeze.Engine``'s fingerprint), this machine's GPU, driver,
+    engine and its versions (``freeze.Engine``'s fingerprint: an archive of another SGLang
+    release is refused naming both), this machine's GPU, driver,
     CUDA and torch where a GPU is visible (``archive.Fingerprint.current``) and, with parsed
     arguments, the model path. Returns the opened archive; a mismatch is an
     ``archive.ArchiveMismatch`` (the plugin's own comparison at LOAD covers every
@@ -321,7 +335,7 @@ def render_toml(data: Mapping[str, Any], command: str, where: str) -> str:
     import vitrify
 
     lines = [f"# vitrify sglang {command} (vitrify {vitrify.__version__}): the SGLang plugin's "
-             f"config ({plugin.CONFIG_ENV}), {' '.join(where.split())}"]  # a comment: one line
+             f"config ({state.CONFIG_ENV}), {' '.join(where.split())}"]  # a comment: one line
     lines += [f"{key} = {_toml_value(key, value)}" for key, value in data.items()]
     return "\n".join(lines) + "\n"
 
@@ -408,9 +422,10 @@ def _plan(command: str, archive_arg: str, opts: argparse.Namespace, argv: list[s
         raise LaunchError(f"{archive} {what}: load reads an archive written by vitrify sglang "
                           f"save (vitrify sglang serve saves one when there is none)")
     problems = environment_problems(env)
-    ns = None if opts.no_check else parse_server_args(argv)
+    ver = release(version)
+    ns = None if opts.no_check else parse_server_args(argv, ver)
     if ns is not None:
-        problems += server_problems(ns)
+        problems += server_problems(ns, env, ver)
     if problems:
         raise LaunchError("vitrify would refuse this server: " + "; ".join(problems))
     device = int(getattr(ns, "base_gpu_id", 0) or 0) if ns is not None else 0
@@ -466,13 +481,13 @@ def run_command(command: str, opts: argparse.Namespace, argv: list[str] | None,
         path = config_path(data["archive"], mode, create=False)
         print(render_toml(data, command, f"to be written to {path}"), end="")
         print(f"# {said}; then this process becomes SGLang's launcher (exec):")
-        print(shlex.join([f"{plugin.CONFIG_ENV}={path}", *cmd]))
+        print(shlex.join([f"{state.CONFIG_ENV}={path}", *cmd]))
         return 0
     path = config_path(data["archive"], mode)
     write_config(path, render_toml(data, command, f"written to {path}"))
     print(f"vitrify sglang {command}: {said} (config {path})", file=sys.stderr)
     child = dict(env)
-    child[plugin.CONFIG_ENV] = path
+    child[state.CONFIG_ENV] = path
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -486,8 +501,9 @@ def check(opts: argparse.Namespace, argv: list[str], env: Mapping[str, str]) -> 
     """``vitrify sglang check``: exit 0 and what vitrify changes when it would run this server;
     1 and one line naming every refusal when it would not."""
     version = sglang_version()
-    ns = parse_server_args(argv)
-    problems = environment_problems(env) + server_problems(ns)
+    ver = release(version)
+    ns = parse_server_args(argv, ver)
+    problems = environment_problems(env) + server_problems(ns, env, ver)
     if opts.archive is not None and not problems:
         from ... import archive as _archive
 
@@ -500,7 +516,7 @@ def check(opts: argparse.Namespace, argv: list[str], env: Mapping[str, str]) -> 
         raise LaunchError("vitrify would refuse this server: " + "; ".join(problems), status=1)
     print(f"vitrify can freeze and thaw this server (SGLang {version}); nothing is refused.")
     for mode in ("save", "load"):
-        diffs, said = changes(ns, mode)
+        diffs, said = changes(ns, mode, ver)
         print(f"{mode.upper()} changes: {'; '.join(diffs) if diffs else 'no argument'}")
         for line in said:
             print(f"  {line}")
@@ -591,5 +607,5 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 __all__ = ["COMMANDS", "LAUNCHER", "LaunchError", "OPTION_OF", "add_parser", "changes", "check",
            "command_line", "config_dir", "config_path", "environment_problems", "open_matching",
-           "parse_server_args", "plugin_table", "render_toml", "run_command", "server_problems",
-           "sglang_version", "split_argv", "validate", "write_config"]
+           "parse_server_args", "plugin_table", "release", "render_toml", "run_command",
+           "server_problems", "sglang_version", "split_argv", "validate", "write_config"]

@@ -16,6 +16,12 @@ AROUND hook on ``Scheduler._add_request_to_queue`` (:func:`around_add_request_to
 finishes every new request with an abort naming the reason, until an update completes.
 
 The server needs the plugin's config with ``weight_updates = true`` (``VITRIFY_SGLANG_CONFIG``).
+
+Owns: the weight-update receiver behind SGLang's update routes (the two hooks above), the
+trainer's side (:func:`payload`, :func:`update`, :func:`report_of`) and the refusal of requests
+while the weights are incomplete (:func:`refusal`). What it needs of a thawed server (its
+exportable region, its rebuilt graphs) it reads from ``state.py``; the tensor-parallel size from
+the release's module. Imports only the standard library at import time.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import socket
 import threading
 from collections.abc import Callable, Mapping as MappingABC
 from typing import Any
+
+from . import state, versions
 
 log = logging.getLogger("vitrify.sglang")
 
@@ -44,8 +52,9 @@ def payload(path: str, *, timeout: float = 600.0,
             weight_version: str | None = None) -> list[tuple[str, Any]]:
     """``named_tensors`` for ``update_weights_from_tensor(..., load_format="vitrify")``: the
     socket where the trainer's sender listens, carried in the one entry's name (its value is
-    None: nothing for SGLang's serializer to share). ``weight_version``: after the update, vitrify's HiCache
-    backends of the server store and find pages under it (no KV of the old weights is served)."""
+    None: nothing for SGLang's serializer to share). ``weight_version``: after the update,
+    vitrify's HiCache backends of the server store and find pages under it (no KV of the old
+    weights is served)."""
     meta = {"socket": str(path), "timeout": float(timeout)}
     if weight_version is not None:
         meta["weight_version"] = str(weight_version)
@@ -82,6 +91,19 @@ def mapping_for(model: Any) -> Any:
                           engine="fused")
 
 
+def tensor_parallel_size() -> int:
+    """This scheduler's tensor-parallel size, where SGLang keeps it (its runtime context's
+    ``get_parallel().tp_size``, on every supported release: a ModelRunner has no ``tp_size``).
+    A ValueError names why when it cannot be read (the update is then refused)."""
+    try:
+        return versions.current().tp_size()
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise ValueError(f"cannot tell this scheduler's tensor-parallel size "
+                         f"(get_parallel().tp_size: {type(e).__name__}: {e})") from None
+
+
 def receiver_of(updater: Any) -> Any:
     """The updater's receiver (made once: its state and digests outlive each update)."""
     with _LOCK:
@@ -92,8 +114,7 @@ def receiver_of(updater: Any) -> Any:
 
     from ...weights.transport import Receiver
 
-    runner = getattr(updater, "get_model_runner", None)
-    tp = getattr(runner(), "tp_size", 1) if callable(runner) else 1
+    tp = tensor_parallel_size()
     if tp != 1:  # every rank would connect to the one trainer socket
         raise ValueError(f"vitrify weight updates take one GPU for now (tp_size {tp})")
     model = updater.get_model()
@@ -110,12 +131,9 @@ def receiver_of(updater: Any) -> Any:
 def _exporter(params: MappingABC[str, Any]) -> Callable[[int, int], dict] | None:
     """Direct updates (the trainer writes in place, no staging) on a server thawed with
     exportable weights: every parameter in the LOAD's region. Else None: staged updates."""
-    import sys
-
     from ...weights.transport import region_exporter
 
-    freeze = sys.modules.get("vitrify.integrations.sglang.freeze")
-    region = freeze.exportable_region() if freeze is not None else None
+    region = state.exportable_region()
     if region is None:
         return None
     end = region.base + region.size
@@ -133,15 +151,12 @@ def engine_identity(rx: Any, updater: Any) -> dict:
     afresh (the same tensor objects the receiver writes, at the same addresses: a digest of
     them), and the thawed decode graphs (count, captures, builds; None outside a LOAD)."""
     import hashlib
-    import sys
 
     params = dict(updater.get_model().named_parameters())
     same = params.keys() == rx.engine.keys() and all(params[n] is rx.engine[n] for n in params)
     where = ",".join(f"{n}@{int(t.data_ptr()):x}" for n, t in params.items())
-    freeze = sys.modules.get("vitrify.integrations.sglang.freeze")
     return {"addresses": hashlib.sha256(where.encode()).hexdigest()[:16],
-            "receiver_holds_the_parameters": same,
-            "graphs": freeze.thawed_graphs() if freeze is not None else None}
+            "receiver_holds_the_parameters": same, "graphs": state.thawed_graphs()}
 
 
 def _identity_or_none(rx: Any, updater: Any) -> dict | None:
@@ -202,10 +217,9 @@ def _new_weight_version(version: str) -> str:
     """Tell this process's vitrify HiCache backends (if any) the weights' new version: pages
     are stored and found under it from now on. A backend that cannot reopen its store keeps
     none (it serves no stored page) and says so."""
-    import sys
+    from .hicache import backend  # the HiCache backends open in this process register there
 
-    backend = sys.modules.get("vitrify.integrations.sglang.hicache.backend")
-    backends = backend.live_backends() if backend is not None else []
+    backends = backend.live_backends()
     failed = []
     for b in backends:
         try:
