@@ -468,12 +468,13 @@ void bind_disk(nb::module_& m) {
       .def(
           "put_pages",
           [](disk::PageMover& mv, disk::Store& s, unsigned kind, const std::vector<nb::bytes>& keys,
-             const host::PageLayout& layout, const std::vector<size_t>& pages, size_t blob_bytes) {
+             const host::PageLayout& layout, const std::vector<size_t>& pages, size_t blob_bytes,
+             bool dirty) {
             const std::vector<Key> ks = to_keys(keys);
             disk::PutPagesResult r;
             {
               nb::gil_scoped_release nogil;
-              r = mv.put_pages(s, ks, kind, layout, pages, blob_bytes);
+              r = mv.put_pages(s, ks, kind, layout, pages, blob_bytes, dirty);
             }
             std::vector<int> results;
             results.reserve(r.results.size());
@@ -481,7 +482,7 @@ void bind_disk(nb::module_& m) {
             return std::make_pair(std::move(results), r.present);
           },
           nb::arg("store"), nb::arg("kind"), nb::arg("keys"), nb::arg("layout"), nb::arg("pages"),
-          nb::arg("blob_bytes"),
+          nb::arg("blob_bytes"), nb::arg("dirty") = false,
           "(per-key PutResult values, keys already stored before the call)")
       .def(
           "get_pages",

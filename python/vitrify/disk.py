@@ -827,12 +827,17 @@ class PageMover:
                              f"{self._store.kind_names[self._k]!r} of {limit}-byte pages")
         return self._store._native(), self._k, keys, lay, pages, layout.blob_bytes
 
-    def put_pages(self, keys: Sequence[Any], layout: Any,
-                  pages: Sequence[int]) -> tuple[list[bool], int]:
+    def put_pages(self, keys: Sequence[Any], layout: Any, pages: Sequence[int], *,
+                  dirty: bool = False) -> tuple[list[bool], int]:
         """Store host page ``pages[i]`` under ``keys[i]``. Returns one bool per key (True: the
         page is in the store after the call, written now or already there) and the number of
-        keys the store held before the call (neither gathered nor written)."""
-        results, present = self._m.put_pages(*self._args(keys, layout, pages))
+        keys the store held before the call (neither gathered nor written). ``dirty`` (a host
+        store): the pages written now are write-back pages, never evicted until
+        :meth:`DiskStore.mark_clean` (DESIGN.md D24); the keys already there keep their state."""
+        if dirty and self._store.tier != "host":
+            raise ValueError("dirty puts are for the host tier (tier=\"host\"): they keep a "
+                             "write-back page from eviction until the disk has it")
+        results, present = self._m.put_pages(*self._args(keys, layout, pages), dirty=bool(dirty))
         return [r in (_STORED, _DUPLICATE) for r in results], present
 
     def get_pages(self, keys: Sequence[Any], layout: Any,

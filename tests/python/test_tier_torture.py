@@ -223,7 +223,7 @@ def torture(rounds: int, seed: int, disk_slots: int) -> collections.Counter:
             host = HostStore(HOST, PAGE, dir=h, name="tt", cold_start="load")
             disk_store = DiskStore(d, disk_bytes, PAGE, name="tt", cold_start="load")
             with TieredStore(host, disk_store, write=mode) as t:
-                c["requeued"] += t.stats()["requeued"]
+                c["requeued"] += t.stats().get("requeued", 0)
                 keys = sorted(touched & (set(live) | deleted | deleting))
                 got = t.batch_get([str(i) for i in keys])
                 in_host = host.batch_get([str(i) for i in keys])

@@ -74,9 +74,10 @@ class PageMover {
   // write was acknowledged. Exceptions of the Store or the Copier (std::invalid_argument for a
   // bad page index or payload size, std::system_error EROFS on a read-only store, ...) propagate
   // after every chunk already submitted was acknowledged (D18); those chunks may be stored.
+  // `dirty` (a host store, D24): the pages are written dirty, for a write-back to a disk.
   PutPagesResult put_pages(Store& store, const std::vector<Key>& keys, unsigned kind,
                            const host::PageLayout& layout, const std::vector<size_t>& pages,
-                           size_t blob_bytes);
+                           size_t blob_bytes, bool dirty = false);
 
   // Reads keys[i] from `kind` of `store` and scatters each verified page of exactly `blob_bytes`
   // into host page pages[i] of `layout` (pages of the hits must be distinct). Two chunks of

@@ -87,7 +87,8 @@ void PageMover::check_call(const Store& store, size_t keys, unsigned kind,
 
 PutPagesResult PageMover::put_pages(Store& store, const std::vector<Key>& keys, unsigned kind,
                                     const host::PageLayout& layout,
-                                    const std::vector<size_t>& pages, size_t blob_bytes) {
+                                    const std::vector<size_t>& pages, size_t blob_bytes,
+                                    bool dirty) {
   check_call(store, keys.size(), kind, layout, pages.size(), blob_bytes);
   PutPagesResult out;
   out.results.assign(keys.size(), PutResult::kDuplicate);
@@ -128,7 +129,7 @@ PutPagesResult PageMover::put_pages(Store& store, const std::vector<Key>& keys, 
       const size_t i = part[side][j];
       chunk_pages.push_back(pages[i]);
       dsts.push_back(reinterpret_cast<uintptr_t>(set[j]->data() + kSlotHeaderBytes));
-      items.push_back(PutItem{keys[i], set[j], blob_bytes});
+      items.push_back(PutItem{keys[i], set[j], blob_bytes, dirty});
     }
     // Chunk i - 1 is being written meanwhile from the other set (D15).
     copier_.gather_each(layout, chunk_pages, dsts, slot_bytes_ - kSlotHeaderBytes);
