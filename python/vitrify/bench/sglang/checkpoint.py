@@ -168,6 +168,8 @@ def write(model_dir: str, cfg: dict, *, seed: int = 0, std: float = STD,
         total += sum(t.numel() * t.element_size() for t in part.values())
         weight_map.update({n: fname for n in members})
         del part
+    if kind == "cuda":  # the servers this process launches size their pools from free memory
+        torch.cuda.empty_cache()
     if len(names) > 1:
         Path(model_dir, INDEX).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
