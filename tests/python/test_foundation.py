@@ -168,7 +168,7 @@ def test_bad_log_level_env_is_one_line_at_import_not_a_traceback():
 
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "REFERENCE.md"
-SCRIPT_ONLY = {"VITRIFY_SGLANG_E2E", "VITRIFY_SGLANG_WEIGHTS_E2E",
+SCRIPT_ONLY = {"VITRIFY_SGLANG_E2E", "VITRIFY_SGLANG_WEIGHTS_E2E", "VITRIFY_SGLANG_E2E_ARGS",
                "VITRIFY_SGLANG_FREEZE_E2E"}  # read by gpu-suite.sh only
 
 
