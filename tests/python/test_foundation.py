@@ -207,10 +207,13 @@ def test_only_config_reads_vitrify_variables():
         assert offenders == []
 
 
+@pytest.mark.skipif(not FAKE, reason="VITRIFY_TEST_FAKE_LIBCUDA not set (make test sets it)")
 def test_core_settings_come_from_python_at_import(tmp_path):
-    """VITRIFY_CUPTI_PATH and VITRIFY_LOG_LEVEL reach the core through config.configure_native."""
+    """VITRIFY_CUPTI_PATH and VITRIFY_LOG_LEVEL reach the core through config.configure_native.
+    (A driver is loaded, the fake one: without any, record_modules says there is no GPU.)"""
     missing = str(tmp_path / "libcupti-missing.so.13")
-    r = run_py("import vitrify.graph as g; g.record_modules()", VITRIFY_CUPTI_PATH=missing)
+    r = run_py("import vitrify.graph as g; g.record_modules()", VITRIFY_CUPTI_PATH=missing,
+               VITRIFY_LIBCUDA_PATH=FAKE)
     assert r.returncode != 0 and missing in r.stderr and "VITRIFY_CUPTI_PATH" in r.stderr
     # Without the Python sink the core writes to stderr at the level config handed it.
     code = ("import vitrify; from vitrify import _native; _native._set_log_sink(None, 0); "
