@@ -8,7 +8,9 @@
 #       from apt; scikit-build-core and nanobind from PyPI (requirements-build.txt).
 # test  everything for `make test` on top: GoogleTest, Google Benchmark and fio from apt; pytest,
 #       hypothesis, numpy, ... (requirements-dev.txt); the pinned SGLang test environment
-#       (requirements-sglang-test.txt, with CPU torch; VITRIFY_SGLANG_TESTS=0 leaves it out).
+#       (requirements-sglang-test.txt, with CPU torch) and the second supported SGLang release
+#       beside it in $VENV/sglang-<version> (its wheel only); VITRIFY_SGLANG_TESTS=0 leaves
+#       both out.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,5 +82,26 @@ if [ "${VITRIFY_SGLANG_TESTS:-1}" != 0 ]; then
     exit 1
   fi
   grep -vE "^sglang [0-9.]+ requires|dependency resolver|is ignored: it is neither" "$log" || true
+
+  # The second release (requirements-sglang-test.txt's "second release:" line): its wheel alone
+  # in its own directory, which tests/python/test_sglang_versions.py puts first on sys.path.
+  sg2_pin=$(sed -nE 's/^# *second release: *(sglang==[0-9][0-9.]*) *$/\1/p' requirements-sglang-test.txt)
+  if [ -z "$sg2_pin" ]; then
+    echo "setup: requirements-sglang-test.txt has no '# second release: sglang==X' line" >&2
+    exit 1
+  fi
+  sg2_version=${sg2_pin#sglang==}
+  sg2_dir="$VENV/sglang-$sg2_version"
+  if [ ! -d "$sg2_dir/sglang-$sg2_version.dist-info" ]; then
+    echo "setup: SGLang $sg2_version for the plugin's second-release tests ($sg2_dir, --no-deps)"
+    rm -rf "$sg2_dir"
+    if ! "$VENV/bin/python" -m pip install -q --no-deps --target "$sg2_dir" "$sg2_pin" \
+           >"$VENV/sglang-$sg2_version-pip.log" 2>&1; then
+      cat "$VENV/sglang-$sg2_version-pip.log" >&2
+      rm -rf "$sg2_dir"
+      echo "setup: installing SGLang $sg2_version into $sg2_dir failed (VITRIFY_SGLANG_TESTS=0 skips it)" >&2
+      exit 1
+    fi
+  fi
 fi
 echo "setup: done"

@@ -1,6 +1,7 @@
-"""Subprocess worker for tests/python/test_sglang_freeze.py: the scheduler-side hooks of the SGLang
-plugin (freeze.py) driven the way SGLang 0.5.17's ``Scheduler.init_model_worker`` calls them, on
-any driver (the fake one on CPU), without torch allocations or graph capture.
+"""Subprocess worker for tests/python/test_sglang_freeze.py (and sglang_release_cases.py, under
+each SGLang release): the scheduler-side hooks of the SGLang plugin (freeze.py) driven the way
+SGLang's ``Scheduler.init_model_worker`` calls them, on any driver (the fake one on CPU),
+without torch allocations or graph capture.
 
     python sglang_freeze_worker.py save|load TMPDIR [options as JSON]
 
@@ -46,6 +47,9 @@ def main() -> int:
                                                            "page_size": 64}
         # the routed pool's block map needs torch on a GPU: the stand-in's is the cursor
         graphs.routed_blocks = lambda region: [[0, region.offset, 1]]
+        # where the release keeps the scheduler's GPU (scheduler.ps, or the runtime context a
+        # real scheduler publishes first): sglang_release_cases.py checks that on each release
+        freeze.scheduler_gpu = lambda scheduler: 0
         archive = os.path.join(tmp, "engine.vitrify")
         cfg = PluginConfig(mode=mode, archive=archive, region_bytes=256 * MiB,
                            jit_dir=os.path.join(tmp, "jit-work") if mode == "save" else

@@ -367,14 +367,17 @@ def at_scheduler(args: Any, mode: str, ver: Any = None) -> dict:
 
     Where the release lets a scheduler change its record (0.5.17) the rules are applied again
     (:func:`apply_server_args`: an ``Engine(server_args=...)`` built before the plugin loaded
-    never passed the launcher's hook). Otherwise (0.5.23: resolved and sealed) they are checked,
-    read only: the refusals, and that what vitrify changes reached this process's runtime
-    (prefill graphs off in the published graph config; at LOAD the load format P11 decides), or
-    the plugin's fatal naming what is missing."""
+    never passed the launcher's hook; the published bags get the changes too). Otherwise
+    (0.5.23: resolved and sealed) they are checked, read only. Either way what vitrify changes
+    must have reached what this process's runtime reads (prefill graphs off in the published
+    graph config; at LOAD the load format P11 decides), or the plugin's fatal names what is
+    missing."""
     ver = _release(ver)
     if ver.SCHEDULER_REAPPLIES:
-        return apply_server_args(args, mode, ver, os.environ)
-    _refuse(args, ver, mode, os.environ)
+        fp = apply_server_args(args, mode, ver, os.environ)
+    else:
+        _refuse(args, ver, mode, os.environ)
+        fp = fingerprint(args, ver)
     get = ver.reader(args)
     missing = []
     expect: dict[str, Any] = {"cuda_graph_config.prefill.backend": DISABLED}
@@ -386,11 +389,12 @@ def at_scheduler(args: Any, mode: str, ver: Any = None) -> dict:
         expect["load_format"] = get("load_format")
     missing += ver.arrived(args, expect)
     if missing:
+        how = ("the changes did not reach what SGLang reads" if ver.SCHEDULER_REAPPLIES else
+               "SGLang resolved them without the plugin's resolution hooks (was "
+               "ServerArgs.resolve_once() called before load_plugins()?)")
         raise state.fatal(f"mode {mode!r}: this scheduler's server arguments lack what vitrify "
-                          f"changes ({'; '.join(missing)}): SGLang resolved them without the "
-                          f"plugin's resolution hooks (was ServerArgs.resolve_once() called "
-                          f"before load_plugins()?)")
-    return fingerprint(args, ver)
+                          f"changes ({'; '.join(missing)}): {how}")
+    return fp
 
 
 __all__ = ["ATTENTION_BACKENDS", "DECODE_BACKENDS", "DISABLED", "FINGERPRINT_ARGS", "GRAPH_ARGS",

@@ -61,6 +61,9 @@ SCHEDULER_REAPPLIES = True
 # ServerArgs fields the plugin's rules name that this release lacks (none) or adds.
 ABSENT_FIELDS: tuple[str, ...] = ()
 EXTRA_REFUSED: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = ()
+REFUSED_ENV: dict[str, str] = {}  # environment switches refused (none in this release)
+# the resolution steps the argument rules wrap (0.5.17 has no resolution pipeline)
+RESOLUTION_STEPS: tuple[tuple[str, str | None, str | None], ...] = ()
 
 # the targets of the processes SGLang starts (module.qualname -> role); only schedulers load
 # plugins in 0.5.17 besides the launcher
@@ -138,16 +141,33 @@ def reader(args: Any) -> Callable[[str], Any]:
 scheduler_reader = reader  # a scheduler's pickled record reads the same way
 
 
+def _published(args: Any) -> Any:
+    """The runtime context ``args`` was published to in this process, or None."""
+    from sglang.srt.runtime_context import get_context
+
+    try:
+        ctx = get_context()
+        return ctx if ctx.server_args is args else None
+    except (ValueError, AttributeError):  # nothing published here
+        return None
+
+
 def declare(args: Any, fields: Mapping[str, Any]) -> None:
     """Write fields the way 0.5.17 allows after resolution: ``ServerArgs.override`` (its one
     post-resolution mutation point; bare assignment raises once the declarations are
-    materialised), recorded with the source ``"vitrify"``. Plain objects get setattr."""
+    materialised), recorded with the source ``"vitrify"``. On a record already published to
+    this process (a scheduler's, re-applied there) the runtime context's bags get the same
+    values (``RuntimeContext.override``): parts of SGLang read the record, parts the bags.
+    Plain objects get setattr."""
     override = getattr(args, "override", None)
-    if callable(override):
-        override("vitrify", **dict(fields))
-    else:
+    if not callable(override):
         for name, value in fields.items():
             setattr(args, name, value)
+        return
+    override("vitrify", **dict(fields))
+    ctx = _published(args)
+    if ctx is not None:
+        ctx.override("vitrify", **dict(fields))
 
 
 def argument_hooks(body: Callable[[str, Any, str], None]) -> tuple[tuple[str, str, Callable], ...]:
@@ -177,7 +197,7 @@ def default_prefill_backend() -> str | None:
 
 
 def refused_env(env: Mapping[str, str]) -> list[str]:
-    """Environment switches of this release vitrify refuses: none."""
+    """Environment switches of this release vitrify refuses (:data:`REFUSED_ENV`): none."""
     return []
 
 
@@ -188,10 +208,48 @@ def published_graph_config() -> Any:
     return get_exec().graph.cuda_graph_config
 
 
+# what the plugin's scheduler check reads, where this release's runtime reads it
+def _published_prefill_backend() -> Any:
+    return published_graph_config().prefill.backend
+
+
+def _published_load_format() -> Any:
+    from sglang.srt.runtime_context import get_model
+
+    return get_model().load_format
+
+
+PUBLISHED = {"cuda_graph_config.prefill.backend": _published_prefill_backend,
+             "load_format": _published_load_format}
+
+
+def arrived_in(args: Any, expect: Mapping[str, Any], record: bool) -> list[str]:
+    """Which of the changes ``expect`` (a key of :data:`PUBLISHED` -> value) this process's
+    runtime does not see in the published config bags and, with ``record``, in ``args``. One
+    ``field: published X, vitrify's Y`` each."""
+    problems = []
+    get = reader(args)
+    for name, want in expect.items():
+        try:
+            have = {"published": PUBLISHED[name]()}
+            if record:
+                value = get(name.partition(".")[0])
+                for part in name.split(".")[1:]:
+                    value = getattr(value, part)
+                have["the record has"] = value
+        except (ValueError, AttributeError) as e:
+            problems.append(f"{name}: not readable here ({type(e).__name__}: {e})")
+            continue
+        problems += [f"{name}: {where} {value!r}, vitrify's {want!r}"
+                     for where, value in have.items() if value != want]
+    return problems
+
+
 def arrived(args: Any, expect: Mapping[str, Any]) -> list[str]:
-    """0.5.17's scheduler re-applies the rules itself (``SCHEDULER_REAPPLIES``): nothing to
-    prove."""
-    return []
+    """What of vitrify's changes this scheduler does not see after re-applying them: SGLang
+    0.5.17 reads both the record (the model loader, the graph runners) and the published bags
+    (parts of the runtime), so both are checked."""
+    return arrived_in(args, expect, record=True)
 
 
 def scheduler_gpu(scheduler: Any) -> int | None:
@@ -234,9 +292,9 @@ __all__ = ["ABSENT_FIELDS", "ATTENTION_WRAPPERS", "CLI_FLAGS", "CONFIG_MERGER",
            "DISABLED_ARCHS_ENV", "EXTRA_REFUSED", "FROZEN_ATTENTION", "FULL_GRAPH_BACKEND",
            "GPU_WHERE", "HEALTH_CHECK_PREFIX", "HOOK_TARGETS", "HOOK_TYPE", "HTTP_SERVER",
            "LEGACY_METADATA", "LOG_LINES", "METADATA_API", "MODELS_PACKAGE", "POOL_CONFIG",
-           "REGISTRY", "REQUIRED", "ROLE_TARGETS", "SCHEDULER_REAPPLIES", "SERVER_ARGS",
-           "STANDBY_TARGET", "VERSION", "api_key", "argument_hooks", "arrived", "declare",
-           "default_prefill_backend", "launcher_status", "process_role",
-           "published_graph_config", "reader", "refused_env", "resolution_steps",
-           "scheduler_gpu", "scheduler_reader", "server_args_fields", "ssl_verify",
-           "step_registrar", "tp_size"]
+           "PUBLISHED", "REFUSED_ENV", "REGISTRY", "REQUIRED", "RESOLUTION_STEPS", "ROLE_TARGETS",
+           "SCHEDULER_MODULE", "SCHEDULER_REAPPLIES", "SERVER_ARGS", "STANDBY_TARGET", "VERSION",
+           "api_key", "argument_hooks", "arrived", "arrived_in", "declare",
+           "default_prefill_backend", "launcher_status", "process_role", "published_graph_config",
+           "reader", "refused_env", "resolution_steps", "scheduler_gpu", "scheduler_reader",
+           "server_args_fields", "ssl_verify", "step_registrar", "tp_size"]

@@ -143,8 +143,11 @@ def reader(args: Any) -> Callable[[str], Any]:
 
 def scheduler_reader(args: Any) -> Callable[[str], Any]:
     """A scheduler's view: the record's resolved values, except the CUDA graph config, which is
-    read where the runtime reads it (the published ``exec.graph`` bag)."""
+    read where the runtime reads it (the published ``exec.graph`` bag). Any other object is
+    read as it is."""
     get = reader(args)
+    if not _is_record(args):
+        return get
 
     def read(name: str) -> Any:
         if name == "cuda_graph_config":
@@ -229,24 +232,9 @@ def published_graph_config() -> Any:
 
 def arrived(args: Any, expect: Mapping[str, Any]) -> list[str]:
     """Which of the launcher's changes ``expect`` (field -> value) this scheduler's runtime does
-    not see: the published config bags (``get_exec().graph.cuda_graph_config``'s prefill
-    backend for ``cuda_graph_config``, ``get_context().config_leaf`` for the others). One
-    ``field: published X, vitrify's Y`` each."""
-    from sglang.srt.runtime_context import get_context
-
-    problems = []
-    for name, want in expect.items():
-        try:
-            if name == "cuda_graph_config.prefill.backend":
-                have = published_graph_config().prefill.backend
-            else:
-                have = get_context().config_leaf(name)
-        except (ValueError, AttributeError) as e:
-            problems.append(f"{name}: not readable here ({e})")
-            continue
-        if have != want:
-            problems.append(f"{name}: published {have!r}, vitrify's {want!r}")
-    return problems
+    not see, in the published config bags (what 0.5.23's runtime reads; the record is sealed
+    and read only)."""
+    return _previous.arrived_in(args, expect, record=False)
 
 
 def scheduler_gpu(scheduler: Any) -> int | None:
@@ -285,13 +273,12 @@ launcher_status = _previous.launcher_status
 
 
 __all__ = ["ABSENT_FIELDS", "ATTENTION_WRAPPERS", "CLI_FLAGS", "CONFIG_MERGER",
-           "DISABLED_ARCHS_ENV", "EXTRA_REFUSED", "FROZEN_ATTENTION",
-           "FULL_GRAPH_BACKEND", "GPU_WHERE", "HEALTH_CHECK_PREFIX", "HOOK_TARGETS", "HOOK_TYPE",
-           "HTTP_SERVER", "LEGACY_METADATA", "LOG_LINES", "METADATA_API", "MODELS_PACKAGE",
-           "POOL_CONFIG", "REFUSED_ENV", "REGISTRY", "REQUIRED", "RESOLUTION_STEPS",
-           "ROLE_TARGETS", "SCHEDULER_REAPPLIES", "SERVER_ARGS", "STANDBY_TARGET", "VERSION",
+           "DISABLED_ARCHS_ENV", "EXTRA_REFUSED", "FROZEN_ATTENTION", "FULL_GRAPH_BACKEND",
+           "GPU_WHERE", "HEALTH_CHECK_PREFIX", "HOOK_TARGETS", "HOOK_TYPE", "HTTP_SERVER",
+           "LEGACY_METADATA", "LOG_LINES", "METADATA_API", "MODELS_PACKAGE", "POOL_CONFIG",
+           "REFUSED_ENV", "REGISTRY", "REQUIRED", "RESOLUTION_STEPS", "ROLE_TARGETS",
+           "SCHEDULER_MODULE", "SCHEDULER_REAPPLIES", "SERVER_ARGS", "STANDBY_TARGET", "VERSION",
            "api_key", "argument_hooks", "arrived", "declare", "default_prefill_backend",
-           "launcher_status", "process_role",
-           "published_graph_config", "reader", "refused_env", "resolution_steps",
-           "scheduler_gpu", "scheduler_reader", "server_args_fields", "ssl_verify",
-           "step_registrar", "tp_size"]
+           "launcher_status", "process_role", "published_graph_config", "reader", "refused_env",
+           "resolution_steps", "scheduler_gpu", "scheduler_reader", "server_args_fields",
+           "ssl_verify", "step_registrar", "tp_size"]
