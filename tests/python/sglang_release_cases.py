@@ -219,6 +219,14 @@ def test_registration_through_sglangs_loader_applies_the_rules_where_sglang_reso
         state.STATE.fingerprint["model_path"] == tiny_model
     said = [r.getMessage() for r in caplog.records if r.name == "vitrify.sglang"]
     assert sum("prefill CUDA graphs" in m for m in said) == 1, said
+    # the explicit JSON outranks every flag in SGLang's parser: it is turned off too, and the
+    # decode phase it names stays as asked
+    args = resolved(tiny_model, attention_backend="triton", random_seed=1,
+                    cuda_graph_config={"prefill": {"backend": "breakable"},
+                                       "decode": {"backend": "disabled"}})
+    cg = VER.reader(args)("cuda_graph_config")
+    assert (cg.prefill.backend, cg.decode.backend) == ("disabled", "disabled")
+    assert state.STATE.prefill_graphs_were is not None  # the first record's (CPU: its default)
 
 
 def test_the_fingerprint_is_a_function_of_the_resolved_arguments(fresh, tmp_path, tiny_model):
