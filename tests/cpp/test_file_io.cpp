@@ -23,6 +23,7 @@
 #include "vitrify/crc32c.hpp"
 #include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
+#include "odd_files.hpp"
 
 namespace fio = vitrify::file_io;
 using fio::DirectIo;
@@ -276,7 +277,7 @@ TEST(FileIoWhole, ManyFilesInOneCallWithTheirChecksumsAndSizesChecked) {
   }
   const std::string link = d.path + "/link";
   ASSERT_EQ(::symlink(paths[1].c_str(), link.c_str()), 0);
-  EXPECT_THROW(fio::read_whole_files({link}, {sizes[1]}, 1), std::system_error);
+  EXPECT_EQ(system_error_of([&] { fio::read_whole_files({link}, {sizes[1]}, 1); }).second, ELOOP);
   EXPECT_THROW(fio::read_whole_files({link}, {}, 1), std::invalid_argument);
 }
 
@@ -376,6 +377,66 @@ TEST(FileIoOpen, MissingFileNamesOpenPathAndErrno) {
   });
   EXPECT_EQ(err, ENOENT);
   EXPECT_EQ(msg, "stat(\"/tmp/no-such-dir-vitrify\"): " + error_text(ENOENT));
+}
+
+// Issue 33: every reader of an archive's files opens O_NOFOLLOW | O_NONBLOCK, fstat, regular files
+// only: a link swapped in after the Python layer's check is never followed, a FIFO never blocks,
+// a directory is no file; each refusal one line naming the call and the path, with its errno.
+TEST(FileIoOpen, ReadersRefuseLinksFifosAndDirectoriesPromptlyNamingThePath) {
+  TempDir d;
+  const std::string good = d.path + "/good.bin";
+  const auto data = pattern(5000, 3);
+  {
+    fio::OpenedFile w = fio::open_file(good, O_WRONLY | O_CREAT, DirectIo::kOff);
+    fio::pwrite_full(w.fd.get(), data.data(), data.size(), 0, good);
+  }
+  const auto odd = vitrify::test::plant_odd_files(d.path, good);
+  const std::string fifo = d.path + "/fifo";
+  for (const auto& o : odd) {
+    for (DirectIo m : {DirectIo::kOff, DirectIo::kAuto, DirectIo::kOn}) {
+      SCOPED_TRACE(o.name + ", direct_io=" + fio::direct_io_name(m));
+      const auto r = vitrify::test::call_reader(
+          [&] { fio::open_for_reading(o.path, m, "module file"); }, fifo);
+      EXPECT_TRUE(r.prompt) << "the open blocked";
+      EXPECT_EQ(r.err, o.err) << r.message << r.other;
+      EXPECT_EQ(r.message, "open(\"" + o.path + "\", read-only): module file is " + o.kind +
+                               "; vitrify reads only regular files and never follows a link "
+                               "there: " + error_text(o.err));
+    }
+    // read_whole_files (graph and module files): the same refusal, nothing read.
+    const auto r = vitrify::test::call_reader(
+        [&] { fio::read_whole_files({good, o.path}, {data.size(), data.size()}, 2); }, fifo);
+    EXPECT_TRUE(r.prompt) << o.name << ": read_whole_files blocked";
+    EXPECT_EQ(r.err, o.err) << o.name << ": " << r.message << r.other;
+    EXPECT_NE(r.message.find("\"" + o.path + "\""), std::string::npos) << r.message;
+    EXPECT_NE(r.message.find(std::string("file is ") + o.kind), std::string::npos) << r.message;
+  }
+  // A regular file still opens: read-only, blocking again, close-on-exec, its bytes.
+  fio::OpenedFile f = fio::open_for_reading(good, DirectIo::kOff, "module file");
+  EXPECT_EQ(::fcntl(f.fd.get(), F_GETFL) & (O_ACCMODE | O_NONBLOCK), O_RDONLY);
+  EXPECT_NE(::fcntl(f.fd.get(), F_GETFD) & FD_CLOEXEC, 0);
+  std::vector<uint8_t> back(data.size());
+  EXPECT_EQ(fio::pread_full(f.fd.get(), back.data(), back.size(), 0, good), data.size());
+  EXPECT_EQ(back, data);
+  const auto whole = fio::read_whole_files({good}, {data.size()}, 1);
+  EXPECT_EQ(whole.at(0).data, data);
+  // /proc/self/fd/<n>: the caller's own descriptor, reopened; of a FIFO still refused at once.
+  const std::string own = "/proc/self/fd/" + std::to_string(f.fd.get());
+  EXPECT_EQ(fio::read_whole_files({own}, {data.size()}, 1).at(0).data, data);
+  fio::Fd fifo_fd(::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  ASSERT_TRUE(fifo_fd);
+  const std::string own_fifo = "/proc/self/fd/" + std::to_string(fifo_fd.get());
+  const auto r = vitrify::test::call_reader(
+      [&] { fio::open_for_reading(own_fifo, DirectIo::kOff, "file"); }, fifo);
+  EXPECT_TRUE(r.prompt);
+  EXPECT_EQ(r.err, EINVAL) << r.message << r.other;
+  EXPECT_EQ(r.message, "open(\"" + own_fifo + "\", read-only): file is a FIFO; vitrify reads "
+                       "only regular files and never follows a link there: " +
+                           error_text(EINVAL));
+  // Another /proc link is a link like any other.
+  EXPECT_EQ(system_error_of([] { fio::open_for_reading("/proc/self/exe", DirectIo::kOff, "file"); })
+                .second,
+            ELOOP);
 }
 
 // Real filesystems: auto uses O_DIRECT exactly where the probe says the filesystem takes it.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "vitrify/file_io.hpp"
 #include "vitrify/fs.hpp"
 #include "vitrify/snapshot.hpp"
+#include "odd_files.hpp"
 
 using namespace vitrify::snapshot;
 using vitrify::file_io::DirectIo;
@@ -403,6 +405,73 @@ TEST(SpanFile, DumpReportsTheWholeFilesCrcAndSize) {
     EXPECT_EQ(ds.file_crc32c, file_crc32c(path)) << path;
     EXPECT_EQ(ds.file_bytes, std::filesystem::file_size(path)) << path;
   }
+}
+
+// Issue 33: the span readers open O_NOFOLLOW | O_NONBLOCK, fstat, regular files only, so a file
+// swapped between the archive layer's check and the native open is refused, not followed or
+// waited on: each refusal one line naming the call and the path, with its errno; nothing of the
+// target is restored.
+TEST(SpanFile, ReadersRefuseLinksFifosAndDirectoriesNamingThePath) {
+  TempDir t;
+  HostBackend src(4 * kG, {{kG, 2 * kG}});
+  fill_pattern(src, 21);
+  FileOptions opt;
+  opt.chunk_bytes = kG;
+  opt.granularity = kG;
+  opt.direct_io = DirectIo::kOff;
+  const std::string good = t.file("weights.span");
+  const FileStats ds = dump_to_file(src, src.base(), 0, src.size(), good, opt);
+  const auto odd = vitrify::test::plant_odd_files(t.p.string(), good);
+  const std::string fifo = t.file("fifo");
+  for (const auto& o : odd) {
+    const std::string want = "open(\"" + o.path + "\", read-only): ";
+    const std::string tail = std::string(" is ") + o.kind +
+                             "; vitrify reads only regular files and never follows a link there: " +
+                             std::error_code(o.err, std::generic_category()).message();
+    HostBackend dst(src.size(), {});
+    std::memset(dst.data(), 0, dst.size());
+    const std::vector<std::pair<std::string, std::function<void()>>> readers = {
+        {"read_span_file_info", [&] { read_span_file_info(o.path); }},
+        {"verify_span_file (off)", [&] { verify_span_file(o.path, opt); }},
+        {"verify_span_file (auto)",
+         [&] {
+           FileOptions a = opt;
+           a.direct_io = DirectIo::kAuto;
+           verify_span_file(o.path, a);
+         }},
+        {"restore_from_file (off)",
+         [&] { restore_from_file(dst, o.path, dst.base(), dst.size(), opt); }},
+        {"restore_from_file (on)",
+         [&] {
+           FileOptions a = opt;
+           a.direct_io = DirectIo::kOn;
+           restore_from_file(dst, o.path, dst.base(), dst.size(), a);
+         }},
+    };
+    for (const auto& [name, fn] : readers) {
+      SCOPED_TRACE(o.name + ", " + name);
+      const auto r = vitrify::test::call_reader(fn, fifo);
+      EXPECT_TRUE(r.prompt) << "the reader blocked";
+      EXPECT_EQ(r.err, o.err) << r.message << r.other;
+      EXPECT_EQ(r.message, want + "span file" + tail);
+    }
+    const auto r = vitrify::test::call_reader([&] { file_crc32c(o.path); }, fifo);
+    EXPECT_TRUE(r.prompt) << o.name << ": file_crc32c blocked";
+    EXPECT_EQ(r.err, o.err) << o.name << ": " << r.message << r.other;
+    EXPECT_EQ(r.message, want + "file" + tail) << o.name;
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (dst.data()[i] != 0) {
+        ADD_FAILURE() << o.name << ": a refused restore wrote byte " << i;
+        break;
+      }
+  }
+  // The regular file itself is read as before.
+  EXPECT_EQ(file_crc32c(good), ds.file_crc32c);
+  EXPECT_EQ(read_span_file_info(good).intervals, (Intervals{{0, kG}, {2 * kG, 4 * kG}}));
+  EXPECT_NO_THROW(verify_span_file(good, opt));
+  HostBackend dst(src.size(), {});
+  EXPECT_EQ(restore_from_file(dst, good, dst.base(), dst.size(), opt).bytes_written, 3 * kG);
+  EXPECT_EQ(std::memcmp(dst.data() + 2 * kG, src.data() + 2 * kG, 2 * kG), 0);
 }
 
 TEST(SpanFile, OptionsAreValidated) {

@@ -76,17 +76,30 @@ struct OpenedFile {
 // Any other open failure is an OSError naming open and the path.
 OpenedFile open_file(const std::string& path, int flags, DirectIo mode, mode_t perm = 0644);
 
-// open_file for a file vitrify writes in place (the KV stores' slab files): never follows a
-// symbolic link (O_NOFOLLOW) and opens only a regular file or nothing (O_NONBLOCK for the open,
-// so a FIFO never blocks it; cleared afterwards), so a link or a device planted at `path` is
-// never written through. With O_CREAT the file is created O_EXCL when absent, and `created`
-// says so (an existing one is opened as it is). A link at `path` is std::system_error ELOOP,
-// anything else that is not a regular file EINVAL, one line each naming `what` and the path
-// ("slab file \"/d/x.kind0.slab\" is a symbolic link; ..."); other failures as open_file.
+// open_file for a file vitrify writes in place (the KV stores' slab files) or reads: never
+// follows a symbolic link (O_NOFOLLOW) and opens only a regular file or nothing (O_NONBLOCK for
+// the open, so a FIFO never blocks it; cleared afterwards), so a link or a device planted at
+// `path` is never written or read through. With O_CREAT the file is created O_EXCL when absent,
+// and `created` says so (an existing one is opened as it is). A link at `path` is
+// std::system_error ELOOP, a directory EISDIR, anything else that is not a regular file EINVAL,
+// one line each naming `what` and the path, whatever the open itself said:
+//   written: "slab file \"/d/x.kind0.slab\" is a symbolic link; vitrify writes only ..."
+//   read (O_RDONLY, neither O_CREAT nor O_TRUNC): "open(\"/a/w.span\", read-only): span file
+//         is a FIFO; vitrify reads only regular files and never follows a link there"
+// (then the errno text). Other failures as open_file. A read of "/proc/self/fd/<n>" (the
+// caller's own open descriptor, which names a file, not a path) reopens it through that link;
+// it must still be a regular file.
 OpenedFile open_regular_file(const std::string& path, int flags, DirectIo mode, mode_t perm,
                              const std::string& what);
-// The refusal open_regular_file gives when `st` (an lstat or fstat of `path`) is not a regular
-// file: std::system_error ELOOP for a link, EISDIR for a directory, EINVAL for anything else.
+// How every reader of a file vitrify did not just write opens it (an archive's span, graph,
+// module and JIT files, whatever a caller checked before: the path may name something else by
+// now): open_regular_file(path, O_RDONLY, mode, 0, what), i.e. O_RDONLY | O_NOFOLLOW |
+// O_NONBLOCK | O_CLOEXEC (O_DIRECT as `mode` asks), fstat, a regular file only, O_NONBLOCK
+// cleared. `what` names the file in the refusal ("span file", "file").
+OpenedFile open_for_reading(const std::string& path, DirectIo mode, const std::string& what);
+// The refusal open_regular_file gives a file it writes when `st` (an lstat or fstat of `path`)
+// is not a regular file: std::system_error ELOOP for a link, EISDIR for a directory, EINVAL for
+// anything else.
 [[noreturn]] void refuse_not_regular(const struct ::stat& st, const std::string& path,
                                      const std::string& what);
 
@@ -109,8 +122,9 @@ struct WholeFile {
 // Reads `paths[i]` whole when its size is `expect[i]`, `threads` files at a time, checksumming
 // each on the way: many small files (kernel modules, graphs) in one call, so a caller that holds
 // a lock per call (Python's GIL) takes it once. A file of another size is returned unread (the
-// caller names both sizes). The first open/read error (OSError naming the call and path) is
-// thrown after every reader stopped.
+// caller names both sizes). Each file is opened by open_for_reading ("file": no link followed,
+// a FIFO or directory refused without blocking). The first open/read error (OSError naming the
+// call and path) is thrown after every reader stopped.
 std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
                                         const std::vector<uint64_t>& expect, unsigned threads);
 

@@ -215,6 +215,10 @@ struct FileStats {
 FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t end,
                        const std::string& path, const FileOptions& opt = {});
 
+// The readers below open their file with file_io::open_for_reading: a symbolic link at `path`
+// is never followed (std::system_error ELOOP) and a FIFO, socket, device (EINVAL) or directory
+// (EISDIR) is refused without blocking, one line naming the path.
+//
 // Restore a span file to base + offset, clamped to [0, ceiling). Pipelined: a reader thread
 // fills staging buffer A from the file while buffer B's bytes, once their chunk CRC verified,
 // copy to the device asynchronously. A CRC mismatch throws SpanFileError naming the chunk; the

@@ -71,17 +71,49 @@ OpenedFile open_file(const std::string& path, int flags, DirectIo mode, mode_t p
   return detail::open_file(kSystemCalls, path, flags, mode, perm);
 }
 
+namespace {
+
+// What `st` is, in words: "a symbolic link", "a FIFO", ...
+const char* kind_of(const struct ::stat& st) {
+  return S_ISLNK(st.st_mode)    ? "a symbolic link"
+         : S_ISDIR(st.st_mode)  ? "a directory"
+         : S_ISFIFO(st.st_mode) ? "a FIFO"
+         : S_ISSOCK(st.st_mode) ? "a socket"
+         : S_ISCHR(st.st_mode)  ? "a character device"
+         : S_ISBLK(st.st_mode)  ? "a block device"
+                                : "not a regular file";
+}
+
+// The errno of a refusal: ELOOP for a link, EISDIR for a directory, EINVAL for anything else.
+int refusal_errno(const struct ::stat& st) {
+  return S_ISLNK(st.st_mode) ? ELOOP : S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+}
+
+// open_regular_file's refusal of a file opened for reading: names the call, the path and what
+// is there (the errno text follows, from std::system_error).
+[[noreturn]] void refuse_read(const struct ::stat& st, const std::string& path,
+                              const std::string& what) {
+  throw std::system_error(refusal_errno(st), std::generic_category(),
+                          "open(\"" + path + "\", read-only): " + what + " is " + kind_of(st) +
+                              "; vitrify reads only regular files and never follows a link "
+                              "there");
+}
+
+// "/proc/self/fd/<n>": the caller's own open descriptor, reopened (a magic link that names the
+// descriptor, not a path, so nothing can swap what it opens between a check and this open).
+bool own_descriptor_path(const std::string& path) {
+  constexpr const char kPrefix[] = "/proc/self/fd/";
+  constexpr size_t kLen = sizeof kPrefix - 1;
+  if (path.size() <= kLen || path.size() > kLen + 10 || path.compare(0, kLen, kPrefix) != 0)
+    return false;
+  return std::all_of(path.begin() + kLen, path.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
 void refuse_not_regular(const struct ::stat& st, const std::string& path, const std::string& what) {
-  const char* kind = S_ISLNK(st.st_mode)    ? "a symbolic link"
-                     : S_ISDIR(st.st_mode)  ? "a directory"
-                     : S_ISFIFO(st.st_mode) ? "a FIFO"
-                     : S_ISSOCK(st.st_mode) ? "a socket"
-                     : S_ISCHR(st.st_mode)  ? "a character device"
-                     : S_ISBLK(st.st_mode)  ? "a block device"
-                                            : "not a regular file";
-  const int err = S_ISLNK(st.st_mode) ? ELOOP : S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-  throw std::system_error(err, std::generic_category(),
-                          what + " \"" + path + "\" is " + kind +
+  throw std::system_error(refusal_errno(st), std::generic_category(),
+                          what + " \"" + path + "\" is " + kind_of(st) +
                               "; vitrify writes only regular files it creates or owns and never "
                               "follows a link there (remove it, or choose another directory or "
                               "name)");
@@ -89,7 +121,13 @@ void refuse_not_regular(const struct ::stat& st, const std::string& path, const 
 
 OpenedFile open_regular_file(const std::string& path, int flags, DirectIo mode, mode_t perm,
                              const std::string& what) {
-  flags |= O_NOFOLLOW | O_NONBLOCK;
+  const bool reading = (flags & O_ACCMODE) == O_RDONLY && (flags & (O_CREAT | O_TRUNC)) == 0;
+  const auto refuse = [&](const struct ::stat& st) {
+    if (reading) refuse_read(st, path, what);
+    refuse_not_regular(st, path, what);
+  };
+  flags |= O_NONBLOCK;
+  if (!(reading && own_descriptor_path(path))) flags |= O_NOFOLLOW;
   const bool create = (flags & O_CREAT) != 0;
   OpenedFile f;
   for (int attempt = 0;; ++attempt) {
@@ -107,23 +145,28 @@ OpenedFile open_regular_file(const std::string& path, int flags, DirectIo mode, 
       }
       break;
     } catch (const std::system_error& e) {
-      const int err = e.code().value();
       // Removed between the exclusive create and the plain open: create it again.
-      if (err == ENOENT && create && attempt < 8) continue;
+      if (e.code().value() == ENOENT && create && attempt < 8) continue;
+      // Whatever the open said (ELOOP for a link, EINVAL for O_DIRECT on a FIFO, ...), a link
+      // or a non-regular file there is refused as such.
       struct stat st{};
-      if ((err == ELOOP || err == EISDIR || err == ENXIO || err == EWOULDBLOCK) &&
-          ::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-        refuse_not_regular(st, path, what);
+      if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) &&
+          !(reading && own_descriptor_path(path)))
+        refuse(st);
       throw;
     }
   }
   struct stat st{};
   VITRIFY_SYSCALL(::fstat(f.fd.get(), &st), path);
-  if (!S_ISREG(st.st_mode)) refuse_not_regular(st, path, what);
+  if (!S_ISREG(st.st_mode)) refuse(st);
   const int fl = ::fcntl(f.fd.get(), F_GETFL);
   if (fl == -1 || ::fcntl(f.fd.get(), F_SETFL, fl & ~O_NONBLOCK) == -1)
     vitrify::detail::throw_errno(errno, "fcntl", path, "F_SETFL, clearing O_NONBLOCK");
   return f;
+}
+
+OpenedFile open_for_reading(const std::string& path, DirectIo mode, const std::string& what) {
+  return open_regular_file(path, O_RDONLY, mode, 0, what);
 }
 
 size_t pread_full(int fd, void* buf, size_t n, uint64_t off, const std::string& path) {
@@ -149,7 +192,7 @@ std::vector<WholeFile> read_whole_files(const std::vector<std::string>& paths,
       const size_t i = next.fetch_add(1);
       if (i >= paths.size()) return;
       try {
-        const OpenedFile f = open_file(paths[i], O_RDONLY | O_NOFOLLOW, DirectIo::kOff);
+        const OpenedFile f = open_for_reading(paths[i], DirectIo::kOff, "file");
         struct stat st {};
         VITRIFY_SYSCALL(::fstat(f.fd.get(), &st), paths[i]);
         WholeFile& w = out[i];

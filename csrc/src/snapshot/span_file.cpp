@@ -54,9 +54,13 @@ uint64_t chunk_count(uint64_t data_bytes, uint64_t chunk_bytes) {
   throw SpanFileError("span file " + path + ": " + what);
 }
 
-// Opens a span file through the file-I/O layer; says at debug level why `auto` chose buffered I/O.
+// Opens a span file through the file-I/O layer (to read: file_io::open_for_reading, so a link
+// is never followed and a FIFO, directory or device is refused without blocking); says at debug
+// level why `auto` chose buffered I/O.
 file_io::OpenedFile open_span_file(const std::string& path, int flags, file_io::DirectIo mode) {
-  file_io::OpenedFile f = file_io::open_file(path, flags, mode);
+  file_io::OpenedFile f = (flags & O_ACCMODE) == O_RDONLY
+                              ? file_io::open_for_reading(path, mode, "span file")
+                              : file_io::open_file(path, flags, mode);
   if (!f.direct && mode == file_io::DirectIo::kAuto && log::enabled(log::kDebug))
     log::debug("snapshot: no O_DIRECT for " + path + ": " + f.buffered_reason);
   return f;
@@ -343,7 +347,8 @@ FileStats dump_to_file(CopyBackend& be, uint64_t base, uint64_t start, uint64_t 
 }
 
 SpanFileInfo read_span_file_info(const std::string& path) {
-  const file_io::OpenedFile file = file_io::open_file(path, O_RDONLY, file_io::DirectIo::kOff);
+  const file_io::OpenedFile file =
+      file_io::open_for_reading(path, file_io::DirectIo::kOff, "span file");
   return read_info(file.fd.get(), path);
 }
 
@@ -469,7 +474,7 @@ void verify_span_file(const std::string& path, const FileOptions& opt) {
 }
 
 uint32_t file_crc32c(const std::string& path) {
-  const file_io::OpenedFile file = file_io::open_file(path, O_RDONLY, file_io::DirectIo::kOff);
+  const file_io::OpenedFile file = file_io::open_for_reading(path, file_io::DirectIo::kOff, "file");
   const int fd = file.fd.get();
   (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint; no answer changes anything
   constexpr size_t kBuf = 8 << 20;
