@@ -1,13 +1,21 @@
 // The graph capture (FREEZE) and rebuild (THAW) logic against a fake driver
 // (fake_cuda/graph.cpp), on CPU: description -> GraphSet rebuild -> launch (the fake logs the
 // parameters each launch runs with) -> capture_graph of the rebuilt graph -> the same
-// description; template switching; ownership (nothing leaks); FREEZE errors.
+// description; template switching; ownership (nothing leaks); FREEZE errors. A case that needs
+// the driver table loaded with an entry point hidden (it is loaded once per process) runs this
+// binary again with VITRIFY_GRAPH_CHILD set: the gtest Environment below does the child's part
+// and exits before any test runs.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
@@ -133,6 +141,90 @@ void expect_nothing_alive() {
   EXPECT_EQ(live("execs"), 0);
   EXPECT_EQ(live("modules"), 0);
   EXPECT_EQ(live("events"), 0);
+}
+
+// ---- the child's part -------------------------------------------------------------------------
+// VITRIFY_GRAPH_CHILD=no-module-loader (the parent also sets FAKE_CUDA_MISSING=cuModuleLoadData):
+//   two graphs on one module, each its own template; loading the module throws (the entry point
+//   is missing), so both builds must fail with that error, never find a "loaded" null module.
+// The child's success status: not 0, so a child that ran the whole suite instead does not pass.
+constexpr int kChildOk = 77;
+
+int child_fail(const std::string& why) {
+  std::fprintf(stderr, "child: %s\n", why.c_str());
+  return 1;
+}
+
+int child_no_module_loader() {
+  if (!vitrify::driver::available()) return child_fail(vitrify::driver::unavailable_reason());
+  if (vitrify::driver::cu().cuModuleLoadData != nullptr)
+    return child_fail("cuModuleLoadData is not hidden (FAKE_CUDA_MISSING)");
+  {
+    GraphSet set(0, /*share_templates=*/false);
+    set.add_module(kImageA.data(), kImageA.size());
+    const size_t a = set.add(pipeline(kBase, 256)), b = set.add(pipeline(kBase, 512));
+    set.start(2);
+    for (size_t x : {a, b}) {
+      try {
+        set.wait(x);
+        return child_fail("graph " + std::to_string(x) + " was built without its module");
+      } catch (const vitrify::DriverUnavailable& e) {
+        const std::string m = e.what();
+        if (m.find("lacks cuModuleLoadData") == std::string::npos)
+          return child_fail("graph " + std::to_string(x) + ": " + m);
+      } catch (const std::exception& e) {  // the old code: cuModuleGetFunction on a null module
+        return child_fail("graph " + std::to_string(x) + " failed otherwise: " + e.what());
+      }
+    }
+    if (set.stats().modules_loaded != 0) return child_fail("a module counted as loaded");
+    if (set.stats().built_templates != 0) return child_fail("a template counted as built");
+  }
+  for (const char* what : {"graphs", "execs", "modules", "events"})
+    if (live(what) != 0) return child_fail(std::string("fake ") + what + " left alive");
+  return kChildOk;
+}
+
+class ChildMode : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const char* mode = std::getenv("VITRIFY_GRAPH_CHILD");
+    if (mode == nullptr || *mode == '\0') return;
+    int rc;
+    try {
+      rc = std::string(mode) == "no-module-loader" ? child_no_module_loader()
+                                                   : child_fail(std::string("mode ") + mode);
+    } catch (const std::exception& e) {
+      rc = child_fail(std::string("exception: ") + e.what());
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::_exit(rc);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kChildMode =
+    ::testing::AddGlobalTestEnvironment(new ChildMode);
+
+// Runs this binary in child mode with `extra` added to the environment; its exit status (-1
+// when it did not exit normally).
+int run_child(const std::vector<std::string>& extra) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  for (const auto& x : extra) env.push_back(x);
+  std::vector<char*> envp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  char arg0[] = "test_graph_fake";
+  char* argv[] = {arg0, nullptr};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execve("/proc/self/exe", argv, envp.data());
+    ::_exit(127);
+  }
+  if (pid < 0) return -1;
+  int status = 0;
+  while (::waitpid(pid, &status, 0) == -1 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 }  // namespace
@@ -452,4 +544,15 @@ TEST(GraphFake, AnEditedModuleImageIsTheDriversErrorNeverACrash) {
     }
   }
   expect_nothing_alive();
+}
+
+// A module load that throws (here DriverUnavailable: the driver lacks cuModuleLoadData) used to
+// leave the module "loaded" with a null handle: every graph using it then went on to
+// cuModuleGetFunction(nullptr) (the fake says INVALID_HANDLE; a driver may crash). Now the throw
+// is the module's error, rethrown to every graph that needs it.
+TEST(GraphFake, AModuleLoadThatThrowsFailsEveryGraphUsingItWithThatError) {
+  EXPECT_EQ(run_child({"VITRIFY_GRAPH_CHILD=no-module-loader",
+                       "FAKE_CUDA_MISSING=cuModuleLoadData"}),
+            kChildOk)
+      << "the child's reason is on stderr";
 }

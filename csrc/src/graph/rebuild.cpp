@@ -2,6 +2,8 @@
 // background threads (see DESIGN.md, "Rebuilding").
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <new>
 
 #include "graph/cuda_util.hpp"
 #include "vitrify/graph_cuda.hpp"
@@ -15,6 +17,7 @@ struct GraphSet::Loaded {
   std::mutex mu;
   bool tried = false;
   CUresult result = CUDA_SUCCESS;
+  std::exception_ptr error;  // the load threw (an entry point missing, no memory): rethrown
   CUmodule module = nullptr;
   std::map<std::string, CUfunction> functions;
   // Function attributes applied (function name, attribute id) -> value: set once per value,
@@ -145,10 +148,22 @@ GraphSet::Loaded& GraphSet::ensure_loaded(const Hash& module) {
       std::lock_guard<std::mutex> l2(mu_);
       m = modules_.at(module);
     }
-    l.result = detail::load_module(&l.module, *m);
+    // A load that throws (DriverUnavailable: no cuModuleLoadData; bad_alloc copying PTX) is
+    // this module's error for every user, never success with a null module.
+    l.error = nullptr;
+    try {
+      l.result = detail::load_module(&l.module, *m);
+    } catch (const std::bad_alloc&) {
+      l.error = std::current_exception();
+      l.tried = false;  // host memory may come back: the next user retries
+    } catch (...) {
+      l.error = std::current_exception();
+    }
+    if (!l.error && l.result == CUDA_SUCCESS && l.module == nullptr)
+      l.result = CUDA_ERROR_INVALID_HANDLE;  // a driver that said yes and gave nothing
     // Out of memory may pass (span restores run beside the loads): the next user retries.
     if (l.result == CUDA_ERROR_OUT_OF_MEMORY) l.tried = false;
-    if (l.result == CUDA_SUCCESS) {
+    if (!l.error && l.result == CUDA_SUCCESS) {
       std::lock_guard<std::mutex> l2(mu_);
       ++stats_.modules_loaded;
     }
@@ -214,6 +229,7 @@ void GraphSet::worker() {
 CUfunction GraphSet::function(const Hash& module, const std::string& name) {
   Loaded& l = ensure_loaded(module);
   std::lock_guard<std::mutex> lock(l.mu);
+  if (l.error) std::rethrow_exception(l.error);
   if (l.result != CUDA_SUCCESS) {
     std::shared_ptr<const Module> m;
     {
