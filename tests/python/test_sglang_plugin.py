@@ -589,6 +589,19 @@ def test_fingerprint_tracks_each_argument(active, tiny_model):
         assert changed <= set(kw) | {"cuda_graph_decode_max_bs", "cuda_graph_decode_bs"}, kw
 
 
+def test_an_archive_saved_without_deterministic_inference_does_not_match_a_server_with_it(
+        active, tiny_model):
+    """Deterministic inference picks other kernels: it is part of what an archive must match."""
+    base = rules.apply_server_args(_server_args(tiny_model, random_seed=1,
+                                                attention_backend="triton"), "save")
+    det = rules.apply_server_args(_server_args(tiny_model, random_seed=1,
+                                               attention_backend="triton",
+                                               enable_deterministic_inference=True), "save")
+    assert base["enable_deterministic_inference"] is False
+    assert det["enable_deterministic_inference"] is True
+    assert det != base
+
+
 def test_apply_is_idempotent_and_pickle_stable(active, tiny_model):
     """P7: a scheduler gets ServerArgs pickled (no __post_init__) and recomputes the same one."""
     import pickle

@@ -52,6 +52,9 @@ FINGERPRINT_ARGS = (
     "model_path", "revision", "dtype", "kv_cache_dtype", "quantization", "context_length",
     "max_running_requests", "attention_backend", "prefill_attention_backend",
     "decode_attention_backend", "page_size", "chunked_prefill_size", "random_seed", "tp_size",
+    # deterministic inference picks other kernels (attention split, sampling): graphs captured
+    # without it are not the server a deterministic launch asks for, and the reverse
+    "enable_deterministic_inference", "sampling_backend",
 )
 # Fields read for the CUDA graph settings (the resolved cuda_graph_config, or the flags while it
 # is unresolved: model_path "dummy"/"none" return before resolving it).
