@@ -524,7 +524,8 @@ def test_an_entry_script_notices_another_vitrify_is_installed(tmp_path):
     code."""
     fake = tmp_path / "repo"
     (fake / "benchmarks").mkdir(parents=True)
-    shutil.copy(REPO / "benchmarks" / "sglang_freeze_e2e.py", fake / "benchmarks")
+    for name in ("sglang_freeze_e2e.py", "checkout.py"):
+        shutil.copy(REPO / "benchmarks" / name, fake / "benchmarks")
     (fake / "python" / "vitrify").mkdir(parents=True)
     (fake / "python" / "vitrify" / "__init__.py").write_text("# another version\n")
     env = {**os.environ, "VITRIFY_E2E_INSTALLED": "1"}
