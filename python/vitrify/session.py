@@ -169,8 +169,11 @@ def _read(archive: Any, rank: int) -> tuple[dict, dict | None]:
                                                           f"state records the {name} span "
                                                           f"[{lo:#x}, {hi:#x}) as dumped")
     index = None
+    index_rel = f"rank{rank}/{_graph_module().INDEX_FILE}"
+    if not sess["graphs"] and index_rel in archive.files:
+        # a state edited to 0 would thaw without the graphs FREEZE saved: never silently
+        refuse(rel, "session.graphs", f"0, but the manifest lists {index_rel}")
     if sess["graphs"]:
-        index_rel = f"rank{rank}/{_graph_module().INDEX_FILE}"
         if index_rel not in archive.files:
             raise _archive.ArchiveCorrupt(path, index_rel, f"not in the manifest, but the session "
                                                            f"state records {sess['graphs']} "

@@ -514,6 +514,9 @@ def _issue_cases(m: dict) -> list:
         ("issue-8-graph-index-unlisted", INDEX, {"thaw"}, lambda d, c: _unlist(d, INDEX)),
         ("issue-8-graph-file-unlisted", graph0, {"thaw"}, lambda d, c: _unlist(d, graph0)),
         ("issue-8-weights-span-replaced-by-another-span", weights, {"thaw"}, weights_is_warmup),
+        # review: a state edited to "no graphs" would thaw without the graphs FREEZE saved
+        ("issue-8-session-graphs-zero-with-an-index", STATE, {"thaw"},
+         session_set("graphs", 0)),
         ("issue-9-graph-index-unlisted-fifo", INDEX, {"thaw"},
          lambda d, c: (_unlist(d, INDEX), _replace_fifo(d / INDEX))),
         ("issue-9-graph-index-unlisted-symlink-outside", INDEX, {"thaw"},
