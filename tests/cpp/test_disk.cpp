@@ -997,11 +997,22 @@ TEST(Store, LoadOnFirstStartLogsInfoAndAnUnusableFileWarns) {
     EXPECT_EQ(log.count(vitrify::log::kWarning, path), 0);
   }
   const uint8_t junk = 0x11;
-  poke(path, 3, &junk, 1);  // the file header no longer verifies
+  poke(path, 4, &junk, 1);  // the magic stays, the header no longer verifies
+  try {  // load refuses it (its pages cannot be trusted); it is never wiped silently
+    Store s(store_cfg({d.path}, 4000, 8, ColdStart::kLoad));
+    ADD_FAILURE() << "load of a slab with a damaged header went on";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("its header is damaged"), std::string::npos) << e.what();
+  }
+  {  // clear wipes it (it is vitrify's own file)
+    Store s(store_cfg({d.path}, 4000, 8, ColdStart::kClear));
+  }
+  const std::vector<uint8_t> zeros(4096, 0);
+  poke(path, 0, zeros.data(), zeros.size());  // a creation that stopped before its header
   {
     LogCapture log;
     Store s(store_cfg({d.path}, 4000, 8, ColdStart::kLoad));
-    EXPECT_EQ(log.count(vitrify::log::kWarning, path + " has no valid slab header"), 1);
+    EXPECT_EQ(log.count(vitrify::log::kWarning, path + " has a zeroed header"), 1);
     EXPECT_EQ(log.count(vitrify::log::kInfo, path + " is new"), 0);
   }
 }

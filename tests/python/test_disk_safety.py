@@ -135,8 +135,9 @@ def test_a_failed_open_on_a_full_filesystem_leaves_no_file_and_frees_its_space(s
     assert ei.value.errno == errno.ENOSPC
     assert os.listdir(small_tmpfs) == []
     # a file that was there is not the open's to remove
+    # (and since it is not a vitrify slab, the open refuses it before allocating anything)
     keep = user_file(small_tmpfs, "vitrify.kind0.slab")
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match=r"is not a vitrify slab"):
         DiskStore(small_tmpfs, 32 << 20, 4096)
     with open(keep, "rb") as f:
         assert f.read() == b"abc"
@@ -228,3 +229,63 @@ def test_a_host_tier_larger_than_its_mount_is_a_host_space_error_naming_need_and
     # a host tier that fits in what is free opens
     with HostStore(min(e.free_bytes // 4, 16 << 20), 4096, dir=h, name="small") as s:
         assert s.put("k", b"v") and s.get("k") == b"v"
+
+
+@pytest.mark.parametrize("cold_start", ["load", "clear"])
+def test_a_file_that_is_not_a_vitrify_slab_is_never_formatted(tmp_path, cold_start):
+    """Review of issue 32: a user's regular file (or a hard link to one) at a slab path was
+    formatted into a slab with only a hidden log line. It is refused in one line naming it,
+    its bytes and the user's other link untouched."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    s = disk.DiskStore(str(probe), 4 << 20, {"kv": 65536}, name="t", cold_start="clear")
+    name = os.path.basename(s.slab_path("kv"))
+    s.close()
+    user = tmp_path / "precious.txt"
+    user.write_bytes(b"a user's 17 bytes")
+    d = tmp_path / "store"
+    d.mkdir()
+    os.link(user, d / name)  # a hard link: O_NOFOLLOW does not see it
+    with pytest.raises(ValueError, match=r"is not a vitrify slab \(no slab header\): vitrify "
+                                         r"never overwrites a file it did not create") as e:
+        disk.DiskStore(str(d), 4 << 20, {"kv": 65536}, name="t", cold_start=cold_start)
+    assert "\n" not in str(e.value) and name in str(e.value)
+    assert user.read_bytes() == b"a user's 17 bytes"
+    big = bytes(range(256)) * 64  # larger than a slab header, not one
+    user.write_bytes(big)
+    with pytest.raises(ValueError, match=r"is not a vitrify slab"):
+        disk.DiskStore(str(d), 4 << 20, {"kv": 65536}, name="t", cold_start=cold_start)
+    assert user.read_bytes() == big
+
+
+def test_load_refuses_a_slab_whose_header_is_damaged_and_clear_wipes_it(tmp_path):
+    s = disk.DiskStore(str(tmp_path), 4 << 20, {"kv": 65536}, name="t", cold_start="clear")
+    assert s.put("k", b"x" * 65536)
+    path = s.slab_path("kv")
+    s.close()
+    with open(path, "r+b") as f:  # the header's version field, after the magic
+        f.seek(4)
+        b = f.read(1)
+        f.seek(4)
+        f.write(bytes([b[0] ^ 0xFF]))
+    before = open(path, "rb").read()
+    with pytest.raises(ValueError, match=r"cold_start=\"load\" refuses slab file .*its header is "
+                                         r"damaged"):
+        disk.DiskStore(str(tmp_path), 4 << 20, {"kv": 65536}, name="t", cold_start="load")
+    assert open(path, "rb").read() == before  # nothing written
+    s = disk.DiskStore(str(tmp_path), 4 << 20, {"kv": 65536}, name="t", cold_start="clear")
+    assert s.get("k") is None
+    s.close()
+
+
+def test_a_slab_whose_creation_stopped_before_its_header_starts_empty(tmp_path):
+    """A zeroed header (created and allocated, header never written) is vitrify's own: load
+    starts it empty rather than refusing forever."""
+    s = disk.DiskStore(str(tmp_path), 4 << 20, {"kv": 65536}, name="t", cold_start="clear")
+    path = s.slab_path("kv")
+    s.close()
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 4096)
+    s = disk.DiskStore(str(tmp_path), 4 << 20, {"kv": 65536}, name="t", cold_start="load")
+    assert s.put("k", b"y" * 65536) and s.get("k") == b"y" * 65536
+    s.close()

@@ -119,13 +119,28 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
   // geometry or store refuses here, with every stored page as it was (D7).
   FileHeader fh{};
   bool valid = false;
+  bool ours = fresh;  // vitrify's: empty, a slab header (damaged or not), or a zeroed header
   if (static_cast<uint64_t>(st.st_size) >= kFileHeaderBytes) {
     AlignedBuffer hb(kFileHeaderBytes);
     const size_t r = file_io::pread_full(fd_.get(), hb.data(), kFileHeaderBytes, 0, path);
     std::memcpy(&fh, hb.data(), sizeof fh);
     valid = r == kFileHeaderBytes && fh.magic == kFileMagic && fh.version == kFormatVersion &&
             fh.header_crc == crc32c(&fh, offsetof(FileHeader, header_crc)) && fh.slab_id != 0;
+    const auto* b = static_cast<const unsigned char*>(hb.data());
+    // a zeroed header: a slab whose creation stopped before its header was written (D22)
+    ours = r == kFileHeaderBytes &&
+           (fh.magic == kFileMagic || std::all_of(b, b + kFileHeaderBytes,
+                                                  [](unsigned char c) { return c == 0; }));
   }
+  // D23: vitrify formats only files it made; anything else at a slab path is the user's.
+  VITRIFY_EXPECT(ours, "slab file \"" + path + "\" exists (" + std::to_string(st.st_size) +
+                           " bytes) and is not a vitrify slab (no slab header): vitrify never "
+                           "overwrites a file it did not create; remove it or choose another "
+                           "directory or name");
+  VITRIFY_EXPECT(mode != ColdStart::kLoad || valid || fresh || fh.magic != kFileMagic,
+                 "cold_start=\"load\" refuses slab file \"" + path + "\": its header is "
+                 "damaged (format version or checksum does not verify), so none of its pages "
+                 "can be trusted; open it with cold_start=\"clear\" to wipe it");
   if (mode == ColdStart::kLoad && valid) {
     const std::string why = geometry_mismatch(fh, geo_);
     VITRIFY_EXPECT(why.empty(),
@@ -160,7 +175,8 @@ SlabFile::SlabFile(LockedSlab locked, const SlabGeometry& geometry, ColdStart mo
     if (mode == ColdStart::kLoad && fresh)
       log::info("vitrify.disk: " + path + " is new; formatted it empty");
     else if (mode == ColdStart::kLoad)
-      log::warning("vitrify.disk: " + path + " has no valid slab header; starting it empty");
+      log::warning("vitrify.disk: " + path + " has a zeroed header (its creation stopped "
+                   "before the header was written); starting it empty");
     // The next generation of a valid slab is id + 1, so its old slots never match again.
     slab_id_ = valid ? fh.slab_id + 1 : new_slab_id();
     if (slab_id_ == 0) slab_id_ = 1;
