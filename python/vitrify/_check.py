@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import unicodedata
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -225,6 +226,9 @@ def text_problem(value: str) -> str | None:
             return f"contains the control character {c!r}"
         if 0xD800 <= o < 0xE000:
             return f"contains the lone surrogate {c!r} (not UTF-8 text)"
+        if o >= 0xA0 and unicodedata.category(c) in ("Zl", "Zp", "Cf"):
+            # U+2028/U+2029 break a line; U+202E and the like reorder what a terminal shows
+            return f"contains the format or separator character {c!r}"
     return None
 
 

@@ -303,8 +303,10 @@ def test_the_writer_refuses_what_the_reader_would(tmp_path):
 # ---- item 14: no control character in any path; output stays one line per problem -----------
 
 @pytest.mark.parametrize("key", ["rank0/x\nOK all good", "rank0/x\rOK", "rank0/\x1b[2Jx",
-                                 "rank0/x\x7f", "rank0/x\x85", "rank0/\ud800"],
-                         ids=["newline", "return", "escape", "delete", "c1-nel", "surrogate"])
+                                 "rank0/x\x7f", "rank0/x\x85", "rank0/\ud800",
+                                 "rank0/x\u2028OK", "rank0/\u202etxt.exe"],
+                         ids=["newline", "return", "escape", "delete", "c1-nel", "surrogate",
+                              "line-separator", "right-to-left-override"])
 def test_a_control_character_in_a_manifest_path_is_refused_on_one_line(arch, key, capsys):
     edit_manifest(arch, lambda m: m["files"].__setitem__(key, {"bytes": 1,
                                                                "checksum": "crc32c:00000000"}))

@@ -4,6 +4,7 @@ goal_direction and ratios, is named with its date and commit, and is never overw
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -87,3 +88,16 @@ def test_an_unknown_commit_is_named_so(monkeypatch, tmp_path):
     monkeypatch.setattr(resultlib, "git_sha", lambda: "unknown")
     p = resultlib.write(resultlib.result("x"), tmp_path)
     assert p.name.endswith("-unknown.json")
+
+
+def test_a_link_at_the_temporary_name_is_never_written_through(sha, tmp_path):
+    res = resultlib.result("disk")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a user's file\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    tmp = out / f".{resultlib.result_path(res, out).name}.{os.getpid()}.tmp"
+    os.symlink(victim, tmp)
+    p = resultlib.write(res, out)
+    assert victim.read_text() == "a user's file\n"
+    assert json.loads(p.read_text())["name"] == "disk" and not os.path.lexists(tmp)

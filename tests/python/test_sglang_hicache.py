@@ -990,3 +990,18 @@ def test_a_host_tier_larger_than_its_mount_is_left_out_unless_required(tmp_path,
     assert os.listdir(shm_dir) == []
     with pytest.raises(ValueError, match=r"'host_required' must be true or false, got 'yes'"):
         _backend(host, dict(extra, host_required="yes"))
+
+
+def test_the_stats_file_is_never_written_through_a_link(tmp_path):
+    """A link at stats_path's temporary name (review of issue 32) is removed, not followed."""
+    _, host = _mha_host("page_first")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a user's file\n")
+    stats = tmp_path / "stats.json"
+    os.symlink(victim, f"{stats}.tmp{os.getpid()}")
+    b = _backend(host, _extra(tmp_path, stats_path=str(stats)))
+    try:
+        assert json.loads(stats.read_text())["pid"] == os.getpid()
+    finally:
+        b.close()
+    assert victim.read_text() == "a user's file\n"

@@ -185,7 +185,10 @@ def write(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     first = result_path(res, d)
     tmp = d / f".{first.name}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    tmp.unlink(missing_ok=True)  # a stale one, or a link put there: removed, never followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "w") as f:
+        f.write(json.dumps(res, indent=2, sort_keys=True) + "\n")
     try:
         for n in range(1, 10_000):
             path = first if n == 1 else first.with_name(f"{first.stem}-{n}.json")

@@ -529,7 +529,13 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             tmp = f"{path}.tmp{os.getpid()}"
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                with open(tmp, "w") as f:
+                try:  # a stale temporary file (or a link put there) goes; none is followed
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644)
+                with open(fd, "w") as f:
                     json.dump(doc, f)
                 os.replace(tmp, path)
             except (OSError, TypeError, ValueError) as e:
