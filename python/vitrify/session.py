@@ -767,7 +767,6 @@ class ThawSession:
             # The state is checked against the manifest: every span and graph it records is
             # listed (P13), read only after the manifest vouched for it.
             st, index = _read(archive, RANK)
-            sess = st["session"]
             cps = archive.region.checkpoints
             self._spans = archive.spans(RANK)
             graphs_lo, graphs_hi = _span_range(cps, "graphs")
