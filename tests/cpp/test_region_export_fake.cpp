@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "run_self.hpp"
 #include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
@@ -123,24 +124,7 @@ class ChildMode : public ::testing::Environment {
     ::testing::AddGlobalTestEnvironment(new ChildMode);
 
 int run_child(const std::vector<std::string>& extra) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  for (const auto& x : extra) env.push_back(x);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  char arg0[] = "test_region_export_fake";
-  char* argv[] = {arg0, nullptr};
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execve("/proc/self/exe", argv, envp.data());
-    ::_exit(127);
-  }
-  if (pid < 0) return -1;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) == -1 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return vitrify::test::run_self("test_region_export_fake", extra);
 }
 
 }  // namespace

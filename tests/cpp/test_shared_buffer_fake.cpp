@@ -19,6 +19,7 @@
 #include <system_error>
 #include <vector>
 
+#include "run_self.hpp"
 #include "fake_cuda/use_fake.hpp"
 #include "vitrify/driver.hpp"
 #include "vitrify/error.hpp"
@@ -137,25 +138,7 @@ class ChildMode : public ::testing::Environment {
 // Runs this binary in child mode with `extra` added to the environment, `keep_fd` (if >= 0)
 // inherited; returns its exit status (-1 when it did not exit normally).
 int run_child(const std::vector<std::string>& extra, int keep_fd = -1) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  for (const auto& x : extra) env.push_back(x);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  char arg0[] = "test_shared_buffer_fake";
-  char* argv[] = {arg0, nullptr};
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    if (keep_fd >= 0) ::fcntl(keep_fd, F_SETFD, 0);  // exported fds are close-on-exec
-    ::execve("/proc/self/exe", argv, envp.data());
-    ::_exit(127);
-  }
-  if (pid < 0) return -1;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) == -1 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return vitrify::test::run_self("test_shared_buffer_fake", extra, keep_fd);
 }
 
 }  // namespace

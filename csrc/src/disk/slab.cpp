@@ -206,16 +206,7 @@ std::unique_ptr<SlabFile> SlabFile::open_read_only(const std::string& path,
   };
   constexpr int kFlags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
   if (host) {
-    int fd;
-    do fd = ::open(path.c_str(), kFlags);
-    while (fd == -1 && errno == EINTR);
-    if (fd == -1) {
-      const int err = errno;
-      refuse_odd(err);
-      vitrify::detail::throw_errno(err, "open", path, "read-only");
-    }
-    s->fd_.reset(fd);
-    s->buffered_reason_ = "host slab (mapped)";
+    s->buffered_reason_ = "host slab (mapped)";  // opened below, without O_DIRECT
   } else if (dio != file_io::DirectIo::kOff) {
     int fd;
     do fd = ::open(path.c_str(), kFlags | O_DIRECT);
