@@ -2,7 +2,7 @@
 (``vitrify.bench.sglang.freeze_e2e``): the log lines the harness watches for (SGLang's server
 arguments, whether deterministic inference is on, and vitrify's plugin's), ``/health`` (503 until
 ready), ``/get_server_info``, ``/flush_cache``, a streamed ``/generate`` whose output depends only
-on the prompt and on the weight last sent, and ``/update_weights_from_tensor`` (the tests send a
+on the prompt and on the weight last sent (a batch of prompts: one whole answer each), and ``/update_weights_from_tensor`` (the tests send a
 plain pickle of CPU tensors: the logprobs move by how far the tensor is from ones). It reads the
 plugin's TOML (``VITRIFY_SGLANG_CONFIG``): mode "load" waits for ``standby_file`` when one is set
 and logs a thaw; mode "save" logs "SAVE complete" once it has served ``save_after_requests``
@@ -51,7 +51,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200 if STATE["ready"] else 503, b"")
         elif self.path == "/get_server_info":
-            self._send(200, json.dumps({"startup_time": {"scheduler_e2e": 1.5}}).encode())
+            self._send(200, json.dumps({"startup_time": {"scheduler_e2e": 1.5},
+                                        "context_length": 512, "max_req_input_len": 500,
+                                        "batches_served": STATE.get("batches", 0)}).encode())
         else:
             self._send(404, b"")
 
@@ -71,6 +73,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, json.dumps({"success": True, "message": "ok"}).encode())
         ids = body["input_ids"]
         n = body["sampling_params"]["max_new_tokens"]
+        if ids and isinstance(ids[0], list):  # a batch: one whole answer per prompt
+            STATE["batches"] = STATE.get("batches", 0) + 1
+            return self._send(200, json.dumps([{
+                "output_ids": [(sum(p) + i) % 1000 for i in range(n)],
+                "meta_info": {"output_token_logprobs": [[-0.5, 0]] * n}} for p in ids]).encode())
         out = [(sum(ids) + i) % 1000 for i in range(n)]
         chunk = {"output_ids": out, "meta_info": {
             "output_token_logprobs": [[-0.5 - i / 8 - STATE["shift"], t]

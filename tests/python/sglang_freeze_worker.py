@@ -111,7 +111,8 @@ def main() -> int:
         # every field the rules read unset, but the attention backend (P17's check runs)
         sargs = {name: None for name in rules.fields_read(ver)}
         sched = types.SimpleNamespace(
-            server_args=types.SimpleNamespace(**{**sargs, "attention_backend": "triton"}),
+            server_args=types.SimpleNamespace(**{**sargs, "attention_backend": "triton",
+                                                 "skip_server_warmup": False}),
             ps=types.SimpleNamespace(gpu_id=0), forward_ct=0, is_fully_idle=lambda: True)
         if opts.get("standby"):  # the operator's go, 0.3 s after the scheduler starts waiting
             import threading
@@ -133,12 +134,19 @@ def main() -> int:
             out["idle_before_request_wrote"] = os.path.exists(archive)
             health = types.SimpleNamespace(rid="HEALTH_CHECK_0f")
             request = types.SimpleNamespace(rid="r1", input_ids=[1, 2, 3])
+            swept = types.SimpleNamespace(rid="vitrify-sweep-ab-0-0", input_ids=[1] * 99)
+            end = types.SimpleNamespace(rid="vitrify-sweep-end-ab", input_ids=[10])
+            out["sweep_pending_at_capture"] = run.sweep_pending
             freeze.after_handle_generate_request(None, sched, health)  # not counted
+            freeze.after_handle_generate_request(None, sched, swept)  # the plugin's own: neither
             freeze.after_handle_generate_request(None, sched, request)
             sched.forward_ct = 1
             freeze.after_on_idle(None, sched)
             out["idle_after_one_request_wrote"] = os.path.exists(archive)
             freeze.after_handle_generate_request(None, sched, request)
+            freeze.after_on_idle(None, sched)  # enough requests, the launcher's sweep not over
+            out["idle_before_the_sweep_end_wrote"] = os.path.exists(archive)
+            freeze.after_handle_generate_request(None, sched, end)
             freeze.after_on_idle(None, sched)
             out["requests"] = run.requests
             out["model_modules"] = run.model_modules

@@ -207,7 +207,8 @@ def test_registration_through_sglangs_loader_applies_the_rules_where_sglang_reso
     assert state.STATE.sglang_version == VER.VERSION and state.STATE.version is VER
     hooks, steps = _our_hooks(), _our_steps()
     assert [(t, ht.name) for t, ht, _ in hooks] == \
-        [(VER.HOOK_TARGETS[key], kind) for key, kind, _ in VER.argument_hooks(rules.run_phase)]
+        [(VER.HOOK_TARGETS[key], kind) for key, kind, _ in VER.argument_hooks(rules.run_phase)] + \
+        [(VER.HOOK_TARGETS["wait_and_warmup"], "AROUND")]  # SAVE's shape sweep (P19)
     assert [s for s, _ in steps] == [s for s, _, _ in VER.RESOLUTION_STEPS]  # once each
     assert len(hooks) + len(steps) >= 1
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
@@ -664,6 +665,60 @@ def test_the_warm_up_requests_reach_the_server_with_this_releases_arguments(
     assert "warm-up requests failed" not in caplog.text, caplog.text
     assert [len(b["input_ids"]) for b in seen] == [5, 40]
     assert "LOAD warm-up: 2 request(s) of 5, 40 tokens" in caplog.text
+
+
+def test_saves_shape_sweep_reads_this_releases_limits_and_reaches_the_server(
+        tiny_model, monkeypatch, caplog):
+    """SAVE's shape sweep (sweep.run, P19) on a real resolved record of this release: the page
+    size, chunked-prefill size, request limit and --skip-server-warmup read the way the release
+    keeps them; every request of the sweep carries the sweep's ids, the end one last."""
+    import enum
+    import http.server
+    import threading
+
+    from vitrify.integrations.sglang import sweep
+    from vitrify.integrations.sglang.config import PluginConfig
+
+    seen = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"text": "x"}')
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    Status = enum.Enum("ServerStatus", "Up Starting")
+    tm = types.SimpleNamespace(server_status=Status.Up, max_req_input_len=300,
+                               model_config=types.SimpleNamespace(context_len=512, vocab_size=900))
+    try:
+        args = resolved(tiny_model, attention_backend="triton", random_seed=1, page_size=16,
+                        chunked_prefill_size=256, max_running_requests=12,
+                        host="127.0.0.1", port=srv.server_address[1])
+        cfg = PluginConfig(mode="save", archive=str(tiny_model), region_bytes=1 << 30)
+        monkeypatch.setattr(state, "STATE", state.PluginState(config=cfg, version=VER))
+        monkeypatch.setattr(VER, "launcher_status", lambda: (tm, Status))
+        assert sweep.limits(args, tm) == sweep.Limits(max_input=300, max_batch=12, page=16,
+                                                      chunk=256, vocab=900)
+        with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
+            assert sweep.run(True, args) is True
+        skipped = resolved(tiny_model, attention_backend="triton", random_seed=1,
+                           skip_server_warmup=True)
+        assert sweep.expected(args) and not sweep.expected(skipped)
+    finally:
+        srv.shutdown()
+    assert "failed" not in caplog.text and "SAVE shape sweep:" in caplog.text, caplog.text
+    rids = [r for b in seen for r in ([b["rid"]] if isinstance(b["rid"], str) else b["rid"])]
+    assert all(r.startswith(sweep.RID_PREFIX) for r in rids)
+    assert seen[-1]["rid"].startswith(sweep.END_RID_PREFIX) and len(seen) == \
+        len(sweep.plan(sweep.limits(args, tm))) + 1
+    assert max(len(b["input_ids"]) for b in seen if isinstance(b["input_ids"][0], int)) == 300
+    assert tm.server_status is Status.Up
 
 
 def test_sglangs_other_processes_register_nothing(fresh, tmp_path, monkeypatch):

@@ -194,6 +194,9 @@ def test_save_then_load_through_the_hooks(tmp_path):
     assert save["idle_before_request_wrote"] is False
     # save_after_requests = 2: one request (a health check does not count) is not enough
     assert save["idle_after_one_request_wrote"] is False and save["requests"] == 2
+    # and not before the launcher's shape sweep has ended (its requests are not counted)
+    assert save["sweep_pending_at_capture"] is True
+    assert save["idle_before_the_sweep_end_wrote"] is False
     assert save["model_modules"] == ["vitrify_test_model"] and save["request_lengths"] == [3, 3]
     assert save["summary"]["graphs"] == 0 and os.path.isdir(tmp_path / "engine.vitrify")
     assert save["jit_files"] == ["triton/AB/k.cubin"]
@@ -282,9 +285,9 @@ def test_the_launcher_warm_up_hook_is_registered_in_the_launcher_at_load_only(tm
 
     from vitrify.integrations.sglang.versions import v0_5_17 as ver
 
-    def targets(mode, in_scheduler, warmups=8):
+    def targets(mode, in_scheduler, warmups=8, sweep=True):
         cfg = PluginConfig(mode=mode, archive=str(tmp_path), region_bytes=1 << 30,
-                           warmup_requests=warmups)
+                           warmup_requests=warmups, shape_sweep=sweep)
         role = "scheduler" if in_scheduler else "launcher"
         return {target for target, _, _ in plugin.hooks_for(cfg, role, ver)}
 
@@ -292,7 +295,8 @@ def test_the_launcher_warm_up_hook_is_registered_in_the_launcher_at_load_only(tm
     assert warmup == "sglang.srt.entrypoints.http_server._wait_and_warmup"
     assert warmup in targets("load", False)  # SGLang's _wait_and_warmup
     assert warmup not in targets("load", True)  # a scheduler never
-    assert warmup not in targets("save", False)
+    assert warmup in targets("save", False)  # SAVE's shape sweep (P19)
+    assert warmup not in targets("save", False, sweep=False)
     assert warmup not in targets("load", False, warmups=0)
     assert f"{ver.SCHEDULER_MODULE}.Scheduler.handle_generate_request" in \
         targets("save", True)

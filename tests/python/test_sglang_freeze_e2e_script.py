@@ -365,10 +365,18 @@ def test_the_whole_run_against_a_stand_in_server(tmp_path, monkeypatch, determin
     assert res["checks"]["load.logprobs_identical_vs_save"] is True
     assert ("load.logprobs_identical_vs_plain" in res["checks"]) is deterministic
     assert res["checks"]["load.no_jit_after_thaw"] is True
-    assert Path(harness.partial_path(s.out, fz.NAME)).exists()  # main() writes the result
+    # the held-out shapes reached plain and load, each batch one request
+    for sc in ("plain", "load"):
+        held = res["scenarios"][sc]["heldout"]
+        assert held["requests"] == len(held["batch_sizes"]) and max(held["batch_sizes"]) > 16
+        assert held["max_input"] == min(500, 512 - s.max_new_tokens - 2)
+    assert "heldout" not in res["scenarios"]["save"]
+    assert "plain_triton_files_compiled_by_the_heldout_sweep" in res["jit_check_power"]
+    name = f"{fz.NAME}-{s.shape}"  # the shape in the name: tiny and 8b runs never collide
+    assert res["name"] == name and Path(harness.partial_path(s.out, name)).exists()
     path = harness.write(res, s.out)
-    assert path.name.startswith("sglang-freeze-e2e-")
-    assert not Path(harness.partial_path(s.out, fz.NAME)).exists()
+    assert path.name.startswith(f"sglang-freeze-e2e-{s.shape}-")
+    assert not Path(harness.partial_path(s.out, name)).exists()
     # the same run whose fault does not reach the answers: every check true, the run fails
     monkeypatch.setattr(fz, "plant_weight_fault", lambda s_, p, r: {
         "fault": "f", "planted": True, "caught": False, "why": "stand-in: nothing moved"})

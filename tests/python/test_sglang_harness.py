@@ -536,3 +536,34 @@ def test_an_entry_script_notices_another_vitrify_is_installed(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"sglang_freeze_e2e.py: vitrify was installed from {fake} but {sys.executable} still "
         f"imports another copy; check PYTHONPATH"]
+
+
+@pytest.mark.parametrize("max_input,max_batch,page", [(4086, 64, 16), (100, 5, 1), (3, 1, 16)])
+def test_the_heldout_shapes_are_past_the_plugins_sweep(max_input, max_batch, page):
+    """The held-out sweep of the freeze run: every batch-size class, sizes and prompt lengths the
+    plugin's own sweep does not send (where the class has room), page-unaligned lengths spread
+    over the context, prefix hits of earlier batches."""
+    from vitrify.integrations.sglang import sweep
+
+    shapes = harness.heldout_shapes(5, max_input, max_batch, page)
+    assert shapes == harness.heldout_shapes(5, max_input, max_batch, page)
+    pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    sizes = [len(b) for b in shapes]
+    assert {pow2(n) for n in sizes} == {pow2(n) for n in range(1, max_batch + 1)}
+    assert all(1 <= len(p) <= max_input for b in shapes for p in b)
+    theirs = set(sweep.batch_sizes(max_batch))
+    for c in (1 << k for k in range(1, 8)):
+        free = set(range(c // 2 + 1, min(c, max_batch) + 1)) - theirs
+        if free and c // 2 < max_batch:  # a size of its own in each class that has one
+            assert any(pow2(n) == c and n not in theirs for n in sizes)
+    if max_input > 1000:
+        lengths = [len(p) for b in shapes for p in b]
+        assert all(n % page for n in lengths if n not in sweep.prompt_lengths(max_input, page)) \
+            or page == 1
+        assert max(lengths) > max_input * 5 // 6 and min(lengths) < 3 * page + 8
+        singles = [b[0] for b in shapes if len(b) == 1]
+        assert len(singles) >= 6
+        # a prefix hit: a later batch whose prompts extend an earlier batch's
+        firsts = {tuple(p) for b in shapes for p in b}
+        assert any(tuple(q[:n]) in firsts for b in shapes for q in b
+                   for n in range(1, len(q)) if len(b) > 1)

@@ -314,8 +314,11 @@ def test_inert_imports_nothing_heavy():
 def test_register_registers_after_hook(fresh, save_config):
     fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
-    ((target, kind, fn),) = _our_hooks()
+    # the argument rules, and SAVE's shape sweep after SGLang's warm-up (P19)
+    (target, kind, fn), (warm, wkind, wfn) = _our_hooks()
     assert (target, kind, fn.__name__) == (TARGET, HookType.AFTER, "after_server_args_post_init")
+    assert (warm, wkind, wfn.__name__) == (v17.HOOK_TARGETS["wait_and_warmup"], HookType.AROUND,
+                                           "around_wait_and_warmup")
     assert state.STATE.registered and state.STATE.sglang_version == sglang.__version__
     assert state.STATE.config.mode == "save" and state.STATE.config.region_bytes == 2 << 30
 
@@ -324,7 +327,7 @@ def test_register_idempotent(fresh, save_config):
     fresh.setenv(state.CONFIG_ENV, save_config)
     plugin.register()
     plugin.register()
-    assert len(_our_hooks()) == 1
+    assert len(_our_hooks()) == 2
 
 
 def test_mode_off_registers_nothing_and_skips_version(fresh, tmp_path):
@@ -461,7 +464,7 @@ def test_through_sglang_loader_end_to_end(fresh, save_config, tiny_model, caplog
     sgl_plugins.load_plugins()
     fresh.setattr(sgl_plugins, "_plugins_loaded", False)
     sgl_plugins.load_plugins()  # a second load in the same process (Engine does this)
-    assert len(_our_hooks()) == 1
+    assert len(_our_hooks()) == 2
     with caplog.at_level(logging.INFO, logger="vitrify.sglang"):
         args = _server_args(tiny_model)
     assert args.cuda_graph_config.prefill.backend == "disabled"

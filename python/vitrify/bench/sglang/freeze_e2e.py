@@ -115,6 +115,12 @@ class Settings:
     seed: int = 11
     max_total_tokens: int = 32768
     cuda_graph_max_bs: int = 16
+    # the held-out run of issue 34: pages of 16 tokens (SGLang's paged allocator: its kernels
+    # are specialised on the batch size's power of two), up to 64 requests at once
+    page_size: int = 16
+    max_running: int = 64
+    heldout: bool = True  # the held-out shape sweep in plain and load (heldout_sweep)
+    shape_sweep: bool = True  # SAVE's own sweep (the plugin's shape_sweep)
     mem_fraction: float = 0.3
     region_gb: int = 24
     ready_s: float = 400.0
@@ -164,7 +170,8 @@ def plugin_config(s: Settings, scenario: str) -> str:
     Path(path).write_text(f'mode = "{mode_of(scenario)}"\narchive = "{s.archive}"\n'
                           f'region_bytes = "{s.region_gb}GiB"\n'
                           f'jit_dir = "{os.path.join(s.work, "jit-" + scenario)}"\n'
-                          f'save_after_requests = {1 + s.warm_prompts}\n' +
+                          f'save_after_requests = {1 + s.warm_prompts}\n'
+                          f'shape_sweep = {"true" if s.shape_sweep else "false"}\n' +
                           (f'standby_file = "{s.standby_file}"\n' if scenario == "load-standby"
                            else "") +
                           ("read_ahead = false\n" if scenario == "load-drive" else "") +
@@ -177,8 +184,9 @@ def server_args(s: Settings, scenario: str) -> list[str]:
         raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
     return harness.server_command(
         s.python, s.model_dir, s.port, weights=s.weights, deterministic=s.deterministic,
-        extra=["--cuda-graph-backend-prefill", "disabled",
-               "--cuda-graph-max-bs", str(s.cuda_graph_max_bs),
+        extra=[harness.flag("prefill_backend"), "disabled",
+               harness.flag("decode_max_bs"), str(s.cuda_graph_max_bs),
+               "--page-size", str(s.page_size), "--max-running-requests", str(s.max_running),
                "--mem-fraction-static", str(s.mem_fraction),
                "--max-total-tokens", str(s.max_total_tokens), "--random-seed", "1"])
 
@@ -321,6 +329,8 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
         if extra:
             info["second_sample_ttft_ms_median"] = round(
                 1e3 * statistics.median(r["ttft_s"] for r in extra), 2)
+        if s.heldout and scenario in ("plain", "load"):
+            info["heldout"] = heldout_sweep(s)
         if mode_of(scenario) == "load":
             # before the oracle's requests: their shapes are not the prompts'
             try:
@@ -338,6 +348,37 @@ def launch(s: Settings, scenario: str, prompts: list[list[int]], info: dict,
     if info["timeline"].get("deterministic_inference") is not None:
         info["deterministic_inference_logged"] = info["timeline"]["deterministic_inference"]
     return res
+
+
+def triton_cache_files() -> int:
+    """Files in the Triton cache a plain launch uses (``TRITON_CACHE_DIR``, else Triton's
+    default ``~/.triton/cache``)."""
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    return sum(len(f) for _, _, f in os.walk(cache))
+
+
+def heldout_sweep(s: Settings) -> dict:
+    """Request shapes past every warm-up (:func:`.harness.heldout_shapes`: batch sizes the
+    plugin's sweep does not send, off the decode-graph ladder above its top, page-unaligned
+    prompt lengths spread over the context, prefix hits), each batch one request. In LOAD the
+    JIT count after them is the check (no compile after the thaw); in plain the Triton files
+    they compiled are what the check would catch without the archive's caches (recorded: a
+    plain launch on a machine whose cache is warm compiles none)."""
+    info = harness.server_info(s.port)
+    ctx = int(info.get("context_length") or s.model_config["max_position_embeddings"])
+    longest = info.get("max_req_input_len")
+    max_input = min(int(longest) if isinstance(longest, int) else ctx,
+                    ctx - s.max_new_tokens - 2)
+    shapes = harness.heldout_shapes(s.seed + 1300, max_input, s.max_running, s.page_size,
+                                    s.model_config["vocab_size"])
+    before = triton_cache_files()
+    t = time.monotonic()
+    for batch in shapes:
+        harness.generate_batch(s.port, batch, 4)
+    return {"requests": len(shapes), "batch_sizes": [len(b) for b in shapes],
+            "prompt_lengths": sorted({len(p) for b in shapes for p in b}),
+            "max_input": max_input, "seconds": round(time.monotonic() - t, 2),
+            "default_triton_cache_files_gained": triton_cache_files() - before}
 
 
 def drop_tree(path: str) -> Optional[float]:
@@ -544,7 +585,7 @@ def run(s: Settings) -> dict:
             if sc not in CORE and info.get("budget_limited"):  # the budget, not a failure
                 info["skipped"] = True
         # what is known so far survives a run killed at the device call's limit
-        harness.write_partial(s.out, NAME, {"scenarios": scenarios, **extra})
+        harness.write_partial(s.out, f"{NAME}-{s.shape}", {"scenarios": scenarios, **extra})
         if sc == "save" and not info["ok"]:
             break  # nothing to load
     checks: dict[str, Any] = {}
@@ -604,13 +645,20 @@ def run(s: Settings) -> dict:
                  "why": "not run: " + ("the oracle is off" if not s.oracle else
                                        (scenarios.get("load") or {}).get("error",
                                                                           "no load launch"))}
+    plain_gained = ((scenarios.get("plain") or {}).get("heldout") or {}).get(
+        "default_triton_cache_files_gained")
+    extra["jit_check_power"] = {
+        "plain_triton_files_compiled_by_the_heldout_sweep": plain_gained,
+        "why": "the held-out shapes compile kernels a server that served only the prompts has "
+               "not compiled (0 where this machine's Triton cache was warm from an earlier run)"}
     return harness.result(
-        NAME, ok=ok, oracle_power=oracle.power(pairs, fault, extra.get("weights")), rows=rows,
+        f"{NAME}-{s.shape}", ok=ok, oracle_power=oracle.power(pairs, fault, extra.get("weights")), rows=rows,
         ratios=ratios, goals=GOALS, goal_direction=GOAL_DIRECTION, checks=checks,
         comparisons=comparisons, scenarios=scenarios,
         settings={**{k: getattr(s, k) for k in (
             "shape", "prompts", "min_len", "max_len", "max_new_tokens", "max_total_tokens",
-            "cuda_graph_max_bs", "region_gb", "deterministic")},
+            "cuda_graph_max_bs", "page_size", "max_running", "heldout", "shape_sweep",
+            "region_gb", "deterministic")},
             "fault_prompts": subset, "fault_param": FAULT_PARAM},
         **extra)
 
@@ -630,6 +678,12 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
                          "tokens and logprobs against plain become checks (default: SGLang's "
                          "defaults; LOAD against SAVE is the check)")
     ap.add_argument("--prompts", type=int, default=Settings.prompts)
+    ap.add_argument("--page-size", type=int, default=Settings.page_size)
+    ap.add_argument("--no-heldout", dest="heldout", action="store_false",
+                    help="no held-out shape sweep in plain and load")
+    ap.add_argument("--no-shape-sweep", dest="shape_sweep", action="store_false",
+                    help="SAVE without the plugin's shape sweep (the JIT check's power: LOAD "
+                         "then compiles under the held-out sweep)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS),
                     help=f"comma-separated, in this order: {','.join(SCENARIOS)} (the first "
                          f"three are required)")
@@ -647,6 +701,7 @@ def parse_args(argv=None) -> tuple[Settings, argparse.Namespace]:
     s = replace(Settings(**SHAPE_SETTINGS[a.shape]), shape=a.shape, bundle=a.bundle, out=a.out,
                 work=a.work, models_root=a.models_root, weights=Weights(seed=a.weights_seed),
                 deterministic=a.deterministic, prompts=a.prompts, budget_s=a.budget_s,
+                page_size=a.page_size, heldout=a.heldout, shape_sweep=a.shape_sweep,
                 profile=a.profile, scenarios=tuple(sc for sc in SCENARIOS if sc in chosen))
     return s, a
 

@@ -45,7 +45,35 @@ from .. import resultlib
 from . import checkpoint
 
 MiB = 1 << 20
-DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+# what SGLang logs and takes differs by release: the version modules of the plugin hold both
+# (the harness's lines match every supported release's; the bundle's release picks the flags)
+BUNDLE_RELEASE = "0.5.17"  # scripts/sglang-bundle/ packs this one (the GPU machine's torch)
+
+
+def release_module(version: str = BUNDLE_RELEASE):
+    """The plugin's version module of ``version`` (its ``LOG_LINES`` and ``CLI_FLAGS``)."""
+    import importlib
+
+    return importlib.import_module("vitrify.integrations.sglang.versions.v" +
+                                   version.replace(".", "_"))
+
+
+def flag(what: str, version: str = BUNDLE_RELEASE) -> str:
+    """The command-line flag of ``what`` (``CLI_FLAGS``: decode_max_bs, prefill_backend, ...) on
+    SGLang ``version``."""
+    return release_module(version).CLI_FLAGS[what]
+
+
+def log_line(what: str) -> re.Pattern:
+    """A pattern matching SGLang's log line ``what`` (``LOG_LINES``) as any supported release
+    writes it."""
+    from vitrify.integrations.sglang import versions
+
+    texts = sorted({release_module(v).LOG_LINES[what] for v in versions.SUPPORTED})
+    return re.compile("|".join(re.escape(t) for t in texts))
+
+
+DETERMINISTIC_FLAG = flag("deterministic")
 INSTALL_HINT = ("install this tree into it first: python3 -m pip install --no-build-isolation "
                 "--no-deps --no-index . (from the repository root)")
 
@@ -256,7 +284,7 @@ class Server:
         self.t_launch = 0.0
         self._log = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.start()
         return self
 
@@ -331,7 +359,7 @@ def log_tail(path: str, lines: int = 80) -> list[str]:
 
 # ---- log lines (SGLang's and vitrify's plugin's) -----------------------------------------------
 
-IMPORT_FLOOR_LINE = re.compile(r"Init torch distributed begin")
+IMPORT_FLOOR_LINE = log_line("import_floor")  # the scheduler's first engine line
 THAWED_LINE = re.compile(r"vitrify: thawed (\S+) in ([0-9.]+) s")
 SAVE_LINE = re.compile(r"vitrify: SAVE complete")
 STANDBY_LINE = re.compile(r"vitrify: standby: imports done")
@@ -342,14 +370,14 @@ PLUGIN_LINE = re.compile(r"vitrify SGLang plugin: mode '(save|load)'")
 # the start-up's milestones in a server log, for "where the seconds go" (first match each)
 TIMELINE = {
     "torch_distributed": IMPORT_FLOOR_LINE,
-    "load_weight_begin": re.compile(r"Load weight begin"),
-    "load_weight_end": re.compile(r"Load weight end"),
-    "kv_cache_allocated": re.compile(r"KV Cache is allocated"),
-    "decode_graphs_begin": re.compile(r"Capture target decode CUDA graph begin"),
-    "decode_graphs_end": re.compile(r"Capture target decode CUDA graph end"),
+    "load_weight_begin": log_line("load_weight_begin"),
+    "load_weight_end": log_line("load_weight_end"),
+    "kv_cache_allocated": log_line("kv_cache_allocated"),
+    "decode_graphs_begin": log_line("capture_begin"),
+    "decode_graphs_end": log_line("capture_end"),
     "thawed": THAWED_LINE,
     "saved": SAVE_LINE,
-    "fired_up": re.compile(r"The server is fired up"),
+    "fired_up": log_line("ready"),
 }
 STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(\d{3}))?")
 SESSION_STEP = re.compile(r"vitrify\.session INFO: (\w+): ([0-9.]+) s$")
@@ -511,6 +539,63 @@ def generate(port: int, ids: list[int], max_new_tokens: int, timeout: float = 12
             "details": meta.get("cached_tokens_details") or {},
             "prompt_tokens": int(meta.get("prompt_tokens") or len(ids)),
             "ttft_s": ttft if ttft is not None else latency, "latency_s": latency}
+
+
+def generate_batch(port: int, prompts: list[list[int]], max_new_tokens: int,
+                   timeout: float = 300.0) -> list[dict]:
+    """One greedy ``/generate`` of several prompts (SGLang schedules them as one batch when they
+    fit): each answer's output ids and logprobs."""
+    body = json.dumps({"input_ids": prompts, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                           "ignore_eos": True}}).encode()
+    st, text = http_call(port, "POST", "/generate", timeout=timeout, body=body)
+    if st != 200:
+        raise RuntimeError(f"/generate of {len(prompts)} prompt(s) -> HTTP {st}: {text[:300]}")
+    out = json.loads(text)
+    out = out if isinstance(out, list) else [out]
+    if len(out) != len(prompts) or any("error" in a for a in out if isinstance(a, dict)):
+        raise RuntimeError(f"/generate of {len(prompts)} prompt(s): {text[:300]}")
+    return [{"output_ids": list(a.get("output_ids") or []),
+             "logprobs": [lp[0] for lp in (a.get("meta_info") or {}).get(
+                 "output_token_logprobs") or []]} for a in out]
+
+
+def heldout_shapes(seed: int, max_input: int, max_batch: int, page: int,
+                   vocab: int = 32000) -> list[list[list[int]]]:
+    """Request shapes no warm-up of the plugin sends (a held-out sweep: the check that the
+    archive's JIT caches cover shapes past SAVE's): in every power-of-two class of batch size a
+    size the plugin's sweep does not send where the class has one, prompt lengths off every page
+    boundary and off the plugin's lengths, spread over 1 ... ``max_input``, and the first two
+    batches again grown by a few tokens (prefix hits). Each item is one request's prompts."""
+    from vitrify.integrations.sglang import sweep
+
+    rng = random.Random(seed)
+    taken_sizes = set(sweep.batch_sizes(max_batch))
+    taken_lengths = set(sweep.prompt_lengths(max_input, page))
+
+    def length(lo: int, hi: int) -> int:
+        for _ in range(100):
+            n = rng.randint(lo, hi)
+            if (page == 1 or n % page) and n not in taken_lengths:
+                return n
+        return rng.randint(lo, hi)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    out: list[list[list[int]]] = []
+    c = 1
+    while c // 2 < max_batch:
+        free = [b for b in range(c // 2 + 1, min(c, max_batch) + 1) if b not in taken_sizes]
+        b = rng.choice(free or [min(c, max_batch)])
+        out.append([prompt(length(1, max(1, min(3 * page + 7, max_input)))) for _ in range(b)])
+        c *= 2
+    grown = [[p + prompt(rng.randint(1, 2 * page + 1)) for p in batch if
+              len(p) + 2 * page + 1 <= max_input] for batch in out[1:3]]
+    out += [g for g in grown if g]
+    bounds = [1] + [max_input * k // 6 for k in range(1, 7)]
+    out += [[prompt(length(max(1, lo), max(1, hi)))] for lo, hi in zip(bounds, bounds[1:])]
+    return out
 
 
 def run_pass(port: int, prompts: list[list[int]], max_new: int,

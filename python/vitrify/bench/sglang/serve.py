@@ -60,7 +60,7 @@ def server_command(python: str, model_dir: str, shape: str, port: int, weights: 
     return harness.server_command(
         python, model_dir, port, weights=weights, deterministic=False,
         extra=["--disable-radix-cache", "--mem-fraction-static",
-               str(MEM_FRACTION.get(shape, 0.3)), "--cuda-graph-max-bs", "32", *extra])
+               str(MEM_FRACTION.get(shape, 0.3)), harness.flag("decode_max_bs"), "32", *extra])
 
 
 def requests(port: int, vocab: int) -> list[str]:

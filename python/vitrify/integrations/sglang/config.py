@@ -53,6 +53,14 @@ key                value                           meaning
                                                    through the page cache while the scheduler
                                                    imports (when it fits in half the memory
                                                    available), so the thaw reads it from memory
+``shape_sweep``    bool (default true)             SAVE: after SGLang's warm-up request and
+                                                   before ready, requests of every batch-size
+                                                   class, prompt length 1 … the longest, prefix
+                                                   hits and kind of answer compile the kernel
+                                                   variants later shapes need; the archive is
+                                                   written after them (``sweep.py``, P19)
+``sweep_max_``     int 1..4096 (default 256)       SAVE: the largest batch the sweep sends (the
+``batch``                                          server's ``max_running_requests`` where lower)
 =================  ==============================  ===========================================
 
 Size strings are a whole number with an optional binary unit: ``B``, ``KiB``, ``MiB``, ``GiB``,
@@ -80,7 +88,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _MAX_BYTES = (1 << 63) - 1  # the region size is a signed 64-bit count in the native core
 _KEYS = ("mode", "archive", "region_bytes", "on_mismatch", "prefill_graphs", "weight_updates",
          "jit_caches", "jit_dir", "save_after_requests", "warmup_requests", "standby_file",
-         "read_ahead")
+         "read_ahead", "shape_sweep", "sweep_max_batch")
 
 
 class PluginConfigError(ValueError):
@@ -104,6 +112,8 @@ class PluginConfig:
     warmup_requests: int = 8
     standby_file: str | None = None
     read_ahead: bool = True
+    shape_sweep: bool = True
+    sweep_max_batch: int = 256
 
     @property
     def active(self) -> bool:
@@ -215,6 +225,10 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
     read_ahead = data.get("read_ahead", True)
     if not isinstance(read_ahead, bool):
         raise _type_error("read_ahead", "true or false", read_ahead)
+    shape_sweep = data.get("shape_sweep", True)
+    if not isinstance(shape_sweep, bool):
+        raise _type_error("shape_sweep", "true or false", shape_sweep)
+    sweep_max_batch = _int_in(data, "sweep_max_batch", 256, 1, 4096)
     after = _int_in(data, "save_after_requests", 1, 1, 1 << 31)
     warmups = _int_in(data, "warmup_requests", 8, 0, 64)
     return PluginConfig(mode=mode, archive=archive, region_bytes=region_bytes,
@@ -222,7 +236,8 @@ def from_mapping(data: Mapping, source: str | None = None) -> PluginConfig:
                         weight_updates=weight_updates, jit_caches=jit_caches,
                         jit_dir=_jit_dir(data, mode, archive, jit_caches),
                         save_after_requests=after, warmup_requests=warmups,
-                        standby_file=_standby_file(data, mode), read_ahead=read_ahead)
+                        standby_file=_standby_file(data, mode), read_ahead=read_ahead,
+                        shape_sweep=shape_sweep, sweep_max_batch=sweep_max_batch)
 
 
 def _standby_file(data: Mapping, mode: str) -> str | None:

@@ -5,7 +5,7 @@ Owns: :class:`Engine` (the session's adapter for an SGLang server, engine-driven
 ``docs/session.md`` P12) and the hooks SGLang calls, nothing else — the argument rules are
 ``server_args.py``'s, the graph backend ``graphs.py``'s, the attention check
 ``attention.py``'s, the collector, registry, standby, read-ahead, JIT caches and warm-up
-``startup.py``'s, the run ``state.py``'s.
+``startup.py``'s, the run ``state.py``'s, SAVE's shape sweep ``sweep.py``'s.
 
 ====================================================  ============================================
 hook (AROUND unless said)                              session
@@ -24,12 +24,15 @@ in standby)                                            the scheduler sets its de
 ``decode_cuda_graph_runner.freeze_gc``                 the capture's collections without SGLang's
                                                        final unfreeze (:func:`around_freeze_gc`)
 ``Scheduler.handle_generate_request`` (AFTER)          SAVE counts the generate requests (health
-                                                       checks not counted)
+                                                       checks and the shape sweep's not counted)
+                                                       and sees the sweep's end (``sweep.py``)
 ``Scheduler.on_idle`` (AFTER)                          SAVE: ``finish()`` at the first idle moment
-                                                       after ``save_after_requests`` requests; both
+                                                       after ``save_after_requests`` requests and
+                                                       the shape sweep's end; both
                                                        modes: JIT compiles after the archive's
                                                        caches were packed are logged
-``http_server._wait_and_warmup`` (launcher, LOAD)      the warm-up requests (``startup.warm_up``)
+``http_server._wait_and_warmup`` (launcher)           SAVE: the shape sweep (``sweep.run``); LOAD:
+                                                       the warm-up requests (``startup.warm_up``)
 ====================================================  ============================================
 
 Imports only the standard library at import time.
@@ -46,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import attention, graphs, startup, state, versions
+from . import attention, graphs, startup, state, sweep, versions
 from . import server_args as rules
 
 log = logging.getLogger("vitrify.sglang")
@@ -272,6 +275,7 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
                      sess.summary["timings"].get("total", 0.0), sess.summary["graphs"])
         else:
             run.pending_finish = True
+            run.sweep_pending = sweep.expected(getattr(scheduler, "server_args", None))
         return result
     except BaseException as e:
         sess.abort()
@@ -411,6 +415,10 @@ def after_handle_generate_request(result: Any, scheduler: Any, recv_req: Any = N
     run = state.STATE.run
     if run is not None and run.mode == "save" and run.summary is None:
         rid = getattr(recv_req, "rid", None)
+        if isinstance(rid, str) and rid.startswith(sweep.RID_PREFIX):  # the plugin's own
+            if rid.startswith(sweep.END_RID_PREFIX):
+                run.sweep_pending = False
+            return result
         if not (isinstance(rid, str) and rid.startswith(versions.current().HEALTH_CHECK_PREFIX)):
             run.requests += 1
             ids = getattr(recv_req, "input_ids", None)
@@ -430,7 +438,7 @@ def after_on_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
         if run.summary is not None and "error" not in run.summary:
             startup.jit_watch(run)
         return result
-    if run.requests < state.STATE.config.save_after_requests or \
+    if run.requests < state.STATE.config.save_after_requests or run.sweep_pending or \
             getattr(scheduler, "forward_ct", 0) <= 0:
         return result
     idle = getattr(scheduler, "is_fully_idle", None)
@@ -479,6 +487,9 @@ def around_wait_and_warmup(original: Callable, *args: Any, **kwargs: Any) -> Any
         return original(*args, **kwargs)
 
     def execute_warmup(server_args: Any, *a: Any, **k: Any) -> Any:
+        cfg = state.STATE.config
+        if cfg is not None and cfg.mode == "save":  # the shape sweep, then the archive (P19)
+            return sweep.run(inner(server_args, *a, **k), server_args)
         return startup.warm_up(inner(server_args, *a, **k), server_args)
 
     bound.arguments["execute_warmup_func"] = execute_warmup

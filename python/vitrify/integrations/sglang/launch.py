@@ -282,7 +282,8 @@ OPTION_OF = {"region_bytes": "--region-bytes", "on_mismatch": "--on-mismatch",
              "standby_file": "--standby-file", "read_ahead": "--no-read-ahead",
              "weight_updates": "--weight-updates", "jit_caches": "--no-jit-caches",
              "jit_dir": "--jit-dir", "save_after_requests": "--save-after-requests",
-             "warmup_requests": "--warmup-requests", "archive": "ARCHIVE"}
+             "warmup_requests": "--warmup-requests", "shape_sweep": "--no-shape-sweep",
+             "sweep_max_batch": "--sweep-max-batch", "archive": "ARCHIVE"}
 
 
 def plugin_table(mode: str, archive: str, region_bytes: int, opts: argparse.Namespace) -> dict:
@@ -291,8 +292,9 @@ def plugin_table(mode: str, archive: str, region_bytes: int, opts: argparse.Name
     for key in ("on_mismatch", "standby_file", "warmup_requests", "read_ahead"):
         if mode == "load" and getattr(opts, key, None) is not None:
             data[key] = getattr(opts, key)
-    if mode == "save" and getattr(opts, "save_after_requests", None) is not None:
-        data["save_after_requests"] = opts.save_after_requests
+    for key in ("save_after_requests", "shape_sweep", "sweep_max_batch"):
+        if mode == "save" and getattr(opts, key, None) is not None:
+            data[key] = getattr(opts, key)
     for key in ("weight_updates", "jit_caches", "jit_dir"):
         if getattr(opts, key, None) is not None:
             data[key] = getattr(opts, key)
@@ -568,6 +570,13 @@ def add_parser(sub: Any) -> None:
             p.add_argument("--save-after-requests", type=int, default=None, metavar="N",
                            help="SAVE: write the archive at the first idle moment after N "
                                 "generate requests (default 1: SGLang's warm-up request)")
+            p.add_argument("--no-shape-sweep", dest="shape_sweep", action="store_const",
+                           const=False, default=None,
+                           help="SAVE: no shape sweep before the archive (LOAD may then "
+                                "compile kernels of request shapes SAVE never served)")
+            p.add_argument("--sweep-max-batch", type=int, default=None, metavar="N",
+                           help="SAVE: the largest batch the shape sweep sends (default 256, "
+                                "or the server's max_running_requests where lower)")
         if name in ("load", "serve"):
             p.add_argument("--on-mismatch", choices=_config.ON_MISMATCH, default=None,
                            help="when the archive does not match this server: refuse "

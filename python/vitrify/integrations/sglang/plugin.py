@@ -73,7 +73,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("on_idle", "AFTER", freeze.after_on_idle),
     # the launcher's warm-up (the HTTP server's thread, before the server reports ready)
     Hook("wait_and_warmup", "AROUND", freeze.around_wait_and_warmup, roles=("launcher",),
-         when=lambda cfg, ver: cfg.mode == "load" and cfg.warmup_requests > 0),
+         when=lambda cfg, ver: (cfg.mode == "load" and cfg.warmup_requests > 0) or
+         (cfg.mode == "save" and cfg.shape_sweep)),
 )
 
 

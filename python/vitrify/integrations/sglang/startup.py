@@ -609,6 +609,37 @@ def warmup_body(ids: Any, index: int) -> dict:
             "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
 
 
+@contextlib.contextmanager
+def starting(tm: Any, status: Any):
+    """The block runs with SGLang's server marked "starting" again (``/health`` answers 503, so
+    no user's request runs beside the plugin's own); the status it had comes back after.
+    ``tm``/``status``: the version module's ``launcher_status()`` (None, None: nothing to mark)."""
+    was = tm.server_status if tm is not None else None
+    if tm is not None:
+        tm.server_status = status.Starting
+    try:
+        yield
+    finally:
+        if tm is not None:
+            tm.server_status = was
+
+
+def post_generate(server_args: Any, body: dict, timeout: float) -> None:
+    """One ``/generate`` request of the plugin's own to this server (its API key, its TLS
+    setting), its whole answer read; raises on an HTTP error or an error inside the answer."""
+    import requests
+
+    ver = versions.current()
+    key = ver.api_key(server_args)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    stream = bool(body.get("stream"))
+    with requests.post(server_args.url() + "/generate", json=body, headers=headers,
+                       timeout=timeout, verify=ver.ssl_verify(server_args), stream=stream) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        check_answer(r.iter_lines() if stream else [r.content])
+
+
 def warm_up(result: Any, server_args: Any = None, *args: Any, **kwargs: Any) -> Any:
     """LOAD, launcher: after SGLang's own warm-up request (three tokens) and before the server
     reports ready, ``warmup_requests`` requests of the prompt lengths SAVE served, of every kind
@@ -625,37 +656,19 @@ def warm_up(result: Any, server_args: Any = None, *args: Any, **kwargs: Any) -> 
                          cfg.warmup_requests)
         if not lengths:
             return result
-        import requests
-
         ver = versions.current()
-        key = ver.api_key(server_args)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         dp = max(1, int(ver.reader(server_args)("dp_size") or 1))
         tm, status = ver.launcher_status()
         vocab = getattr(getattr(tm, "model_config", None), "vocab_size", None) or 1000
         t = time.perf_counter()
-        # SGLang's warm-up has marked the server up: it is "starting" again until these are
-        # done (/health answers 503), so no request of a user runs beside them
-        was = tm.server_status if tm is not None else None
-        if tm is not None:
-            tm.server_status = status.Starting
-        try:
+        with starting(tm, status):
             for i, n in enumerate(lengths):
                 left = WARMUP_BUDGET_S - (time.perf_counter() - t)
                 if left <= 0:
                     raise TimeoutError(f"{WARMUP_BUDGET_S:.0f} s spent, {len(lengths) - i} "
                                        f"request(s) not sent")
                 ids = [warmup_ids(n, i * dp + j, vocab) for j in range(dp)]
-                body = warmup_body(ids[0] if dp == 1 else ids, i)
-                with requests.post(server_args.url() + "/generate", json=body, headers=headers,
-                                   timeout=left, verify=ver.ssl_verify(server_args),
-                                   stream=body["stream"]) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                    check_answer(r.iter_lines() if body["stream"] else [r.content])
-        finally:
-            if tm is not None:
-                tm.server_status = was
+                post_generate(server_args, warmup_body(ids[0] if dp == 1 else ids, i), left)
     except Exception as e:
         log.warning("vitrify: LOAD's warm-up requests failed (%s: %s); the first requests may "
                     "be slower", type(e).__name__, e)
@@ -669,7 +682,7 @@ __all__ = ["BEFORE_NARROWING_ENV", "JIT_ROOT_ENV", "JIT_WATCH_S", "READ_AHEAD_EN
            "READ_AHEAD_SHARE", "STANDBY_POLL_S", "STANDBY_SINCE_ENV", "SpanPrefetch",
            "WARMUP_BUDGET_S", "capture_collections", "check_answer", "freeze_import_heap",
            "jit_watch", "launcher_read_ahead", "memory_available", "model_modules",
-           "narrow_model_registry", "narrow_models", "profiled", "read_ahead_direct_io",
-           "record_kernels", "setup_jit", "spread", "standby_since", "start_read_ahead",
-           "wait_for_file", "warm_triton_key", "warm_up", "warmup_body", "warmup_ids",
+           "narrow_model_registry", "narrow_models", "post_generate", "profiled",
+           "read_ahead_direct_io", "record_kernels", "setup_jit", "spread", "standby_since",
+           "start_read_ahead", "starting", "wait_for_file", "warm_triton_key", "warm_up", "warmup_body", "warmup_ids",
            "widen_model_registry"]

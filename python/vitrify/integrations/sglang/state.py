@@ -69,6 +69,7 @@ class Run:
     model_modules: list | None = None  # SAVE: what the model registry needs (model_modules)
     requests: int = 0  # SAVE: generate requests seen before the archive was written
     request_lengths: list = dataclasses.field(default_factory=list)  # SAVE: their prompt lengths
+    sweep_pending: bool = False  # SAVE: the launcher's shape sweep (sweep.py) has not ended yet
     jit_index: dict | None = None  # the archive's JIT index once packed (SAVE) / thawed (LOAD)
     jit_dirs: dict | None = None
     jit_seen: set = dataclasses.field(default_factory=set)  # JIT files reported already
