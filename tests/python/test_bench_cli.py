@@ -58,7 +58,8 @@ def only_result(out: Path, name: str) -> dict:
     assert len(files) == 1, files
     res = json.loads(files[0].read_text())
     # named with its date and commit (resultlib: records are never overwritten)
-    assert files[0].name == f"{name}-{today}-{res['git_sha'][:7]}.json" or \
+    dirty = "-dirty" if res["git_sha"].endswith("-dirty") else ""
+    assert files[0].name == f"{name}-{today}-{res['git_sha'][:7]}{dirty}.json" or \
         files[0].name == f"{name}-{today}-unknown.json", files
     return res
 
@@ -423,7 +424,14 @@ def test_git_sha_names_a_vitrify_checkout_never_another_repository(tmp_path):
             head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"],
                                   capture_output=True, text=True, check=True).stdout.strip()
             shas[kind] = (_load_resultlib_at(repo / rel / "resultlib.py").git_sha(), head)
-    assert shas["vitrify"][0] == shas["vitrify"][1]
+        # a tracked file changed since HEAD: the commit, marked dirty (untracked files are not)
+        vit = tmp_path / "vitrify"
+        (vit / "untracked.txt").write_text("x")
+        clean = _load_resultlib_at(vit / "python/vitrify/bench/resultlib.py").git_sha()
+        (vit / "python/vitrify/__init__.py").write_text("# changed\n")
+        dirty = _load_resultlib_at(vit / "python/vitrify/bench/resultlib.py").git_sha()
+    assert shas["vitrify"][0] == shas["vitrify"][1] == clean
+    assert dirty == shas["vitrify"][1] + "-dirty"
     assert shas["other"][0] == "unknown"
     with config.override(git_sha="f" * 40):
         assert resultlib.git_sha() == "f" * 40

@@ -69,6 +69,12 @@ def test_named_with_date_and_commit_and_never_overwritten(sha, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (p1, p2, p3))
 
 
+def test_a_dirty_trees_record_says_so_in_its_name(tmp_path):
+    res = dict(resultlib.result("disk"), git_sha="0123456789" * 4 + "-dirty")
+    assert resultlib.result_path(res, tmp_path).name == f"disk-{res['date'][:10]}-0123456-dirty.json"
+    assert resultlib.result_path(dict(res, git_sha="unknown"), tmp_path).name.endswith("-unknown.json")
+
+
 def test_an_existing_file_of_that_name_is_kept_byte_for_byte(sha, tmp_path):
     res = resultlib.result("disk")
     taken = resultlib.result_path(res, tmp_path)

@@ -39,8 +39,9 @@ def _git(*args: str) -> str:
 def git_sha() -> str:
     """The commit that ran: VITRIFY_GIT_SHA when set (the GPU machine's copy of the tree may have
     no usable .git), else HEAD of the vitrify checkout this package lives in (a source tree, an
-    editable install, or a virtual environment inside the checkout); "unknown" otherwise (an
-    installed wheel: ``machine["vitrify"]`` names the version)."""
+    editable install, or a virtual environment inside the checkout), with ``-dirty`` after it
+    when tracked files differ from that commit; "unknown" otherwise (an installed wheel:
+    ``machine["vitrify"]`` names the version)."""
     try:  # by path, before the package is installed (the SGLang scripts), there is none yet
         from vitrify import config
     except ImportError:
@@ -52,7 +53,10 @@ def git_sha() -> str:
     if not top or not (Path(top) / "python" / "vitrify" / "__init__.py").is_file():
         return "unknown"  # not inside a vitrify checkout (some other repository, or none)
     out = _git("rev-parse", "HEAD")
-    return out if len(out) == 40 and all(c in "0123456789abcdef" for c in out) else "unknown"
+    if len(out) != 40 or not all(c in "0123456789abcdef" for c in out):
+        return "unknown"
+    # tracked files changed since HEAD: what ran is not that commit, and the record says so
+    return out + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _cpu_name() -> str:
@@ -167,9 +171,12 @@ REQUIRED_KEYS = ("date", "git_sha", "ok", "goals", "goal_direction", "ratios")
 
 def result_path(res: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     """<out_dir>/<name>-<YYYY-MM-DD>-<commit>.json: the first name :func:`write` tries for
-    `res` (``unknown`` stands for the commit where it is not known)."""
+    `res` (``unknown`` stands for the commit where it is not known; ``<sha7>-dirty`` for a tree
+    whose tracked files differed from it)."""
     sha = str(res.get("git_sha") or "unknown")
     short = sha[:7] if sha != "unknown" else sha
+    if sha.endswith("-dirty") and sha != "unknown":  # a tree that was not its commit
+        short += "-dirty"
     return Path(out_dir) / f"{res['name']}-{res['date'][:10]}-{short}.json"
 
 
