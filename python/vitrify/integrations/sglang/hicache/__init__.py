@@ -134,7 +134,7 @@ extra pools of hybrid models), :mod:`.metrics` (Prometheus), :mod:`.backend` (th
 lifecycle, identity, v0 calls, counters).
 """
 
-from .backend import VitrifyStorage
+from .backend import VitrifyStorage, vitrify_backend
 from .settings import VitrifyStorageSettings
 
-__all__ = ["VitrifyStorage", "VitrifyStorageSettings"]
+__all__ = ["VitrifyStorage", "VitrifyStorageSettings", "vitrify_backend"]

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from .... import host as _host
 from .... import disk as _disk
 from .... import tier as _tier
+from .. import versions
 from .geometry import (_host_geometry, _HostGeometry, _model_identity, _rank_suffix,
                        _shares_tp_store, _store_name)
 from .metrics import PrometheusExport
@@ -134,6 +135,16 @@ def live_backends() -> list:
     return list(_LIVE)
 
 
+def vitrify_backend(storage_backend: Any) -> Optional["VitrifyStorage"]:
+    """The :class:`VitrifyStorage` a cache controller's ``storage_backend`` is, or serves
+    through (SGLang 0.5.23's factory wraps every backend in its failure-injector proxy when
+    ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}`` is set, so an ``isinstance`` check
+    sees the proxy); None when it is another backend. Use this, not ``isinstance``, to find
+    vitrify's methods (``vitrify_stats``, ``set_weight_version``, ...) on a controller."""
+    inner = versions.current().hicache_unwrap(storage_backend)
+    return inner if isinstance(inner, VitrifyStorage) else None
+
+
 class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     """SGLang ``HiCacheStorage`` on vitrify's O_DIRECT slab store (see the package docstring).
 
@@ -144,6 +155,9 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        why = versions.current().hicache_refusal(storage_config)
+        if why is not None:  # the release's features vitrify does not store correctly
+            raise ValueError(f"vitrify HiCache backend: {why}")
         _LIVE.add(self)
         self.storage_config = storage_config
         self.settings = VitrifyStorageSettings.from_extra_config(storage_config.extra_config)
@@ -236,6 +250,27 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
                     "O_DIRECT=%s, cold_start=%s, staging %d pages x 2", name, geom.blob_bytes,
                     geom.page_tokens, mem_pool_host.layout, slabs, self._store_info["o_direct"],
                     self.settings.cold_start, self._chunk)
+        self._publish()
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang 0.5.23's end of the host-pool registration burst (the v1 pool, then every
+        entry of a host pool group through ``register_mem_host_pool_v2``; 0.5.17 never calls
+        it). Logs the pools stored and an entry of the group that was not registered (its
+        transfers are refused until it is); raises only when no host pool was registered, which
+        fails SGLang's attach."""
+        with self._state.shared():
+            if self._store is None:
+                raise ValueError("vitrify HiCache backend: host pools registered without "
+                                 "register_mem_pool_host (no KV store is open)")
+            planned = set(self._plan or {})
+            stored = {k: ep.store_name for k, ep in self._extra.items() if ep.store is not None}
+            missing = sorted(planned - set(self._extra))
+        if missing:
+            logger.error("vitrify HiCache backend: pool(s) %s of the host pool group were not "
+                         "registered with register_mem_host_pool_v2; their transfers are "
+                         "refused", missing)
+        logger.info("vitrify HiCache backend: host pools registered: kv in %s%s",
+                    self._store_name, "".join(f", {k} in {v}" for k, v in sorted(stored.items())))
         self._publish()
 
     def _describe_store(self) -> dict:
@@ -742,4 +777,4 @@ class VitrifyStorage(_V1Path, _ExtraPools, HiCacheStorage):
             return [self._store.slab_path(_KIND, d) for d in range(len(self.settings.dirs))]
 
 
-__all__ = ["VitrifyStorage"]
+__all__ = ["VitrifyStorage", "live_backends", "vitrify_backend"]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from .... import host as _host
+from .. import versions
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,12 @@ def _host_geometry(pool: Any) -> _HostGeometry:
         getattr(pool, "head_dim", "?"), getattr(pool, "kv_cache_dim", "?"), page_tokens,
         lay.blob_bytes, len(lay.components),
         lay.layers, lay.slice_bytes))
+    # SGLang 0.5.23's MHA pools have a V head width of their own; one that differs from the K
+    # width changes the page's bytes (a pool without it, or with the same width, keeps the
+    # identity text of 0.5.17, so its stored pages stay valid across the upgrade)
+    v_dim = getattr(pool, "v_head_dim", None)
+    if v_dim is not None and v_dim != getattr(pool, "head_dim", None):
+        ident += f"|v_head_dim={v_dim}"
     return _HostGeometry(lay, page_tokens, lay.blob_bytes, ident)
 
 
@@ -137,9 +144,11 @@ def _slug(text: str, limit: int = 40) -> str:
 
 
 def _rank_suffix(cfg: Any) -> str:
-    """This rank's place in SGLang's parallelism (``tp<r>of<n>-pp<r>of<n>-cp<r>of<n>``)."""
+    """This rank's place in SGLang's parallelism (``tp<r>of<n>-pp<r>of<n>-cp<r>of<n>``, and
+    what the release adds: ``-dp<r>`` for a DP-attention group ``r > 0`` on 0.5.23)."""
     return (f"tp{cfg.tp_rank}of{cfg.tp_size}-pp{cfg.pp_rank}of{cfg.pp_size}"
-            f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+            f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+            f"{versions.current().hicache_rank_extra(cfg)}")
 
 
 def _shares_tp_store(cfg: Any) -> bool:
@@ -153,7 +162,8 @@ def _store_suffix(cfg: Any) -> str:
     MLA model share one store (``tpsharedof<n>``: the TP size stays, the TP rank goes)."""
     if _shares_tp_store(cfg):
         return (f"tpsharedof{cfg.tp_size}-pp{cfg.pp_rank}of{cfg.pp_size}"
-                f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+                f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+                f"{versions.current().hicache_rank_extra(cfg)}")
     return _rank_suffix(cfg)
 
 
@@ -199,22 +209,14 @@ class _ModelIdentity:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
 
-def _published_server_args() -> Any:
-    """SGLang's process-wide ``ServerArgs``, or None where none is published (tests, tools)."""
-    try:
-        from sglang.srt.runtime_context import get_context
-
-        return get_context().server_args
-    except (ImportError, ValueError):
-        return None
-
-
 def _model_identity(cfg: Any, revision: Optional[str],
                     weight_version: Optional[str]) -> _ModelIdentity:
     """The model identity of this rank: ``revision`` / ``weight_version`` (the extra config's,
-    None: not given) win over the published server args."""
-    args = _published_server_args()
-    found = {f: getattr(args, f, None) for f in _SERVER_ARGS_FIELDS}
+    None: not given) win over the published server args, which are read as the release
+    resolved them (``hicache_published_args`` of the version module: 0.5.17's fields hold the
+    resolved values, 0.5.23's the operator's raw input, resolved through ``resolving_view``)."""
+    read = versions.current().hicache_published_args()
+    found = {f: (None if read is None else read(f)) for f in _SERVER_ARGS_FIELDS}
     found = {f: (None if v is None else str(v)) for f, v in found.items()}
     if revision is not None:
         found["revision"] = revision

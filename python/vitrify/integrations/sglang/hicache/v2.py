@@ -13,6 +13,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from .... import disk as _disk
+from .. import versions
 from .geometry import _flat_page, _pool_identity, _store_name
 from .settings import _KIND, logger
 
@@ -303,7 +304,10 @@ class _ExtraPools:
                         extra_info: Optional[HiCacheStorageExtraInfo] = None):
         """The usable prefix over the KV pages and every transfer's pool, with HiCacheFile's
         hit policies: ``all_pages`` needs every page of the KV prefix, ``trailing_pages`` the
-        last ``len(transfer.keys)`` pages of a (possibly shorter) prefix. Index look-ups only."""
+        last ``len(transfer.keys)`` pages of a (possibly shorter) prefix; the pools are folded
+        as the release's HiCacheFile folds them (0.5.17: the minimum of their boundaries;
+        0.5.23: the prefix lengths every pool restores, ``restorable_prefix_pages``, and the
+        longest of them). Any other policy is 0 hits (logged). Index look-ups only."""
         from sglang.srt.mem_cache.hicache_storage import (PoolHitPolicy, PoolName,
                                                           PoolTransferResult)
 
@@ -316,10 +320,10 @@ class _ExtraPools:
                     kv_found = self._store.batch_exists(keys, _KIND)
                 kv_pages = next((i for i, f in enumerate(kv_found) if not f), len(keys))
                 hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
-                final = kv_pages
-                for t in pool_transfers or []:
-                    if final == 0:
-                        break
+                # every pool's boundary and the prefix lengths it can restore; the release's
+                # HiCacheFile folds them (0.5.17: the minimum; 0.5.23: the intersection)
+                pools = []
+                for t in (pool_transfers or []) if kv_pages else []:
                     name = _pool_key(t.name)
                     if name == _KIND:
                         have = kv_found[:kv_pages]
@@ -330,17 +334,22 @@ class _ExtraPools:
                                 else [False] * kv_pages)
                     if t.hit_policy == PoolHitPolicy.ALL_PAGES:
                         boundary = next((i for i in range(kv_pages) if not have[i]), kv_pages)
-                    else:
+                        can = frozenset(range(1, boundary + 1))
+                    elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                         trailing = max(1, len(t.keys) if t.keys else 1)
-                        boundary = next((n for n in range(kv_pages, 0, -1)
-                                         if all(have[max(0, n - trailing):n])), 0)
-                    if boundary:
-                        hit_count[t.name] = boundary
-                    final = min(final, boundary)
+                        can = frozenset(n for n in range(1, kv_pages + 1)
+                                        if all(have[max(0, n - trailing):n]))
+                        boundary = max(can, default=0)
+                    else:  # e.g. 0.5.23's block_groups: never guessed (0 hits, logged)
+                        raise ValueError(f"hit policy {t.hit_policy!r} of pool {name!r} is not "
+                                         f"supported (all_pages, trailing_pages)")
+                    pools.append((t.name, boundary, can))
+                result = versions.current().hicache_exists_result(
+                    PoolTransferResult, kv_pages, hit_count, pools)
             with self._clock:
                 self._c.exists_queries += 1
             self._publish()
-            return PoolTransferResult(final, hit_count)
+            return result
         except Exception as e:
             self._error("batch_exists_v2", e)
             return PoolTransferResult(0, {})

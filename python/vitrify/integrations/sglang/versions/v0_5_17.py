@@ -298,3 +298,73 @@ __all__ = ["ABSENT_FIELDS", "ATTENTION_WRAPPERS", "CLI_FLAGS", "CONFIG_MERGER",
            "default_prefill_backend", "launcher_status", "process_role", "published_graph_config",
            "reader", "refused_env", "resolution_steps", "scheduler_gpu", "scheduler_reader",
            "server_args_fields", "ssl_verify", "step_registrar", "tp_size"]
+
+
+# ---- HiCache storage backend (hicache/; sglang/DESIGN.md, "SGLang releases") -------------------
+# What vitrify's HiCache L3 backend knows of this release's storage interface
+# (sglang/srt/mem_cache/hicache_storage.py): ``HiCacheStorageConfig`` has the TP/PP/attention-CP
+# slice only, no host-memory modes, no failure-injector proxy, and ``batch_exists_v2`` answers the
+# minimum of the pools' boundaries (``PoolTransferResult(final_pages, hit_count)``).
+
+# the class SGLang's factory may wrap a backend in (None: this release wraps none)
+HICACHE_PROXY: str | None = None
+
+
+def hicache_published_args() -> Callable[[str], Any] | None:
+    """The scheduler's published ``ServerArgs`` as a field reader (:func:`scheduler_reader`:
+    0.5.17 materialises the resolved values onto the fields; a field the record lacks reads
+    None), or None where this process published none (tests, tools)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        args = get_context().server_args
+    except (ImportError, ValueError):
+        return None
+    if args is None:
+        return None
+    read = scheduler_reader(args)
+
+    def get(name: str) -> Any:
+        try:
+            return read(name)
+        except AttributeError:  # a field this record lacks
+            return None
+
+    return get
+
+
+def hicache_refusal(storage_config: Any) -> str | None:
+    """Why vitrify's HiCache backend must not serve this storage config on 0.5.17, or None:
+    nothing in 0.5.17's config is outside what the backend supports."""
+    return None
+
+
+def hicache_rank_extra(storage_config: Any) -> str:
+    """What a slab name adds to ``tp..-pp..-cp..`` for this rank: nothing (0.5.17's config has
+    no DP rank; with DP attention its ``tp_rank`` is the global TP rank)."""
+    return ""
+
+
+def hicache_unwrap(backend: Any) -> Any:
+    """The backend SGLang's factory built, behind any proxy: 0.5.17 wraps none."""
+    return backend
+
+
+def hicache_exists_result(result_cls: type, kv_pages: int, hit_count: dict,
+                          pools: list[tuple[Any, int, frozenset]]) -> Any:
+    """``batch_exists_v2``'s answer as 0.5.17's ``HiCacheFile`` folds the pools: ``pools`` is
+    one ``(transfer name, boundary, restorable prefix lengths)`` per transfer, in order; the
+    answer is the minimum of the boundaries (stopping at 0), each nonzero boundary in
+    ``hit_count`` (the restorable sets are 0.5.23's and not part of this release's result)."""
+    final = kv_pages
+    for name, boundary, _ in pools:
+        if final == 0:
+            break
+        if boundary:
+            hit_count[name] = boundary
+        final = min(final, boundary)
+    return result_cls(final, hit_count)
+
+
+__all__ += ["HICACHE_PROXY", "hicache_exists_result", "hicache_published_args",
+            "hicache_rank_extra", "hicache_refusal", "hicache_unwrap"]

@@ -282,3 +282,114 @@ __all__ = ["ABSENT_FIELDS", "ATTENTION_WRAPPERS", "CLI_FLAGS", "CONFIG_MERGER",
            "launcher_status", "process_role", "published_graph_config", "reader", "refused_env",
            "resolution_steps", "scheduler_gpu", "scheduler_reader", "server_args_fields",
            "ssl_verify", "step_registrar", "tp_size"]
+
+
+# ---- HiCache storage backend (hicache/; sglang/DESIGN.md, "SGLang releases") -------------------
+# What changed in the storage interface since 0.5.17 (hicache_storage.py, storage/backend_factory.py,
+# managers/cache_controller.py) and how vitrify's HiCache backend meets it:
+# - ``HiCacheStorageConfig`` gains ``dp_rank`` (with DP attention ``tp_rank`` is local to the
+#   attention group: the slab name adds ``-dp<r>``), ``dcp_size`` / ``dcp_rank`` /
+#   ``logical_page_size`` (decode context parallel: refused) and a validator.
+# - ``--hicache-host-memory-mode buffer_only`` (host memory a staging buffer, L3 the only cache):
+#   refused (not proven with vitrify's store: eviction under SGLang's existence cache).
+# - the factory wraps the backend in ``HiCacheStorageFailureInjector`` when
+#   ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}`` is set: :func:`hicache_unwrap`.
+# - ``PoolTransferResult.restorable_prefix_pages``: the prefix lengths every pool can restore
+#   (their intersection; the longest is the answer): :func:`hicache_exists_result`.
+# - ``ServerArgs`` keeps the raw input: resolved values through :func:`scheduler_reader`.
+
+HICACHE_PROXY = "sglang.srt.mem_cache.hicache_storage.HiCacheStorageFailureInjector"
+
+
+def hicache_published_args() -> Callable[[str], Any] | None:
+    """The scheduler's published ``ServerArgs`` as a field reader of its RESOLVED values
+    (:func:`scheduler_reader`: the raw fields keep the operator's input, e.g. ``kv_cache_dtype``
+    "auto" where resolution declared fp8), or None where this process published none. A field
+    the record lacks reads None."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        args = get_context().server_args
+    except (ImportError, ValueError):
+        return None
+    if args is None:
+        return None
+    read = scheduler_reader(args)
+
+    def get(name: str) -> Any:
+        try:
+            return read(name)
+        except AttributeError:
+            return None
+
+    return get
+
+
+def _host_memory_mode() -> str | None:
+    """``--hicache-host-memory-mode`` as this process's runtime reads it (the published memory
+    bag), else as the published record resolves it; None where neither is published."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        return getattr(get_memory(), "hicache_host_memory_mode", None)
+    except (ImportError, ValueError):
+        pass
+    get = hicache_published_args()
+    return None if get is None else get("hicache_host_memory_mode")
+
+
+def hicache_refusal(storage_config: Any) -> str | None:
+    """Why vitrify's HiCache backend must not serve on 0.5.23, in one line, or None: decode
+    context parallelism (``dcp_size > 1``: pages are shards of a logical page, stored under a
+    DCP identity vitrify does not keep) and ``--hicache-host-memory-mode buffer_only``."""
+    dcp = int(getattr(storage_config, "dcp_size", 1) or 1)
+    if dcp != 1:
+        return (f"decode context parallelism (dcp_size={dcp}, dcp_rank="
+                f"{getattr(storage_config, 'dcp_rank', '?')}) is not supported; use SGLang's "
+                f"file or Mooncake backend, or run without --dcp-size")
+    mode = _host_memory_mode()
+    if mode == "buffer_only":
+        return ("--hicache-host-memory-mode buffer_only is not supported (the host pool only "
+                "stages pages and L3 is the only cache); use the default mode 'cache'")
+    return None
+
+
+def hicache_rank_extra(storage_config: Any) -> str:
+    """What a slab name adds to ``tp..-pp..-cp..``: ``-dp<r>`` for a DP-attention rank of DP
+    group ``r > 0`` (its ``tp_rank`` is local to the group, so two groups would otherwise name
+    one slab); nothing for group 0, so a server without DP attention keeps its names."""
+    dp = int(getattr(storage_config, "dp_rank", 0) or 0)
+    return f"-dp{dp}" if dp else ""
+
+
+def hicache_unwrap(backend: Any) -> Any:
+    """The backend SGLang's factory built, behind the failure-injector proxy the factory puts
+    around it when SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE} is set."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    seen = 0
+    while isinstance(backend, HiCacheStorageFailureInjector) and seen < 8:
+        backend = backend._backend
+        seen += 1
+    return backend
+
+
+def hicache_exists_result(result_cls: type, kv_pages: int, hit_count: dict,
+                          pools: list[tuple[Any, int, frozenset]]) -> Any:
+    """``batch_exists_v2``'s answer as 0.5.23's ``HiCacheFile`` folds the pools: ``pools`` is
+    one ``(transfer name, boundary, restorable prefix lengths)`` per transfer, in order; the
+    prefix lengths every pool can restore are intersected (stopping once none is left: a
+    trailing-page pool may restore 5 pages while 4 and 3 are not restorable), the longest is
+    the answer and the list is ``restorable_prefix_pages``."""
+    restorable = list(range(1, kv_pages + 1))
+    for name, boundary, can in pools:
+        if not restorable:
+            break
+        if boundary:
+            hit_count[name] = boundary
+        restorable = [n for n in restorable if n in can]
+    return result_cls(restorable[-1] if restorable else 0, hit_count, restorable)
+
+
+__all__ += ["HICACHE_PROXY", "hicache_exists_result", "hicache_published_args",
+            "hicache_rank_extra", "hicache_refusal", "hicache_unwrap"]
