@@ -709,6 +709,12 @@ class Archive:
         self.region = Region(r["base"], r["size"], r["granularity"], dict(r["checkpoints"]))
         self.files: dict[str, dict[str, Any]] = manifest["files"]
 
+    def check_fingerprint(self, expect: Fingerprint | Mapping) -> None:
+        """Raise :class:`ArchiveMismatch` (naming the field and both values) unless every field
+        of ``expect`` that is not None equals this archive's: what ``open_archive(expect=...)``
+        checks, for an archive opened before its expected fingerprint was known."""
+        _compare_fingerprint(self.path, self.fingerprint, expect)
+
     @property
     def ranks(self) -> list[int]:
         """Ranks with at least one file (``rank<N>/...``), ascending."""

@@ -591,7 +591,11 @@ class ThawSession:
                  exportable: bool = False, restore_graph_span: bool = True,
                  direct_io: str | None = None):
         self.adapter = _check_fingerprinted(adapter)
-        self.path = os.path.abspath(_check.path("path", path))
+        # an archive its caller opened already (one open per process): its fingerprint is
+        # checked against the adapter's at start() as an opened path's would be
+        self._opened = path if isinstance(path, _archive.Archive) else None
+        self.path = self._opened.path if self._opened is not None else \
+            os.path.abspath(_check.path("path", path))
         # False: the graphs span is mapped at "captured" but not restored (an engine whose
         # capture memory is scratch every replay rewrites, and whose other objects in that range
         # it rebuilt itself: SGLang's, see freeze.py)
@@ -761,9 +765,12 @@ class ThawSession:
         self._t_start = time.perf_counter()
         a, t = self.adapter, self.timings
         with t.step("open"):
-            archive = _archive.open_archive(self.path,
-                                            expect=_fingerprint(a, self.device),
-                                            checksums=False)
+            if self._opened is not None:
+                archive = self._opened
+                archive.check_fingerprint(_fingerprint(a, self.device))
+            else:
+                archive = _archive.open_archive(self.path, expect=_fingerprint(a, self.device),
+                                                checksums=False)
             # The state is checked against the manifest: every span and graph it records is
             # listed (P13), read only after the manifest vouched for it.
             st, index = _read(archive, RANK)

@@ -271,7 +271,12 @@ def main() -> int:
             from vitrify import archive
 
             base = archive.open_archive(path).region.base + opts["base_shift"]
-        s = session.ThawSession(eng, path, relocate=opts.get("relocate", True), base=base,
+        src = path
+        if opts.get("opened"):  # the caller's archive, opened before the session
+            from vitrify import archive
+
+            src = archive.open_archive(path)
+        s = session.ThawSession(eng, src, relocate=opts.get("relocate", True), base=base,
                                 warmup_restore=opts.get("warmup_restore"))
         try:
             out = s.run()

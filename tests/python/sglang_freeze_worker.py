@@ -47,6 +47,11 @@ def main() -> int:
                                                            "page_size": 64}
         # the routed pool's block map needs torch on a GPU: the stand-in's is the cursor
         graphs.routed_blocks = lambda region: [[0, region.offset, 1]]
+        # every open of an archive in this process, counted (LOAD opens its archive once)
+        import vitrify.archive as _arch
+
+        opens, real_open = [], _arch.open_archive
+        _arch.open_archive = lambda path, **k: opens.append(str(path)) or real_open(path, **k)
         # where the release keeps the scheduler's GPU (scheduler.ps, or the runtime context a
         # real scheduler publishes first): sglang_release_cases.py checks that on each release
         freeze.scheduler_gpu = lambda scheduler: 0
@@ -160,6 +165,7 @@ def main() -> int:
                                       if rel.startswith("jit/") and rel != "jit/index.json")
         else:
             out["checkpoints"] = region.checkpoints
+            out["archive_opens"] = opens
             out["triton_cache"] = os.environ.get("TRITON_CACHE_DIR", "")
         return out
 

@@ -135,11 +135,22 @@ def test_a_drifting_engine_is_refused_naming_the_phase_and_both_offsets(frozen):
 
 
 @needs_fake
-def test_an_archive_of_another_model_is_refused(frozen):
+@pytest.mark.parametrize("opened", [False, True])
+def test_an_archive_of_another_model_is_refused(frozen, opened):
+    """By path, or an archive the caller opened already (one open per process): the
+    fingerprint is checked at start() either way."""
     path, _ = frozen
-    th = run("thaw", path, model="bytes-other")
+    th = run("thaw", path, model="bytes-other", opened=opened)
     assert not th["ok"]
     assert "fingerprint.model mismatch" in th["error"] and "bytes-other" in th["error"]
+
+
+@needs_fake
+def test_a_thaw_of_an_opened_archive_restores_the_same_bytes(frozen):
+    path, fz = frozen
+    th = run("thaw", path, opened=True)
+    assert th["ok"], th.get("traceback")
+    assert th["checkpoints"] == fz["checkpoints"] and th["digest"] == th["frozen_digest"]
 
 
 @needs_fake

@@ -212,6 +212,8 @@ def test_save_then_load_through_the_hooks(tmp_path):
     # SAVE's size; SGLang's profiling still ran (its side effects are part of the trajectory)
     assert load["pool_config"] == save["pool_config"] and load["profiled"] is True
     assert load["checkpoints"] == save["summary"]["checkpoints"]
+    # the standby's check, the JIT unpack and the thaw share one open of the archive
+    assert load["archive_opens"] == [str(tmp_path / "engine.vitrify")]
     assert load["triton_cache"].startswith(str(tmp_path / "xdg"))
     assert load["frozen_before_init"] == 0 and load["frozen_after_capture"] > 10000
     drift = _worker("load", tmp_path, drift=True)

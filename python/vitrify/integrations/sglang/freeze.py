@@ -87,19 +87,6 @@ def expected_fingerprint(engine: Engine, device: int) -> Any:
     return _archive.Fingerprint.current(device=device, **engine.fingerprint())
 
 
-def check_fingerprint(archive: Any, expect: Any) -> None:
-    """``archive`` (opened) matches ``expect`` in every field ``expect`` knows, else the
-    archive's :class:`vitrify.archive.ArchiveMismatch` naming the field and both values."""
-    from ... import archive as _archive
-
-    want = expect.to_dict()
-    for field in _archive.FINGERPRINT_FIELDS:
-        have = getattr(archive.fingerprint, field)
-        if want.get(field) is not None and want[field] != have:
-            raise _archive.ArchiveMismatch(archive.path, f"fingerprint.{field}", want[field],
-                                           have)
-
-
 def exportable_here(device: int) -> str | None:
     """None when ``device`` and the driver can create an exportable region (a range reserved
     and freed: no memory is created), else why not, in one line."""
@@ -159,7 +146,7 @@ def before_gpu(server_args: Any, device: int) -> state.Before:
         try:
             # an archive that cannot thaw here is refused before the wait, not after
             archive = state.archive(cfg.archive)
-            check_fingerprint(archive, expected_fingerprint(engine, device))
+            archive.check_fingerprint(expected_fingerprint(engine, device))
             # what can be done before the go is done before it: the full collection, Triton's
             # cache key, the spans the thaw restores read into the page cache (until the go)
             startup.freeze_import_heap(collect=True)
@@ -221,12 +208,15 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
     device = before.device
     engine = Engine(before.fingerprint, state.STATE.sglang_version or
                     versions.current().VERSION)
-    if cfg.mode == "save":
-        # LOAD re-runs warmup and maps the graphs span without restoring it (below), so SAVE
-        # writes neither span: the archive holds the weights span
-        sess = _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
-                                      device=device, dump_warmup=False, dump_graph_span=False)
-    else:
+
+    def new_session() -> Any:
+        """The session of this mode (inside the error handling below: opening the archive
+        LOAD shares with the rest of this process can fail, or mismatch)."""
+        if cfg.mode == "save":
+            # LOAD re-runs warmup and maps the graphs span without restoring it (below), so SAVE
+            # writes neither span: the archive holds the weights span
+            return _session.FreezeSession(engine, cfg.archive, region_bytes=cfg.region_bytes,
+                                          device=device, dump_warmup=False, dump_graph_span=False)
         # warmup re-runs (SGLang's warm-up also builds its objects); the graphs span is mapped,
         # not restored: the capture windows are scratch every replay writes before it reads,
         # and the rest of that range holds SGLang's own buffers, which LOAD's start-up has just
@@ -239,11 +229,14 @@ def around_init_model_worker(original: Callable, scheduler: Any, *args: Any, **k
             log.warning("vitrify: this GPU cannot export the thawed weights (%s): weight "
                         "updates go through the trainer's staging buffer", why)
             exportable = False
-        sess = _session.ThawSession(engine, cfg.archive, device=device, warmup_restore=False,
-                                    restore_graph_span=False,
+        # the archive this process opened already (a standby's check, the JIT unpack)
+        return _session.ThawSession(engine, state.archive(cfg.archive), device=device,
+                                    warmup_restore=False, restore_graph_span=False,
                                     direct_io=startup.read_ahead_direct_io(cfg.archive),
                                     exportable=exportable)
+
     try:
+        sess = new_session()
         if not before.standby_done:
             startup.freeze_import_heap(collect=False)
             startup.warm_triton_key(background=True)  # hashes Triton's library meanwhile
@@ -500,5 +493,5 @@ __all__ = ["ENGINE", "Engine", "MAX_LENGTHS", "after_handle_generate_request", "
            "around_alloc_memory_pool", "around_capture_decode_graph", "around_freeze_gc",
            "around_init_model_worker", "around_init_parallel_runtime", "around_load_model",
            "around_resolve_decode_backend", "around_resolve_memory_pool_config",
-           "around_wait_and_warmup", "before_gpu", "check_fingerprint", "expected_fingerprint",
+           "around_wait_and_warmup", "before_gpu", "expected_fingerprint",
            "exportable_here", "own_errors", "scheduler_gpu"]
