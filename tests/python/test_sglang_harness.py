@@ -32,7 +32,33 @@ SMALL = {
     "llama": {**models.model_config("llama-1b"), "vocab_size": 512, "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16},
+    "qwen3_moe": {**models.model_config("moe"), "vocab_size": 512, "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "max_window_layers": 2,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
+
+
+def _fused_experts(shapes: dict) -> dict:
+    """The Hub's per-expert matrices folded the way transformers 5 holds an MoE block in memory
+    (``experts.gate_up_proj`` of (experts, 2 x width, hidden), ``experts.down_proj`` of
+    (experts, hidden, width)); every other name as it is."""
+    import re
+
+    out, experts = {}, {}
+    for name, shape in shapes.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m is None:
+            out[name] = shape
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), []).append(shape)
+    for prefix, kinds in experts.items():
+        (width, hidden), n = kinds["gate_proj"][0], len(kinds["gate_proj"])
+        assert all(len(v) == n and set(v) == {v[0]} for v in kinds.values())
+        assert kinds["up_proj"][0] == (width, hidden) and kinds["down_proj"][0] == (hidden, width)
+        out[prefix + ".gate_up_proj"] = (n, 2 * width, hidden)
+        out[prefix + ".down_proj"] = (n, hidden, width)
+    return out
 
 
 def _hf_shapes(cfg: dict) -> dict:
@@ -52,7 +78,35 @@ def _hf_shapes(cfg: dict) -> dict:
 @pytest.mark.parametrize("shape", sorted(models.SHAPES))
 def test_checkpoint_names_and_shapes_are_what_transformers_builds(shape):
     cfg = models.model_config(shape)
-    assert models.parameter_shapes(cfg) == _hf_shapes(cfg)
+    assert _fused_experts(models.parameter_shapes(cfg)) == _hf_shapes(cfg)
+
+
+def test_the_moe_shape_is_qwen3_30b_a3bs_layer_and_sglang_loads_every_expert():
+    """Qwen3-30B-A3B's layer (128 experts of 768, top 8, 4 KV heads of 128), 6 layers, each an
+    MoE block with its router; every expert matrix a name SGLang's Qwen3-MoE loader maps onto
+    its fused experts (FusedMoE.make_expert_params_mapping, as qwen3_moe.load_weights calls it),
+    none left over."""
+    cfg = models.model_config("moe")
+    shapes = models.parameter_shapes(cfg)
+    n = sum(torch.Size(v).numel() for v in shapes.values())
+    assert n == 4_361_055_744 and models.kv_bytes_per_token(cfg) == 2 * 6 * 4 * 128 * 2
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == \
+        (128, 8, 768)
+    for i in range(cfg["num_hidden_layers"]):
+        assert shapes[f"model.layers.{i}.mlp.gate.weight"] == (128, 2048)
+        assert f"model.layers.{i}.mlp.gate_proj.weight" not in shapes  # no dense MLP
+    fused = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer").FusedMoE
+    mapping = fused.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj",
+                                               ckpt_down_proj_name="down_proj",
+                                               ckpt_up_proj_name="up_proj",
+                                               num_experts=cfg["num_experts"])
+    experts = [k for k in shapes if ".mlp.experts." in k]
+    assert len(experts) == 6 * 128 * 3
+    for name in experts:
+        hits = [m for m in mapping if m[1] in name]
+        assert len(hits) == 1, name
+    assert not models.moe_layer({**cfg, "mlp_only_layers": [2]}, 2)
+    assert models.moe_layer(cfg, 5) and not models.moe_layer({**cfg, "decoder_sparse_step": 2}, 0)
 
 
 def test_the_llama_shape_is_llama_3_2_1b():

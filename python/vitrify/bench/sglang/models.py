@@ -12,6 +12,10 @@ tiny      Qwen3           8 layers, hidden 1024, 8 KV heads of 64 (16 KiB KV/tok
 8b-mqa    Qwen3           the 8b shape with one KV head (an eighth of the KV bytes)
 llama-1b  Llama           Llama-3.2-1B: 16 layers, hidden 2048, 8 KV heads of 64, tied
                           embeddings, llama3 RoPE scaling
+moe       Qwen3-MoE       Qwen3-30B-A3B's layer: hidden 2048, 4 KV heads of 128, 128
+                          experts of width 768, 8 routed per token; 6 of its 48 layers
+                          (4.4 B parameters, 8.7 GB: every MoE kernel of the full model,
+                          an archive the GPU machine's disk holds)
 ========  ==============  ===========================================================
 """
 
@@ -51,6 +55,17 @@ _QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 122
              "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
              "head_dim": 128, "max_window_layers": 36}
 
+# Qwen3-30B-A3B's published config, but 6 of its 48 layers (every layer is an MoE block: SGLang's
+# Qwen3-MoE has no dense layers; the router's scores are softmaxed, the top 8 renormalised)
+QWEN3_MOE: dict[str, Any] = {
+    **QWEN3_TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "max_window_layers": 6, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}
+
 # shape -> (base config, overrides)
 SHAPES: dict[str, tuple[dict, dict]] = {
     "tiny": (QWEN3_TINY, {}),
@@ -60,6 +75,7 @@ SHAPES: dict[str, tuple[dict, dict]] = {
     # token for an eighth of the KV bytes (18,432 B per token)
     "8b-mqa": (QWEN3_TINY, {**_QWEN3_8B, "num_key_value_heads": 1}),
     "llama-1b": (LLAMA_1B, {}),
+    "moe": (QWEN3_MOE, {}),
 }
 
 
@@ -75,10 +91,21 @@ def model_config(shape: str) -> dict:
 def family(cfg: dict) -> str:
     """``"qwen3"`` or ``"llama"``: the parameter naming of the config's architecture."""
     mt = cfg.get("model_type")
-    if mt in ("qwen3", "llama"):
+    if mt in FAMILIES:
         return mt
     raise ValueError(f"model_type {mt!r} is not one of the families the runs write checkpoints "
-                     f"for: qwen3, llama")
+                     f"for: {', '.join(FAMILIES)}")
+
+
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+
+
+def moe_layer(cfg: dict, i: int) -> bool:
+    """Whether layer ``i`` of a Qwen3-MoE config is an MoE block (``decoder_sparse_step``,
+    ``mlp_only_layers``: Hugging Face's rule; the shapes here make every layer one)."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return i not in (cfg.get("mlp_only_layers") or []) and cfg.get("num_experts", 0) > 0 and \
+        (i + 1) % step == 0
 
 
 def parameter_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -95,12 +122,23 @@ def parameter_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_proj.weight"] = (kv * hd, h)
         out[p + "self_attn.v_proj.weight"] = (kv * hd, h)
         out[p + "self_attn.o_proj.weight"] = (h, heads * hd)
-        if fam == "qwen3":  # per-head RMSNorm of q and k
+        if fam in ("qwen3", "qwen3_moe"):  # per-head RMSNorm of q and k
             out[p + "self_attn.q_norm.weight"] = (hd,)
             out[p + "self_attn.k_norm.weight"] = (hd,)
-        out[p + "mlp.gate_proj.weight"] = (ffn, h)
-        out[p + "mlp.up_proj.weight"] = (ffn, h)
-        out[p + "mlp.down_proj.weight"] = (h, ffn)
+        if fam == "qwen3_moe" and moe_layer(cfg, i):
+            # the router (N(0, 0.02) like every matrix: which experts run depends on the
+            # input), then each expert's SwiGLU as its own three matrices (the Hub's layout)
+            width = cfg["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = (width, h)
+                out[q + "up_proj.weight"] = (width, h)
+                out[q + "down_proj.weight"] = (h, width)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (ffn, h)
+            out[p + "mlp.up_proj.weight"] = (ffn, h)
+            out[p + "mlp.down_proj.weight"] = (h, ffn)
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
     out["model.norm.weight"] = (h,)
