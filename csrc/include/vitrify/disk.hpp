@@ -90,6 +90,20 @@ enum class ColdStart { kClear, kLoad };
 // "clear" | "load"; anything else is std::invalid_argument naming it.
 ColdStart parse_cold_start(const std::string& text);
 
+// How a disk store's I/O threads move slot bytes (DESIGN.md "I/O engines", D25). kAuto: the
+// first of io_uring, Linux native AIO and psync that the kernel grants when the store opens
+// (probed, never assumed); kIoUring / kAio: that engine or a std::system_error naming it and
+// the errno the kernel answered; kPsync: one synchronous pread/pwrite per slot per thread.
+enum class IoEngine { kAuto, kIoUring, kAio, kPsync };
+// "auto" | "io_uring" | "aio" | "psync" (any letter case); anything else is
+// std::invalid_argument naming it.
+IoEngine parse_io_engine(const std::string& text);
+// The name parse_io_engine accepts for `engine`.
+const char* io_engine_name(IoEngine engine) noexcept;
+namespace detail {
+class IoEngineImpl;  // csrc/src/disk/detail/io_engine.hpp
+}
+
 // 64-bit tag of a store name (FNV-1a), stored in every file header of that store.
 uint64_t store_tag(const std::string& name) noexcept;
 
@@ -325,6 +339,19 @@ class SlabFile {
   // verify (a miss). std::invalid_argument on a disk slab, EROFS on a read-only one.
   bool set_slot_flags(uint64_t slot, const Key& key, uint8_t flags);
 
+  // write_aligned's preparation alone, for an engine that transfers the slot itself (D25): the
+  // same checks, then the header filled in place and the pad zeroed; returns the bytes to
+  // write from `buf` at slot_offset(slot). Disk slabs only (std::invalid_argument on a host
+  // slab). Throws as write_aligned does.
+  size_t prepare_write(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
+                       uint32_t seq, uint8_t flags = 0);
+  // The bytes read_raw would transfer for these arguments, or nullopt when read_raw would
+  // refuse them (-1). Never throws.
+  std::optional<size_t> read_length(uint64_t slot, const uint8_t* buf, size_t buf_bytes,
+                                    size_t expected_len = SIZE_MAX) const noexcept;
+  // The slab's descriptor, for an engine's transfers (D25); owned by this SlabFile.
+  int fd() const noexcept { return fd_.get(); }
+
   // Reads slot `slot` with one transfer into `buf` (4 KiB-aligned, `buf_bytes` long) and
   // verifies it against `key`. `expected_len` (or SIZE_MAX: unknown, read the whole slot)
   // bounds the transfer. Returns the payload length (payload at buf + 64), or nullopt on any
@@ -412,6 +439,7 @@ class SlabFile {
   size_t read_at(void* buf, size_t n, uint64_t off) const;
   void write_at(const void* buf, size_t n, uint64_t off);
   void map_host(bool writable);
+  static void fill_slot(SlotHeader& h, uint8_t* buf, size_t payload_len, size_t n) noexcept;
 
   std::string path_;
   SlabGeometry geo_;
@@ -452,6 +480,12 @@ struct StoreConfig {
   int verify_stage = -1;           // payload CRC on a second thread, overlapping the next read:
                                    // -1 when read_threads == 1, 0 never, 1 always
   SlabLocking slab_locking = SlabLocking::kAuto;  // how slab files are locked (D13)
+  // The slot-transfer engine of a disk store (D25; a host store's slots are memcpy'd and take
+  // kAuto or kPsync only). With io_uring or aio an I/O thread puts a whole batch in flight at
+  // once: a write thread its group-commit batch (max_batch), a read thread up to queue_depth
+  // queued reads, at most queue_depth transfers in flight per thread.
+  IoEngine engine = IoEngine::kAuto;
+  unsigned queue_depth = 64;       // [1, 4096]
   // A reader of a store that another Store writes (D14): the existing slabs are opened
   // O_RDONLY without a lock and their headers scanned (cold_start is ignored); puts, remove()
   // and clear() are refused; refresh() picks up the writer's later pages. write_threads unused.
@@ -828,6 +862,10 @@ class Store {
 
   StoreStats stats() const;
   const StoreConfig& config() const noexcept { return cfg_; }
+  // The engine the I/O threads use (D25): never kAuto; a host store's is "mapped" in
+  // engine_name() (its slots are copied, not transferred).
+  IoEngine engine() const noexcept { return engine_; }
+  const char* engine_name() const noexcept { return cfg_.host ? "mapped" : io_engine_name(engine_); }
   // The slab mappings' CUDA registration (StoreConfig::register_device): registered, threads,
   // wall seconds, each range's seconds. Not registered without a register_device, and after
   // close(), which unregisters.
@@ -885,9 +923,18 @@ class Store {
   bool push(Queue<Job>& q, Job& job);
   void enqueue_puts(unsigned kind, std::vector<PutItem>& items, const Ticket& t,
                     const std::vector<size_t>* where);
-  void write_loop(unsigned drive);
-  void read_loop(unsigned drive);
+  // `engine`: the thread's io_uring / aio engine (D25), nullptr for psync.
+  void write_loop(unsigned drive, detail::IoEngineImpl* engine);
+  void read_loop(unsigned drive, detail::IoEngineImpl* engine);
   void read_loop_staged(unsigned drive, uint64_t max_slot);
+  // io_uring / aio (D25): a batch of queued reads in flight at once, each verified as it lands.
+  void read_loop_batched(unsigned drive, uint64_t max_slot, detail::IoEngineImpl& engine);
+  // io_uring / aio: the slot writes of one group-commit batch in flight at once; res[i] becomes
+  // kError for a write that failed.
+  void write_batch(unsigned drive, std::vector<WriteJob>& batch, std::vector<PutResult>& res,
+                   std::vector<SlabFile*>& touched, detail::IoEngineImpl& engine);
+  // Probes and creates one engine per I/O thread (D25) before any thread starts.
+  void open_engines(size_t threads);
   bool next_read(unsigned drive, ReadJob& j);
   bool current_epoch(const ReadJob& j) const;
   void complete_read(ReadJob& j, std::optional<size_t> r);
@@ -937,6 +984,9 @@ class Store {
   std::vector<host::HostRegistration> registrations_;
   host::RegistrationTiming registration_;
   std::vector<std::unique_ptr<Drive>> drives_;
+  IoEngine engine_ = IoEngine::kPsync;
+  // io_uring / aio: one engine (its ring or context) per I/O thread, in thread start order.
+  std::vector<std::unique_ptr<detail::IoEngineImpl>> engines_;
   mutable std::mutex mu_;  // every kind's SlotIndex and spare buffers, the counters below
   std::condition_variable settled_cv_;  // on mu_: puts finished (remove waits for its key's)
   uint32_t seq_ = 0;

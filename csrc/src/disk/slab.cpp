@@ -413,11 +413,47 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
     std::memcpy(at, &h, sizeof h);
     return;
   }
+  fill_slot(h, buf, payload_len, n);
+  file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
+}
+
+// The disk slot image in `buf`: header (with both CRCs) in place, pad zeroed. Every engine
+// writes exactly these bytes (D25).
+void SlabFile::fill_slot(SlotHeader& h, uint8_t* buf, size_t payload_len, size_t n) noexcept {
   h.payload_crc = crc32c(buf + kSlotHeaderBytes, payload_len);
   h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
   std::memcpy(buf, &h, sizeof h);
   std::memset(buf + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
-  file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
+}
+
+size_t SlabFile::prepare_write(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
+                               uint32_t seq, uint8_t flags) {
+  check_writable();
+  VITRIFY_EXPECT(!map_, "prepare_write is for disk slabs; a host slab's slots are copied (" +
+                            path_ + ")");
+  VITRIFY_EXPECT((flags & ~kKnownSlotFlags) == 0,
+                 "slot flags " + std::to_string(flags) + " are not known flags");
+  VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
+                                          std::to_string(geo_.slot_count) + ") in " + path_);
+  VITRIFY_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
+              "payload of " + std::to_string(payload_len) + " bytes does not fit a slot of " +
+                  std::to_string(geo_.slot_bytes) + " bytes (max " +
+                  std::to_string(geo_.slot_bytes - kSlotHeaderBytes) + ")");
+  VITRIFY_EXPECT(is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock),
+              "slot buffer must be 4096-byte aligned");
+  SlotHeader h{};
+  h.magic = kSlotMagic;
+  h.version = kFormatVersion;
+  h.flags = flags;
+  h.kind = geo_.kind;
+  h.slot = static_cast<uint32_t>(slot);
+  h.payload_len = static_cast<uint32_t>(payload_len);
+  h.slab_id = slab_id_;
+  h.seq = seq;
+  std::memcpy(h.key, key.data(), kKeyBytes);
+  const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
+  fill_slot(h, buf, payload_len, n);
+  return n;
 }
 
 bool SlabFile::set_slot_flags(uint64_t slot, const Key& key, uint8_t flags) {
@@ -454,18 +490,25 @@ bool SlabFile::verify_header(const SlotHeader& h, uint64_t slot) const noexcept 
          h.payload_len <= geo_.slot_bytes - kSlotHeaderBytes;
 }
 
-ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
-                           size_t expected_len) const noexcept {
-  if (slot >= geo_.slot_count || buf == nullptr) return -1;
-  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return -1;
+std::optional<size_t> SlabFile::read_length(uint64_t slot, const uint8_t* buf, size_t buf_bytes,
+                                            size_t expected_len) const noexcept {
+  if (slot >= geo_.slot_count || buf == nullptr) return std::nullopt;
+  if (direct_ && !is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock)) return std::nullopt;
   size_t n = geo_.slot_bytes;
   if (expected_len != SIZE_MAX) {
-    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return -1;
+    if (expected_len > geo_.slot_bytes - kSlotHeaderBytes) return std::nullopt;
     n = round_up(kSlotHeaderBytes + expected_len, kBlock);
   }
-  if (buf_bytes < n) return -1;
+  if (buf_bytes < n) return std::nullopt;
+  return n;
+}
+
+ssize_t SlabFile::read_raw(uint64_t slot, uint8_t* buf, size_t buf_bytes,
+                           size_t expected_len) const noexcept {
+  const std::optional<size_t> n = read_length(slot, buf, buf_bytes, expected_len);
+  if (!n) return -1;
   try {
-    return static_cast<ssize_t>(read_at(buf, n, slot_offset(slot)));
+    return static_cast<ssize_t>(read_at(buf, *n, slot_offset(slot)));
   } catch (...) {  // an I/O error reads as a miss
     return -1;
   }

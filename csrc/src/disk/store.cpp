@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "disk/detail/io_engine.hpp"
 #include "vitrify/disk.hpp"
 #include "vitrify/error.hpp"
 #include "vitrify/log.hpp"
@@ -38,6 +39,9 @@ void Completion::finish(size_t index, int64_t result) {
 // ------------------------------------------------------------------------------ Store
 namespace {
 constexpr size_t kSpareBuffersPerKind = 16;
+// A batched read thread (D25) stages reads into plain destinations through scratch slot
+// buffers of at most this many bytes together (at least one buffer).
+constexpr uint64_t kReadScratchBytes = 32ull << 20;
 }
 
 Store::Store(StoreConfig config) : cfg_(std::move(config)) {
@@ -50,6 +54,8 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
               "write_threads and read_threads must be >= 1");
   VITRIFY_EXPECT(cfg_.queue_capacity >= 1, "queue_capacity must be >= 1");
   VITRIFY_EXPECT(cfg_.max_batch >= 1, "max_batch must be >= 1");
+  VITRIFY_EXPECT(cfg_.queue_depth >= 1 && cfg_.queue_depth <= 4096,
+                 "queue_depth must be in [1, 4096], got " + std::to_string(cfg_.queue_depth));
   VITRIFY_EXPECT(cfg_.load_threads <= 256,
               "load_threads must be in [0, 256], got " + std::to_string(cfg_.load_threads));
   VITRIFY_EXPECT(cfg_.gc_low > 0 && cfg_.gc_low < cfg_.gc_high && cfg_.gc_high <= 1.0,
@@ -70,6 +76,10 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     VITRIFY_EXPECT(cfg_.direct_io != file_io::DirectIo::kOn,
                    "direct_io=on does not apply to a host-tier store (its slabs are mapped)");
     cfg_.direct_io = file_io::DirectIo::kOff;
+    VITRIFY_EXPECT(cfg_.engine == IoEngine::kAuto || cfg_.engine == IoEngine::kPsync,
+                   std::string("engine=\"") + io_engine_name(cfg_.engine) +
+                       "\" does not apply to a host-tier store (its slots are copied in its "
+                       "mapping); use \"auto\" or \"psync\"");
   }
   const size_t nd = cfg_.dirs.size();
   const uint64_t tag = store_tag(cfg_.name);
@@ -174,12 +184,20 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
       for (auto& s : k.slabs) counters_.direct_io = counters_.direct_io && s->direct();
     load_index();
     if (cfg_.host && cfg_.register_device >= 0) register_mappings();
+    const unsigned writers = cfg_.read_only ? 0u : cfg_.write_threads;
+    open_engines(nd * (writers + cfg_.read_threads));
     for (size_t d = 0; d < nd; ++d) drives_.push_back(std::make_unique<Drive>());
+    size_t e = 0;  // the next thread's engine (engines_ is empty for psync)
+    const auto engine_for = [&]() -> detail::IoEngineImpl* {
+      return engines_.empty() ? nullptr : engines_[e++].get();
+    };
     for (size_t d = 0; d < nd; ++d) {
-      for (unsigned t = 0; t < (cfg_.read_only ? 0u : cfg_.write_threads); ++t)
-        drives_[d]->threads.emplace_back([this, d] { write_loop(static_cast<unsigned>(d)); });
+      for (unsigned t = 0; t < writers; ++t)
+        drives_[d]->threads.emplace_back(
+            [this, d, en = engine_for()] { write_loop(static_cast<unsigned>(d), en); });
       for (unsigned t = 0; t < cfg_.read_threads; ++t)
-        drives_[d]->threads.emplace_back([this, d] { read_loop(static_cast<unsigned>(d)); });
+        drives_[d]->threads.emplace_back(
+            [this, d, en = engine_for()] { read_loop(static_cast<unsigned>(d), en); });
     }
   } catch (...) {
     // Undo the files first (the locks still held: nobody else uses them meanwhile), then stop
@@ -188,6 +206,37 @@ Store::Store(StoreConfig config) : cfg_(std::move(config)) {
     close();
     throw;
   }
+}
+
+// D25: the engine is chosen when the store opens, by creating every I/O thread's ring or
+// context: auto takes the first the kernel grants (io_uring, then aio, then psync; each refusal
+// logged at DEBUG), a named engine is granted or the open fails with the kernel's errno.
+void Store::open_engines(size_t threads) {
+  engine_ = IoEngine::kPsync;
+  if (cfg_.host || cfg_.engine == IoEngine::kPsync) return;
+  std::vector<IoEngine> candidates;
+  if (cfg_.engine == IoEngine::kAuto)
+    candidates = {IoEngine::kIoUring, IoEngine::kAio};
+  else
+    candidates = {cfg_.engine};
+  for (IoEngine kind : candidates) {
+    std::vector<std::unique_ptr<detail::IoEngineImpl>> made;
+    try {
+      made.reserve(threads);
+      for (size_t t = 0; t < threads; ++t) made.push_back(detail::make_engine(kind, cfg_.queue_depth));
+    } catch (const std::system_error& e) {
+      if (cfg_.engine != IoEngine::kAuto) throw;
+      log::debug(std::string("vitrify.disk: store '") + cfg_.name + "': " + e.what() +
+                 "; trying the next engine");
+      continue;
+    }
+    engines_ = std::move(made);
+    engine_ = kind;
+    break;
+  }
+  log::debug(std::string("vitrify.disk: store '") + cfg_.name + "' uses engine " +
+             io_engine_name(engine_) + " (queue_depth " + std::to_string(cfg_.queue_depth) +
+             ", requested " + io_engine_name(cfg_.engine) + ")");
 }
 
 // D22: what a failed open created is removed, what it grew is cut back; a path that names
@@ -531,7 +580,7 @@ void Store::finish_write(WriteJob& job, PutResult r, std::vector<Ack>* acks) {
   for (auto& [tk, idx] : out.joiners) ack(tk, idx, jr);
 }
 
-void Store::write_loop(unsigned drive) {
+void Store::write_loop(unsigned drive, detail::IoEngineImpl* engine) {
   Queue<WriteJob>& q = drives_[drive]->writes;
   std::vector<WriteJob> batch;
   for (;;) {
@@ -564,7 +613,8 @@ void Store::write_loop(unsigned drive) {
     }
     std::vector<PutResult> res(batch.size(), PutResult::kStored);
     std::vector<SlabFile*> touched;
-    for (size_t i = 0; i < batch.size(); ++i) {
+    if (engine != nullptr) write_batch(drive, batch, res, touched, *engine);
+    for (size_t i = 0; engine == nullptr && i < batch.size(); ++i) {
       WriteJob& j = batch[i];
       SlabFile& s = *kinds_[j.kind].slabs[drive];
       try {
@@ -613,6 +663,51 @@ void Store::write_loop(unsigned drive) {
     settled_cv_.notify_all();  // puts finished: a delete waiting for one goes on
     for (const Ack& a : acks) a.ticket->finish(a.index, a.result);
   }
+}
+
+// D25: the batch's slot images are prepared exactly as write_aligned prepares them, then the
+// engine has every write of the batch in flight at once (at most queue_depth); what follows
+// (one fdatasync per slab touched, then publish: D3) is the psync path's.
+void Store::write_batch(unsigned drive, std::vector<WriteJob>& batch, std::vector<PutResult>& res,
+                        std::vector<SlabFile*>& touched, detail::IoEngineImpl& engine) {
+  std::vector<detail::IoOp> ops;
+  std::vector<size_t> job_of;
+  ops.reserve(batch.size());
+  job_of.reserve(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    WriteJob& j = batch[i];
+    SlabFile& s = *kinds_[j.kind].slabs[drive];
+    try {
+      const size_t n = s.prepare_write(j.slot, j.key, j.buffer->data(), j.len, j.seq,
+                                       j.dirty ? kSlotDirty : uint8_t{0});
+      detail::IoOp op;
+      op.fd = s.fd();
+      op.write = true;
+      op.buf = j.buffer->data();
+      op.len = n;
+      op.off = s.slot_offset(j.slot);
+      ops.push_back(op);
+      job_of.push_back(i);
+    } catch (const std::exception& e) {
+      res[i] = PutResult::kError;
+      log::error(std::string("vitrify.disk: slot write failed: ") + e.what());
+    }
+  }
+  engine.run(ops.data(), ops.size(), [&](size_t k) {
+    const detail::IoOp& op = ops[k];
+    const size_t i = job_of[k];
+    SlabFile& s = *kinds_[batch[i].kind].slabs[drive];
+    if (op.error != 0 || op.done != op.len) {
+      res[i] = PutResult::kError;
+      const int err = op.error != 0 ? op.error : EIO;
+      log::error(std::string("vitrify.disk: slot write failed: ") +
+                 (op.failed_call ? op.failed_call : "write") + "(\"" + s.path() + "\", " +
+                 std::to_string(op.len) + " bytes at " + std::to_string(op.off) +
+                 "): " + std::strerror(err));
+      return;
+    }
+    if (std::find(touched.begin(), touched.end(), &s) == touched.end()) touched.push_back(&s);
+  });
 }
 
 Ticket Store::submit_get(unsigned kind, std::vector<GetItem> items) {
@@ -793,9 +888,10 @@ bool Store::current_epoch(const ReadJob& j) const {
   return j.epoch == epoch_;
 }
 
-void Store::read_loop(unsigned drive) {
+void Store::read_loop(unsigned drive, detail::IoEngineImpl* engine) {
   uint64_t max_slot = 0;
   for (auto& k : kinds_) max_slot = std::max(max_slot, k.slot_bytes);
+  if (engine != nullptr) return read_loop_batched(drive, max_slot, *engine);
   const bool staged = cfg_.verify_stage > 0 || (cfg_.verify_stage < 0 && cfg_.read_threads == 1);
   if (staged) {
     try {
@@ -823,6 +919,88 @@ void Store::read_loop(unsigned drive) {
       if (r && *r) std::memcpy(j.item.dst, scratch.data() + kSlotHeaderBytes, *r);
     }
     complete_read(j, r);
+  }
+}
+
+// D25: up to queue_depth queued reads (and, for plain destinations, as many as the scratch
+// budget stages) in flight at once; each is verified (D1: verify_read, exactly as the psync
+// path) and acknowledged as soon as its transfer lands, while the others are still in flight.
+void Store::read_loop_batched(unsigned drive, uint64_t max_slot, detail::IoEngineImpl& engine) {
+  Queue<ReadJob>& q = drives_[drive]->reads;
+  const size_t cap = engine.depth();
+  const size_t scratch_cap = std::max<uint64_t>(1, kReadScratchBytes / std::max<uint64_t>(max_slot, 1));
+  std::vector<AlignedBuffer> scratch;
+  std::vector<ReadJob> jobs;
+  std::vector<detail::IoOp> ops;
+  std::vector<size_t> job_of;
+  for (;;) {
+    jobs.clear();
+    {
+      std::unique_lock lk(q.mu);
+      q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
+      if (q.jobs.empty()) return;  // stopped and drained
+      size_t staged = 0;
+      while (!q.jobs.empty() && jobs.size() < cap) {
+        const bool needs_scratch = !q.jobs.front().item.dst_is_slot;
+        if (needs_scratch && staged == scratch_cap) break;
+        staged += needs_scratch ? 1 : 0;
+        jobs.push_back(std::move(q.jobs.front()));
+        q.jobs.pop_front();
+      }
+    }
+    q.not_full.notify_all();
+    read_queue_depth_ -= jobs.size();
+    in_flight_reads_ += jobs.size();
+    GateGuard gate{this};  // no clear() while this batch does slot I/O
+    std::vector<char> live(jobs.size());
+    {
+      std::lock_guard lk(mu_);
+      for (size_t i = 0; i < jobs.size(); ++i) live[i] = jobs[i].epoch == epoch_;
+    }
+    ops.clear();
+    job_of.clear();
+    size_t used = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      ReadJob& j = jobs[i];
+      if (!live[i]) {  // looked up before a clear(): the entry is gone, a miss
+        complete_read(j, std::nullopt);
+        continue;
+      }
+      const SlabFile& s = *kinds_[j.kind].slabs[drive];
+      uint8_t* buf;
+      size_t bytes;
+      if (j.item.dst_is_slot) {
+        buf = j.item.dst;
+        bytes = j.item.dst_bytes;
+      } else {
+        if (scratch.size() <= used) scratch.emplace_back(max_slot, kBlock);
+        buf = scratch[used++].data();
+        bytes = max_slot;
+      }
+      const std::optional<size_t> n = s.read_length(j.slot, buf, bytes, j.len);
+      if (!n) {  // read_raw would refuse it: verify_read of nothing, a miss (D1)
+        complete_read(j, s.verify_read(j.slot, j.key, buf, -1, j.len));
+        continue;
+      }
+      detail::IoOp op;
+      op.fd = s.fd();
+      op.buf = buf;
+      op.len = *n;
+      op.off = s.slot_offset(j.slot);
+      ops.push_back(op);
+      job_of.push_back(i);
+    }
+    engine.run(ops.data(), ops.size(), [&](size_t k) {
+      const detail::IoOp& op = ops[k];
+      ReadJob& j = jobs[job_of[k]];
+      const SlabFile& s = *kinds_[j.kind].slabs[drive];
+      // an I/O error reads as a miss, as read_raw's does; a short read ends at the file's end
+      const ssize_t got = op.error != 0 ? -1 : static_cast<ssize_t>(op.done);
+      std::optional<size_t> r = s.verify_read(j.slot, j.key, op.buf, got, j.len);
+      if (r && *r && !j.item.dst_is_slot)
+        std::memcpy(j.item.dst, op.buf + kSlotHeaderBytes, *r);
+      complete_read(j, r);
+    });
   }
 }
 
