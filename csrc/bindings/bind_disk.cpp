@@ -236,7 +236,8 @@ void bind_disk(nb::module_& m) {
              std::string cold_start, std::string direct_io, unsigned write_threads,
              unsigned read_threads, unsigned queue_capacity, unsigned max_batch, double gc_high,
              double gc_low, unsigned load_threads, std::string slab_lock, bool read_only,
-             bool host, int register_device, unsigned register_threads) {
+             bool host, int register_device, unsigned register_threads, std::string engine,
+             unsigned queue_depth) {
             VITRIFY_EXPECT(page_bytes.size() == shares.size(),
                         "page_bytes and shares differ in count");
             disk::StoreConfig c;
@@ -259,6 +260,8 @@ void bind_disk(nb::module_& m) {
             c.host = host;
             c.register_device = register_device;
             c.register_threads = register_threads;
+            c.engine = disk::parse_io_engine(engine);
+            c.queue_depth = queue_depth;
             nb::gil_scoped_release nogil;
             new (self) disk::Store(std::move(c));
           },
@@ -267,7 +270,8 @@ void bind_disk(nb::module_& m) {
           nb::arg("read_threads"), nb::arg("queue_capacity"), nb::arg("max_batch"),
           nb::arg("gc_high"), nb::arg("gc_low"), nb::arg("load_threads") = 0,
           nb::arg("slab_lock") = "auto", nb::arg("read_only") = false, nb::arg("host") = false,
-          nb::arg("register_device") = -1, nb::arg("register_threads") = 8)
+          nb::arg("register_device") = -1, nb::arg("register_threads") = 8,
+          nb::arg("engine") = "auto", nb::arg("queue_depth") = 64)
       .def("close",
            [](disk::Store& s) {
              nb::gil_scoped_release nogil;
@@ -284,6 +288,10 @@ void bind_disk(nb::module_& m) {
              return s.refresh();
            })
       .def("read_only", &disk::Store::read_only)
+      .def("engine", [](const disk::Store& s) { return std::string(s.engine_name()); },
+           "The slot-transfer engine in use: io_uring, aio, psync, or mapped (host tier).")
+      .def("engine_fallback", &disk::Store::engine_fallback,
+           "Why engine=auto passed over the engines it did not take (\"\": none).")
       .def(
           "registration",
           [](const disk::Store& s) {

@@ -4,8 +4,8 @@ API summary
 -----------
 ``DiskStore(dirs, budget_bytes, kinds, *, name="vitrify", cold_start="clear", direct_io=None,
 write_threads=2, read_threads=2, queue_capacity=64, max_batch=32, gc_high=0.90, gc_low=0.85,
-load_threads=0, mode="write", tier="disk")`` (``tier="host"``: the host tier, see
-:mod:`vitrify.tier`)
+load_threads=0, mode="write", tier="disk", engine="auto", queue_depth=64)`` (``tier="host"``:
+the host tier, see :mod:`vitrify.tier`)
 
 ==========================================  ===================================================
 ``put(key, data, kind=None) -> bool``        store one page (True: stored or already present)
@@ -29,7 +29,20 @@ load_threads=0, mode="write", tier="disk")`` (``tier="host"``: the host tier, se
 ``clear()``                                  drop every page (files and threads stay open)
 ``refresh(min_interval=0.0)``                a reader picks up the writer's later pages
 ``close()`` / ``with DiskStore(...) as s``   drain the I/O threads and close the files
+``engine``                                   the slot-transfer engine in use (read-only)
 ==========================================  ===================================================
+
+I/O engines (DESIGN.md D25): ``engine="auto"`` (default) moves slot bytes with io_uring where
+the kernel grants it, else Linux native AIO, else synchronous ``pread``/``pwrite`` ("psync"),
+probed when the store opens (a container's seccomp filter often refuses io_uring; the fallback
+is logged at DEBUG on the ``vitrify.disk`` logger). ``"io_uring"``, ``"aio"`` or ``"psync"``
+asks for one engine: a kernel that refuses it raises :class:`EngineUnavailableError` (an
+``OSError`` with the kernel's errno), one line naming the engine and the errno. With io_uring
+or aio each I/O thread has a whole batch in flight at once (a write thread its group-commit
+batch, a read thread up to ``queue_depth`` queued reads). Every engine writes and reads the
+same bytes: slot images, checksums and files are identical. Test hook: the environment
+variable ``VITRIFY_DISK_ENGINE_DENY`` (comma-separated engine names) makes the named engines
+refuse with ``EPERM`` as a seccomp filter would.
 
 Keys are ``str`` or bytes-like; :func:`make_key` maps each to 32 bytes as
 ``SHA-256(b"vitrify-disk-key\\0" + key)`` (a ``str`` is UTF-8 encoded first, so ``"ab"`` and
@@ -79,7 +92,9 @@ page the writer overwrites while a reader reads it is a miss, never wrong bytes.
 from __future__ import annotations
 
 import atexit
+import errno as _errno
 import hashlib
+import logging
 import math
 import os
 import time
@@ -89,6 +104,8 @@ from typing import Any
 
 from . import _check, _native, config
 from . import host as _host
+
+_log = logging.getLogger("vitrify.disk")
 
 KEY_BYTES: int = _native.DISK_KEY_BYTES
 SLOT_HEADER_BYTES: int = _native.DISK_SLOT_HEADER_BYTES
@@ -110,7 +127,20 @@ SlabLockedError = _native.SlabLockedError
 #: was grown and nothing the open created is left, so a caller may go on without the host tier
 #: (or open a smaller one: at most ``free_bytes`` more).
 HostSpaceError = _native.HostSpaceError
+#: The values of ``DiskStore(engine=...)``; :attr:`DiskStore.engine` reports which one runs.
+ENGINES = ("auto", "io_uring", "aio", "psync")
 PUT_RESULTS = {0: "stored", 1: "duplicate", 2: "full", 3: "error", 4: "cancelled"}
+
+
+class EngineUnavailableError(OSError):
+    """The kernel refused the I/O engine a :class:`DiskStore` asked for (``engine=...``): an
+    ``OSError`` with the kernel's errno (``EPERM``, ``ENOSYS``, ``ENOMEM``, ``EAGAIN``) and
+    attribute ``engine``; the message is one line naming the engine, the call and the errno.
+    ``engine="auto"`` never raises it: it takes the next engine."""
+
+    def __init__(self, err: int | None, message: str, engine: str) -> None:
+        super().__init__(err if err is not None else _errno.EPERM, message)
+        self.engine = engine
 
 
 def make_key(key: str | bytes | bytearray | memoryview, what: str = "key") -> bytes:
@@ -354,8 +384,15 @@ class DiskStore:
             (``cuMemHostRegister``, in parallel ranges; :meth:`registration` reports the time),
             so a GPU can copy pages straight out of them (None: not registered).
         register_threads: threads registering the ranges.
+        engine: how slot bytes move (module docstring, "I/O engines"): ``"auto"`` (io_uring,
+            else aio, else psync, as the kernel grants), ``"io_uring"``, ``"aio"`` or
+            ``"psync"``. The host tier copies in its mapping: ``"auto"`` or ``"psync"`` only.
+        queue_depth: io_uring / aio: transfers in flight per I/O thread (1 to 4096).
 
     Raises:
+        EngineUnavailableError: the kernel refused the ``engine`` asked for (an ``OSError``
+            with its errno, e.g. ``EPERM`` from a seccomp filter, ``ENOSYS``); nothing was
+            left behind.
         SlabLockedError: another open store (this process or another) holds one of the slab
             files ``<dir>/<name>.kind<i>.slab``; nothing was read, written or left locked.
         OSError: a symbolic link (``ELOOP``) or anything but a regular file (``EINVAL``) at a
@@ -373,7 +410,8 @@ class DiskStore:
                  write_threads: int = 2, read_threads: int = 2, queue_capacity: int = 64,
                  max_batch: int = 32, gc_high: float = 0.90, gc_low: float = 0.85,
                  load_threads: int = 0, mode: str = "write", tier: str = "disk",
-                 register_device: int | None = None, register_threads: int = 8) -> None:
+                 register_device: int | None = None, register_threads: int = 8,
+                 engine: str = "auto", queue_depth: int = 64) -> None:
         self._s = None
         self._last_refresh = 0.0
         if isinstance(dirs, (str, os.PathLike)):
@@ -413,6 +451,11 @@ class DiskStore:
                                  "a disk store's slabs are not in memory")
             register_device = _check.integer("register_device", register_device, 0, 1 << 16)
         register_threads = _check.integer("register_threads", register_threads, 1, 256)
+        engine = _check.choice("engine", engine, ENGINES)
+        if tier == "host" and engine not in ("auto", "psync"):
+            raise ValueError(f"engine={engine!r} does not apply to the host tier (its slots are "
+                             "copied in its mapping); pass \"auto\" or \"psync\"")
+        queue_depth = _check.integer("queue_depth", queue_depth, 1, 4096)
         threads = {n: _check.integer(n, v, 1, hi) for n, v, hi in (
             ("write_threads", write_threads, 256), ("read_threads", read_threads, 256),
             ("queue_capacity", queue_capacity, 1 << 20), ("max_batch", max_batch, 1 << 16))}
@@ -436,10 +479,24 @@ class DiskStore:
                 threads["max_batch"], gc_high, gc_low, load_threads, read_only=mode == "read",
                 host=tier == "host",
                 register_device=-1 if register_device is None else register_device,
-                register_threads=register_threads)
+                register_threads=register_threads, engine=engine, queue_depth=queue_depth)
+        except OSError as e:
+            _remove_empty_dirs(made)  # the native open removed the files it made (D22)
+            if "disk engine" in str(e) and "is not available" in str(e):
+                raise EngineUnavailableError(e.errno, e.strerror or str(e), engine) from None
+            raise
         except BaseException:
             _remove_empty_dirs(made)  # the native open removed the files it made (D22)
             raise
+        self._engine = self._s.engine()
+        if engine == "auto" and tier == "disk":
+            fallback = self._s.engine_fallback()
+            if fallback:
+                _log.debug("store %r: engine auto fell back to %s: %s", name, self._engine,
+                           fallback)
+            else:
+                _log.debug("store %r uses the %s engine (auto; queue_depth %d)", name,
+                           self._engine, queue_depth)
         self._last_refresh = time.monotonic()
         _open_stores.add(self)
 
@@ -477,6 +534,12 @@ class DiskStore:
     @property
     def read_only(self) -> bool:
         return self.mode == "read"
+
+    @property
+    def engine(self) -> str:
+        """The engine the I/O threads use: ``"io_uring"``, ``"aio"``, ``"psync"``, or
+        ``"mapped"`` for the host tier (read-only; chosen when the store opened)."""
+        return self._engine
 
     @property
     def closed(self) -> bool:

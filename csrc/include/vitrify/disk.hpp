@@ -866,6 +866,9 @@ class Store {
   // engine_name() (its slots are copied, not transferred).
   IoEngine engine() const noexcept { return engine_; }
   const char* engine_name() const noexcept { return cfg_.host ? "mapped" : io_engine_name(engine_); }
+  // Why `auto` passed over the engines it did not take ("" when it took the first), one
+  // refusal per engine separated by "; " (the Python layer logs it at DEBUG).
+  const std::string& engine_fallback() const noexcept { return engine_fallback_; }
   // The slab mappings' CUDA registration (StoreConfig::register_device): registered, threads,
   // wall seconds, each range's seconds. Not registered without a register_device, and after
   // close(), which unregisters.
@@ -985,6 +988,7 @@ class Store {
   host::RegistrationTiming registration_;
   std::vector<std::unique_ptr<Drive>> drives_;
   IoEngine engine_ = IoEngine::kPsync;
+  std::string engine_fallback_;
   // io_uring / aio: one engine (its ring or context) per I/O thread, in thread start order.
   std::vector<std::unique_ptr<detail::IoEngineImpl>> engines_;
   mutable std::mutex mu_;  // every kind's SlotIndex and spare buffers, the counters below

@@ -226,6 +226,7 @@ void Store::open_engines(size_t threads) {
       for (size_t t = 0; t < threads; ++t) made.push_back(detail::make_engine(kind, cfg_.queue_depth));
     } catch (const std::system_error& e) {
       if (cfg_.engine != IoEngine::kAuto) throw;
+      engine_fallback_ += (engine_fallback_.empty() ? "" : "; ") + std::string(e.what());
       log::debug(std::string("vitrify.disk: store '") + cfg_.name + "': " + e.what() +
                  "; trying the next engine");
       continue;
