@@ -28,6 +28,9 @@ constexpr size_t kOwnerRecordMax = 512;
 // right after it takes the lock, so a record can lag the lock by a moment).
 constexpr int kOwnerReadTries = 20;
 constexpr auto kOwnerReadPause = std::chrono::milliseconds(5);
+// How long a lock whose owner record names a dead process of this host is tried again (D13,
+// D25: a SIGKILLed holder's in-flight io_uring transfers hold its file description a while).
+constexpr auto kDeadHolderWait = std::chrono::seconds(2);
 
 std::string host_name() {
   char buf[256] = {};
@@ -194,7 +197,19 @@ SlabOwner read_slab_owner(const std::string& slab_path) noexcept {
 }
 
 SlabLock::SlabLock(int fd, const std::string& path, SlabLocking locking) : path_(path) {
-  const LockMethod m = try_lock(fd, path, locking);
+  LockMethod m = try_lock(fd, path, locking);
+  // A holder killed with io_uring transfers in flight (D25) keeps its open file description,
+  // and so its lock, until the kernel's asynchronous ring teardown has finished them: while the
+  // owner record names a dead process of this host, the lock is tried again for a while.
+  if (m == LockMethod::kNone) {
+    const std::string me = host_name();
+    const auto until = std::chrono::steady_clock::now() + kDeadHolderWait;
+    while (m == LockMethod::kNone && std::chrono::steady_clock::now() < until &&
+           is_dead_local(read_slab_owner(path), me)) {
+      std::this_thread::sleep_for(kOwnerReadPause);
+      m = try_lock(fd, path, locking);
+    }
+  }
   if (m == LockMethod::kNone) throw_busy(path);
   fd_ = fd;
   method_ = m;
