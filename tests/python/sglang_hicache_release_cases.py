@@ -10,7 +10,8 @@ On 0.5.23 every backend the factory builds sits behind the release's failure-inj
 in SGLang's own HiCache tests: the differential cases go through the proxy, and vitrify's
 methods are reached with :func:`vitrify.integrations.sglang.hicache.vitrify_backend`.
 
-Cases: registration and a round trip through the release's config and factory; the same
+Cases: registration and a round trip through the release's config and factory; the release's
+real ``HiCacheController`` backing up and prefetching through vitrify (its threads); the same
 set/get/exists sequence on vitrify and on HiCacheFile gives the same answers and the same payload
 bytes (MHA in every layout, MLA; MLA under tensor parallelism with every rank a process); the v2
 pools folded as the release's HiCacheFile folds them (0.5.23: ``restorable_prefix_pages``); the
@@ -392,6 +393,87 @@ def test_mla_ranks_as_processes_read_rank0s_bytes_and_hit_like_hicachefile(tmp_p
         for p in procs:
             p.stdout.close()
     assert rcs == [0] * size
+
+
+# ---- the release's real HiCacheController ---------------------------------------------------
+
+
+@pytest.fixture
+def controller(monkeypatch):
+    """A real HiCacheController of this release attaching vitrify's backend (through the proxy
+    on 0.5.23): its backup thread calls batch_set_v1, its prefetch threads batch_exists and
+    batch_get_v1. The one seam: the controller module picks torch.cuda for its streams and
+    events at import; torch.cpu has the same API and no device."""
+    import threading
+
+    import sglang.srt.managers.cache_controller as ccm
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    monkeypatch.setattr(ccm, "device_module", torch.cpu)
+    made = []
+
+    def make(dev, host, ex):
+        alloc = PagedTokenToKVPoolAllocator(dev.size, PAGE, torch.bfloat16, "cpu", dev, False)
+        ranks = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        if RELEASE != "0.5.17":  # derived widths 0.5.23's attach reads
+            ranks.update(attn_dcp_size=1, attn_dcp_rank=0)
+        with get_parallel().override(**ranks):
+            cc = ccm.HiCacheController(alloc, host, PAGE, tp_group=None,
+                                       load_cache_event=threading.Event(), io_backend="direct",
+                                       prefetch_threshold=PAGE, storage_backend="dynamic",
+                                       model_name=MODEL, storage_backend_extra_config=dict(ex))
+        made.append(cc)
+        return cc
+
+    yield make
+    for cc in made:
+        cc.detach_storage_backend()
+
+
+def _loaded_tokens(cc, op, timeout=30.0) -> int:
+    """Tokens the controller's prefetch loaded into the host pool: 0.5.23 acknowledges each
+    batch through ``ack_prefetch_queue`` (the last ack has ``completed_req``); 0.5.17 counts
+    them on the operation."""
+    import time
+
+    if hasattr(cc, "ack_prefetch_queue"):
+        done = 0
+        while True:
+            ack = cc.ack_prefetch_queue.get(timeout=timeout)
+            if ack.completed_tokens is not None:
+                done = max(done, ack.completed_tokens)
+            if ack.completed_req:
+                return done
+    t = time.monotonic()
+    while op.completed_tokens < op.storage_hit_count and time.monotonic() - t < timeout:
+        time.sleep(0.005)
+    return op.completed_tokens
+
+
+def test_the_releases_controller_backs_up_and_prefetches_the_same_bytes(tmp_path, controller):
+    dev, host = mha_host("page_first")
+    cc = controller(dev, host, extra(tmp_path))
+    v = _behind(cc.storage_backend)
+    assert cc.page_set_func.__name__ == "_page_set_zero_copy"  # interface_v1 through the proxy
+    fill_random(host, 11)
+    n = 5
+    idx = host.alloc(n * PAGE)
+    want = page_digests(host, idx, n)
+    tokens = list(range(n * PAGE))
+    cc.write_storage(idx, tokens, hash_value=get_hash_str(tokens, None, page_size=PAGE))
+    assert cc.ack_backup_queue.get(timeout=30).completed_tokens == n * PAGE
+    host.kv_buffer.zero_()
+    cc.prefetch("req", tokens)
+    op = cc.prefetch_hit_queue.get(timeout=30)
+    assert op.storage_hit_count == n * PAGE
+    got = host.alloc(op.storage_hit_count)
+    op.host_indices = got
+    cc.prefetch_buffer.put(op)
+    assert _loaded_tokens(cc, op) == n * PAGE
+    assert page_digests(host, got, n) == want
+    c = v.counters()
+    assert c["set_pages"] == n and c["get_pages"] == n and c["errors"] == 0
 
 
 # ---- v2: the pools folded as the release's HiCacheFile folds them ----------------------------

@@ -128,6 +128,15 @@ Weight updates: SGLang records a new weight version where the backend cannot see
 :meth:`VitrifyStorage.set_weight_version` on every rank after an update so that later pages are
 stored, and found, under the new version (the old version's slabs are deleted).
 
+SGLang releases: 0.5.17 and 0.5.23, through the plugin's version seam (the "HiCache storage
+backend" section of ``versions/v0_5_*.py``). On 0.5.23 decode context parallelism
+(``dcp_size > 1``) and ``--hicache-host-memory-mode buffer_only`` are refused at construction in
+one line; with DP attention a group ``r > 0`` names its slabs ``...-dp<r>``; ``batch_exists_v2``
+answers ``restorable_prefix_pages`` as 0.5.23's ``HiCacheFile`` does. When SGLang's test
+switches ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}`` wrap the backend in 0.5.23's
+failure-injector proxy, :func:`vitrify_backend` finds this backend behind it. See DESIGN.md,
+"SGLang releases".
+
 The package, one job a module: :mod:`.settings` (the extra config), :mod:`.geometry` (host pool
 page layouts and slab names), :mod:`.v1` (zero-copy KV transfers by host index), :mod:`.v2` (the
 extra pools of hybrid models), :mod:`.metrics` (Prometheus), :mod:`.backend` (the class:
