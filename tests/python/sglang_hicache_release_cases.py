@@ -243,6 +243,7 @@ def test_same_answers_and_payload_bytes_as_hicachefile(tmp_path, kind, layout):
     b = attach(host, extra(tmp_path / "vitrify"), mla=mla)
     _behind(b)
     ref = reference(tmp_path / "file", mla=mla)
+    assert vitrify_backend(ref) is None  # another backend is not taken for vitrify's
     try:
         a_keys, b_keys = keys(6), keys(3, salt=5000)
         # run A through vitrify's zero-copy path (host indices) and HiCacheFile's tensors
@@ -549,6 +550,29 @@ def test_v2_pools_fold_like_the_releases_hicachefile(tmp_path):
         assert vitrify_backend(th).counters()["errors"] == 0
     finally:
         th.close()
+
+
+def test_end_of_registration_names_a_group_entry_never_registered(tmp_path, caplog):
+    """``on_host_pools_registered`` (0.5.23 calls it after the v2 burst): an entry of the host
+    pool group that never came through ``register_mem_host_pool_v2`` is named in one error
+    line and its transfers are refused; without a host pool the hook fails the attach."""
+    s = Group()
+    b = StorageBackendFactory.create_backend("dynamic", config(extra(tmp_path / "v")), s.group)
+    v = vitrify_backend(b)
+    with pytest.raises(ValueError, match="without register_mem_pool_host"):
+        v.on_host_pools_registered()
+    b.register_mem_pool_host(s.group)
+    for e in s.entries[:2]:  # kv and swa; the indexer entry never registered
+        b.register_mem_host_pool_v2(e.host_pool, e.name)
+    try:
+        v.on_host_pools_registered()
+        assert "pool(s) ['indexer'] of the host pool group were not registered" in caplog.text
+        ks = keys(2)
+        r = b.batch_set_v2([_xfer(PoolName.INDEXER, ks, s.ind.alloc(2 * PAGE))])
+        assert r == {PoolName.INDEXER: [False, False]}
+        assert v.counters()["v2_refused"] == 1
+    finally:
+        b.close()
 
 
 def test_an_unknown_hit_policy_is_no_hit_never_a_guess(tmp_path, caplog):
