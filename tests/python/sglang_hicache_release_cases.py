@@ -111,6 +111,40 @@ def mla_host(layout, tokens=512):
     return MLATokenToKVPoolHost(dev, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
 
 
+def mamba_host(slots=32, layers=3):
+    """A real MambaPoolHost (one state page per slot: conv bf16 (4, 3), temporal fp32 (2, 4, 8)
+    per layer). 0.5.23 builds it from a MambaStateBufferInfo of real CPU tensors; 0.5.17 from a
+    device pool, here a namespace holding the same tensors (SGLang's MambaPool needs a model's
+    linear-state parameters, and the host pool reads nothing else of it)."""
+    import types
+
+    try:  # 0.5.23 moved it into pool_host/
+        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    except ImportError:
+        from sglang.srt.mem_cache.memory_pool_host import MambaPoolHost
+
+    temporal = torch.zeros(layers, slots + 1, 2, 4, 8, dtype=torch.float32)
+    conv = torch.zeros(layers, slots + 1, 4, 3, dtype=torch.bfloat16)
+    try:
+        from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    except ImportError:
+        dev = types.SimpleNamespace(num_mamba_layers=layers, size=slots, device="cpu",
+                                    mamba_cache=types.SimpleNamespace(conv=[conv],
+                                                                      temporal=temporal))
+        return dev, MambaPoolHost(dev, 2.0, 0, pin_memory=False, device="cpu",
+                                  layout="page_first")
+    info = MambaStateBufferInfo(temporal=temporal, conv=(conv,))
+    return None, MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False,
+                               device="cpu", layout="page_first")
+
+
+def _state_buffers(pool):
+    """The tensors holding a pool's pages (KV pools: kv_buffer; Mamba: its state buffers)."""
+    if hasattr(pool, "temporal_buffer"):
+        return [pool.temporal_buffer, *pool.conv_buffer]
+    return [pool.kv_buffer]
+
+
 def fill_random(host, seed):
     g = torch.Generator().manual_seed(seed)
     flat = host.kv_buffer.view(-1)
@@ -484,7 +518,7 @@ class Group:
     """KV + two side pools (SWA and an indexer-named pool, both real MHA host pools) in the
     release's HostPoolGroup."""
 
-    def __init__(self):
+    def __init__(self, mamba=False):
         kv_dev, self.kv = mha_host("page_first")
         swa_dev, self.swa = mha_host("page_first", layers=2)
         idx_dev, self.ind = mha_host("page_first", layers=1)
@@ -493,9 +527,30 @@ class Group:
                                   is_primary_index_anchor=True),
                         PoolEntry(PoolName.SWA, self.swa, swa_dev, ident),
                         PoolEntry(PoolName.INDEXER, self.ind, idx_dev, ident)]
+        self.pools = {PoolName.KV: self.kv, PoolName.SWA: self.swa, PoolName.INDEXER: self.ind}
+        if mamba:
+            m_dev, self.mamba = mamba_host()
+            self.entries.append(PoolEntry(PoolName.MAMBA, self.mamba, m_dev, ident))
+            self.pools[PoolName.MAMBA] = self.mamba
         self.group = HostPoolGroup(self.entries)
-        for p in (self.kv, self.swa, self.ind):
-            fill_random(p, id(p) % 1000)
+        self.fill(1)
+
+    def fill(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in self.pools.values():
+            for buf in _state_buffers(p):
+                flat = buf.view(-1)
+                flat.copy_(torch.randn(flat.numel(), generator=g).to(flat.dtype))
+
+    def zero(self):
+        for p in self.pools.values():
+            for buf in _state_buffers(p):
+                buf.zero_()
+
+    def pages(self, name, idx, n):
+        pool = self.pools[name]
+        ps = pool.page_size
+        return [digest(pool.get_data_page(int(idx[i * ps]), flat=True)) for i in range(n)]
 
     def register(self, backend):
         backend.register_mem_pool_host(self.group)
@@ -547,6 +602,63 @@ def test_v2_pools_fold_like_the_releases_hicachefile(tmp_path):
             assert th.batch_exists_v2(ks, [swa2]).restorable_prefix_pages == [5]
         got = th.batch_get_v2([ind])
         assert got == fb.batch_get_v2([ind]) and got[PoolName.INDEXER] == [True] * 4 + [False] * 2
+        assert vitrify_backend(th).counters()["errors"] == 0
+    finally:
+        th.close()
+
+
+def test_v2_with_a_mamba_pool_same_answers_and_bytes_as_hicachefile(tmp_path):
+    """KV, SWA (all pages) and Mamba state (trailing pages, one page per slot) on the same
+    host pool group: the same set / exists / get answers as the release's HiCacheFile, and
+    the bytes read back are the bytes written, pool by pool."""
+    s = Group(mamba=True)
+    th = s.register(StorageBackendFactory.create_backend(
+        "dynamic", config(extra(tmp_path / "vitrify")), s.group))
+    fb = s.register(reference(tmp_path / "file"))
+    TRAIL = PoolHitPolicy.TRAILING_PAGES
+    try:
+        n = 6
+        ks = keys(n)
+        kv_idx, swa_idx, m_idx = s.kv.alloc(n * PAGE), s.swa.alloc(n * PAGE), s.mamba.alloc(n)
+        want = {PoolName.KV: s.pages(PoolName.KV, kv_idx, n),
+                PoolName.SWA: s.pages(PoolName.SWA, swa_idx, n),
+                PoolName.MAMBA: s.pages(PoolName.MAMBA, m_idx, n)}
+        swa_have, m_have = [0, 1, 3, 4, 5], [2, 3, 5]
+
+        def sub(idx, pages, ps):
+            return torch.cat([idx[i * ps:(i + 1) * ps] for i in pages])
+
+        writes = [_xfer(PoolName.KV, ks, kv_idx),
+                  _xfer(PoolName.SWA, [ks[i] for i in swa_have], sub(swa_idx, swa_have, PAGE)),
+                  _xfer(PoolName.MAMBA, [ks[i] for i in m_have], sub(m_idx, m_have, 1), TRAIL)]
+        assert th.batch_set_v2(writes) == fb.batch_set_v2(writes)
+        cases = [[], [_xfer(PoolName.SWA, ks, swa_idx)],
+                 [_xfer(PoolName.MAMBA, ks[-1:], m_idx[-1:], TRAIL)],
+                 [_xfer(PoolName.MAMBA, ks[-2:], m_idx[-2:], TRAIL)],
+                 [_xfer(PoolName.MAMBA, ks[-3:], m_idx[-3:], TRAIL)],
+                 [_xfer(PoolName.MAMBA, ks[-1:], m_idx[-1:], TRAIL),
+                  _xfer(PoolName.SWA, ks, swa_idx)],
+                 [_xfer(PoolName.KV, ks, kv_idx)]]
+        answers = []
+        for case in cases:
+            mine, theirs = th.batch_exists_v2(ks, case), fb.batch_exists_v2(ks, case)
+            assert _answer(mine) == _answer(theirs), case
+            answers.append(mine.kv_hit_pages)
+        assert answers[:5] + answers[6:] == [6, 2, 6, 4, 0, 6]
+        reads = [_xfer(PoolName.KV, ks, kv_idx), _xfer(PoolName.SWA, ks, swa_idx),
+                 _xfer(PoolName.MAMBA, ks, m_idx, TRAIL)]
+        got = {}
+        for name, b in (("vitrify", th), ("file", fb)):
+            s.zero()
+            r = b.batch_get_v2(reads)
+            got[name] = (r, {t.name: s.pages(t.name, t.host_indices, n) for t in reads})
+        assert got["vitrify"][0] == got["file"][0]
+        r, pages = got["vitrify"]
+        assert r[PoolName.MAMBA] == [i in m_have for i in range(n)]
+        for t in reads:
+            for i, ok in enumerate(r[t.name]):
+                if ok:
+                    assert pages[t.name][i] == want[t.name][i] == got["file"][1][t.name][i]
         assert vitrify_backend(th).counters()["errors"] == 0
     finally:
         th.close()
