@@ -1005,3 +1005,19 @@ def test_the_stats_file_is_never_written_through_a_link(tmp_path):
     finally:
         b.close()
     assert victim.read_text() == "a user's file\n"
+
+
+def test_an_sglang_release_vitrify_does_not_know_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The backend reads everything release-specific through the plugin's version seam; a
+    release without a version module is the plugin's one-line fatal naming the supported
+    ones, before anything is created on disk."""
+    from vitrify.integrations.sglang import state
+
+    _, host = _mha_host("page_first")
+    monkeypatch.setattr(state.STATE, "version", None)
+    monkeypatch.setattr(state.STATE, "sglang_version", None)
+    monkeypatch.setattr(sglang, "__version__", "0.5.99")
+    with pytest.raises(state.PluginFatal, match=r"SGLang 0\.5\.99 is not supported; this "
+                                                r"vitrify supports SGLang 0\.5\.17, 0\.5\.23"):
+        _backend(host, _extra(tmp_path / "d"))
+    assert not (tmp_path / "d").exists()
