@@ -198,7 +198,7 @@ TEST(DiskEngine, TransfersMoveExactlyTheBytesOfPreadAndPwrite) {
       auto engine = detail::make_engine(e, 4);
       constexpr size_t kOps = 37;
       std::vector<vitrify::AlignedBuffer> bufs;
-      std::vector<detail::IoOp> ops(kOps);
+      detail::IoOps ops(kOps);
       uint64_t off = 0;
       std::mt19937_64 rng(7);
       for (size_t i = 0; i < kOps; ++i) {
@@ -213,7 +213,7 @@ TEST(DiskEngine, TransfersMoveExactlyTheBytesOfPreadAndPwrite) {
         off += n;
       }
       std::vector<int> calls(kOps, 0);
-      engine->run(ops.data(), kOps, [&](size_t i) { ++calls[i]; });
+      engine->run(ops, [&](size_t i) { ++calls[i]; });
       for (size_t i = 0; i < kOps; ++i) {
         EXPECT_EQ(calls[i], 1) << i;
         EXPECT_EQ(ops[i].error, 0) << i;
@@ -227,17 +227,32 @@ TEST(DiskEngine, TransfersMoveExactlyTheBytesOfPreadAndPwrite) {
                   static_cast<ssize_t>(ops[i].len));
         EXPECT_EQ(std::memcmp(back.data(), bufs[i].data(), ops[i].len), 0) << i;
       }
+      // reads: 3 ops at first, the rest appended by refill two at a time while others land
       std::vector<vitrify::AlignedBuffer> rbufs;
-      std::vector<detail::IoOp> reads(kOps);
+      for (size_t i = 0; i < kOps; ++i) rbufs.emplace_back(ops[i].len, kBlock);
+      detail::IoOps reads;
+      const auto add = [&](size_t k) {
+        for (size_t m = 0; m < k && reads.size() < kOps; ++m) {
+          const size_t i = reads.size();
+          detail::IoOp r;
+          r.fd = fd;
+          r.buf = rbufs[i].data();
+          r.len = ops[i].len;
+          r.off = ops[i].off;
+          reads.push_back(r);
+        }
+      };
+      add(3);
+      std::vector<int> rcalls(kOps, 0);
+      size_t refills = 0;
+      engine->run(reads, [&](size_t i) { ++rcalls[i]; }, [&] {
+        ++refills;
+        add(2);
+      });
+      ASSERT_EQ(reads.size(), kOps);
+      EXPECT_GE(refills, (kOps - 3) / 2);
       for (size_t i = 0; i < kOps; ++i) {
-        rbufs.emplace_back(ops[i].len, kBlock);
-        reads[i].fd = fd;
-        reads[i].buf = rbufs.back().data();
-        reads[i].len = ops[i].len;
-        reads[i].off = ops[i].off;
-      }
-      engine->run(reads.data(), kOps, [](size_t) {});
-      for (size_t i = 0; i < kOps; ++i) {
+        EXPECT_EQ(rcalls[i], 1) << i;
         EXPECT_EQ(reads[i].error, 0) << i;
         ASSERT_EQ(reads[i].done, reads[i].len) << i;
         EXPECT_EQ(std::memcmp(rbufs[i].data(), bufs[i].data(), ops[i].len), 0) << i;
@@ -263,11 +278,11 @@ TEST(DiskEngine, ShortReadAtTheEndOfAFileAndErrorsNameTheCall) {
     auto engine = detail::make_engine(e, 2);
     vitrify::AlignedBuffer a(8192, kBlock), b(4096, kBlock), c(4096, kBlock);
     std::memset(a.data(), 0xEE, 8192);
-    detail::IoOp ops[3];
+    detail::IoOps ops(3);
     ops[0].fd = fd, ops[0].buf = a.data(), ops[0].len = 8192, ops[0].off = 0;
     ops[1].fd = fd, ops[1].buf = b.data(), ops[1].len = 4096, ops[1].off = 8192;
     ops[2].fd = fd, ops[2].write = true, ops[2].buf = c.data(), ops[2].len = 4096;  // O_RDONLY
-    engine->run(ops, 3, [](size_t) {});
+    engine->run(ops, [](size_t) {});
     EXPECT_EQ(ops[0].error, 0);
     ASSERT_EQ(ops[0].done, 5000u);
     for (size_t i = 0; i < 5000; ++i) ASSERT_EQ(a.data()[i], static_cast<uint8_t>(i * 13 + 1)) << i;

@@ -140,8 +140,11 @@ class PsyncEngine final : public IoEngineImpl {
  public:
   explicit PsyncEngine(unsigned depth) : IoEngineImpl(depth) {}
   IoEngine kind() const noexcept override { return IoEngine::kPsync; }
-  void run(IoOp* ops, size_t n, const std::function<void(size_t)>& finished) noexcept override {
-    for (size_t i = 0; i < n; ++i) {
+  void run(IoOps& ops, const std::function<void(size_t)>& finished,
+           const std::function<void()>& refill) noexcept override {
+    for (size_t i = 0;; ++i) {
+      if (i == ops.size() && refill) refill();
+      if (i >= ops.size()) return;
       transfer_sync(ops[i], ops[i].write ? "pwrite" : "pread");
       finished(i);
     }
@@ -224,13 +227,17 @@ class UringEngine final : public IoEngineImpl {
   // Members' destructors unmap the rings, then close the fd; run() left nothing in flight.
   IoEngine kind() const noexcept override { return IoEngine::kIoUring; }
 
-  void run(IoOp* ops, size_t n, const std::function<void(size_t)>& finished) noexcept override {
+  void run(IoOps& ops, const std::function<void(size_t)>& finished,
+           const std::function<void()>& refill) noexcept override {
     size_t next = 0;          // next op never submitted
     std::vector<size_t> again;  // ops to submit again (their rest, or after EINTR/EAGAIN)
     unsigned in_flight = 0;   // submitted (queued in the SQ or in the kernel), not yet reaped
-    while (next < n || !again.empty() || in_flight > 0) {
-      // queue what fits
-      while (in_flight < depth_ && (!again.empty() || next < n)) {
+    for (;;) {
+      // queue what fits (asking for more transfers while the window has room)
+      for (;;) {
+        if (in_flight >= depth_) break;
+        if (again.empty() && next == ops.size() && refill) refill();
+        if (again.empty() && next == ops.size()) break;
         size_t i;
         if (!again.empty()) {
           i = again.back();
@@ -245,7 +252,8 @@ class UringEngine final : public IoEngineImpl {
         queue(ops[i], i);
         ++in_flight;
       }
-      if (in_flight == 0) continue;
+      // nothing in flight: every op finished and refill added none
+      if (in_flight == 0) return;
       // submit what the kernel has not consumed yet, and wait for at least one completion
       const unsigned unsubmitted =
           tail_ - __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
@@ -261,7 +269,7 @@ class UringEngine final : public IoEngineImpl {
         drain_broken(ops, in_flight, err, finished);
         for (size_t i : again) fail(ops[i], err, i, finished);
         again.clear();
-        for (; next < n; ++next) fail(ops[next], err, next, finished);
+        for (; next < ops.size(); ++next) fail(ops[next], err, next, finished);
         return;
       }
       reap(ops, in_flight, again, finished);
@@ -287,7 +295,7 @@ class UringEngine final : public IoEngineImpl {
   }
 
   // Every completion in the CQ ring now: finished ops go to `finished`, the rest to `again`.
-  void reap(IoOp* ops, unsigned& in_flight, std::vector<size_t>& again,
+  void reap(IoOps& ops, unsigned& in_flight, std::vector<size_t>& again,
             const std::function<void(size_t)>& finished) noexcept {
     unsigned head = *cq_head_;
     const unsigned tail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
@@ -326,7 +334,7 @@ class UringEngine final : public IoEngineImpl {
 
   // After io_uring_enter failed for good: the transfers in flight still complete into the CQ
   // ring (the kernel posts them without being entered); wait for each, then fail them all.
-  void drain_broken(IoOp* ops, unsigned& in_flight, int err,
+  void drain_broken(IoOps& ops, unsigned& in_flight, int err,
                     const std::function<void(size_t)>& finished) noexcept {
     const unsigned queued = tail_ - __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
     // SQEs the kernel never consumed will not complete: withdraw them.
@@ -418,16 +426,21 @@ class AioEngine final : public IoEngineImpl {
   }
   IoEngine kind() const noexcept override { return IoEngine::kAio; }
 
-  void run(IoOp* ops, size_t n, const std::function<void(size_t)>& finished) noexcept override {
+  void run(IoOps& ops, const std::function<void(size_t)>& finished,
+           const std::function<void()>& refill) noexcept override {
     size_t next = 0;
     std::vector<size_t> again;
     std::vector<unsigned> free_slots;
     for (unsigned s = depth_; s-- > 0;) free_slots.push_back(s);
     unsigned in_flight = 0;
-    while (next < n || !again.empty() || in_flight > 0) {
-      // prepare what fits, then submit it (io_submit may take fewer: the rest waits)
+    for (;;) {
+      // prepare what fits, then submit it (io_submit may take fewer: the rest waits), asking
+      // for more transfers while the window has room
       std::vector<unsigned> batch;
-      while (!free_slots.empty() && (!again.empty() || next < n)) {
+      for (;;) {
+        if (free_slots.empty()) break;
+        if (again.empty() && next == ops.size() && refill) refill();
+        if (again.empty() && next == ops.size()) break;
         size_t i;
         if (!again.empty()) {
           i = again.back();
@@ -444,6 +457,8 @@ class AioEngine final : public IoEngineImpl {
         prepare(ops[i], i, s);
         batch.push_back(s);
       }
+      // nothing to send and nothing in flight: every op finished and refill added none
+      if (batch.empty() && in_flight == 0) return;
       size_t sent = 0;
       while (sent < batch.size()) {
         for (size_t k = sent; k < batch.size(); ++k) ptrs_[k - sent] = &iocbs_[batch[k]];
@@ -503,7 +518,7 @@ class AioEngine final : public IoEngineImpl {
           ops[i].failed_call = "io_getevents";
           finished(i);
         }
-        for (; next < n; ++next) {
+        for (; next < ops.size(); ++next) {
           ops[next].error = err;
           ops[next].failed_call = "io_getevents";
           finished(next);

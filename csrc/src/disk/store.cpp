@@ -671,9 +671,8 @@ void Store::write_loop(unsigned drive, detail::IoEngineImpl* engine) {
 // (one fdatasync per slab touched, then publish: D3) is the psync path's.
 void Store::write_batch(unsigned drive, std::vector<WriteJob>& batch, std::vector<PutResult>& res,
                         std::vector<SlabFile*>& touched, detail::IoEngineImpl& engine) {
-  std::vector<detail::IoOp> ops;
+  detail::IoOps ops;
   std::vector<size_t> job_of;
-  ops.reserve(batch.size());
   job_of.reserve(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     WriteJob& j = batch[i];
@@ -694,7 +693,7 @@ void Store::write_batch(unsigned drive, std::vector<WriteJob>& batch, std::vecto
       log::error(std::string("vitrify.disk: slot write failed: ") + e.what());
     }
   }
-  engine.run(ops.data(), ops.size(), [&](size_t k) {
+  engine.run(ops, [&](size_t k) {
     const detail::IoOp& op = ops[k];
     const size_t i = job_of[k];
     SlabFile& s = *kinds_[batch[i].kind].slabs[drive];
@@ -930,56 +929,73 @@ void Store::read_loop_batched(unsigned drive, uint64_t max_slot, detail::IoEngin
   Queue<ReadJob>& q = drives_[drive]->reads;
   const size_t cap = engine.depth();
   const size_t scratch_cap = std::max<uint64_t>(1, kReadScratchBytes / std::max<uint64_t>(max_slot, 1));
+  // A batch keeps the gate; it takes at most this many jobs, so a clear() waits a bounded time.
+  const size_t batch_max = 16 * cap;
   std::vector<AlignedBuffer> scratch;
-  std::vector<ReadJob> jobs;
-  std::vector<detail::IoOp> ops;
-  std::vector<size_t> job_of;
-  for (;;) {
-    jobs.clear();
+  std::vector<size_t> free_scratch;  // indices into scratch
+  std::deque<ReadJob> jobs;
+  detail::IoOps ops;
+  std::vector<size_t> job_of, scratch_of;  // per op: its job, its scratch buffer (SIZE_MAX: none)
+  size_t taken = 0;
+  // Moves up to `room` queued jobs into `jobs` (no more reads into plain destinations than
+  // scratch buffers are free); `wait`: block for the first. False when stopped and drained.
+  const auto take = [&](size_t room, bool wait) {
+    size_t got = 0;
     {
       std::unique_lock lk(q.mu);
-      q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
-      if (q.jobs.empty()) return;  // stopped and drained
+      if (wait) {
+        q.not_empty.wait(lk, [&] { return q.stop || !q.jobs.empty(); });
+        if (q.jobs.empty()) return false;
+      }
       size_t staged = 0;
-      while (!q.jobs.empty() && jobs.size() < cap) {
+      while (!q.jobs.empty() && got < room) {
         const bool needs_scratch = !q.jobs.front().item.dst_is_slot;
-        if (needs_scratch && staged == scratch_cap) break;
+        if (needs_scratch && staged == free_scratch.size() + (scratch_cap - scratch.size())) break;
         staged += needs_scratch ? 1 : 0;
         jobs.push_back(std::move(q.jobs.front()));
         q.jobs.pop_front();
+        ++got;
       }
     }
-    q.not_full.notify_all();
-    read_queue_depth_ -= jobs.size();
-    in_flight_reads_ += jobs.size();
-    GateGuard gate{this};  // no clear() while this batch does slot I/O
-    std::vector<char> live(jobs.size());
+    if (got > 0) q.not_full.notify_all();
+    read_queue_depth_ -= got;
+    in_flight_reads_ += got;
+    taken += got;
+    return true;
+  };
+  // Turns the jobs taken since `from` into ops (or answers them at once: a job of an older
+  // epoch, or one read_raw would refuse, is a miss as on psync).
+  const auto stage = [&](size_t from) {
+    std::vector<char> live(jobs.size() - from);
     {
       std::lock_guard lk(mu_);
-      for (size_t i = 0; i < jobs.size(); ++i) live[i] = jobs[i].epoch == epoch_;
+      for (size_t i = from; i < jobs.size(); ++i) live[i - from] = jobs[i].epoch == epoch_;
     }
-    ops.clear();
-    job_of.clear();
-    size_t used = 0;
-    for (size_t i = 0; i < jobs.size(); ++i) {
+    for (size_t i = from; i < jobs.size(); ++i) {
       ReadJob& j = jobs[i];
-      if (!live[i]) {  // looked up before a clear(): the entry is gone, a miss
+      if (!live[i - from]) {  // looked up before a clear(): the entry is gone, a miss
         complete_read(j, std::nullopt);
         continue;
       }
       const SlabFile& s = *kinds_[j.kind].slabs[drive];
       uint8_t* buf;
-      size_t bytes;
+      size_t bytes, sc = SIZE_MAX;
       if (j.item.dst_is_slot) {
         buf = j.item.dst;
         bytes = j.item.dst_bytes;
       } else {
-        if (scratch.size() <= used) scratch.emplace_back(max_slot, kBlock);
-        buf = scratch[used++].data();
+        if (free_scratch.empty()) {
+          scratch.emplace_back(max_slot, kBlock);
+          free_scratch.push_back(scratch.size() - 1);
+        }
+        sc = free_scratch.back();
+        free_scratch.pop_back();
+        buf = scratch[sc].data();
         bytes = max_slot;
       }
       const std::optional<size_t> n = s.read_length(j.slot, buf, bytes, j.len);
       if (!n) {  // read_raw would refuse it: verify_read of nothing, a miss (D1)
+        if (sc != SIZE_MAX) free_scratch.push_back(sc);
         complete_read(j, s.verify_read(j.slot, j.key, buf, -1, j.len));
         continue;
       }
@@ -990,8 +1006,34 @@ void Store::read_loop_batched(unsigned drive, uint64_t max_slot, detail::IoEngin
       op.off = s.slot_offset(j.slot);
       ops.push_back(op);
       job_of.push_back(i);
+      scratch_of.push_back(sc);
     }
-    engine.run(ops.data(), ops.size(), [&](size_t k) {
+  };
+  const auto clear_pending = [&] {
+    std::lock_guard lk(gate_mu_);
+    return gate_clearing_ > 0;
+  };
+  for (;;) {
+    jobs.clear();
+    ops.clear();
+    job_of.clear();
+    scratch_of.clear();
+    taken = 0;
+    if (!take(cap, true)) return;  // stopped and drained
+    GateGuard gate{this};  // no clear() while this batch does slot I/O
+    stage(0);
+    // While transfers land, queued reads join the batch (the window stays full), up to
+    // batch_max jobs and never while a clear() waits for the gate.
+    size_t finished_ops = 0;
+    const auto refill = [&] {
+      const size_t in_flight_now = ops.size() - finished_ops;
+      if (taken >= batch_max || in_flight_now >= cap || clear_pending()) return;
+      const size_t from = jobs.size();
+      take(std::min(cap - in_flight_now, batch_max - taken), false);
+      if (jobs.size() > from) stage(from);
+    };
+    engine.run(ops, [&](size_t k) {
+      ++finished_ops;
       const detail::IoOp& op = ops[k];
       ReadJob& j = jobs[job_of[k]];
       const SlabFile& s = *kinds_[j.kind].slabs[drive];
@@ -1000,8 +1042,9 @@ void Store::read_loop_batched(unsigned drive, uint64_t max_slot, detail::IoEngin
       std::optional<size_t> r = s.verify_read(j.slot, j.key, op.buf, got, j.len);
       if (r && *r && !j.item.dst_is_slot)
         std::memcpy(j.item.dst, op.buf + kSlotHeaderBytes, *r);
+      if (scratch_of[k] != SIZE_MAX) free_scratch.push_back(scratch_of[k]);
       complete_read(j, r);
-    });
+    }, refill);
   }
 }
 

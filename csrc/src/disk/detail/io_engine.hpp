@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -42,15 +43,21 @@ struct IoOp {
   unsigned retries = 0;
 };
 
+using IoOps = std::deque<IoOp>;
+
 class IoEngineImpl {
  public:
   virtual ~IoEngineImpl() = default;
   virtual IoEngine kind() const noexcept = 0;
   unsigned depth() const noexcept { return depth_; }
-  // Runs ops[0, n) to completion, at most depth() in flight; `finished(i)` is called once per
-  // op on this thread as soon as op i is finished (successfully or not), while later ops may
-  // still be in flight. Never throws; `finished` must not throw either.
-  virtual void run(IoOp* ops, size_t n, const std::function<void(size_t)>& finished) noexcept = 0;
+  // Runs every op of `ops` to completion, at most depth() in flight; `finished(i)` is called
+  // once per op on this thread as soon as op i is finished (successfully or not), while later
+  // ops may still be in flight. Whenever every op is in flight or finished and the window has
+  // room, `refill` (when given) may append more ops to `ops` (a deque: the ops in flight do not
+  // move); run() returns when no op is left in flight and refill appended nothing. Never
+  // throws; `finished` and `refill` must not throw either.
+  virtual void run(IoOps& ops, const std::function<void(size_t)>& finished,
+                   const std::function<void()>& refill = {}) noexcept = 0;
 
  protected:
   explicit IoEngineImpl(unsigned depth) : depth_(depth) {}
