@@ -105,7 +105,23 @@ void bind_region(nb::module_& m) {
         d["chunks_released"] = s.layout.chunks_released;
         d["fallback_live"] = s.fallback_live;
         d["fallback_bytes"] = s.fallback_bytes;
+        d["released_chunks"] = s.released_chunks;
+        d["released_bytes"] = s.released_bytes;
+        d["kept_bytes"] = s.kept_bytes;
         return d;
+      })
+      .def("release_memory", [](Region& r, uint64_t offset, uint64_t nbytes, bool keep) {
+        nb::gil_scoped_release nogil;
+        return r.release_memory(offset, nbytes, keep);
+      }, nb::arg("offset"), nb::arg("nbytes"), nb::arg("keep"))
+      .def("restore_memory", [](Region& r, uint64_t offset, uint64_t nbytes) {
+        nb::gil_scoped_release nogil;
+        return r.restore_memory(offset, nbytes);
+      }, nb::arg("offset"), nb::arg("nbytes"))
+      .def("released", [](const Region& r) {
+        std::vector<std::tuple<uint64_t, uint64_t, bool>> out;
+        for (const auto& c : r.released()) out.emplace_back(c.offset, c.size, c.kept);
+        return out;
       })
       .def("write", [](Region& r, uint64_t dst, nb::bytes data) {
         const char* p = data.c_str();

@@ -209,6 +209,31 @@ class Region:
         """True between :meth:`stop` and :meth:`resume`."""
         return self._r.stopped
 
+    # --- physical memory given back and taken again (R17) ------------------------------------
+    def release_memory(self, offset: int, nbytes: int, keep: bool = False) -> int:
+        """Give the physical memory behind the chunks of ``[offset, offset + nbytes)`` (region
+        offsets) back to the driver and keep their addresses: the reservation, the cursor, the
+        live allocations and the checkpoints stay, so a graph captured against them replays
+        once :meth:`restore_memory` has mapped memory there again. The range covers whole
+        chunks (``ValueError`` naming a chunk it cuts); chunks released already are skipped.
+        ``keep``: each chunk's bytes are first copied to pinned host memory, for the restore (a
+        failing copy leaves everything mapped). Nothing may read or write the range meanwhile
+        (:meth:`read`/:meth:`write` refuse; a GPU kernel would fault). Returns the bytes
+        released."""
+        offset = _int("offset", offset)
+        nbytes = _int("nbytes", nbytes, minimum=1)
+        return self._r.release_memory(offset, nbytes, _check.boolean("keep", keep))
+
+    def restore_memory(self, offset: int, nbytes: int) -> int:
+        """Map new physical memory at the same addresses for every released chunk of
+        ``[offset, offset + nbytes)`` and copy back what :meth:`release_memory` kept (zeros
+        where it kept nothing); all or nothing. Returns the bytes restored."""
+        return self._r.restore_memory(_int("offset", offset), _int("nbytes", nbytes, minimum=1))
+
+    def released(self) -> list[tuple[int, int, bool]]:
+        """``(offset, size, kept)`` of each chunk released now, ascending."""
+        return [tuple(c) for c in self._r.released()]
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[Region]:
         """Context manager: stopped inside, the previous state restored on exit."""
@@ -273,7 +298,9 @@ class Region:
         """``reserved``, ``mapped``, ``cursor``, ``frontier``, ``chunks``, ``live_allocations``,
         ``live_bytes``, totals (``allocations_total``, ``frees_total``, ``chunks_created``,
         ``chunks_released``), ``fallback_live``/``fallback_bytes`` (ordinary allocations made
-        while stopped), ``stopped``, ``base``, ``device``, ``granularity``."""
+        while stopped), ``released_chunks``/``released_bytes``/``kept_bytes`` (chunks whose
+        memory :meth:`release_memory` gave back; ``mapped`` leaves them out), ``stopped``,
+        ``base``, ``device``, ``granularity``."""
         return dict(self._r.stats())
 
     # --- data ---------------------------------------------------------------------------------

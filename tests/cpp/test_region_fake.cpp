@@ -277,3 +277,103 @@ TEST(RegionFake, AGranuleAlignedBaseIsExact) {  // R2
   EXPECT_EQ(r.allocate(G), base);
   EXPECT_THROW(Region(base + 2 * G, G, 0), vitrify::AddressUnavailable);  // inside r's reservation
 }
+
+// R17: physical memory given back and taken again at the same addresses.
+TEST(RegionFake, ReleasedMemoryComesBackAtTheSameAddressesWithItsBytes) {  // R17
+  Region r(free_base(), kGiB, 0);
+  ASSERT_EQ(r.preallocate(6 * G, 2 * G), 6 * G);  // three chunks of two granules
+  const uint64_t a = r.allocate(2 * G), b = r.allocate(2 * G), c = r.allocate(2 * G);
+  std::vector<uint8_t> pa(2 * G), pb(2 * G);
+  for (size_t i = 0; i < pa.size(); ++i) pa[i] = uint8_t(i * 7 + 1), pb[i] = uint8_t(i * 13 + 5);
+  r.write(a, pa.data(), pa.size());
+  r.write(b, pb.data(), pb.size());
+  const Counts before = counts();
+  const auto cursor = r.offset();
+  // the first chunk kept on the host, the second not: each chunk's physical memory goes
+  EXPECT_EQ(r.release_memory(0, 2 * G, true), 2 * G);
+  EXPECT_EQ(r.release_memory(2 * G, 2 * G, false), 2 * G);
+  EXPECT_EQ(r.release_memory(0, 4 * G, true), 0u);  // released already: skipped
+  EXPECT_EQ(counts().physical, before.physical - 4 * G);
+  EXPECT_EQ(counts().mappings, before.mappings - 2);
+  EXPECT_EQ(counts().reservations, before.reservations);  // the addresses stay reserved
+  const auto st = r.stats();
+  EXPECT_EQ(st.released_chunks, 2u);
+  EXPECT_EQ(st.released_bytes, 4 * G);
+  EXPECT_EQ(st.kept_bytes, 2 * G);
+  EXPECT_EQ(st.layout.mapped_bytes, 2 * G);
+  EXPECT_EQ(r.offset(), cursor);
+  EXPECT_EQ(r.live_allocations().size(), 3u);
+  const auto rel = r.released();
+  ASSERT_EQ(rel.size(), 2u);
+  EXPECT_TRUE(rel[0].offset == 0 && rel[0].size == 2 * G && rel[0].kept);
+  EXPECT_TRUE(rel[1].offset == 2 * G && !rel[1].kept);
+  // nothing reads or writes a released chunk
+  std::vector<uint8_t> got(2 * G);
+  EXPECT_THROW(r.read(a, got.data(), 16), std::invalid_argument);
+  EXPECT_THROW(r.write(b + 8, pb.data(), 8), std::invalid_argument);
+  r.read(c, got.data(), 16);  // the third chunk is untouched
+  // back at the same addresses: the kept bytes, zeros where nothing was kept
+  EXPECT_EQ(r.restore_memory(0, 6 * G), 4 * G);
+  EXPECT_EQ(counts(), before);
+  r.read(a, got.data(), got.size());
+  EXPECT_EQ(got, pa);
+  r.read(b, got.data(), got.size());
+  EXPECT_EQ(got, std::vector<uint8_t>(2 * G, 0));
+  EXPECT_EQ(r.stats().released_bytes, 0u);
+  EXPECT_EQ(r.restore_memory(0, 6 * G), 0u);  // nothing released: nothing to do
+}
+
+TEST(RegionFake, AReleaseCoversWholeChunksOrNothing) {  // R17
+  Region r(free_base(), kGiB, 0);
+  ASSERT_EQ(r.preallocate(4 * G, 2 * G), 4 * G);
+  r.allocate(4 * G);
+  const Counts before = counts();
+  for (auto [off, n] : {std::pair<uint64_t, uint64_t>{0, G}, {G, 2 * G}, {0, 6 * G}}) {
+    try {
+      r.release_memory(off, n, true);
+      FAIL() << off << "+" << n;
+    } catch (const std::invalid_argument& e) {
+      const std::string m = e.what();
+      EXPECT_TRUE(m.find("cuts the chunk") != std::string::npos ||
+                  m.find("is in no chunk") != std::string::npos) << m;
+    }
+    EXPECT_EQ(counts(), before);
+  }
+  EXPECT_THROW(r.release_memory(0, 0, true), std::invalid_argument);
+  EXPECT_THROW(r.release_memory(kGiB, 2 * G, true), std::invalid_argument);  // outside
+  // a failing copy or unmap: the copy leaves everything mapped
+  {
+    Env fail("FAKE_CUDA_FAIL", "cuMemcpyDtoH");
+    EXPECT_THROW(r.release_memory(0, 4 * G, true), vitrify::CudaError);
+    EXPECT_EQ(counts(), before);
+    EXPECT_EQ(r.stats().released_chunks, 0u);
+  }
+  // a failing map at restore: nothing is mapped, the chunks stay released with their copies
+  ASSERT_EQ(r.release_memory(0, 4 * G, true), 4 * G);
+  const Counts released = counts();
+  {
+    Env fail("FAKE_CUDA_FAIL_AFTER", "cuMemMap:1");
+    EXPECT_THROW(r.restore_memory(0, 4 * G), vitrify::CudaError);
+    EXPECT_EQ(counts(), released);
+    EXPECT_EQ(r.stats().kept_bytes, 4 * G);
+  }
+  EXPECT_EQ(r.restore_memory(0, 4 * G), 4 * G);
+  EXPECT_EQ(counts(), before);
+}
+
+TEST(RegionFake, ReleasedChunksAreNeitherAllocatedIntoNorLeakedAtClose) {  // R17, R6, R9
+  const Counts start = counts();
+  {
+    Region r(free_base(), kGiB, 0);
+    ASSERT_EQ(r.preallocate(4 * G, 2 * G), 4 * G);  // [0, 2G) and [2G, 4G), cursor 0
+    const uint64_t a = r.allocate(2 * G);
+    ASSERT_EQ(r.release_memory(2 * G, 2 * G, true), 2 * G);  // preallocated, unused
+    EXPECT_THROW(r.allocate(2 * G), vitrify::Error);  // would land in it
+    EXPECT_EQ(r.offset(), 2 * G);
+    r.free(a);  // its chunk is mapped: released normally (R6)
+    EXPECT_EQ(r.restore_memory(2 * G, 2 * G), 2 * G);
+    EXPECT_EQ(r.allocate(2 * G), r.base() + 2 * G);
+    ASSERT_EQ(r.release_memory(2 * G, 2 * G, true), 2 * G);  // released at close
+  }
+  EXPECT_EQ(counts(), start);
+}

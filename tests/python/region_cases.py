@@ -166,6 +166,42 @@ def case_allocation_window_replayed_where_work_is_skipped():  # R16
             AllocationWindow.from_json(bad)
 
 
+def case_release_and_restore_memory():  # R17
+    """Physical memory given back and taken again at the same addresses: the kept chunk's bytes
+    come back, the other's as zeros; the cursor, allocations and checkpoints never move."""
+    with Region(4 * GiB) as r:
+        assert r.preallocate(192 * MiB, chunk_bytes=64 * MiB) == 192 * MiB
+        weights, kv, rest = (r.allocate(64 * MiB) for _ in range(3))
+        r.checkpoint("captured")
+        w, k = os.urandom(64 * MiB), os.urandom(64 * MiB)
+        r.write(weights, w)
+        r.write(kv, k)
+        r.write(rest, b"rest")
+        before = r.stats()
+        assert r.release_memory(0, 64 * MiB, keep=True) == 64 * MiB
+        assert r.release_memory(64 * MiB, 64 * MiB) == 64 * MiB
+        assert r.release_memory(0, 128 * MiB, keep=True) == 0  # released already
+        st = r.stats()
+        assert (st["released_chunks"], st["released_bytes"], st["kept_bytes"]) == \
+            (2, 128 * MiB, 64 * MiB)
+        assert st["mapped"] == before["mapped"] - 128 * MiB
+        assert (st["cursor"], st["live_allocations"]) == (before["cursor"],
+                                                          before["live_allocations"])
+        assert r.checkpoints == {"captured": 192 * MiB}
+        assert r.released() == [(0, 64 * MiB, True), (64 * MiB, 64 * MiB, False)]
+        with pytest.raises(ValueError, match="is released"):
+            r.read(weights, 8)
+        with pytest.raises(ValueError, match="cuts the chunk"):
+            r.release_memory(128 * MiB, 32 * MiB)
+        with pytest.raises(TypeError, match="keep must be True or False"):
+            r.release_memory(128 * MiB, 64 * MiB, keep="yes")
+        assert r.read(rest, 4) == b"rest"
+        assert r.restore_memory(0, 192 * MiB) == 128 * MiB
+        assert r.read(weights, len(w)) == w
+        assert r.read(kv, 64 * MiB) == bytes(64 * MiB)
+        assert r.stats()["mapped"] == before["mapped"] and r.released() == []
+
+
 def case_preallocate_fast_path():  # R7
     with Region(4 * GiB) as r:
         assert r.preallocate(256 * MiB, chunk_bytes=64 * MiB) == 256 * MiB

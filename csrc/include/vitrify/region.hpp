@@ -170,7 +170,20 @@ struct RegionStats {
   bool stopped = false;
   region::LayoutStats layout;
   uint64_t fallback_live = 0, fallback_bytes = 0;  // ordinary allocations made while stopped
+  // R17: chunks whose physical memory is released (release_memory), and the host bytes kept
+  // for their restore
+  uint64_t released_chunks = 0, released_bytes = 0, kept_bytes = 0;
 };
+
+namespace region {
+// One chunk whose physical memory release_memory gave back (R17): [offset, offset + size)
+// relative to the base; kept: its bytes wait in host memory for restore_memory.
+struct ReleasedChunk {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  bool kept = false;
+};
+}  // namespace region
 
 namespace region::detail {
 class Mapping;
@@ -239,6 +252,22 @@ class Region {
   // The live allocations of the region (not fallback ones), ascending offsets.
   std::vector<region::Span> live_allocations() const;
 
+  // R17 (DESIGN.md): gives the physical memory behind the chunks of [offset, offset + nbytes)
+  // back to the driver (cuMemUnmap + cuMemRelease) and keeps the addresses: the reservation,
+  // the cursor, the live allocations and the checkpoints are unchanged, so graphs captured
+  // against them stay valid once restore_memory maps memory there again. The range must cover
+  // whole mapped chunks (std::invalid_argument naming a chunk it cuts, or an offset no chunk
+  // maps); chunks released already are skipped. keep: each chunk's bytes are copied to pinned
+  // host memory first, for restore_memory (a failing copy leaves everything mapped). Returns the
+  // bytes newly released. Nothing may touch the range meanwhile (the caller pauses its engine).
+  uint64_t release_memory(uint64_t offset, uint64_t nbytes, bool keep);
+  // Maps new physical memory at the same addresses for every released chunk of the range and
+  // copies back what release_memory kept (zeros where it kept nothing); all or nothing.
+  // Returns the bytes restored (0 when nothing in the range was released).
+  uint64_t restore_memory(uint64_t offset, uint64_t nbytes);
+  // The chunks released now, ascending.
+  std::vector<region::ReleasedChunk> released() const;
+
   // Synchronous copies into / out of one live allocation (checked: ValueError otherwise).
   void write(uint64_t dst, const void* src, size_t n);
   void read(uint64_t src, void* dst, size_t n) const;
@@ -266,6 +295,13 @@ class Region {
   std::map<uint64_t, std::unique_ptr<region::detail::Mapping>> mappings_;  // chunk offset -> mapping
   struct Fallback;
   std::map<uint64_t, std::unique_ptr<Fallback>> fallback_;  // ptr -> ordinary allocation
+  // R17: chunk offset -> its size and the host copy release_memory kept (null: none)
+  struct Released;
+  std::map<uint64_t, std::unique_ptr<Released>> released_;
+  // The mapped chunks of [offset, end), whole, ascending; the released ones in it go to
+  // *released (may be null). std::invalid_argument for a chunk the range cuts or a hole.
+  std::vector<uint64_t> chunks_of(uint64_t offset, uint64_t end, const char* what,
+                                  std::vector<uint64_t>* released) const;
 };
 
 namespace region {

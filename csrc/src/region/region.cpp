@@ -8,7 +8,9 @@
 #include <string>
 
 #include "region/vmm.hpp"
+#include "vitrify/aligned.hpp"
 #include "vitrify/device_memory.hpp"
+#include "vitrify/host.hpp"
 #include "vitrify/log.hpp"
 #include "vitrify/region.hpp"
 
@@ -23,6 +25,14 @@ using region::detail::Reservation;
 
 struct Region::Fallback {
   DeviceBuffer buffer;
+};
+
+// R17: a released chunk; `copy` holds its bytes when release_memory kept them, registered
+// (pinned) for the copy back where the driver allowed it.
+struct Region::Released {
+  uint64_t size = 0;
+  std::optional<AlignedBuffer> copy;
+  host::HostRegistration pin;
 };
 
 namespace {
@@ -137,6 +147,7 @@ void Region::close() noexcept {
       // Without a context the driver objects are gone with it; the owners below still try.
     }
     fallback_.clear();
+    released_.clear();  // host copies (and their registrations) go; nothing is mapped there
     for (auto& [off, m] : mappings_) {
       const int r = m->release();
       if (r != 0) {
@@ -182,6 +193,7 @@ std::string Region::release_chunks(const std::vector<Span>& release) {
   } catch (...) {
   }
   for (const Span& s : release) {
+    released_.erase(s.offset);  // a released chunk the layout gives up: nothing to unmap (R17)
     auto it = mappings_.find(s.offset);
     if (it == mappings_.end()) continue;
     const int r = it->second->release();
@@ -209,6 +221,12 @@ uint64_t Region::allocate(uint64_t bytes, bool at_cursor) {
       return p;
     }
     const region::Layout::AllocPlan plan = layout_->plan_allocate(bytes, at_cursor);  // may throw OutOfSpace
+    for (const auto& [off, r] : released_)  // R17: no physical memory there
+      if (off < plan.alloc.end() && plan.alloc.offset < off + r->size)
+        throw Error("allocation of " + std::to_string(bytes) + " bytes at " +
+                    hex(base_ + plan.alloc.offset) + " lands in the released chunk " +
+                    format_range(base_ + off, base_ + off + r->size) + " of the region " +
+                    describe() + ": restore_memory first");
     std::unique_ptr<Mapping> m;
     if (plan.new_chunk) {
       driver::ContextGuard ctx(device_);
@@ -360,6 +378,137 @@ std::vector<region::ExportedChunk> Region::export_range(uint64_t offset, uint64_
   return out;
 }
 
+std::vector<uint64_t> Region::chunks_of(uint64_t offset, uint64_t end, const char* what,
+                                        std::vector<uint64_t>* released) const {
+  std::vector<uint64_t> mapped;
+  uint64_t at = offset;
+  while (at < end) {
+    uint64_t start = 0, size = 0;
+    bool is_released = false;
+    auto m = mappings_.upper_bound(at);
+    if (m != mappings_.begin() && at < std::prev(m)->first + std::prev(m)->second->size()) {
+      start = std::prev(m)->first;
+      size = std::prev(m)->second->size();
+    } else {
+      auto r = released_.upper_bound(at);
+      VITRIFY_EXPECT(r != released_.begin() && at < std::prev(r)->first + std::prev(r)->second->size,
+                     std::string(what) + ": offset " + std::to_string(at) + " (" + hex(base_ + at) +
+                         ") of [" + std::to_string(offset) + ", " + std::to_string(end) +
+                         ") is in no chunk of the region " + describe());
+      start = std::prev(r)->first;
+      size = std::prev(r)->second->size;
+      is_released = true;
+    }
+    VITRIFY_EXPECT(start >= offset && start + size <= end,
+                   std::string(what) + ": [" + std::to_string(offset) + ", " + std::to_string(end) +
+                       ") cuts the chunk " + format_range(base_ + start, base_ + start + size) +
+                       " (offsets " + std::to_string(start) + ".." + std::to_string(start + size) +
+                       "): the range must cover whole chunks");
+    if (is_released) {
+      if (released != nullptr) released->push_back(start);
+    } else {
+      mapped.push_back(start);
+    }
+    at = start + size;
+  }
+  return mapped;
+}
+
+uint64_t Region::release_memory(uint64_t offset, uint64_t nbytes, bool keep) {
+  std::string problems;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    VITRIFY_EXPECT(nbytes > 0, "release_memory: nbytes must be positive, got 0");
+    VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
+                   "release_memory: [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                       " + " + std::to_string(nbytes) + ") runs outside the region of " +
+                       std::to_string(size_) + " bytes " + describe());
+    const std::vector<uint64_t> chunks = chunks_of(offset, offset + nbytes, "release_memory",
+                                                   nullptr);
+    driver::ContextGuard ctx(device_);
+    // first every copy (a failure leaves everything mapped), then the unmaps
+    std::vector<std::unique_ptr<Released>> made;
+    made.reserve(chunks.size());
+    bool pinning = true;
+    for (uint64_t off : chunks) {
+      auto r = std::make_unique<Released>();
+      const Mapping& m = *mappings_.at(off);
+      r->size = m.size();
+      if (keep) {
+        r->copy.emplace(static_cast<size_t>(m.size()));
+        if (pinning) {
+          try {
+            r->pin = host::HostRegistration(r->copy->data(), r->copy->size(), device_, r->copy->size());
+          } catch (const std::exception& e) {  // slower copies, the same bytes
+            pinning = false;
+            log::warning("region " + describe() + ": release_memory keeps its copies unpinned (" +
+                         e.what() + ")");
+          }
+        }
+        VITRIFY_CU(driver::cu().cuMemcpyDtoH(r->copy->data(), m.ptr(), m.size()));
+      }
+      made.push_back(std::move(r));
+    }
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      auto it = mappings_.find(chunks[i]);
+      const int rc = it->second->release();
+      if (rc != 0) {  // gone from the driver's view either way: recorded as released
+        problems += ' ';
+        problems += format_range(base_ + chunks[i], base_ + chunks[i] + made[i]->size);
+        problems += ": " + driver::result_name(rc) + ";";
+      }
+      mappings_.erase(it);
+      bytes += made[i]->size;
+      released_.emplace(chunks[i], std::move(made[i]));
+    }
+  }
+  if (!problems.empty()) log::warning("region " + describe() + ": release_memory:" + problems);
+  log::debug("region " + describe() + ": released " + std::to_string(bytes) + " bytes" +
+             (keep ? " (kept on the host)" : ""));
+  return bytes;
+}
+
+uint64_t Region::restore_memory(uint64_t offset, uint64_t nbytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  VITRIFY_EXPECT(nbytes > 0, "restore_memory: nbytes must be positive, got 0");
+  VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
+                 "restore_memory: [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                     " + " + std::to_string(nbytes) + ") runs outside the region of " +
+                     std::to_string(size_) + " bytes " + describe());
+  std::vector<uint64_t> chunks;
+  (void)chunks_of(offset, offset + nbytes, "restore_memory", &chunks);
+  if (chunks.empty()) return 0;
+  driver::ContextGuard ctx(device_);
+  std::vector<std::unique_ptr<Mapping>> made;  // all or nothing (R9): unmapped again on failure
+  made.reserve(chunks.size());
+  uint64_t bytes = 0;
+  for (uint64_t off : chunks) {
+    const Released& r = *released_.at(off);
+    made.push_back(map_chunk(Span{off, r.size}));
+    if (r.copy)
+      VITRIFY_CU(driver::cu().cuMemcpyHtoD(base_ + off, r.copy->data(), r.size));
+    else
+      VITRIFY_CU(driver::cu().cuMemsetD8(base_ + off, 0, r.size));
+    bytes += r.size;
+  }
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    mappings_.emplace(chunks[i], std::move(made[i]));
+    released_.erase(chunks[i]);
+  }
+  log::debug("region " + describe() + ": restored " + std::to_string(bytes) + " bytes");
+  return bytes;
+}
+
+std::vector<region::ReleasedChunk> Region::released() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<region::ReleasedChunk> out;
+  for (const auto& [off, r] : released_) out.push_back({off, r->size, r->copy.has_value()});
+  return out;
+}
+
 uint64_t Region::checkpoint(const std::string& name) {
   std::lock_guard<std::mutex> lk(mu_);
   check_open();
@@ -390,6 +539,15 @@ RegionStats Region::stats() const {
   }
   s.fallback_live = fallback_.size();
   for (const auto& [p, f] : fallback_) s.fallback_bytes += f->buffer.size();
+  for (const auto& [off, r] : released_) {  // R17: in the layout's chunks, not mapped
+    ++s.released_chunks;
+    s.released_bytes += r->size;
+    if (r->copy) s.kept_bytes += r->size;
+  }
+  if (!closed_) {
+    s.layout.mapped_bytes -= s.released_bytes;
+    s.layout.chunks -= s.released_chunks;
+  }
   return s;
 }
 
@@ -415,6 +573,12 @@ void Region::check_live_range(uint64_t ptr, size_t n, const char* what) const {
   VITRIFY_EXPECT(n <= e - ptr, std::string(what) + " of " + std::to_string(n) + " bytes at " +
                                 hex(ptr) + " runs past the end of its allocation " +
                                 format_range(base_ + a->offset, e));
+  const uint64_t lo = ptr - base_, hi = lo + n;  // R17: no physical memory behind a released chunk
+  for (const auto& [off, r] : released_)
+    VITRIFY_EXPECT(!(off < hi && lo < off + r->size),
+                   std::string(what) + " at " + hex(ptr) + ": the chunk " +
+                       format_range(base_ + off, base_ + off + r->size) +
+                       " is released (release_memory): restore_memory first");
 }
 
 void Region::write(uint64_t dst, const void* src, size_t n) {

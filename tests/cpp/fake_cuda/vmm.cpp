@@ -336,6 +336,7 @@ CUresult memcpy_htod(CUdeviceptr dst, const void* src, size_t n) {
   return CUDA_SUCCESS;
 }
 CUresult memcpy_dtoh(void* dst, CUdeviceptr src, size_t n) {
+  FAKE_FAIL_POINT("cuMemcpyDtoH");
   if (need_context() != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
   Vmm& v = vmm();
   std::lock_guard<std::mutex> lk(v.mu);
