@@ -32,6 +32,17 @@ def _this_tree_is_installed() -> bool:
     return True
 
 
+def _from_pythonpath() -> str:
+    """Where ``import vitrify`` finds a copy through a PYTHONPATH entry ("" when it does not)."""
+    spec = importlib.util.find_spec("vitrify")
+    entries = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        where = Path(loc).resolve()
+        if any(where.parent == e for e in entries) and where != (REPO / "python" / "vitrify"):
+            return str(where)
+    return ""
+
+
 SCRIPT = Path(sys.argv[0]).name  # the entry script that runs, for its messages
 
 
@@ -40,6 +51,11 @@ def _ensure_installed() -> None:
     is another, then start again."""
     if _this_tree_is_installed():
         return
+    shadow = _from_pythonpath()
+    if shadow:  # an install into this python would not change what it imports (and would
+        # replace the environment's own vitrify, an editable one included)
+        sys.exit(f"{SCRIPT}: vitrify is imported from {shadow}, which PYTHONPATH puts first; "
+                 f"this checkout ({REPO}) is not what runs: unset PYTHONPATH or point it here")
     if os.environ.get("VITRIFY_E2E_INSTALLED") == "1":
         sys.exit(f"{SCRIPT}: vitrify was installed from {REPO} but {sys.executable} "
                  f"still imports another copy; check PYTHONPATH")

@@ -592,6 +592,30 @@ def test_an_entry_script_notices_another_vitrify_is_installed(tmp_path):
         f"imports another copy; check PYTHONPATH"]
 
 
+def test_an_entry_script_refuses_a_vitrify_pythonpath_puts_first(tmp_path):
+    """A copy of vitrify first on PYTHONPATH: installing this checkout into the environment
+    would not change what runs (and would replace the environment's own vitrify): one line, no
+    pip."""
+    shadow = tmp_path / "shadow"
+    (shadow / "vitrify").mkdir(parents=True)
+    (shadow / "vitrify" / "__init__.py").write_text("# a stale copy\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    env.pop("VITRIFY_E2E_INSTALLED", None)
+    which = subprocess.run([sys.executable, "-c", "import vitrify; print(vitrify.__file__)"],
+                           capture_output=True, text=True, timeout=60, env=env, cwd="/tmp")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_freeze_e2e.py"),
+                        "--dry-run"], capture_output=True, text=True, timeout=60, env=env,
+                       cwd="/tmp")
+    assert "installing" not in r.stderr
+    if not which.stdout.strip().startswith(str(shadow)):  # an editable install's finder wins
+        assert r.returncode == 0, r.stderr  # over PYTHONPATH: this checkout runs
+        return
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"sglang_freeze_e2e.py: vitrify is imported from {shadow / 'vitrify'}, which PYTHONPATH "
+        f"puts first; this checkout ({REPO}) is not what runs: unset PYTHONPATH or point it here"]
+
+
 @pytest.mark.parametrize("max_input,max_batch,page", [(4086, 64, 16), (100, 5, 1), (3, 1, 16)])
 def test_the_heldout_shapes_are_past_the_plugins_sweep(max_input, max_batch, page):
     """The held-out sweep of the freeze run: every batch-size class, sizes and prompt lengths the

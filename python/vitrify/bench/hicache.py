@@ -405,7 +405,11 @@ def run_geometry(args, geom, scratch, vitrify_dir, file_dir):
                 out[name].append(t1 - t0)
         return out
 
-    direct = controllers["vitrify"].storage_backend.vitrify_stats()["store"]["direct_io"]
+    from vitrify.integrations.sglang import hicache as _hicache
+
+    # through 0.5.23's failure-injector proxy where SGLang wraps the backend in it
+    direct = _hicache.vitrify_backend(controllers["vitrify"].storage_backend) \
+        .vitrify_stats()["store"]["direct_io"]
     gets = {}  # vitrify's read_threads -> seconds of each rep
     for k, t in enumerate(threads):
         if k:  # the same slabs, reopened with another read_threads
