@@ -624,16 +624,10 @@ def test_the_scheduler_reads_the_decode_backend_where_the_runtime_reads_it(tiny_
         assert "model_runner.server_args.cuda_graph_config" in source and problems == []
 
 
-def test_the_warm_up_requests_reach_the_server_with_this_releases_arguments(
-        tiny_model, monkeypatch, caplog):
-    """LOAD's warm-up requests (startup.warm_up) on a real resolved record of this release:
-    its URL, API key, DP size and TLS setting read the way the release keeps them (0.5.23 has no
-    ServerArgs.ssl_verify(): the requests were skipped with a warning)."""
+def _generate_server():
+    """A local HTTP server answering every POST with a JSON body; the bodies it was sent."""
     import http.server
     import threading
-
-    from vitrify.integrations.sglang import startup
-    from vitrify.integrations.sglang.config import PluginConfig
 
     seen = []
 
@@ -649,6 +643,18 @@ def test_the_warm_up_requests_reach_the_server_with_this_releases_arguments(
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+def test_the_warm_up_requests_reach_the_server_with_this_releases_arguments(
+        tiny_model, monkeypatch, caplog):
+    """LOAD's warm-up requests (startup.warm_up) on a real resolved record of this release:
+    its URL, API key, DP size and TLS setting read the way the release keeps them (0.5.23 has no
+    ServerArgs.ssl_verify(): the requests were skipped with a warning)."""
+    from vitrify.integrations.sglang import startup
+    from vitrify.integrations.sglang.config import PluginConfig
+
+    srv, seen = _generate_server()
     try:
         args = resolved(tiny_model, attention_backend="triton", random_seed=1,
                         host="127.0.0.1", port=srv.server_address[1])
@@ -674,26 +680,11 @@ def test_saves_shape_sweep_reads_this_releases_limits_and_reaches_the_server(
     size, chunked-prefill size, request limit and --skip-server-warmup read the way the release
     keeps them; every request of the sweep carries the sweep's ids, the end one last."""
     import enum
-    import http.server
-    import threading
 
     from vitrify.integrations.sglang import sweep
     from vitrify.integrations.sglang.config import PluginConfig
 
-    seen = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b'{"text": "x"}')
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, seen = _generate_server()
     Status = enum.Enum("ServerStatus", "Up Starting")
     tm = types.SimpleNamespace(server_status=Status.Up, max_req_input_len=300,
                                model_config=types.SimpleNamespace(context_len=512, vocab_size=900))

@@ -8,15 +8,11 @@ and model get the same pool identity and store name on both releases, so pages s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_sglang_versions import RELEASES, SITE_ENV, _installed, site_of
+from test_sglang_versions import RELEASES, _installed, run_cases
 
 pytestmark = pytest.mark.sglang
 
@@ -38,20 +34,8 @@ def runs(tmp_path_factory):
         if why is not None:
             out[release] = why
             continue
-        tmp = tmp_path_factory.mktemp(f"hicache-{release}")
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PYTHONPATH", SITE_ENV) + _INJECTOR_ENV}
-        env["VITRIFY_RELEASE_OUT"] = str(tmp / "recorded.json")
-        site = site_of(release)
-        if site is not None:
-            env["PYTHONPATH"] = site
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-o", "addopts=-ra", "--rootdir", str(HERE), "--basetemp",
-                            str(tmp / "basetemp"), str(CASES)],
-                           cwd=str(HERE), env=env, capture_output=True, text=True, timeout=900)
-        recorded = tmp / "recorded.json"
-        out[release] = (p.returncode, p.stdout + p.stderr,
-                        json.loads(recorded.read_text()) if recorded.exists() else None)
+        out[release] = run_cases(CASES, release, tmp_path_factory.mktemp(f"hicache-{release}"),
+                                 {}, drop=_INJECTOR_ENV)
     return out
 
 

@@ -57,6 +57,26 @@ def _installed(release: str) -> str | None:
     return None
 
 
+def run_cases(cases: Path, release: str, tmp: Path, env: dict, drop: tuple = ()) -> tuple:
+    """``cases`` run by pytest in a fresh interpreter against ``release`` (its ``--target``
+    directory first on ``PYTHONPATH`` where it is not the venv's own), with ``env`` added and
+    the names in ``drop`` taken out of this environment; (exit status, output, the JSON the
+    cases recorded at ``VITRIFY_RELEASE_OUT`` or None)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SITE_ENV) + drop}
+    e.update(env)
+    e["VITRIFY_RELEASE_OUT"] = str(tmp / "recorded.json")
+    site = site_of(release)
+    if site is not None:
+        e["PYTHONPATH"] = site
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-o", "addopts=-ra", "--rootdir", str(HERE), "--basetemp",
+                        str(tmp / "basetemp"), str(cases)],
+                       cwd=str(HERE), env=e, capture_output=True, text=True, timeout=900)
+    recorded = tmp / "recorded.json"
+    return (p.returncode, p.stdout + p.stderr,
+            json.loads(recorded.read_text()) if recorded.exists() else None)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each release's run of the cases: (exit status, output, the fingerprint it recorded)."""
@@ -67,20 +87,8 @@ def runs(tmp_path_factory):
         if why is not None:
             out[release] = why
             continue
-        tmp = tmp_path_factory.mktemp(f"sglang-{release}")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", SITE_ENV)}
-        env["VITRIFY_RELEASE_OUT"] = str(tmp / "fingerprint.json")
-        env["VITRIFY_RELEASE_MODEL"] = str(model)
-        site = site_of(release)
-        if site is not None:
-            env["PYTHONPATH"] = site
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-o", "addopts=-ra", "--rootdir", str(HERE), "--basetemp",
-                            str(tmp / "basetemp"), str(CASES)],
-                           cwd=str(HERE), env=env, capture_output=True, text=True, timeout=900)
-        recorded = tmp / "fingerprint.json"
-        out[release] = (p.returncode, p.stdout + p.stderr,
-                        json.loads(recorded.read_text()) if recorded.exists() else None)
+        out[release] = run_cases(CASES, release, tmp_path_factory.mktemp(f"sglang-{release}"),
+                                 {"VITRIFY_RELEASE_MODEL": str(model)})
     return out
 
 

@@ -298,6 +298,8 @@ class Region {
   // R17: chunk offset -> its size and the host copy release_memory kept (null: none)
   struct Released;
   std::map<uint64_t, std::unique_ptr<Released>> released_;
+  // std::invalid_argument unless 0 < nbytes and [offset, offset + nbytes) lies in the region.
+  void check_inside(const char* what, uint64_t offset, uint64_t nbytes) const;
   // The mapped chunks of [offset, end), whole, ascending; the released ones in it go to
   // *released (may be null). std::invalid_argument for a chunk the range cuts or a hole.
   std::vector<uint64_t> chunks_of(uint64_t offset, uint64_t end, const char* what,

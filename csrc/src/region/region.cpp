@@ -378,6 +378,15 @@ std::vector<region::ExportedChunk> Region::export_range(uint64_t offset, uint64_
   return out;
 }
 
+void Region::check_inside(const char* what, uint64_t offset, uint64_t nbytes) const {
+  VITRIFY_EXPECT(nbytes > 0, std::string(what) + ": nbytes must be positive, got 0");
+  VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
+                 std::string(what) + ": [" + std::to_string(offset) + ", " +
+                     std::to_string(offset) + " + " + std::to_string(nbytes) +
+                     ") runs outside the region of " + std::to_string(size_) + " bytes " +
+                     describe());
+}
+
 std::vector<uint64_t> Region::chunks_of(uint64_t offset, uint64_t end, const char* what,
                                         std::vector<uint64_t>* released) const {
   std::vector<uint64_t> mapped;
@@ -420,11 +429,7 @@ uint64_t Region::release_memory(uint64_t offset, uint64_t nbytes, bool keep) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_open();
-    VITRIFY_EXPECT(nbytes > 0, "release_memory: nbytes must be positive, got 0");
-    VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
-                   "release_memory: [" + std::to_string(offset) + ", " + std::to_string(offset) +
-                       " + " + std::to_string(nbytes) + ") runs outside the region of " +
-                       std::to_string(size_) + " bytes " + describe());
+    check_inside("release_memory", offset, nbytes);
     const std::vector<uint64_t> chunks = chunks_of(offset, offset + nbytes, "release_memory",
                                                    nullptr);
     driver::ContextGuard ctx(device_);
@@ -473,11 +478,7 @@ uint64_t Region::release_memory(uint64_t offset, uint64_t nbytes, bool keep) {
 uint64_t Region::restore_memory(uint64_t offset, uint64_t nbytes) {
   std::lock_guard<std::mutex> lk(mu_);
   check_open();
-  VITRIFY_EXPECT(nbytes > 0, "restore_memory: nbytes must be positive, got 0");
-  VITRIFY_EXPECT(offset <= size_ && nbytes <= size_ - offset,
-                 "restore_memory: [" + std::to_string(offset) + ", " + std::to_string(offset) +
-                     " + " + std::to_string(nbytes) + ") runs outside the region of " +
-                     std::to_string(size_) + " bytes " + describe());
+  check_inside("restore_memory", offset, nbytes);
   std::vector<uint64_t> chunks;
   (void)chunks_of(offset, offset + nbytes, "restore_memory", &chunks);
   if (chunks.empty()) return 0;
