@@ -143,6 +143,9 @@ nb::dict stats_dict(const disk::StoreStats& s) {
 }  // namespace
 
 void bind_disk(nb::module_& m) {
+  m.def("disk_set_denied_engines", &disk::set_denied_engines, nb::arg("names"),
+        "The D25 test hook: the named disk engines (comma-separated) refuse with EPERM; \"\": "
+        "none (vitrify.disk hands it VITRIFY_DISK_ENGINE_DENY at each open).");
   m.attr("DISK_KEY_BYTES") = disk::kKeyBytes;
   m.attr("DISK_SLOT_HEADER_BYTES") = disk::kSlotHeaderBytes;
   m.attr("DISK_FILE_HEADER_BYTES") = disk::kFileHeaderBytes;

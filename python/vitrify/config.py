@@ -38,6 +38,7 @@ class Settings:
     weights_triton: bool = True
     host_dir: str = "/dev/shm"
     sglang_profile: str | None = None
+    disk_engine_deny: str | None = None
 
 
 LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
@@ -132,6 +133,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("VITRIFY_CUPTI_PATH", "cupti_path", "path",
              "unset (`libcupti.so.13`, then CUDA's `lib64`)",
              "the libcupti that `vitrify.graph.record_modules()` loads", _path),
+    Variable("VITRIFY_DISK_ENGINE_DENY", "disk_engine_deny", "engine names", "unset",
+             "a test hook: the named disk engines (comma-separated: `io_uring`, `aio`) refuse "
+             "as a kernel that forbids them would (EPERM), each time a `DiskStore` opens",
+             _text),
     Variable("VITRIFY_BENCH_DIR", "bench_dir", "path", "the system temp directory",
              "where the disk benchmarks measure when `--dir` is not given", _path),
     Variable("VITRIFY_GIT_SHA", "git_sha", "commit", "HEAD of the checkout",

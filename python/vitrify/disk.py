@@ -472,6 +472,8 @@ class DiskStore:
         self.dirs = dirs
         self.mode = mode
         self.tier = tier
+        # the D25 test hook, from vitrify.config (the core reads no VITRIFY_* variable)
+        _native.disk_set_denied_engines(config.settings().disk_engine_deny or "")
         try:
             self._s = _native.DiskStore(
                 dirs, budget_bytes, pages, shares, name, cold_start, direct_io,

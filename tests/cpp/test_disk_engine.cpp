@@ -46,10 +46,10 @@ std::vector<IoEngine> granted() {
   return out;
 }
 
-// Sets VITRIFY_DISK_ENGINE_DENY for one scope.
+// Denies engines (the D25 test hook, set_denied_engines) for one scope.
 struct Deny {
-  explicit Deny(const char* list) { ::setenv("VITRIFY_DISK_ENGINE_DENY", list, 1); }
-  ~Deny() { ::unsetenv("VITRIFY_DISK_ENGINE_DENY"); }
+  explicit Deny(const char* list) { vitrify::disk::set_denied_engines(list); }
+  ~Deny() { vitrify::disk::set_denied_engines(""); }
 };
 
 uint64_t mix(uint64_t x) {

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from vitrify import disk
+from vitrify import config, disk
 from vitrify.disk import DiskStore, EngineUnavailableError
 
 BASE = os.environ.get("VITRIFY_TEST_DIR") or tempfile.gettempdir()
@@ -104,10 +104,10 @@ def test_same_workload_same_bytes_and_same_files_on_every_engine(where, d, shm):
         assert files[e] == files["psync"], f"{e} wrote other bytes than psync"
 
 
-def test_forced_engine_the_kernel_refuses_is_a_one_line_error(d, monkeypatch):
-    monkeypatch.setenv("VITRIFY_DISK_ENGINE_DENY", "io_uring")
-    with pytest.raises(EngineUnavailableError,
-                       match=r'^\[Errno 1\] disk engine "io_uring" is not available: .*EPERM') as ei:
+def test_forced_engine_the_kernel_refuses_is_a_one_line_error(d):
+    refused = r'^\[Errno 1\] disk engine "io_uring" is not available: .*EPERM'
+    with config.override(disk_engine_deny="io_uring"), \
+            pytest.raises(EngineUnavailableError, match=refused) as ei:
         DiskStore(os.path.join(d, "s"), 1 << 20, 4000, engine="io_uring")
     assert ei.value.errno == errno.EPERM
     assert ei.value.engine == "io_uring"
@@ -116,10 +116,10 @@ def test_forced_engine_the_kernel_refuses_is_a_one_line_error(d, monkeypatch):
     assert not os.path.exists(os.path.join(d, "s")), "the refused open left its directory"
 
 
-def test_auto_falls_back_and_logs_at_debug(d, monkeypatch, caplog):
+def test_auto_falls_back_and_logs_at_debug(d, caplog):
     engines = granted()
-    monkeypatch.setenv("VITRIFY_DISK_ENGINE_DENY", "io_uring")
-    with caplog.at_level(logging.DEBUG, logger="vitrify"):
+    with config.override(disk_engine_deny="io_uring"), \
+            caplog.at_level(logging.DEBUG, logger="vitrify"):
         with DiskStore(d, 1 << 20, 4000) as s:
             assert s.engine == ("aio" if "aio" in engines else "psync")
             assert s.put("a", b"bytes") and s.get("a") == b"bytes"
@@ -127,8 +127,8 @@ def test_auto_falls_back_and_logs_at_debug(d, monkeypatch, caplog):
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert all(r.levelno == logging.DEBUG for r in caplog.records
                if "engine" in r.getMessage())
-    monkeypatch.setenv("VITRIFY_DISK_ENGINE_DENY", "io_uring, aio")
-    with DiskStore(d, 1 << 20, 4000, cold_start="load") as s:
+    with config.override(disk_engine_deny="io_uring, aio"), \
+            DiskStore(d, 1 << 20, 4000, cold_start="load") as s:
         assert s.engine == "psync"
         assert s.get("a") == b"bytes"
 
@@ -158,3 +158,18 @@ def test_truncated_slab_on_tmpfs_reads_misses_and_exact_bytes_on_every_engine(sh
             got = s.batch_get([f"p{i}" for i in range(10)])
             assert got[:5] == datas[:5], e
             assert got[5:] == [None] * 5, e
+
+
+def test_the_deny_hook_is_read_from_the_environment_through_config(tmp_path):
+    """VITRIFY_DISK_ENGINE_DENY reaches the core through vitrify.config at each open (the core
+    reads no VITRIFY_* variable itself)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vitrify.disk import DiskStore, EngineUnavailableError\n"
+            "try:\n    DiskStore(sys.argv[1], 1 << 20, 4000, engine='aio')\n"
+            "except EngineUnavailableError as e:\n    print('refused', e.engine)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True,
+                       text=True, timeout=120,
+                       env={**os.environ, "VITRIFY_DISK_ENGINE_DENY": "aio"})
+    assert r.stdout.strip() == "refused aio", r.stdout + r.stderr

@@ -100,6 +100,11 @@ enum class IoEngine { kAuto, kIoUring, kAio, kPsync };
 IoEngine parse_io_engine(const std::string& text);
 // The name parse_io_engine accepts for `engine`.
 const char* io_engine_name(IoEngine engine) noexcept;
+// The test hook of D25 (DESIGN.md): the engines named in `list` (comma-separated) refuse as a
+// seccomp filter would (EPERM), before any system call; "" denies none. Process-wide. The core
+// reads no environment variable: Python hands it VITRIFY_DISK_ENGINE_DENY (vitrify.config)
+// each time a DiskStore opens.
+void set_denied_engines(const std::string& list);
 namespace detail {
 class IoEngineImpl;  // csrc/src/disk/detail/io_engine.hpp
 }

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <system_error>
 #include <vector>
 
@@ -81,11 +82,18 @@ constexpr unsigned kMaxRetries = 64;
                               errno_name(err));
 }
 
-// VITRIFY_DISK_ENGINE_DENY: the test hook of D25 (a comma-separated list of engine names).
+// The test hook of D25 (set_denied_engines: a comma-separated list of engine names).
+std::mutex g_denied_mu;
+std::string g_denied;  // guarded by g_denied_mu
+
 bool denied(IoEngine kind) {
-  const char* env = std::getenv("VITRIFY_DISK_ENGINE_DENY");
-  if (env == nullptr) return false;
-  const std::string list = env, name = io_engine_name(kind);
+  std::string list;
+  {
+    std::lock_guard<std::mutex> lk(g_denied_mu);
+    list = g_denied;
+  }
+  if (list.empty()) return false;
+  const std::string name = io_engine_name(kind);
   size_t start = 0;
   while (start <= list.size()) {
     size_t end = list.find(',', start);
@@ -598,4 +606,10 @@ std::unique_ptr<IoEngineImpl> make_engine(IoEngine kind, unsigned depth) {
 }
 
 }  // namespace detail
+
+void set_denied_engines(const std::string& list) {
+  std::lock_guard<std::mutex> lk(detail::g_denied_mu);
+  detail::g_denied = list;
+}
+
 }  // namespace vitrify::disk

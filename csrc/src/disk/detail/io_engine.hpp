@@ -70,7 +70,8 @@ class IoEngineImpl {
 // with that errno, one line naming the engine, the call, its result and the errno:
 //   disk engine "io_uring" is not available: io_uring_setup(64 entries) returned -1, errno
 //   EPERM: Operation not permitted
-// VITRIFY_DISK_ENGINE_DENY (a test hook, DESIGN.md D25: a comma-separated list of engine names)
+// The engines disk::set_denied_engines names (the D25 test hook; vitrify.disk hands it
+// VITRIFY_DISK_ENGINE_DENY from vitrify.config)
 // makes the named engines refuse as a seccomp filter would (EPERM), before any system call.
 std::unique_ptr<IoEngineImpl> make_engine(IoEngine kind, unsigned depth);
 
