@@ -445,6 +445,10 @@ class SlabFile {
   void write_at(const void* buf, size_t n, uint64_t off);
   void map_host(bool writable);
   static void fill_slot(SlotHeader& h, uint8_t* buf, size_t payload_len, size_t n) noexcept;
+  // write_aligned's and prepare_write's checks (writable, known flags, slot in range, payload
+  // fits, buffer aligned) and the slot's header without its CRCs.
+  SlotHeader slot_header(uint64_t slot, const Key& key, const uint8_t* buf, size_t payload_len,
+                         uint32_t seq, uint8_t flags) const;
 
   std::string path_;
   SlabGeometry geo_;

@@ -13,7 +13,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <system_error>
 #include <vector>
@@ -144,6 +146,28 @@ void transfer_sync(IoOp& op, const char* call) noexcept {
 }
 
 // ------------------------------------------------------------------------------ psync
+constexpr size_t kNoOp = SIZE_MAX;
+
+// The next op an asynchronous engine puts in flight: one to submit again (its rest, or after
+// EINTR/EAGAIN), else the next new one (a zero-length op is finished at once, never sent),
+// asking `refill` for more once both are used up; kNoOp when none is left.
+size_t take_next(IoOps& ops, size_t& next, std::vector<size_t>& again,
+                 const std::function<void(size_t)>& finished,
+                 const std::function<void()>& refill) {
+  for (;;) {
+    if (again.empty() && next == ops.size() && refill) refill();
+    if (!again.empty()) {
+      const size_t i = again.back();
+      again.pop_back();
+      return i;
+    }
+    if (next == ops.size()) return kNoOp;
+    const size_t i = next++;
+    if (ops[i].len != 0) return i;
+    finished(i);
+  }
+}
+
 class PsyncEngine final : public IoEngineImpl {
  public:
   explicit PsyncEngine(unsigned depth) : IoEngineImpl(depth) {}
@@ -242,21 +266,9 @@ class UringEngine final : public IoEngineImpl {
     unsigned in_flight = 0;   // submitted (queued in the SQ or in the kernel), not yet reaped
     for (;;) {
       // queue what fits (asking for more transfers while the window has room)
-      for (;;) {
-        if (in_flight >= depth_) break;
-        if (again.empty() && next == ops.size() && refill) refill();
-        if (again.empty() && next == ops.size()) break;
-        size_t i;
-        if (!again.empty()) {
-          i = again.back();
-          again.pop_back();
-        } else {
-          i = next++;
-          if (ops[i].len == 0) {
-            finished(i);
-            continue;
-          }
-        }
+      while (in_flight < depth_) {
+        const size_t i = take_next(ops, next, again, finished, refill);
+        if (i == kNoOp) break;
         queue(ops[i], i);
         ++in_flight;
       }
@@ -445,21 +457,9 @@ class AioEngine final : public IoEngineImpl {
       // prepare what fits, then submit it (io_submit may take fewer: the rest waits), asking
       // for more transfers while the window has room
       std::vector<unsigned> batch;
-      for (;;) {
-        if (free_slots.empty()) break;
-        if (again.empty() && next == ops.size() && refill) refill();
-        if (again.empty() && next == ops.size()) break;
-        size_t i;
-        if (!again.empty()) {
-          i = again.back();
-          again.pop_back();
-        } else {
-          i = next++;
-          if (ops[i].len == 0) {
-            finished(i);
-            continue;
-          }
-        }
+      while (!free_slots.empty()) {
+        const size_t i = take_next(ops, next, again, finished, refill);
+        if (i == kNoOp) break;
         const unsigned s = free_slots.back();
         free_slots.pop_back();
         prepare(ops[i], i, s);

@@ -369,8 +369,8 @@ void SlabFile::write_at(const void* buf, size_t n, uint64_t off) {
   std::memcpy(map_.data() + off, buf, n);
 }
 
-void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
-                             uint32_t seq, uint8_t flags) {
+SlotHeader SlabFile::slot_header(uint64_t slot, const Key& key, const uint8_t* buf,
+                                 size_t payload_len, uint32_t seq, uint8_t flags) const {
   check_writable();
   VITRIFY_EXPECT((flags & ~kKnownSlotFlags) == 0,
                  "slot flags " + std::to_string(flags) + " are not known flags");
@@ -392,29 +392,35 @@ void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t
   h.slab_id = slab_id_;
   h.seq = seq;
   std::memcpy(h.key, key.data(), kKeyBytes);
-  const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
-  if (map_) {
-    // H4 commit order: the old header goes first, then the payload, then the new header, so a
-    // header that verifies was written after its payload (a copy cut short by SIGKILL leaves a
-    // slot whose header does not verify, or whose payload CRC does not match: a miss). The
-    // payload's CRC is taken on the copy into the mapping (one pass over the slot buffer).
-    uint8_t* at = map_.data() + slot_offset(slot);
-    VITRIFY_EXPECT(slot_offset(slot) + n <= map_.size(), "slot past the mapping of " + path_);
-    std::memset(at, 0, kSlotHeaderBytes);
-    // The payload goes out with non-temporal stores, which x86 may make visible before the
-    // ordinary stores above: a store fence, not only a compiler barrier, keeps the zeroed
-    // header first (crc32c_copy fences its streaming stores before the header below).
-    store_fence();
-    h.payload_crc = crc32c_copy(at + kSlotHeaderBytes, buf + kSlotHeaderBytes, payload_len, 0,
-                                /*streaming=*/true);
-    std::memset(at + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
-    h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
-    std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(at, &h, sizeof h);
+  return h;
+}
+
+void SlabFile::write_aligned(uint64_t slot, const Key& key, uint8_t* buf, size_t payload_len,
+                             uint32_t seq, uint8_t flags) {
+  if (!map_) {  // a disk slab: the slot image in buf, then one write
+    const size_t n = prepare_write(slot, key, buf, payload_len, seq, flags);
+    file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
     return;
   }
-  fill_slot(h, buf, payload_len, n);
-  file_io::pwrite_full(fd_.get(), buf, n, slot_offset(slot), path_);
+  SlotHeader h = slot_header(slot, key, buf, payload_len, seq, flags);
+  const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
+  // H4 commit order: the old header goes first, then the payload, then the new header, so a
+  // header that verifies was written after its payload (a copy cut short by SIGKILL leaves a
+  // slot whose header does not verify, or whose payload CRC does not match: a miss). The
+  // payload's CRC is taken on the copy into the mapping (one pass over the slot buffer).
+  uint8_t* at = map_.data() + slot_offset(slot);
+  VITRIFY_EXPECT(slot_offset(slot) + n <= map_.size(), "slot past the mapping of " + path_);
+  std::memset(at, 0, kSlotHeaderBytes);
+  // The payload goes out with non-temporal stores, which x86 may make visible before the
+  // ordinary stores above: a store fence, not only a compiler barrier, keeps the zeroed
+  // header first (crc32c_copy fences its streaming stores before the header below).
+  store_fence();
+  h.payload_crc = crc32c_copy(at + kSlotHeaderBytes, buf + kSlotHeaderBytes, payload_len, 0,
+                              /*streaming=*/true);
+  std::memset(at + kSlotHeaderBytes + payload_len, 0, n - kSlotHeaderBytes - payload_len);
+  h.header_crc = crc32c(&h, offsetof(SlotHeader, header_crc));
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(at, &h, sizeof h);
 }
 
 // The disk slot image in `buf`: header (with both CRCs) in place, pad zeroed. Every engine
@@ -431,26 +437,7 @@ size_t SlabFile::prepare_write(uint64_t slot, const Key& key, uint8_t* buf, size
   check_writable();
   VITRIFY_EXPECT(!map_, "prepare_write is for disk slabs; a host slab's slots are copied (" +
                             path_ + ")");
-  VITRIFY_EXPECT((flags & ~kKnownSlotFlags) == 0,
-                 "slot flags " + std::to_string(flags) + " are not known flags");
-  VITRIFY_EXPECT(slot < geo_.slot_count, "slot " + std::to_string(slot) + " out of range [0, " +
-                                          std::to_string(geo_.slot_count) + ") in " + path_);
-  VITRIFY_EXPECT(payload_len <= geo_.slot_bytes - kSlotHeaderBytes,
-              "payload of " + std::to_string(payload_len) + " bytes does not fit a slot of " +
-                  std::to_string(geo_.slot_bytes) + " bytes (max " +
-                  std::to_string(geo_.slot_bytes - kSlotHeaderBytes) + ")");
-  VITRIFY_EXPECT(is_aligned(reinterpret_cast<uintptr_t>(buf), kBlock),
-              "slot buffer must be 4096-byte aligned");
-  SlotHeader h{};
-  h.magic = kSlotMagic;
-  h.version = kFormatVersion;
-  h.flags = flags;
-  h.kind = geo_.kind;
-  h.slot = static_cast<uint32_t>(slot);
-  h.payload_len = static_cast<uint32_t>(payload_len);
-  h.slab_id = slab_id_;
-  h.seq = seq;
-  std::memcpy(h.key, key.data(), kKeyBytes);
+  SlotHeader h = slot_header(slot, key, buf, payload_len, seq, flags);
   const size_t n = round_up(kSlotHeaderBytes + payload_len, kBlock);
   fill_slot(h, buf, payload_len, n);
   return n;

@@ -310,10 +310,11 @@ __all__ = ["ABSENT_FIELDS", "ATTENTION_WRAPPERS", "CLI_FLAGS", "CONFIG_MERGER",
 HICACHE_PROXY: str | None = None
 
 
-def hicache_published_args() -> Callable[[str], Any] | None:
-    """The scheduler's published ``ServerArgs`` as a field reader (:func:`scheduler_reader`:
-    0.5.17 materialises the resolved values onto the fields; a field the record lacks reads
-    None), or None where this process published none (tests, tools)."""
+def hicache_published_args(reader: Callable[[Any], Callable[[str], Any]] | None = None
+                           ) -> Callable[[str], Any] | None:
+    """The scheduler's published ``ServerArgs`` as a field reader (``reader``, by default
+    :func:`scheduler_reader`: 0.5.17 materialises the resolved values onto the fields; a field
+    the record lacks reads None), or None where this process published none (tests, tools)."""
     try:
         from sglang.srt.runtime_context import get_context
 
@@ -322,7 +323,7 @@ def hicache_published_args() -> Callable[[str], Any] | None:
         return None
     if args is None:
         return None
-    read = scheduler_reader(args)
+    read = (reader or scheduler_reader)(args)
 
     def get(name: str) -> Any:
         try:

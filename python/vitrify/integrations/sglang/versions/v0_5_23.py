@@ -306,23 +306,7 @@ def hicache_published_args() -> Callable[[str], Any] | None:
     (:func:`scheduler_reader`: the raw fields keep the operator's input, e.g. ``kv_cache_dtype``
     "auto" where resolution declared fp8), or None where this process published none. A field
     the record lacks reads None."""
-    try:
-        from sglang.srt.runtime_context import get_context
-
-        args = get_context().server_args
-    except (ImportError, ValueError):
-        return None
-    if args is None:
-        return None
-    read = scheduler_reader(args)
-
-    def get(name: str) -> Any:
-        try:
-            return read(name)
-        except AttributeError:
-            return None
-
-    return get
+    return _previous.hicache_published_args(scheduler_reader)
 
 
 def _host_memory_mode() -> str | None:
